@@ -1,0 +1,39 @@
+# `make setup` builds .venv from nothing but python3; every other target depends on it.
+# VARIANT=cpu|cuda forces the fbgemm build; by default CUDA is chosen when nvidia-smi works.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+VARIANT ?= $(shell nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
+TORCH_PIN := torch==2.13.0
+FBGEMM_cpu := fbgemm-gpu-cpu==1.8.0
+FBGEMM_cuda := fbgemm-gpu==1.8.0
+TORCHREC_PIN := torchrec==1.8.0
+TORCHREC_NEEDS := tensordict torchmetrics==1.0.3 tqdm pyre-extensions numpy
+DEV_TOOLS := pytest pytest-timeout ruff matplotlib setuptools
+STAMP := $(VENV)/.setup-$(VARIANT)
+PYTEST_ARGS ?=
+
+.PHONY: setup test lint demo bench timeline clean
+
+setup: $(STAMP)
+
+# The stamp makes a second `make setup` take seconds: pip runs again only when this file or
+# pyproject.toml changed, or the variant is switched.
+$(STAMP): Makefile pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH_PIN) $(FBGEMM_$(VARIANT)) $(TORCHREC_NEEDS) $(DEV_TOOLS)
+	@# torchrec requires `fbgemm-gpu` by name, which would pull the CUDA build: install it alone.
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(TORCHREC_PIN)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@rm -f $(VENV)/.setup-*
+	@touch $@
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check pipeline rewrite tests examples benchmarks
+	$(BIN)/ruff format --check pipeline rewrite tests examples benchmarks
+
+clean:
+	rm -rf $(VENV) *.egg-info
