@@ -125,9 +125,7 @@ def run_ranks(
                 f"rank(s) {hung} of {world_size} still running after {timeout:.0f}s "
                 f"running {fn.__name__}; killed"
             )
-        return [
-            torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)
-        ]
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
 def _collect_errors(out: Path, procs: list) -> list[str]:

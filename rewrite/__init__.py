@@ -1,0 +1,55 @@
+"""Forward hijacking for sharded TorchRec models.
+
+`rewrite_model` finds, for each sharded module, how its input comes out of the batch (an ArgInfo:
+explicit path, fx trace, or direct lookup), replaces its forward with one that consumes what the
+pipeline prepared, and returns a `Rewrite` whose `restore()` puts the model back exactly. This
+package knows nothing of streams or pipelines; the forwards read the context interface defined in
+`rewrite.forwards`.
+"""
+
+from rewrite.arginfo import (
+    ArgInfo,
+    Attr,
+    CallArgs,
+    Const,
+    Item,
+    PathError,
+    PostprocCall,
+    parse_path,
+)
+from rewrite.direct import find_kjts
+from rewrite.forwards import (
+    ContextSlot,
+    ForwardContext,
+    NotPreparedError,
+    PipelinedForward,
+    PostprocForward,
+    PrefetchPipelinedForward,
+)
+from rewrite.model import PipelinedModule, Rewrite, rewrite_model, unwrap_model
+from rewrite.report import ModuleReport, RewriteError, RewriteReport
+
+__all__ = [
+    "ArgInfo",
+    "Attr",
+    "CallArgs",
+    "Const",
+    "ContextSlot",
+    "ForwardContext",
+    "Item",
+    "ModuleReport",
+    "NotPreparedError",
+    "PathError",
+    "PipelinedForward",
+    "PipelinedModule",
+    "PostprocCall",
+    "PostprocForward",
+    "PrefetchPipelinedForward",
+    "Rewrite",
+    "RewriteError",
+    "RewriteReport",
+    "find_kjts",
+    "parse_path",
+    "rewrite_model",
+    "unwrap_model",
+]

@@ -1,0 +1,146 @@
+"""Find ArgInfos by torch.fx symbolic trace of the model's forward.
+
+Sharded modules, and modules that contain no sharded module, are leaves: the trace only walks the
+glue code between the batch and the sharded calls. From each sharded-module call the walk goes back
+through getattr / getitem to the batch placeholder. A parameter-free leaf module on that path is a
+postproc module; a leaf with trainable parameters, any other operation, or a value not derived from
+the batch makes the module unpipelineable, with the reason.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from dataclasses import dataclass, field
+
+from torch import fx, nn
+
+from rewrite.arginfo import ArgInfo, Attr, CallArgs, Const, Item, PostprocCall, Step
+
+__all__ = ["TraceResult", "trace_arg_infos"]
+
+
+@dataclass(kw_only=True, slots=True)
+class TraceResult:
+    """Outcome of tracing, per sharded module FQN (relative to the unwrapped model)."""
+
+    found: dict[str, CallArgs] = field(default_factory=dict)
+    """Modules whose call arguments were traced back to the batch."""
+    rejected: dict[str, str] = field(default_factory=dict)
+    """Modules that cannot be pipelined, with the reason."""
+
+
+class _Reject(Exception):
+    pass
+
+
+class _LeafTracer(fx.Tracer):
+    def __init__(self, sharded: set[str], with_sharded: set[str]) -> None:
+        super().__init__()
+        self._sharded = sharded
+        self._with_sharded = with_sharded  # FQNs of modules that are or contain a sharded module
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return qualname in self._sharded or qualname not in self._with_sharded
+
+
+def trace_arg_infos(
+    model: nn.Module, sharded: dict[str, nn.Module], *, pipeline_postproc: bool
+) -> TraceResult:
+    """Trace `model.forward(batch)` and derive a CallArgs for each sharded module.
+
+    Args:
+        model: the unwrapped model (no DistributedModelParallel / DDP wrapper).
+        sharded: the sharded modules by FQN relative to `model`.
+        pipeline_postproc: whether parameter-free modules between the batch and a sharded module
+            may be pipelined (run ahead with input_dist); otherwise such a module is rejected.
+
+    Raises:
+        Exception: whatever torch.fx raises when the forward cannot be traced (the caller falls
+            back to direct lookup).
+    """
+    with_sharded = {""}
+    for fqn in sharded:
+        parts = fqn.split(".")
+        with_sharded.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    graph = _LeafTracer(set(sharded), with_sharded).trace(model)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    calls = [n for n in graph.nodes if n.op == "call_module" and n.target in sharded]
+    counts = Counter(n.target for n in calls)
+    modules = dict(model.named_modules())
+    result = TraceResult()
+    for fqn in sharded:
+        if counts[fqn] == 0:
+            result.rejected[fqn] = "not called by the traced forward of the model"
+        elif counts[fqn] > 1:
+            result.rejected[fqn] = (
+                f"called {counts[fqn]} times in one forward; a pipelined module's input_dist "
+                "result can be consumed only once per batch"
+            )
+    walker = _Walker(placeholders[:1], modules, pipeline_postproc)
+    for node in calls:
+        if node.target in result.rejected:
+            continue
+        try:
+            result.found[node.target] = walker.call_args(node)
+        except _Reject as e:
+            result.rejected[node.target] = str(e)
+    return result
+
+
+@dataclass(slots=True)
+class _Walker:
+    batch: list[fx.Node]
+    modules: dict[str, nn.Module]
+    pipeline_postproc: bool
+
+    def call_args(self, node: fx.Node) -> CallArgs:
+        return CallArgs(
+            args=tuple(self.arg_info(a) for a in node.args),
+            kwargs={k: self.arg_info(v) for k, v in node.kwargs.items()},
+        )
+
+    def arg_info(self, value: object) -> ArgInfo:
+        if not isinstance(value, fx.Node):
+            return ArgInfo((Const(value),))
+        steps: list[Step] = []
+        node = value
+        while True:
+            if node.op == "placeholder":
+                if node not in self.batch:
+                    raise _Reject(f"input comes from forward argument {node.name!r}, not the batch")
+                return ArgInfo(tuple(reversed(steps)))
+            if node.op == "call_function" and node.target in (getattr, operator.getitem):
+                if not isinstance(node.args[1], (str, int)):
+                    raise _Reject(f"input indexed by a computed key at {node.format_node()}")
+                step_type = Attr if node.target is getattr else Item
+                steps.append(step_type(node.args[1]))
+                node = node.args[0]
+                continue
+            if node.op == "call_module":
+                return ArgInfo(tuple(reversed(steps)), source=self.postproc(node))
+            raise _Reject(_why_not_from_batch(node))
+
+    def postproc(self, node: fx.Node) -> PostprocCall:
+        module = self.modules[node.target]
+        if any(p.requires_grad for p in module.parameters()):
+            raise _Reject(
+                f"input is computed by module {node.target!r}, which has trainable parameters; "
+                "it must run in forward, so its output cannot be distributed ahead"
+            )
+        if not self.pipeline_postproc:
+            raise _Reject(
+                f"input is computed by parameter-free module {node.target!r} (a postproc); "
+                "pass pipeline_postproc=True to run it ahead with input_dist"
+            )
+        return PostprocCall(node.target, self.call_args(node))
+
+
+def _why_not_from_batch(node: fx.Node) -> str:
+    if node.op == "get_attr":
+        return f"input is the model attribute {node.target!r}, not derived from the batch"
+    what = getattr(node.target, "__name__", node.target)
+    return (
+        f"input is computed by {node.op} {what!r} inside forward ({node.format_node()}); only "
+        "attribute/item access on the batch, or a parameter-free module, can be run ahead"
+    )
