@@ -1,0 +1,83 @@
+"""Per-batch contexts: what one batch carries between the pipeline's stages.
+
+One context per batch in flight; none is shared across batches. Each field names the stage that
+writes it and the stage that reads it. The contexts implement `rewrite.ForwardContext`, the interface
+the hijacked forwards read, and do the waiting and cross-stream hand-off for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.profiler import record_function
+
+from pipeline.streams import Streams
+
+__all__ = ["BatchContext", "PrefetchBatchContext"]
+
+
+@dataclass(kw_only=True, slots=True, eq=False)
+class BatchContext:
+    """In-flight state of one batch."""
+
+    index: int
+    """Position of the batch in this pipeline's stream of batches (for labels)."""
+    streams: Streams
+    batch: Any = None
+    """Written by copy (on memcpy); read by input_dist start (data_dist) and forward (default)."""
+    module_contexts: dict[str, Any] = field(default_factory=dict)
+    """Written by input_dist start; read by forward (or prefetch)."""
+    postproc_results: dict[str, Any] = field(default_factory=dict)
+    """Written by input_dist start (pipelined postprocs run ahead); read by forward."""
+    splits_requests: list[tuple[list[str], Any]] = field(default_factory=list)
+    """Written by input_dist start: (module FQNs, splits awaitable) per collective; read by the
+    splits wait, which issues the values all-to-alls."""
+    input_dist_requests: dict[str, Any] = field(default_factory=dict)
+    """Written by the splits wait: the values awaitable per module; read (popped) by forward's
+    `take_input_dist`, or by the prefetch stage."""
+    started: bool = False
+    """input_dist start ran (for pipelines without input_dist: never)."""
+
+    def take_input_dist(self, fqn: str) -> tuple[Any, Any] | None:
+        """Pop module `fqn`'s input_dist result, wait for it on data_dist and hand it (and the module
+        context) to the current stream. None if nothing is prepared under `fqn`."""
+        request = self.input_dist_requests.pop(fqn, None)
+        if request is None:
+            return None
+        streams = self.streams
+        with record_function(f"pipeline::input_dist::wait#{self.index}"):
+            with streams.use(streams.data_dist):
+                data = request.wait()
+                streams.produced(data)
+            module_ctx = self.module_contexts.pop(fqn)
+            streams.handoff(data, streams.data_dist)
+            streams.handoff(module_ctx, streams.data_dist)
+        streams.consumed(data)
+        return module_ctx, data
+
+    def take_prefetched(self, fqn: str) -> tuple[Any, Any] | None:
+        return None
+
+    def postproc_result(self, fqn: str) -> Any | None:
+        result = self.postproc_results.get(fqn)
+        if result is not None:
+            self.streams.handoff(result, self.streams.data_dist)
+            self.streams.consumed(result)
+        return result
+
+
+@dataclass(kw_only=True, slots=True, eq=False)
+class PrefetchBatchContext(BatchContext):
+    """Adds what the prefetch stage hands to forward."""
+
+    prefetched: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    """Written by prefetch (on the prefetch stream): (module context, post-prefetch input) per
+    module; read (popped) by forward's `take_prefetched`, which never waits on communication."""
+
+    def take_prefetched(self, fqn: str) -> tuple[Any, Any] | None:
+        prepared = self.prefetched.pop(fqn, None)
+        if prepared is not None:
+            self.streams.handoff(prepared, self.streams.prefetch)
+            self.streams.consumed(prepared[1])
+        return prepared

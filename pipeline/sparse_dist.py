@@ -1,0 +1,278 @@
+"""TrainPipelineSparseDist and PrefetchTrainPipelineSparseDist: input_dist runs ahead of forward.
+
+Per `progress()` call that returns batch i:
+
+| stage                                    | stream (CUDA) | batch | SparseDist | Prefetch |
+|------------------------------------------|---------------|-------|------------|----------|
+| copy host->device                        | memcpy        | i+2   | yes        | yes      |
+| input_dist::start (splits all-to-all)    | data_dist     | i+1   | yes        | yes      |
+| prefetch (input_dist::wait + prefetch()) | prefetch      | i     | -          | yes      |
+| forward (SparseDist: input_dist::wait)   | current       | i     | yes        | yes      |
+| input_dist::splits (values all-to-all)   | data_dist     | i+1   | yes        | yes      |
+| backward, optimizer                      | current       | i     | yes        | yes      |
+
+So the splits all-to-all of batch i+1 runs during forward of i, and its values all-to-all during
+backward/optimizer of i and until forward of i+1 needs it. The splits all-to-alls of all modules on a
+process group are fused into one collective from the second batch on (input dists are created on the
+first). On CPU the collectives run in gloo's threads, so the overlap is real there too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+from torchrec.distributed.embedding_sharding import FusedKJTListSplitsAwaitable, KJTSplitsAllToAllMeta
+
+from pipeline.base import TrainPipelineBase, _Lane
+from pipeline.context import BatchContext, PrefetchBatchContext
+from pipeline.labels import stage
+from pipeline.streams import Streams
+from rewrite import ContextSlot, Rewrite, RewriteReport, rewrite_model
+
+__all__ = ["PrefetchTrainPipelineSparseDist", "TrainPipelineSparseDist"]
+
+
+class TrainPipelineSparseDist(TrainPipelineBase):
+    """Overlaps input_dist of batch i+1 and the copy of batch i+2 with the compute of batch i.
+
+    Args:
+        model: usually a DistributedModelParallel; returns `(loss, output)` in training mode.
+        optimizer: stepped after each training batch's backward.
+        device: where batches are copied to.
+        execute_all_batches: run the batches in flight once the dataloader is exhausted.
+        apply_jit: not supported (kept for torchrec's signature); must be False.
+        context_type: ignored (kept for torchrec's signature): contexts are internal.
+        pipeline_postproc: run parameter-free modules that transform the batch ahead with
+            input_dist, instead of leaving their sharded consumers unpipelined.
+        custom_model_fwd: called with the batch instead of `model`.
+        arg_paths: explicit `{sharded_module_fqn: path}`, e.g. `{"sparse_arch.ebc": "sparse"}`;
+            FQNs are relative to the unwrapped model (see `rewrite_report`).
+        rewrite_method: "auto", "explicit", "trace" or "direct" (see docs/rewrite.md).
+        strict: fail on the first batch if any sharded module cannot be pipelined.
+        streams: stream implementation (tests pass `RecordingStreams()`).
+    """
+
+    _context_type: type[BatchContext] = BatchContext
+    _prefetch = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        context_type: Any = None,
+        pipeline_postproc: bool = False,
+        custom_model_fwd: Callable[[Any], Any] | None = None,
+        *,
+        arg_paths: dict[str, str] | None = None,
+        rewrite_method: str = "auto",
+        strict: bool = False,
+        streams: Streams | None = None,
+    ) -> None:
+        if apply_jit:
+            raise ValueError("apply_jit=True is not supported by this pipeline; leave it False")
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            custom_model_fwd,
+            execute_all_batches=execute_all_batches,
+            streams=streams,
+        )
+        self._rewrite_options = dict(
+            method=rewrite_method,
+            paths=arg_paths,
+            pipeline_postproc=pipeline_postproc,
+            strict=strict,
+            prefetch=self._prefetch,
+        )
+        self._slot = ContextSlot()
+        self._rewrite: Rewrite | None = None
+        self._report: RewriteReport | None = None
+
+    @property
+    def rewrite_report(self) -> RewriteReport | None:
+        """What the rewrite did to each sharded module; None before the first `progress()`."""
+        return self._report
+
+    def detach(self) -> nn.Module:
+        """Restore every original forward; the next `progress()` re-attaches.
+
+        Batches in flight are kept and resume with the next `progress()` on their iterator.
+
+        Returns:
+            The model, as it was before the pipeline touched it.
+        """
+        if self._rewrite is not None:
+            self._rewrite.restore()
+            self._rewrite = None
+        self._slot.current = None
+        return self._model
+
+    # -- the schedule -------------------------------------------------------------------------
+
+    def _fill(self, lane: _Lane) -> None:
+        if not lane.inflight:
+            self._enqueue(lane)
+        if lane.inflight and not lane.inflight[0].started:
+            self._start_input_dist(lane.inflight[0])
+            self._wait_splits(lane.inflight[0])
+        if len(lane.inflight) < 2:
+            self._enqueue(lane)
+
+    def _step(self, lane: _Lane) -> Any:
+        ctx = lane.inflight[0]
+        if len(lane.inflight) < 3:
+            self._enqueue(lane)
+        nxt = lane.inflight[1] if len(lane.inflight) > 1 else None
+        if nxt is not None:
+            self._start_input_dist(nxt)
+        self._before_forward(ctx)
+        losses, output = self._forward(ctx)
+        if nxt is not None:
+            self._wait_splits(nxt)
+        if losses is not None:
+            self._backward_and_step(ctx, losses)
+        lane.inflight.popleft()
+        return output
+
+    def _before_forward(self, ctx: BatchContext) -> None:
+        pass
+
+    def _call_model(self, ctx: BatchContext) -> Any:
+        self._slot.current = ctx
+        try:
+            return self._model_fwd(ctx.batch)
+        finally:
+            self._slot.current = None
+
+    # -- input_dist ---------------------------------------------------------------------------
+
+    def _attach(self, batch: Any) -> Rewrite:
+        if self._rewrite is None:
+            self._rewrite = rewrite_model(self._model, batch, slot=self._slot, **self._rewrite_options)
+            self._report = self._rewrite.report
+        return self._rewrite
+
+    def _start_input_dist(self, ctx: BatchContext) -> None:
+        """Launch the splits all-to-all of every pipelined module for `ctx`'s batch."""
+        if ctx.started:
+            return
+        streams = self._streams
+        rewrite = self._attach(ctx.batch)
+        fused = rewrite.fuse_splits()
+
+        def postproc(call: Any, batch: Any) -> Any:
+            return rewrite.run_postproc(call, batch, ctx.postproc_results)
+
+        with stage(streams, "input_dist::start", ctx.index, streams.data_dist):
+            streams.handoff(ctx.batch, streams.memcpy)
+            streams.consumed(ctx.batch)
+            requests = {}
+            for pm in rewrite.modules:
+                args, kwargs = pm.args.build(ctx.batch, postproc)
+                args, kwargs = pm.module.preprocess_input(args, kwargs)
+                module_ctx = ctx.module_contexts[pm.fqn] = pm.module.create_context()
+                requests[pm.fqn] = pm.module.input_dist(module_ctx, *args, **kwargs)
+            for result in ctx.postproc_results.values():
+                streams.produced(result)
+            ctx.splits_requests = (
+                _fuse(requests, ctx.module_contexts)
+                if fused
+                else [([name], _One(request)) for name, request in requests.items()]
+            )
+        ctx.started = True
+
+    def _wait_splits(self, ctx: BatchContext) -> None:
+        """Wait for the splits all-to-all of `ctx` and launch its values all-to-alls."""
+        with stage(self._streams, "input_dist::splits", ctx.index, self._streams.data_dist):
+            for names, request in ctx.splits_requests:
+                for name, values in zip(names, request.wait(), strict=True):
+                    ctx.input_dist_requests[name] = values
+            ctx.splits_requests = []
+
+
+class _One:
+    """Makes one module's splits awaitable look like a fused one (a list of one result)."""
+
+    def __init__(self, request: Any) -> None:
+        self._request = request
+
+    def wait(self) -> list[Any]:
+        return [self._request.wait()]
+
+
+def _fuse(requests: dict[str, Any], module_contexts: dict[str, Any]) -> list[tuple[list[str], Any]]:
+    """One splits all-to-all per process group, over every module using that group."""
+    groups: dict[int, tuple[Any, list[str]]] = {}
+    for name, request in requests.items():
+        metas = [a for a in getattr(request, "awaitables", []) if isinstance(a, KJTSplitsAllToAllMeta)]
+        pg = metas[0].pg if metas else None
+        groups.setdefault(id(pg), (pg, []))[1].append(name)
+    return [
+        (
+            names,
+            FusedKJTListSplitsAwaitable(
+                requests=[requests[n] for n in names],
+                contexts=[module_contexts[n] for n in names],
+                pg=pg,
+            ),
+        )
+        for pg, names in groups.values()
+    ]
+
+
+class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
+    """Adds a prefetch stage: the input_dist wait and each module's `prefetch()` run before
+    forward, on the prefetch stream, so forward never waits on communication.
+
+    Same arguments as `TrainPipelineSparseDist` (torchrec's positional order, in which
+    `pipeline_postproc` comes before `custom_model_fwd` and there is no `context_type`).
+    """
+
+    _context_type = PrefetchBatchContext
+    _prefetch = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        pipeline_postproc: bool = True,
+        custom_model_fwd: Callable[[Any], Any] | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            execute_all_batches,
+            apply_jit,
+            None,
+            pipeline_postproc,
+            custom_model_fwd,
+            **options,
+        )
+
+    def _before_forward(self, ctx: BatchContext) -> None:
+        assert isinstance(ctx, PrefetchBatchContext)
+        streams = self._streams
+        forward_stream = streams.current()  # the caller's stream, where forward will run
+        with stage(streams, "prefetch", ctx.index, streams.prefetch):
+            for pm in self._rewrite.modules if self._rewrite else []:
+                prepared = ctx.take_input_dist(pm.fqn)
+                if prepared is None:
+                    continue
+                module_ctx, data = prepared
+                with record_function(f"pipeline::prefetch::{pm.fqn}#{ctx.index}"):
+                    pm.module.prefetch(dist_input=data, forward_stream=forward_stream, ctx=module_ctx)
+                streams.produced(data)
+                ctx.prefetched[pm.fqn] = (module_ctx, data)

@@ -1,0 +1,200 @@
+"""Streams and cross-stream hand-offs, in one place.
+
+A pipeline runs each stage on a stream: the host-to-device copy on `memcpy`, the input all-to-all on
+`data_dist`, the prefetch on `prefetch`, and forward/backward/optimizer on whatever stream the caller
+is running on (read at each use, never a stream of our own: see meta-pytorch/torchrec#3306). Every
+object made on one stream and used on another goes through `Streams.handoff`, which orders the
+consumer after the producer and keeps the object's memory alive for the consumer.
+
+Three implementations: `Streams` (CPU, no streams: every method is a no-op), `CudaStreams` (real
+streams), and `RecordingStreams`, which runs on CPU with named fake streams and logs every stage,
+wait, record and use, so that `check()` can prove that nothing was used on a stream that had not
+waited for its producer. CI has no GPU; this is how a missing wait is caught there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+
+__all__ = ["CudaStreams", "HandoffError", "RecordingStreams", "Streams", "streams_for"]
+
+
+class Streams:
+    """No streams (CPU): stages run in program order on the calling thread."""
+
+    memcpy: Any = None
+    data_dist: Any = None
+    prefetch: Any = None
+
+    def current(self) -> Any:
+        """The stream the caller is running on now (forward/backward/optimizer run there)."""
+        return None
+
+    def use(self, stream: Any):
+        """Context manager running the enclosed work on `stream`."""
+        return nullcontext()
+
+    def record(self, obj: Any, stream: Any) -> None:
+        """Keep `obj`'s memory alive until the work enqueued on `stream` so far is done."""
+
+    def produced(self, obj: Any) -> None:
+        """`obj` was just created on the current stream (a checking hook; no-op here)."""
+
+    def consumed(self, obj: Any) -> None:
+        """`obj` is about to be read on the current stream (a checking hook; no-op here)."""
+
+    def stage(self, name: str) -> None:
+        """Stage `name` starts on the current stream (a checking hook; no-op here)."""
+
+    def handoff(self, obj: Any, producer: Any) -> None:
+        """Make `obj`, produced on stream `producer`, usable on the current stream.
+
+        Orders the current stream after everything enqueued on `producer` so far, and records
+        `obj` on the current stream so its memory is not reused while this stream still reads it.
+        Must be called after `obj` was produced and before the current stream first uses it.
+        """
+        consumer = self.current()
+        if producer is None or consumer is None or consumer == producer:
+            return
+        consumer.wait_stream(producer)
+        self.record(obj, consumer)
+
+
+class CudaStreams(Streams):
+    """Side streams on a CUDA device; copy and communication at high priority."""
+
+    def __init__(self, device: torch.device, *, prefetch: bool = True) -> None:
+        high = torch.cuda.Stream.priority_range()[1]  # lowest number is the highest priority
+        self.device = device
+        self.memcpy = torch.cuda.Stream(device=device, priority=high)
+        self.data_dist = torch.cuda.Stream(device=device, priority=high)
+        self.prefetch = torch.cuda.Stream(device=device) if prefetch else None
+
+    def current(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def use(self, stream: Any):
+        return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+    def record(self, obj: Any, stream: Any) -> None:
+        _record_stream(obj, stream)
+
+
+def _record_stream(obj: Any, stream: Any) -> None:
+    if isinstance(obj, torch.Tensor):
+        obj.record_stream(stream)
+    elif hasattr(obj, "record_stream"):
+        obj.record_stream(stream)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _record_stream(v, stream)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _record_stream(v, stream)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _record_stream(getattr(obj, f.name), stream)
+
+
+def streams_for(device: torch.device) -> Streams:
+    """Real streams on CUDA, none elsewhere."""
+    return CudaStreams(device) if device.type == "cuda" else Streams()
+
+
+class HandoffError(AssertionError):
+    """RecordingStreams found an object used on a stream that did not wait for its producer."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _FakeStream:
+    name: str
+    log: list = dataclasses.field(compare=False, repr=False)
+
+    def wait_stream(self, other: _FakeStream) -> None:
+        self.log.append(("wait", self.name, other.name))
+
+
+class RecordingStreams(Streams):
+    """Fake named streams on CPU that log stages, waits, records and uses, for `check()`."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        self._keep: list[Any] = []  # keeps logged objects alive so their ids stay unique
+        self.default = _FakeStream("default", self.log)
+        self.memcpy = _FakeStream("memcpy", self.log)
+        self.data_dist = _FakeStream("data_dist", self.log)
+        self.prefetch = _FakeStream("prefetch", self.log)
+        self._stack = [self.default]
+
+    def current(self) -> _FakeStream:
+        return self._stack[-1]
+
+    @contextmanager
+    def use(self, stream: Any) -> Iterator[None]:
+        self._stack.append(stream if stream is not None else self.current())
+        try:
+            yield
+        finally:
+            self._stack.pop()
+
+    def record(self, obj: Any, stream: Any) -> None:
+        self.log.append(("record", self._id(obj), stream.name))
+
+    def produced(self, obj: Any) -> None:
+        self.log.append(("produce", self._id(obj), self.current().name))
+
+    def consumed(self, obj: Any) -> None:
+        self.log.append(("consume", self._id(obj), self.current().name))
+
+    def stage(self, name: str) -> None:
+        """Log that stage `name` runs on the current stream."""
+        self.log.append(("stage", name, self.current().name))
+
+    def _id(self, obj: Any) -> int:
+        self._keep.append(obj)
+        return id(obj)
+
+    def stage_streams(self) -> dict[str, set[str]]:
+        """Stage name -> the streams it ran on."""
+        out: dict[str, set[str]] = {}
+        for _kind, name, stream in (e for e in self.log if e[0] == "stage"):
+            out.setdefault(name, set()).add(stream)
+        return out
+
+    def check(self) -> int:
+        """Verify every use of every produced object.
+
+        A use on the producing stream is always fine. A use on another stream needs, after the
+        object was produced and before the use, a wait of the using stream on the producing one,
+        and a record of the object on the using stream.
+
+        Returns:
+            The number of cross-stream uses verified.
+
+        Raises:
+            HandoffError: listing the first offending use.
+        """
+        producer: dict[int, tuple[str, int]] = {}
+        checked = 0
+        for pos, entry in enumerate(self.log):
+            if entry[0] == "produce":
+                producer[entry[1]] = (entry[2], pos)
+            elif entry[0] == "consume":
+                _, obj, stream = entry
+                if obj not in producer:
+                    raise HandoffError(f"object {obj} used on {stream} but never produced")
+                src, at = producer[obj]
+                if src == stream:
+                    continue
+                window = self.log[at:pos]
+                if ("wait", stream, src) not in window:
+                    raise HandoffError(f"use on {stream} of an object made on {src} without a wait")
+                if ("record", obj, stream) not in window:
+                    raise HandoffError(f"use on {stream} of an object made on {src} without a record")
+                checked += 1
+        return checked

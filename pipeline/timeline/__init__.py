@@ -1,0 +1,51 @@
+"""Timeline of a pipelined run from its torch.profiler trace: which batch is where, and when.
+
+``python -m pipeline.timeline compare BASE_TRACE PREFETCH_TRACE -o OUT_DIR`` reads two chrome
+traces (``prof.export_chrome_trace()``), finds the pipeline's ``pipeline::<stage>#<batch>`` labels
+(and, on GPU, the kernels per CUDA stream), draws a few steady-state steps of both runs on one time
+axis and writes tables of step time, busy time per lane and hidden communication. See
+docs/timeline.md for how to read them. The package imports neither torch nor torchrec, and
+matplotlib only to draw.
+
+Modules: ``trace`` reads the file, ``lanes`` builds the rows of the picture, ``stats`` measures,
+``report`` formats the tables, ``plot`` draws, ``cli`` ties them together.
+"""
+
+from pipeline.timeline.cli import CompareResult, RunAnalysis, analyse, compare_traces, main
+from pipeline.timeline.lanes import Box, Lane, Timeline, build_timeline
+from pipeline.timeline.report import Comparison, Row, compare_stats
+from pipeline.timeline.stats import CommStats, RunStats, StepSelection, run_stats, select_steps
+from pipeline.timeline.trace import (
+    Kernel,
+    NoPipelineLabelsError,
+    Span,
+    Trace,
+    TraceError,
+    load_trace,
+)
+
+__all__ = [
+    "Box",
+    "CommStats",
+    "CompareResult",
+    "Comparison",
+    "Kernel",
+    "Lane",
+    "NoPipelineLabelsError",
+    "Row",
+    "RunAnalysis",
+    "RunStats",
+    "Span",
+    "StepSelection",
+    "Timeline",
+    "Trace",
+    "TraceError",
+    "analyse",
+    "build_timeline",
+    "compare_stats",
+    "compare_traces",
+    "load_trace",
+    "main",
+    "run_stats",
+    "select_steps",
+]

@@ -1,0 +1,5 @@
+"""Entry point of ``python -m pipeline.timeline``."""
+
+from pipeline.timeline.cli import main
+
+raise SystemExit(main())

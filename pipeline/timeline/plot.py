@@ -1,0 +1,133 @@
+"""Draw runs as stacked lane charts on one time axis and save a PNG (matplotlib, Agg canvas).
+
+Each run is one panel, first run on top. A panel has one row per lane and shows the steps chosen by
+``StepSelection.shown``; its time is re-based to the start of its first shown step, so ``0 ms`` is
+``forward#i`` of that run. Every box carries its batch index, which is what makes the pipelining
+visible: in one step the copy of batch i+2, the input_dist of batch i+1 and the forward of batch i
+sit above each other. Dashed lines mark the step boundaries (starts of forward).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from pipeline.timeline.lanes import Box, Timeline
+from pipeline.timeline.stats import StepSelection
+
+__all__ = ["STAGE_COLORS", "render_png"]
+
+STAGE_COLORS = {
+    "copy": "#4c72b0",
+    "input_dist::start": "#dd8452",
+    "input_dist::splits": "#e8a33d",
+    "in_flight": "#f3d2b8",
+    "input_dist::wait": "#c44e52",
+    "prefetch": "#8172b3",
+    "forward": "#55a868",
+    "backward": "#7f9f5f",
+    "optimizer": "#937860",
+    "unlabelled": "#c8c8c8",
+}
+_OTHER_COLOR = "#8c8c8c"
+_MIN_WIDTH_MS = 1e-3  # zero-length labels still get a visible sliver
+
+
+def _window(timeline: Timeline, selection: StepSelection) -> tuple[float, float]:
+    starts = timeline.step_starts
+    return starts[selection.shown[0]], starts[selection.shown[-1] + 1]
+
+
+def _draw_lane(ax: Axes, row: int, boxes: list[Box], t0: float) -> None:
+    by_stage: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    extent: dict[tuple[str, int], list[float]] = {}
+    for box in boxes:
+        x = (box.start - t0) / 1000
+        width = max((box.end - box.start) / 1000, _MIN_WIDTH_MS)
+        by_stage[box.stage].append((x, width))
+        if box.batch is not None:
+            lo_hi = extent.setdefault((box.stage, box.batch), [x, x + width])
+            lo_hi[:] = [min(lo_hi[0], x), max(lo_hi[1], x + width)]
+    for stage, bars in by_stage.items():
+        color = STAGE_COLORS.get(stage, _OTHER_COLOR)
+        hatch = "///" if stage == "in_flight" else None
+        ax.broken_barh(bars, (row - 0.38, 0.76), facecolors=color, edgecolor="white", hatch=hatch)
+    for (_, batch), (lo, hi) in extent.items():
+        ax.text((lo + hi) / 2, row, str(batch), ha="center", va="center", fontsize=8, clip_on=True)
+
+
+def _draw_run(ax: Axes, timeline: Timeline, selection: StepSelection, title: str) -> set[str]:
+    t0, t1 = _window(timeline, selection)
+    stages: set[str] = set()
+    for row, lane in enumerate(timeline.lanes):
+        boxes = [b for b in lane.boxes if b.end >= t0 and b.start < t1]
+        stages.update(b.stage for b in boxes)
+        _draw_lane(ax, row, boxes, t0)
+    for batch in (*selection.shown, selection.shown[-1] + 1):
+        x = (timeline.step_starts[batch] - t0) / 1000
+        ax.axvline(x, color="#555555", linestyle="--", linewidth=0.8)
+        ax.text(x, -0.55, f" forward#{batch}", fontsize=7, va="bottom", color="#555555")
+    ax.set_yticks(range(len(timeline.lanes)), [lane.name for lane in timeline.lanes])
+    ax.set_ylim(len(timeline.lanes) - 0.5, -0.9)
+    ax.set_title(title, loc="left", fontsize=10)
+    ax.grid(axis="x", color="#eeeeee")
+    return stages
+
+
+def _legend_handle(stage: str) -> Patch:
+    if stage == "in_flight":
+        return Patch(facecolor=STAGE_COLORS[stage], hatch="///", label="input_dist in flight")
+    return Patch(facecolor=STAGE_COLORS.get(stage, _OTHER_COLOR), label=stage)
+
+
+def _x_range(runs: Sequence[tuple[Timeline, StepSelection]]) -> tuple[float, float]:
+    lo, hi = 0.0, 0.0
+    for timeline, selection in runs:
+        t0, t1 = _window(timeline, selection)
+        hi = max(hi, (t1 - t0) / 1000)
+        for lane in timeline.lanes:
+            for box in (b for b in lane.boxes if b.end >= t0 and b.start < t1):
+                lo, hi = min(lo, (box.start - t0) / 1000), max(hi, (box.end - t0) / 1000)
+    pad = 0.02 * (hi - lo)
+    return lo - pad, hi + pad
+
+
+def render_png(
+    runs: Sequence[tuple[Timeline, StepSelection]],
+    path: str | Path,
+    *,
+    titles: Sequence[str] | None = None,
+) -> Path:
+    """Draw the runs one above the other on a shared time axis and save the picture.
+
+    Args:
+        runs: (timeline, selection) per run, top to bottom.
+        path: Where to write the PNG; parent folders are created.
+        titles: One panel title per run; the run labels when omitted.
+
+    Returns:
+        The path written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    titles = list(titles) if titles is not None else [t.label for t, _ in runs]
+    heights = [max(len(t.lanes), 1) + 1 for t, _ in runs]
+    fig = Figure(figsize=(14, 1.2 + 0.42 * sum(heights)), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(runs), 1, sharex=True, squeeze=False, height_ratios=heights)[:, 0]
+    stages: set[str] = set()
+    for ax, (timeline, selection), title in zip(axes, runs, titles, strict=True):
+        stages |= _draw_run(ax, timeline, selection, title)
+    axes[-1].set_xlim(*_x_range(runs))
+    axes[-1].set_xlabel("time from the start of the first shown step (ms)")
+    order = [s for s in STAGE_COLORS if s in stages] + sorted(stages - STAGE_COLORS.keys())
+    handles = [_legend_handle(stage) for stage in order]
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 9), fontsize=8)
+    fig.savefig(path, dpi=110)
+    return path

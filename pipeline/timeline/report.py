@@ -1,0 +1,165 @@
+"""Tables of the timeline comparison: one per run and one of differences, as Markdown and JSON.
+
+Times are kept in microseconds (the trace's unit) in the dataclasses and the JSON, and shown in
+milliseconds in Markdown. A metric a run does not have (the base pipeline has no input_dist labels,
+so no communication numbers) is ``None`` in JSON and ``n/a`` in Markdown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.timeline.stats import RunStats, StepSelection
+
+__all__ = ["Comparison", "Row", "compare_stats", "comparison_markdown", "run_markdown", "to_json"]
+
+DEFINITIONS = {
+    "step": "start of pipeline::forward#i to start of pipeline::forward#i+1",
+    "step_us": "median step time over the steady-state steps",
+    "busy_us": "time a lane's boxes cover inside a step, mean over the steady-state steps",
+    "comm.total_us": "end of input_dist::start#i to end of input_dist::wait#i, mean per step",
+    "comm.exposed_us": "part of input_dist::wait#i inside forward#i, mean per step",
+    "comm.hidden_us": "total - exposed",
+    "comm.wait_us": "all input_dist::wait#i time, wherever it lies, mean per step",
+    "comm.overlap_ratio": "hidden / total",
+}
+
+
+_COMM_METRICS = (
+    ("communication total", "us"),
+    ("communication exposed (in forward)", "us"),
+    ("communication hidden", "us"),
+    ("input_dist wait (anywhere)", "us"),
+    ("overlap ratio (hidden/total)", "ratio"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One metric of both runs."""
+
+    metric: str
+    unit: str
+    """``us`` for times, ``ratio`` for the overlap ratio."""
+    values: tuple[float | None, float | None]
+
+    @property
+    def diff(self) -> float | None:
+        """Second run minus first run."""
+        first, second = self.values
+        return None if first is None or second is None else second - first
+
+    @property
+    def change(self) -> float | None:
+        """Relative change from the first run (0.1 = 10% more)."""
+        first = self.values[0]
+        diff = self.diff
+        return None if diff is None or not first else diff / first
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """The difference table of two runs."""
+
+    labels: tuple[str, str]
+    rows: tuple[Row, ...]
+
+
+def _metrics(stats: RunStats) -> dict[str, tuple[str, float | None]]:
+    metrics: dict[str, tuple[str, float | None]] = {"step time (median)": ("us", stats.step_us)}
+    for lane, busy in stats.busy_us.items():
+        metrics[f"busy: {lane}"] = ("us", busy)
+    comm = stats.comm
+    comm_values = (
+        (None,) * 5
+        if comm is None
+        else (comm.total_us, comm.exposed_us, comm.hidden_us, comm.wait_us, comm.overlap_ratio)
+    )
+    for (name, unit), value in zip(_COMM_METRICS, comm_values, strict=True):
+        metrics[name] = (unit, value)
+    return metrics
+
+
+def compare_stats(first: RunStats, second: RunStats) -> Comparison:
+    """Line up the metrics of two runs; a metric only one run has gets ``None`` for the other."""
+    a, b = _metrics(first), _metrics(second)
+    rows = []
+    for name in list(a) + [name for name in b if name not in a]:
+        unit = a[name][0] if name in a else b[name][0]
+        values = (a[name][1] if name in a else None, b[name][1] if name in b else None)
+        rows.append(Row(name, unit, values))
+    return Comparison((first.label, second.label), tuple(rows))
+
+
+def _fmt(value: float | None, unit: str, *, signed: bool = False) -> str:
+    if value is None:
+        return "n/a"
+    sign = "+" if signed else ""
+    if unit == "ratio":
+        return f"{value:{sign}.1%}"
+    return f"{value / 1000:{sign}.3f} ms"
+
+
+def _steps(steps: tuple[int, ...]) -> str:
+    return f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else str(steps[0])
+
+
+def run_markdown(stats: RunStats) -> str:
+    """One run's table in Markdown, with a heading naming its steady-state steps."""
+    lines = [
+        f"### {stats.label} ({stats.device}, steady-state steps {_steps(stats.steady_steps)})",
+        "",
+        "| metric | value |",
+        "|---|---:|",
+    ]
+    lines += [f"| {name} | {_fmt(value, unit)} |" for name, (unit, value) in _metrics(stats).items()]
+    return "\n".join(lines) + "\n"
+
+
+def comparison_markdown(comparison: Comparison) -> str:
+    """The difference table in Markdown: both values, second minus first, relative change."""
+    first, second = comparison.labels
+    lines = [
+        f"### {second} vs {first}",
+        "",
+        f"| metric | {first} | {second} | {second} - {first} | change |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for row in comparison.rows:
+        cells = [_fmt(v, row.unit) for v in row.values]
+        cells += [_fmt(row.diff, row.unit, signed=True), _fmt(row.change, "ratio", signed=True)]
+        lines.append(f"| {row.metric} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def to_json(runs: list[tuple[RunStats, StepSelection, str]], comparison: Comparison) -> dict[str, Any]:
+    """Everything in the tables as a JSON-ready dict (times in microseconds).
+
+    Args:
+        runs: (stats, selection, trace path) of each run.
+        comparison: Their difference table.
+    """
+    out_runs = []
+    for stats, selection, path in runs:
+        record = dataclasses.asdict(stats)
+        record["step_times_us"] = {str(k): v for k, v in stats.step_times_us.items()}
+        record.update(trace=path, shown_steps=list(selection.shown))
+        out_runs.append(record)
+    rows = [
+        {
+            "metric": row.metric,
+            "unit": row.unit,
+            **dict(zip(comparison.labels, row.values, strict=True)),
+            "diff": row.diff,
+            "change": row.change,
+        }
+        for row in comparison.rows
+    ]
+    return {
+        "units": "microseconds",
+        "definitions": DEFINITIONS,
+        "runs": out_runs,
+        "comparison": {"labels": list(comparison.labels), "rows": rows},
+    }
