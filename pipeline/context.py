@@ -78,6 +78,8 @@ class PrefetchBatchContext(BatchContext):
     def take_prefetched(self, fqn: str) -> tuple[Any, Any] | None:
         prepared = self.prefetched.pop(fqn, None)
         if prepared is not None:
-            self.streams.handoff(prepared, self.streams.prefetch)
-            self.streams.consumed(prepared[1])
+            module_ctx, data = prepared
+            self.streams.handoff(data, self.streams.prefetch)
+            self.streams.handoff(module_ctx, self.streams.prefetch)
+            self.streams.consumed(data)
         return prepared

@@ -1,0 +1,298 @@
+"""Pipeline lifecycle on 2 gloo ranks: exhaustion, epochs, eval switches, detach, exceptions,
+execute_all_batches=False, the stream checker and the profiler labels.
+
+Every scenario is compared with a plain-loop reference doing the same sequence of operations. All
+scenarios run in one pair of rank processes; each test asserts one scenario's results.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import run_ranks
+
+PIPELINES = ("TrainPipelineBase", "TrainPipelineSparseDist", "PrefetchTrainPipelineSparseDist")
+KIND, SHARDING, N = "nested", "column_wise", 8
+
+
+def _drain(pipe, it) -> list:
+    out = []
+    while True:
+        try:
+            out.append(pipe.progress(it))
+        except StopIteration:
+            return out
+
+
+def _pair(pipe_name: str, **options):
+    import torch
+
+    import pipeline
+    from tests import models
+
+    ref, ref_opt = models.build(KIND, SHARDING)
+    model, opt = models.build(KIND, SHARDING)
+    pipe = getattr(pipeline, pipe_name)(model, opt, torch.device("cpu"), **options)
+    return ref, ref_opt, model, pipe
+
+
+def _epochs(rank: int, pipe_name: str) -> dict:
+    from tests import models
+
+    ref, ref_opt, model, pipe = _pair(pipe_name)
+    e1, e2 = models.batches(KIND, N, rank, seed=1), models.batches(KIND, 5, rank, seed=2)
+    expected = models.plain_loop(ref, ref_opt, e1) + models.plain_loop(ref, ref_opt, e2)
+    it1 = iter(e1)
+    got = _drain(pipe, it1)
+    again = _drain(pipe, it1)  # StopIteration again, nothing repeated
+    got += _drain(pipe, iter(e2))
+    return {
+        "counts": (len(got), len(again)),
+        "equal": models.bitwise_equal(expected, got),
+        "params": models.bitwise_equal(ref.state_dict(), model.state_dict()),
+    }
+
+
+def _eval_switch(rank: int, pipe_name: str) -> dict:
+    import torch
+
+    import pipeline
+    from tests import models
+
+    ref, ref_opt = models.build(KIND, SHARDING)
+    model, opt = models.build(KIND, SHARDING)
+
+    def predictions_in_eval(batch):  # a model that returns only predictions in eval
+        loss, logits = model(batch)
+        return (loss, logits) if model.training else logits
+
+    pipe = getattr(pipeline, pipe_name)(model, opt, torch.device("cpu"), custom_model_fwd=predictions_in_eval)
+    train, evals = models.batches(KIND, N, rank, seed=3), models.batches(KIND, 4, rank, seed=4)
+    expected = models.plain_loop(ref, ref_opt, train[:3])
+    ref.eval()
+    with torch.no_grad():
+        expected_eval = [ref(b)[1] for b in evals]
+    ref.train()
+    expected += models.plain_loop(ref, ref_opt, train[3:])
+
+    it = iter(train)
+    got = [pipe.progress(it) for _ in range(3)]
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    model.eval()
+    got_eval = _drain(pipe, iter(evals))
+    grad_in_eval = not models.bitwise_equal(grads, [p.grad for p in model.parameters()])
+    model.train()
+    got += _drain(pipe, it)
+    return {
+        "counts": (len(got), len(got_eval)),
+        "equal": models.bitwise_equal(expected, got),
+        "eval_equal": models.bitwise_equal(expected_eval, got_eval),
+        "eval_is_tensor": all(isinstance(x, torch.Tensor) for x in got_eval),
+        "params": models.bitwise_equal(ref.state_dict(), model.state_dict()),
+        "grad_in_eval": grad_in_eval,
+    }
+
+
+def _detach(rank: int, pipe_name: str) -> dict:
+    import torch
+
+    from tests import models
+
+    ref, ref_opt, model, pipe = _pair(pipe_name)
+    data, probe = models.batches(KIND, N, rank, seed=5), models.batches(KIND, 1, rank, seed=6)[0]
+    expected = models.plain_loop(ref, ref_opt, data[:3])
+    with torch.no_grad():
+        expected_probe = ref(probe)
+    expected += models.plain_loop(ref, ref_opt, data[3:])
+    it = iter(data)
+    got = [pipe.progress(it) for _ in range(3)]
+    pipe.detach()
+    restored = all("forward" not in vars(m) for m in model.modules())
+    with torch.no_grad():
+        got_probe = model(probe)  # the plain model, mid-run
+    got += _drain(pipe, it)  # re-attaches, in-flight batches resume
+    return {
+        "restored": restored,
+        "probe_equal": models.bitwise_equal(expected_probe, got_probe),
+        "equal": len(got) == N and models.bitwise_equal(expected, got),
+        "params": models.bitwise_equal(ref.state_dict(), model.state_dict()),
+    }
+
+
+def _exception(rank: int, pipe_name: str) -> dict:
+    import torch
+
+    from tests import models
+
+    _, _, model, pipe = _pair(pipe_name)
+    data = models.batches(KIND, N, rank, seed=7)
+    data[4].dense = torch.ones(models.BATCH, models.DENSE + 1)  # a bad batch: wrong dense width
+    it = iter(data)
+    error = None
+    try:
+        _drain(pipe, it)
+    except RuntimeError as e:
+        error = str(e)
+    detach = getattr(pipe, "detach", lambda: None)
+    detach()
+    restored = all("forward" not in vars(m) for m in model.modules())
+    with torch.no_grad():
+        loss, _ = model(data[0])  # the plain model runs after the failure
+    return {"error": error, "restored": restored, "plain_runs": bool(torch.isfinite(loss))}
+
+
+def _no_execute_all(rank: int, pipe_name: str) -> dict:
+    from tests import models
+
+    ref, ref_opt, _, pipe = _pair(pipe_name, execute_all_batches=False)
+    data = models.batches(KIND, N, rank, seed=8)
+    got = _drain(pipe, iter(data))
+    expected = models.plain_loop(ref, ref_opt, data[: len(got)])
+    return {"count": len(got), "equal": models.bitwise_equal(expected, got)}
+
+
+def _streams(rank: int, pipe_name: str, broken: bool) -> dict:
+    import torch
+
+    import pipeline
+    from tests import models
+
+    streams = pipeline.RecordingStreams()
+    if broken:  # a hand-off that forgets to wait: the checker must catch it
+        streams.handoff = lambda obj, producer: streams.record(obj, streams.current())
+    model, opt = models.build(KIND, SHARDING)
+    pipe = getattr(pipeline, pipe_name)(model, opt, torch.device("cpu"), streams=streams)
+    outputs = _drain(pipe, iter(models.batches(KIND, N, rank, seed=9)))
+    try:
+        checked, error = streams.check(), None
+    except pipeline.HandoffError as e:
+        checked, error = 0, str(e)
+    return {
+        "outputs": len(outputs),
+        "checked": checked,
+        "error": error,
+        "stages": {k: sorted(v) for k, v in streams.stage_streams().items()},
+    }
+
+
+def _labels(rank: int, pipe_name: str) -> list[str]:
+    import torch
+
+    from tests import models
+
+    _, _, _, pipe = _pair(pipe_name)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _drain(pipe, iter(models.batches(KIND, 4, rank, seed=10)))
+    return sorted({e.name for e in prof.events() if e.name.startswith("pipeline::")})
+
+
+SCENARIOS = {
+    "epochs": _epochs,
+    "eval_switch": _eval_switch,
+    "detach": _detach,
+    "exception": _exception,
+    "no_execute_all": _no_execute_all,
+    "labels": _labels,
+}
+
+
+def _run_all(rank: int, world_size: int) -> dict:
+    out = {}
+    for pipe_name in PIPELINES:
+        for name, fn in SCENARIOS.items():
+            if name == "detach" and pipe_name == "TrainPipelineBase":
+                continue
+            out[(name, pipe_name)] = fn(rank, pipe_name)
+        for broken in (False, True):
+            out[("streams", pipe_name, broken)] = _streams(rank, pipe_name, broken)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_ranks(_run_all, 2, timeout=600)
+
+
+def _each(results, *key):
+    return [per_rank[key] for per_rank in results]
+
+
+@pytest.mark.parametrize("pipe_name", PIPELINES)
+def test_exhaustion_and_next_epoch(results, pipe_name):
+    for r in _each(results, "epochs", pipe_name):
+        assert r["counts"] == (N + 5, 0)
+        assert r["equal"] and r["params"]
+
+
+@pytest.mark.parametrize("pipe_name", PIPELINES)
+def test_eval_switch_keeps_batches_apart(results, pipe_name):
+    for r in _each(results, "eval_switch", pipe_name):
+        assert r["counts"] == (N, 4)
+        assert r["equal"], "training batches changed by the eval pass in between"
+        assert r["eval_equal"] and r["eval_is_tensor"]
+        assert r["params"]
+        assert not r["grad_in_eval"], "eval ran backward"
+
+
+@pytest.mark.parametrize("pipe_name", PIPELINES[1:])
+def test_detach_mid_run_then_reattach(results, pipe_name):
+    for r in _each(results, "detach", pipe_name):
+        assert r["restored"] and r["probe_equal"]
+        assert r["equal"] and r["params"]
+
+
+@pytest.mark.parametrize("pipe_name", PIPELINES)
+def test_exception_propagates_and_detach_restores(results, pipe_name):
+    for r in _each(results, "exception", pipe_name):
+        assert r["error"] and "shapes cannot be multiplied" in r["error"]
+        assert r["restored"] and r["plain_runs"]
+
+
+@pytest.mark.parametrize("pipe_name", PIPELINES)
+def test_execute_all_batches_false_drops_the_tail(results, pipe_name):
+    for r in _each(results, "no_execute_all", pipe_name):
+        if pipe_name == "TrainPipelineBase":
+            assert r["count"] == N  # nothing is in flight beyond the batch being computed
+        else:
+            assert 0 < r["count"] < N
+        assert r["equal"]
+
+
+EXPECTED_STAGES = {
+    "copy": ["memcpy"],
+    "input_dist::start": ["data_dist"],
+    "input_dist::splits": ["data_dist"],
+    "prefetch": ["prefetch"],
+    "forward": ["default"],
+    "backward": ["default"],
+    "optimizer": ["default"],
+}
+
+
+@pytest.mark.parametrize("pipe_name", PIPELINES)
+def test_stream_checker_passes_on_every_pipeline(results, pipe_name):
+    for r in _each(results, "streams", pipe_name, False):
+        assert r["outputs"] == N and r["error"] is None
+        assert r["checked"] >= N  # at least the batch hand-off to forward, once per batch
+        for name, streams in r["stages"].items():
+            assert streams == EXPECTED_STAGES[name], name
+        assert ("prefetch" in r["stages"]) == (pipe_name == "PrefetchTrainPipelineSparseDist")
+
+
+@pytest.mark.parametrize("pipe_name", PIPELINES)
+def test_stream_checker_catches_a_missing_wait(results, pipe_name):
+    for r in _each(results, "streams", pipe_name, True):
+        assert r["error"] and "without a wait" in r["error"]
+
+
+@pytest.mark.parametrize("pipe_name", PIPELINES)
+def test_profiler_labels(results, pipe_name):
+    stages = {"copy", "forward", "backward", "optimizer"}
+    if pipe_name != "TrainPipelineBase":
+        stages |= {"input_dist::start", "input_dist::splits", "input_dist::wait"}
+    if pipe_name == "PrefetchTrainPipelineSparseDist":
+        stages |= {"prefetch"}
+    for labels in _each(results, "labels", pipe_name):
+        found = {name.removeprefix("pipeline::").split("#")[0] for name in labels}
+        found = {s for s in found if "::" not in s or s.startswith("input_dist")}
+        assert found == stages
