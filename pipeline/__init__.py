@@ -4,21 +4,38 @@
 (all-to-all) ahead of forward, `PrefetchTrainPipelineSparseDist` adds a prefetch stage so forward
 never waits on communication. Constructors and `progress()` follow torchrec's, so a torchrec user
 switches by changing an import.
+
+The names are loaded on first use (PEP 562), so `python -m pipeline.timeline` does not pay for
+importing torchrec.
 """
 
-from pipeline.base import TrainPipelineBase
-from pipeline.context import BatchContext, PrefetchBatchContext
-from pipeline.sparse_dist import PrefetchTrainPipelineSparseDist, TrainPipelineSparseDist
-from pipeline.streams import CudaStreams, HandoffError, RecordingStreams, Streams
+from __future__ import annotations
 
-__all__ = [
-    "BatchContext",
-    "CudaStreams",
-    "HandoffError",
-    "PrefetchBatchContext",
-    "PrefetchTrainPipelineSparseDist",
-    "RecordingStreams",
-    "Streams",
-    "TrainPipelineBase",
-    "TrainPipelineSparseDist",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "BatchContext": "pipeline.context",
+    "PrefetchBatchContext": "pipeline.context",
+    "TrainPipelineBase": "pipeline.base",
+    "TrainPipelineSparseDist": "pipeline.sparse_dist",
+    "PrefetchTrainPipelineSparseDist": "pipeline.sparse_dist",
+    "Streams": "pipeline.streams",
+    "CudaStreams": "pipeline.streams",
+    "RecordingStreams": "pipeline.streams",
+    "HandoffError": "pipeline.streams",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

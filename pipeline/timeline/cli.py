@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,10 +90,7 @@ def compare_traces(
     comparison = compare_stats(runs[0].stats, runs[1].stats)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    titles = [
-        f"{r.stats.label} ({r.stats.device}): median step {r.stats.step_us / 1000:.3f} ms" for r in runs
-    ]
-    png = _render(runs, out / "timeline.png", titles)
+    png = _render(runs, out / "timeline.png", [_title(r) for r in runs])
     markdown = "\n".join([*(run_markdown(r.stats) for r in runs), comparison_markdown(comparison)])
     md_path = out / "timeline.md"
     md_path.write_text(markdown)
@@ -101,6 +98,16 @@ def compare_traces(
     json_path = out / "timeline.json"
     json_path.write_text(json.dumps(record, indent=2) + "\n")
     return CompareResult(runs, comparison, markdown, png, md_path, json_path)
+
+
+def _title(run: RunAnalysis) -> str:
+    shown, stats = run.selection.shown, run.stats
+    steps = f"steps {shown[0]}-{shown[-1]}" if len(shown) > 1 else f"step {shown[0]}"
+    return (
+        f"{stats.label} ({stats.device}): {steps}, 0 ms = start of forward#{shown[0]}; "
+        f"median step {stats.step_us / 1000:.3f} ms over steps {stats.steady_steps[0]}-"
+        f"{stats.steady_steps[-1]}"
+    )
 
 
 def _render(runs: Sequence[RunAnalysis], path: Path, titles: list[str]) -> Path:
@@ -117,6 +124,19 @@ def _labels(text: str) -> tuple[str, str]:
     return parts[0], parts[1]
 
 
+def _count(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pipeline.timeline", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -124,8 +144,8 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("base", help="trace of the first run (drawn on top)")
     compare.add_argument("prefetch", help="trace of the second run (drawn below)")
     compare.add_argument("-o", "--out", required=True, help="output folder")
-    compare.add_argument("--steps", type=int, default=3, help="steady-state steps to draw")
-    compare.add_argument("--warmup", type=int, default=2, help="steps skipped at the start")
+    compare.add_argument("--steps", type=_count(1), default=3, help="steady-state steps to draw")
+    compare.add_argument("--warmup", type=_count(0), default=2, help="steps skipped at the start")
     compare.add_argument("--labels", type=_labels, default=("base", "prefetch"))
     return parser
 

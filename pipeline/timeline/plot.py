@@ -44,31 +44,43 @@ def _window(timeline: Timeline, selection: StepSelection) -> tuple[float, float]
     return starts[selection.shown[0]], starts[selection.shown[-1] + 1]
 
 
-def _draw_lane(ax: Axes, row: int, boxes: list[Box], t0: float) -> None:
-    by_stage: dict[str, list[tuple[float, float]]] = defaultdict(list)
+def _bar(box: Box, row: int) -> tuple[float, float]:
+    """(bottom, height) of a box in lane ``row``; collectives alternate halves by batch parity."""
+    if box.stage != "in_flight" or box.batch is None:
+        return row - 0.38, 0.76
+    return (row - 0.38, 0.36) if box.batch % 2 == 0 else (row + 0.02, 0.36)
+
+
+def _draw_lane(ax: Axes, row: int, boxes: list[Box], t0: float, xlim: tuple[float, float]) -> None:
+    bars: dict[tuple[str, tuple[float, float]], list[tuple[float, float]]] = defaultdict(list)
     extent: dict[tuple[str, int], list[float]] = {}
     for box in boxes:
         x = (box.start - t0) / 1000
         width = max((box.end - box.start) / 1000, _MIN_WIDTH_MS)
-        by_stage[box.stage].append((x, width))
+        bars[box.stage, _bar(box, row)].append((x, width))
         if box.batch is not None:
             lo_hi = extent.setdefault((box.stage, box.batch), [x, x + width])
             lo_hi[:] = [min(lo_hi[0], x), max(lo_hi[1], x + width)]
-    for stage, bars in by_stage.items():
+    for (stage, yrange), xranges in bars.items():
         color = STAGE_COLORS.get(stage, _OTHER_COLOR)
         hatch = "///" if stage == "in_flight" else None
-        ax.broken_barh(bars, (row - 0.38, 0.76), facecolors=color, edgecolor="white", hatch=hatch)
-    for (_, batch), (lo, hi) in extent.items():
-        ax.text((lo + hi) / 2, row, str(batch), ha="center", va="center", fontsize=8, clip_on=True)
+        ax.broken_barh(xranges, yrange, facecolors=color, edgecolor="white", hatch=hatch)
+    for (stage, batch), (lo, hi) in extent.items():
+        lo, hi = max(lo, xlim[0]), min(hi, xlim[1])  # centre the number on the visible part
+        bottom, height = _bar(Box(0, 0, stage, batch), row)
+        ax.text((lo + hi) / 2, bottom + height / 2, str(batch), ha="center", va="center", fontsize=8)
 
 
-def _draw_run(ax: Axes, timeline: Timeline, selection: StepSelection, title: str) -> set[str]:
+def _draw_run(
+    ax: Axes, run: tuple[Timeline, StepSelection], title: str, xlim: tuple[float, float]
+) -> set[str]:
+    timeline, selection = run
     t0, t1 = _window(timeline, selection)
     stages: set[str] = set()
     for row, lane in enumerate(timeline.lanes):
         boxes = [b for b in lane.boxes if b.end >= t0 and b.start < t1]
         stages.update(b.stage for b in boxes)
-        _draw_lane(ax, row, boxes, t0)
+        _draw_lane(ax, row, boxes, t0, xlim)
     for batch in (*selection.shown, selection.shown[-1] + 1):
         x = (timeline.step_starts[batch] - t0) / 1000
         ax.axvline(x, color="#555555", linestyle="--", linewidth=0.8)
@@ -76,6 +88,7 @@ def _draw_run(ax: Axes, timeline: Timeline, selection: StepSelection, title: str
     ax.set_yticks(range(len(timeline.lanes)), [lane.name for lane in timeline.lanes])
     ax.set_ylim(len(timeline.lanes) - 0.5, -0.9)
     ax.set_title(title, loc="left", fontsize=10)
+    ax.set_axisbelow(True)
     ax.grid(axis="x", color="#eeeeee")
     return stages
 
@@ -87,11 +100,15 @@ def _legend_handle(stage: str) -> Patch:
 
 
 def _x_range(runs: Sequence[tuple[Timeline, StepSelection]]) -> tuple[float, float]:
+    """Shared x limits (ms): every shown step, and every work box that overlaps one.
+
+    Collective lifetimes do not widen the axis: they start a step earlier and are cut at the edge.
+    """
     lo, hi = 0.0, 0.0
     for timeline, selection in runs:
         t0, t1 = _window(timeline, selection)
         hi = max(hi, (t1 - t0) / 1000)
-        for lane in timeline.lanes:
+        for lane in (lane for lane in timeline.lanes if lane.busy):
             for box in (b for b in lane.boxes if b.end >= t0 and b.start < t1):
                 lo, hi = min(lo, (box.start - t0) / 1000), max(hi, (box.end - t0) / 1000)
     pad = 0.02 * (hi - lo)
@@ -121,10 +138,11 @@ def render_png(
     fig = Figure(figsize=(14, 1.2 + 0.42 * sum(heights)), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(runs), 1, sharex=True, squeeze=False, height_ratios=heights)[:, 0]
+    xlim = _x_range(runs)
     stages: set[str] = set()
-    for ax, (timeline, selection), title in zip(axes, runs, titles, strict=True):
-        stages |= _draw_run(ax, timeline, selection, title)
-    axes[-1].set_xlim(*_x_range(runs))
+    for ax, run, title in zip(axes, runs, titles, strict=True):
+        stages |= _draw_run(ax, run, title, xlim)
+    axes[-1].set_xlim(*xlim)
     axes[-1].set_xlabel("time from the start of the first shown step (ms)")
     order = [s for s in STAGE_COLORS if s in stages] + sorted(stages - STAGE_COLORS.keys())
     handles = [_legend_handle(stage) for stage in order]

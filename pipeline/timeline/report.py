@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.timeline.lanes import CPU_LANE_ORDER, GPU_LANE_ORDER
 from pipeline.timeline.stats import RunStats, StepSelection
 
 __all__ = ["Comparison", "Row", "compare_stats", "comparison_markdown", "run_markdown", "to_json"]
@@ -19,6 +20,7 @@ DEFINITIONS = {
     "step": "start of pipeline::forward#i to start of pipeline::forward#i+1",
     "step_us": "median step time over the steady-state steps",
     "busy_us": "time a lane's boxes cover inside a step, mean over the steady-state steps",
+    "outside_labels_us": "CPU time of a step that no pipeline label covers, mean per step",
     "comm.total_us": "end of input_dist::start#i to end of input_dist::wait#i, mean per step",
     "comm.exposed_us": "part of input_dist::wait#i inside forward#i, mean per step",
     "comm.hidden_us": "total - exposed",
@@ -71,6 +73,7 @@ def _metrics(stats: RunStats) -> dict[str, tuple[str, float | None]]:
     metrics: dict[str, tuple[str, float | None]] = {"step time (median)": ("us", stats.step_us)}
     for lane, busy in stats.busy_us.items():
         metrics[f"busy: {lane}"] = ("us", busy)
+    metrics["cpu outside pipeline labels"] = ("us", stats.outside_labels_us)
     comm = stats.comm
     comm_values = (
         (None,) * 5
@@ -83,23 +86,40 @@ def _metrics(stats: RunStats) -> dict[str, tuple[str, float | None]]:
 
 
 def compare_stats(first: RunStats, second: RunStats) -> Comparison:
-    """Line up the metrics of two runs; a metric only one run has gets ``None`` for the other."""
+    """Line up the metrics of two runs; a metric only one run has gets ``None`` for the other.
+
+    Rows: step time, busy time of every lane either run has (in lane order), then the rest.
+    """
     a, b = _metrics(first), _metrics(second)
+    rank: dict[str, int] = {}
+    for lane in CPU_LANE_ORDER + GPU_LANE_ORDER:
+        rank.setdefault(f"busy: {lane}", len(rank))
+    busy = sorted({n for n in [*a, *b] if n.startswith("busy: ")}, key=lambda n: (rank.get(n, 99), n))
+    rest = [n for n in a if not n.startswith("busy: ")]
     rows = []
-    for name in list(a) + [name for name in b if name not in a]:
+    for name in [rest[0], *busy, *rest[1:]]:
         unit = a[name][0] if name in a else b[name][0]
         values = (a[name][1] if name in a else None, b[name][1] if name in b else None)
         rows.append(Row(name, unit, values))
     return Comparison((first.label, second.label), tuple(rows))
 
 
-def _fmt(value: float | None, unit: str, *, signed: bool = False) -> str:
+def _fmt(value: float | None, unit: str) -> str:
     if value is None:
         return "n/a"
-    sign = "+" if signed else ""
     if unit == "ratio":
-        return f"{value:{sign}.1%}"
-    return f"{value / 1000:{sign}.3f} ms"
+        return f"{value:.1%}"
+    return f"{value / 1000:.3f} ms"
+
+
+def _fmt_diff(row: Row) -> list[str]:
+    """Difference and relative change; a ratio's difference is in percentage points."""
+    diff, change = row.diff, row.change
+    if diff is None:
+        return ["n/a", "n/a"]
+    if row.unit == "ratio":
+        return [f"{diff * 100:+.1f} pp", "-"]
+    return [f"{diff / 1000:+.3f} ms", "n/a" if change is None else f"{change:+.1%}"]
 
 
 def _steps(steps: tuple[int, ...]) -> str:
@@ -128,8 +148,7 @@ def comparison_markdown(comparison: Comparison) -> str:
         "|---|---:|---:|---:|---:|",
     ]
     for row in comparison.rows:
-        cells = [_fmt(v, row.unit) for v in row.values]
-        cells += [_fmt(row.diff, row.unit, signed=True), _fmt(row.change, "ratio", signed=True)]
+        cells = [_fmt(v, row.unit) for v in row.values] + _fmt_diff(row)
         lines.append(f"| {row.metric} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

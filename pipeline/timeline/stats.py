@@ -8,7 +8,8 @@ Definitions (docs/timeline.md says the same with a picture):
   out; a run without copy labels keeps every step after the warm-up).
 - *step time* is the median step over the steady-state steps.
 - *busy time* of a lane is the time covered by its boxes inside a step window, averaged over the
-  steady-state steps.
+  steady-state steps. *Outside labels* is the CPU time of a step (between the CPU starts of
+  ``forward#i`` and ``forward#i+1``) that no pipeline label covers: data loading, zero_grad, logging.
 - *communication* of batch i (CPU labels, also on GPU) lives from the end of
   ``input_dist::start#i`` to the end of ``input_dist::wait#i``; the part of ``input_dist::wait#i``
   spent inside ``forward#i`` is *exposed*, the rest is *hidden*. Times are means per steady-state
@@ -36,7 +37,8 @@ class StepSelection:
     steady: tuple[int, ...]
     """Steady-state steps, measured in the tables."""
     shown: tuple[int, ...]
-    """The first steady-state steps, drawn in the picture."""
+    """Consecutive steady-state steps drawn in the picture: of all such runs of the asked length,
+    the one whose total time is closest to that many median steps (the earliest on a tie)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +72,8 @@ class RunStats:
     """Every step's time, warm-up and drain included."""
     busy_us: dict[str, float]
     """Lane -> mean busy time per steady-state step."""
+    outside_labels_us: float
+    """Mean CPU time per steady-state step that no pipeline label covers."""
     comm: CommStats | None
     """None when the run has no input_dist labels (the base pipeline)."""
 
@@ -105,7 +109,20 @@ def select_steps(timeline: Timeline, *, warmup: int = 2, shown: int = 3) -> Step
             f"#{max(starts)}), none in steady state after {warmup} warm-up step(s); "
             "record more steps or lower --warmup"
         )
-    return StepSelection(steps, steady, steady[: max(shown, 1)])
+    return StepSelection(steps, steady, _typical(steady, starts, max(shown, 1)))
+
+
+def _typical(steady: tuple[int, ...], starts: dict[int, float], count: int) -> tuple[int, ...]:
+    median = statistics.median(starts[b + 1] - starts[b] for b in steady)
+    windows = [steady[i : i + count] for i in range(max(len(steady) - count, 0) + 1)]
+    runs = [w for w in windows if w[-1] - w[0] == len(w) - 1]
+    if not runs:  # no consecutive run that long: the first steps
+        return steady[:count]
+
+    def distance(run: tuple[int, ...]) -> float:
+        return abs(starts[run[-1] + 1] - starts[run[0]] - len(run) * median)
+
+    return min(runs, key=distance)
 
 
 def _intervals(spans: list[Span]) -> list[tuple[float, float]]:
@@ -133,6 +150,19 @@ def _comm_stats(spans: tuple[Span, ...], batches: tuple[int, ...]) -> CommStats 
     return CommStats(total, stalled, total - stalled, statistics.fmean(waits), ratio, len(totals))
 
 
+def _outside_labels(spans: tuple[Span, ...], steps: tuple[int, ...]) -> float:
+    forward: dict[int, float] = {}
+    for span in (s for s in spans if s.stage == "forward"):
+        forward[span.batch] = min(forward.get(span.batch, span.start), span.start)
+    labelled = [(s.start, s.end) for s in spans]
+    gaps = [
+        forward[b + 1] - forward[b] - union_length(labelled, forward[b], forward[b + 1])
+        for b in steps
+        if b in forward and b + 1 in forward
+    ]
+    return statistics.fmean(gaps) if gaps else 0.0
+
+
 def run_stats(timeline: Timeline, selection: StepSelection) -> RunStats:
     """Measure one run over its steady-state steps (see the module docstring for definitions).
 
@@ -156,5 +186,6 @@ def run_stats(timeline: Timeline, selection: StepSelection) -> RunStats:
         step_us=statistics.median(hi - lo for lo, hi in windows),
         step_times_us={b: starts[b + 1] - starts[b] for b in selection.steps},
         busy_us=busy,
+        outside_labels_us=_outside_labels(timeline.spans, selection.steady),
         comm=_comm_stats(timeline.spans, selection.steady),
     )
