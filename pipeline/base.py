@@ -44,8 +44,8 @@ class TrainPipelineBase:
     """Overlaps the host-to-device copy of batch i+1 with forward/backward/optimizer of batch i.
 
     Args:
-        model: the model; in training mode `model(batch)` returns `(loss, output)`, in eval mode
-            whatever it returns is passed through.
+        model: the model; in training mode `model(batch)` returns `(loss, output)`. In eval mode
+            `progress()` returns `output` of a `(loss, output)` pair, or whatever else it returns.
         optimizer: stepped after each training batch's backward.
         device: where batches are copied to.
         custom_model_fwd: called with the batch instead of `model` (same return convention).
@@ -136,7 +136,10 @@ class TrainPipelineBase:
         with stage(streams, "forward", ctx.index), torch.set_grad_enabled(training):
             result = self._call_model(ctx)
         if not training:
-            return None, result
+            # torchrec returns `output` of `(loss, output)` in eval too; any other return value
+            # (a model that returns only predictions in eval) is passed through as it is.
+            is_pair = isinstance(result, tuple) and len(result) == 2
+            return None, result[1] if is_pair else result
         if not (isinstance(result, tuple) and len(result) == 2):
             raise TypeError(
                 "in training mode the model (or custom_model_fwd) must return (loss, output); got "

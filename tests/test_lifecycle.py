@@ -93,6 +93,21 @@ def _eval_switch(rank: int, pipe_name: str) -> dict:
     }
 
 
+def _eval_pair(rank: int, pipe_name: str) -> bool:
+    """A model returning (loss, output) in eval: progress returns output, as torchrec does."""
+    import torch
+
+    from tests import models
+
+    ref, _, model, pipe = _pair(pipe_name)
+    data = models.batches(KIND, 3, rank, seed=11)
+    ref.eval()
+    model.eval()
+    with torch.no_grad():
+        expected = [ref(b)[1] for b in data]
+    return models.bitwise_equal(expected, _drain(pipe, iter(data)))
+
+
 def _detach(rank: int, pipe_name: str) -> dict:
     import torch
 
@@ -189,6 +204,7 @@ def _labels(rank: int, pipe_name: str) -> list[str]:
 SCENARIOS = {
     "epochs": _epochs,
     "eval_switch": _eval_switch,
+    "eval_pair": _eval_pair,
     "detach": _detach,
     "exception": _exception,
     "no_execute_all": _no_execute_all,
@@ -232,6 +248,11 @@ def test_eval_switch_keeps_batches_apart(results, pipe_name):
         assert r["eval_equal"] and r["eval_is_tensor"]
         assert r["params"]
         assert not r["grad_in_eval"], "eval ran backward"
+
+
+@pytest.mark.parametrize("pipe_name", PIPELINES)
+def test_eval_returns_output_of_loss_output_pair(results, pipe_name):
+    assert all(_each(results, "eval_pair", pipe_name))
 
 
 @pytest.mark.parametrize("pipe_name", PIPELINES[1:])
