@@ -35,5 +35,25 @@ lint: setup
 	$(BIN)/ruff check pipeline rewrite tests examples benchmarks
 	$(BIN)/ruff format --check pipeline rewrite tests examples benchmarks
 
+# DLRM on 2 local ranks (gloo on CPU, NCCL on GPUs) with the prefetch pipeline: synthetic Criteo-like
+# data, loss/AUC/throughput as it trains, then the summary (also in $(DEMO_OUT)/summary.json).
+DEMO_OUT ?= out/demo
+DEMO_ARGS ?= --steps 300 --log-every 50 --eval-every 100
+
+demo: setup
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 examples/dlrm/train.py --pipeline prefetch $(DEMO_ARGS) --summary-json $(DEMO_OUT)/summary.json
+
+# Base and prefetch pipelines on DLRM (2 local ranks), traced with torch.profiler; then the PNG and
+# tables in $(TIMELINE_OUT) (timeline.png/.md/.json). docs/timeline.md explains how to read them.
+TIMELINE_OUT ?= out/timeline
+TIMELINE_TRAIN_ARGS ?= --steps 32 --warmup-steps 4 --profile-steps 16 --no-progress
+TIMELINE_ARGS ?= --steps 3 --warmup 2
+
+timeline: setup
+	rm -rf $(TIMELINE_OUT)/base $(TIMELINE_OUT)/prefetch
+	$(BIN)/torchrun --standalone --nproc_per_node=2 examples/dlrm/train.py --pipeline base $(TIMELINE_TRAIN_ARGS) --profile $(TIMELINE_OUT)/base
+	$(BIN)/torchrun --standalone --nproc_per_node=2 examples/dlrm/train.py --pipeline prefetch $(TIMELINE_TRAIN_ARGS) --profile $(TIMELINE_OUT)/prefetch
+	$(BIN)/python -m pipeline.timeline compare $(TIMELINE_OUT)/base/rank0.json $(TIMELINE_OUT)/prefetch/rank0.json -o $(TIMELINE_OUT) --labels base,prefetch $(TIMELINE_ARGS)
+
 clean:
 	rm -rf $(VENV) *.egg-info

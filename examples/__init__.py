@@ -1,0 +1,1 @@
+"""Runnable examples; a package only so that tests can import them."""

@@ -1,0 +1,123 @@
+"""What one DLRM training run is: the `TrainConfig` dataclass, and `InputError` for bad input.
+
+Every check on user input (flags, data files, their contents) raises `InputError` with a message that
+names what is wrong and how to fix it; `train.py` turns it into one paragraph and exit status 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["NUM_DENSE", "NUM_SPARSE", "PIPELINES", "InputError", "TrainConfig"]
+
+PIPELINES = ("none", "base", "sparse-dist", "prefetch")
+NUM_DENSE = 13
+NUM_SPARSE = 26
+
+
+class InputError(Exception):
+    """Bad user input: a flag value, a data file that cannot be read, or a malformed line."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """One training run. Sizes are small by default so that 2 CPU ranks train in seconds."""
+
+    pipeline: str = "sparse-dist"
+    """`none` (plain loop), `base`, `sparse-dist` or `prefetch` (classes of the `pipeline` package)."""
+    batch_size: int = 256
+    """Global batch size: every step trains on this many samples, split evenly over the ranks, so it
+    must be divisible by the world size."""
+    steps: int = 20
+    """Batches per epoch. Synthetic data has exactly this many; with `data` it caps each pass over
+    the files, and 0 means the whole pass."""
+    epochs: int = 1
+    """Passes over the training data. Synthetic data repeats the same batches each epoch."""
+    embedding_dim: int = 16
+    """Width of every embedding table (DLRM needs one width for all)."""
+    num_embeddings: tuple[int, ...] = (10_000,)
+    """Rows per table: one value for all 26 tables, or 26 values."""
+    pooling: int = 1
+    """Mean ids per sparse feature per sample in synthetic data (Criteo has 1)."""
+    dense_hidden: tuple[int, ...] = (64,)
+    """Hidden widths of the bottom MLP; `embedding_dim` is appended as its output."""
+    over_hidden: tuple[int, ...] = (64,)
+    """Hidden widths of the top MLP; a single logit is appended as its output."""
+    lr: float = 0.05
+    """Learning rate of both Adagrad optimizers (embeddings row-wise, fused into backward; dense)."""
+    seed: int = 0
+    """Seeds the model's initial weights and the synthetic data."""
+    data: str | None = None
+    """Criteo TSV file or glob for training; None trains on synthetic data."""
+    eval_data: str | None = None
+    """Criteo TSV file or glob for eval; None evaluates on a synthetic stream (only without `data`)."""
+    eval_every: int = 0
+    """Run an eval pass every this many training steps and after the last one; 0 disables eval."""
+    eval_batches: int = 8
+    """Batches per eval pass."""
+    log_every: int = 10
+    """Steps between loss/AUC/throughput reports."""
+    warmup_steps: int = 2
+    """Steps left out of the throughput figures, after which profiling starts."""
+    profile_dir: str | None = None
+    """Write a chrome trace per rank, `rank{r}.json`, here; None disables profiling."""
+    profile_steps: int = 3
+    """Steps recorded by the profiler."""
+    sharding_types: tuple[str, ...] | None = None
+    """Sharding types the planner may use; None: table_wise and column_wise on CPU (torchrec has no
+    row-wise sharding over gloo), and those plus the row-wise kinds on GPU."""
+    show_progress: bool = True
+    """Show the tqdm bar and the periodic reports on rank 0."""
+
+    def __post_init__(self) -> None:
+        if self.pipeline not in PIPELINES:
+            raise InputError(f"unknown pipeline {self.pipeline!r}; choose one of {PIPELINES}")
+        _positive(batch_size=self.batch_size, epochs=self.epochs, embedding_dim=self.embedding_dim)
+        _positive(pooling=self.pooling, eval_batches=self.eval_batches, log_every=self.log_every)
+        _positive(profile_steps=self.profile_steps)
+        if self.steps < 0 or (self.steps == 0 and self.data is None):
+            raise InputError(
+                f"--steps must be positive (0, a whole pass, only with --data), got {self.steps}"
+            )
+        if self.eval_every < 0 or self.warmup_steps < 0:
+            raise InputError("--eval-every and --warmup-steps must not be negative")
+        if len(self.num_embeddings) not in (1, NUM_SPARSE):
+            raise InputError(
+                f"--num-embeddings takes one size or {NUM_SPARSE} comma-separated sizes, "
+                f"got {len(self.num_embeddings)}"
+            )
+        if min(self.num_embeddings) < 1 or max(self.num_embeddings) >= 2**31:
+            raise InputError(
+                f"table sizes must be in [1, 2**31), got {min(self.num_embeddings)}"
+                f"..{max(self.num_embeddings)}"
+            )
+        if self.eval_every and self.data is not None and self.eval_data is None:
+            raise InputError("--eval-every with --data needs --eval-data (a held-out TSV)")
+
+    @property
+    def table_sizes(self) -> tuple[int, ...]:
+        """Rows of each of the 26 tables."""
+        if len(self.num_embeddings) == 1:
+            return self.num_embeddings * NUM_SPARSE
+        return self.num_embeddings
+
+    def local_batch_size(self, world_size: int) -> int:
+        """Samples per rank per step.
+
+        Raises:
+            InputError: the global batch size does not divide by `world_size`.
+        """
+        if self.batch_size % world_size:
+            raise InputError(
+                f"--batch-size is the global batch size and must be divisible by the world size: "
+                f"{self.batch_size} samples do not split evenly over {world_size} ranks; "
+                f"use a multiple of {world_size}"
+            )
+        return self.batch_size // world_size
+
+
+def _positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise InputError(f"{flag} must be a positive integer, got {value}")

@@ -1,0 +1,153 @@
+"""The training loop, callable without torchrun: `train(config, ...)` in an initialized process
+group returns this rank's per-step losses and the run's summary.
+
+Every `--pipeline` value goes through the same loop; only the runner differs. Eval reuses the
+training runner: the model is switched to eval mode, the runner is given the eval iterator until it
+raises StopIteration, and the model is switched back to training with the train iterator.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec.datasets.utils import Batch
+
+from examples.dlrm.config import InputError, TrainConfig
+from examples.dlrm.data import DataSources, make_sources
+from examples.dlrm.model import build_model
+from examples.dlrm.profiling import step_profiler
+from examples.dlrm.report import Reporter
+from examples.dlrm.runners import Runner, make_runner
+
+__all__ = ["TrainResult", "train"]
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainResult:
+    """What one rank's run produced."""
+
+    losses: list[float]
+    """This rank's training loss at every step, in order."""
+    eval_losses: list[list[float]]
+    """This rank's loss at every batch of every eval pass."""
+    summary: dict[str, Any]
+    """Figures for the run; loss, AUC and throughput are reduced over all ranks, `profile` is this
+    rank's trace."""
+
+
+def train(
+    config: TrainConfig,
+    *,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    local_world_size: int | None = None,
+) -> TrainResult:
+    """Train DLRM as `config` says; every rank of the default process group must call it.
+
+    Raises:
+        InputError: bad configuration for this world size, or bad data.
+    """
+    started = time.perf_counter()
+    sources = make_sources(config, rank=rank, world_size=world_size)
+    sharded = build_model(
+        config, device=device, world_size=world_size, local_world_size=local_world_size or 1
+    )
+    runner = make_runner(config.pipeline, sharded.model, sharded.optimizer, device)
+    per_epoch = sources.steps_per_epoch
+    reporter = Reporter(
+        config,
+        rank=rank,
+        device=device,
+        total_steps=per_epoch * config.epochs if per_epoch else None,
+    )
+    reporter.write(f"dlrm: {world_size} rank(s) on {device.type}, {sharded.plan}")
+    with step_profiler(
+        config.profile_dir,
+        rank=rank,
+        device=device,
+        skip=config.warmup_steps,
+        active=config.profile_steps,
+    ) as profiler_step:
+        _run_epochs(config, runner, sharded.model, sources, reporter, profiler_step)
+    summary: dict[str, Any] = {
+        "pipeline": config.pipeline,
+        "device": device.type,
+        "world_size": world_size,
+        "sharding": sharded.plan,
+        **reporter.finish(),
+        "total_seconds": round(time.perf_counter() - started, 3),
+    }
+    if config.profile_dir is not None:
+        trace = Path(config.profile_dir) / f"rank{rank}.json"
+        summary["profile"] = (
+            str(trace) if trace.exists() else f"no trace: the run ended before step {config.warmup_steps + 2}"
+        )
+    return TrainResult(
+        losses=[float(x) for x in torch.stack(reporter.losses).tolist()],
+        eval_losses=reporter.eval_losses,
+        summary=summary,
+    )
+
+
+def _run_epochs(
+    config: TrainConfig,
+    runner: Runner,
+    model: nn.Module,
+    sources: DataSources,
+    reporter: Reporter,
+    profiler_step: Callable[[], None],
+) -> None:
+    step = evaluated_at = 0
+    for epoch in range(config.epochs):
+        epoch_start = step
+        train_iter = sources.train(epoch)
+        while True:
+            try:
+                output = runner.progress(train_iter)
+            except StopIteration:
+                break
+            step += 1
+            reporter.train_step(output)
+            profiler_step()
+            if sources.eval and step % config.eval_every == 0:
+                _evaluate(runner, model, sources.eval(), reporter)
+                evaluated_at = step
+        if step == epoch_start:
+            raise InputError(
+                f"epoch {epoch} has no complete batch: the training data must hold at least "
+                f"--batch-size ({config.batch_size}) lines"
+            )
+    if sources.eval and evaluated_at != step:
+        _evaluate(runner, model, sources.eval(), reporter)
+
+
+def _evaluate(runner: Runner, model: nn.Module, eval_iter: Iterator[Batch], reporter: Reporter) -> None:
+    outputs = []
+    with reporter.paused():
+        model.eval()
+        try:
+            while True:
+                try:
+                    outputs.append(_eval_output(runner.progress(eval_iter)))
+                except StopIteration:
+                    break
+        finally:
+            model.train()
+    if not outputs:
+        raise InputError("the eval data has no complete batch: it must hold at least --batch-size lines")
+    reporter.eval_pass(outputs)
+
+
+def _eval_output(result: Any) -> Any:
+    # In eval mode torchrec's pipelines return the model's output, (loss, logits, labels) for
+    # DLRMTrain, while `pipeline`'s pass the model's whole (loss, output) through: accept both.
+    if isinstance(result, tuple) and len(result) == 2:
+        return result[1]
+    return result

@@ -1,0 +1,149 @@
+"""Build DLRM, shard it with DistributedModelParallel, and make its optimizers.
+
+Embedding tables use the fused kernel: their row-wise Adagrad runs inside the backward pass
+(`apply_optimizer_in_backward`), so they never hold a `.grad`. The dense MLPs are data-parallel
+(DDP) and stepped by a plain Adagrad wrapped as a keyed optimizer, which is what the pipelines step.
+On CPU the planner may only shard table-wise or column-wise: torchrec has no row-wise sharding
+over gloo.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
+from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
+from torchrec.distributed.planner.types import (
+    KernelConfig,
+    PlannerError,
+    TopologyFactory,
+    TrainerConfig,
+)
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.models.dlrm import DLRM, DLRMTrain
+from torchrec.optim import RowWiseAdagrad
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from examples.dlrm.config import NUM_DENSE, InputError, TrainConfig
+from examples.dlrm.features import SPARSE_NAMES
+
+__all__ = ["ShardedDLRM", "build_model"]
+
+# Gloo can run the all-to-alls of these two only; the fused kernel rules out data_parallel.
+_CPU_SHARDING = ("table_wise", "column_wise")
+_GPU_SHARDING = ("table_wise", "column_wise", "row_wise", "table_row_wise", "table_column_wise")
+
+
+@dataclass(kw_only=True, slots=True)
+class ShardedDLRM:
+    """The sharded model and what trains it."""
+
+    model: nn.Module
+    """DistributedModelParallel over DLRMTrain: `model(batch)` returns `(loss, (loss, logits,
+    labels))`."""
+    optimizer: torch.optim.Optimizer
+    """Steps the dense parameters; the embeddings step themselves during backward."""
+    plan: str
+    """One line saying how the tables were sharded."""
+
+
+def build_model(
+    config: TrainConfig, *, device: torch.device, world_size: int, local_world_size: int
+) -> ShardedDLRM:
+    """Build, shard and place DLRM on `device`; needs the default process group.
+
+    The global RNG is seeded with `config.seed` first, so every rank and every run starts from the
+    same weights.
+    """
+    torch.manual_seed(config.seed)
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t_{feature}",
+            embedding_dim=config.embedding_dim,
+            num_embeddings=size,
+            feature_names=[feature],
+        )
+        for feature, size in zip(SPARSE_NAMES, config.table_sizes, strict=True)
+    ]
+    # On the meta device nothing is allocated: each rank materializes only its own shards.
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    dlrm = DLRMTrain(
+        DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=NUM_DENSE,
+            dense_arch_layer_sizes=[*config.dense_hidden, config.embedding_dim],
+            over_arch_layer_sizes=[*config.over_hidden, 1],
+        )
+    )
+    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": config.lr})
+
+    model, plan = _shard(
+        dlrm, config, device=device, world_size=world_size, local_world_size=local_world_size
+    )
+    dense = dict(in_backward_optimizer_filter(model.named_parameters()))
+    optimizer = KeyedOptimizerWrapper(dense, lambda ps: torch.optim.Adagrad(ps, lr=config.lr))
+    return ShardedDLRM(model=model, optimizer=optimizer, plan=_describe(plan))
+
+
+def _shard(
+    dlrm: DLRMTrain,
+    config: TrainConfig,
+    *,
+    device: torch.device,
+    world_size: int,
+    local_world_size: int,
+) -> tuple[DistributedModelParallel, ShardingPlan]:
+    sharding = _sharding_types(config.sharding_types, device)
+    constraints = {
+        f"t_{feature}": ParameterConstraints(sharding_types=list(sharding), compute_kernels=["fused"])
+        for feature in SPARSE_NAMES
+    }
+    topology = TopologyFactory.create_topology(
+        trainer_config=TrainerConfig(world_size=world_size, local_world_size=local_world_size),
+        kernel_config=KernelConfig(compute_device=device.type),
+    )
+    planner = EmbeddingShardingPlanner(
+        topology=topology,
+        batch_size=config.local_batch_size(world_size),
+        constraints=constraints,
+        storage_reservation=FixedPercentageStorageReservation(0.15),
+        debug=False,
+    )
+    sharders = [EmbeddingBagCollectionSharder()]
+    pg = dist.group.WORLD
+    try:
+        plan = planner.collective_plan(dlrm, sharders, pg)
+    except PlannerError as e:
+        raise InputError(f"the sharding planner found no plan for these tables: {e}") from e
+    model = DistributedModelParallel(
+        dlrm, env=ShardingEnv.from_process_group(pg), device=device, plan=plan, sharders=sharders
+    )
+    return model, plan
+
+
+def _sharding_types(requested: tuple[str, ...] | None, device: torch.device) -> tuple[str, ...]:
+    allowed = _CPU_SHARDING if device.type == "cpu" else _GPU_SHARDING
+    unknown = sorted(set(requested or ()) - set(allowed))
+    if unknown:
+        raise InputError(
+            f"--sharding-types {','.join(unknown)} cannot be used on {device.type}; "
+            f"choose from {','.join(allowed)}"
+        )
+    return requested or allowed
+
+
+def _describe(plan: ShardingPlan) -> str:
+    kinds: Counter[str] = Counter()
+    for module_plan in plan.plan.values():
+        for sharding in module_plan.values():  # type: ignore[attr-defined]
+            kinds[f"{sharding.sharding_type}/{sharding.compute_kernel}"] += 1
+    return ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())) + " tables"

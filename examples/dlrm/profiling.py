@@ -1,0 +1,43 @@
+"""Record a few training steps after warm-up with torch.profiler, one chrome trace per rank.
+
+The trace (`DIR/rank{r}.json`) opens in Perfetto (ui.perfetto.dev) or chrome://tracing; the
+pipelines' `pipeline::...` record_function labels show which stage ran when.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+__all__ = ["step_profiler"]
+
+
+@contextmanager
+def step_profiler(
+    trace_dir: str | None, *, rank: int, device: torch.device, skip: int, active: int
+) -> Iterator[Callable[[], None]]:
+    """Yield a `step()` to call after every training step; profiles steps skip+2 .. skip+1+active.
+
+    One step after `skip` is the profiler's own warm-up, whose events are dropped. With
+    `trace_dir` None this records nothing. A run too short to reach the recorded steps writes no
+    trace; the caller can check for the file.
+    """
+    if trace_dir is None:
+        yield lambda: None
+        return
+    path = Path(trace_dir) / f"rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    prof = profile(
+        activities=activities,
+        schedule=schedule(skip_first=skip, wait=0, warmup=1, active=active, repeat=1),
+        on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
+    )
+    with prof:
+        yield prof.step

@@ -1,0 +1,167 @@
+"""What a user sees while DLRM trains: a progress bar, loss/AUC/throughput every few steps, eval
+results, and the final summary.
+
+Only rank 0 prints, but every rank must call the same methods at the same steps: loss and AUC are
+reduced over all ranks with collectives. Per-step losses stay on the device until a report, so
+that training does not wait for the device once per step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchmetrics.classification import BinaryAUROC
+from tqdm import tqdm
+
+from examples.dlrm.config import TrainConfig
+
+__all__ = ["Reporter"]
+
+# Binned AUC keeps a fixed-size state, so syncing it is one small collective however many samples
+# it saw; 200 bins put its error well below run-to-run noise.
+_AUC_BINS = 200
+
+
+class Reporter:
+    """Collects each step's output and reports on rank 0.
+
+    Args:
+        config: the run; `log_every`, `warmup_steps`, `batch_size` and `show_progress` are used.
+        rank: this rank.
+        device: where the model's outputs live.
+        total_steps: training steps planned, for the progress bar; None when unknown.
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        *,
+        rank: int,
+        device: torch.device,
+        total_steps: int | None,
+    ) -> None:
+        self._config = config
+        self._device = device
+        self._verbose = rank == 0 and config.show_progress
+        self._bar = tqdm(total=total_steps, unit="step", disable=not self._verbose, mininterval=0.5)
+        self._train_auc = BinaryAUROC(thresholds=_AUC_BINS, validate_args=False).to(device)
+        self._eval_auc = BinaryAUROC(thresholds=_AUC_BINS, validate_args=False).to(device)
+        self.losses: list[torch.Tensor] = []
+        """This rank's loss at every training step, on the device."""
+        self.eval_losses: list[list[float]] = []
+        """This rank's loss at every batch of every eval pass."""
+        self._step = 0
+        self._since_report = 0
+        self._started = time.perf_counter()
+        self._interval_start = self._started
+        self._measure_start: float | None = None  # end of warm-up
+        self._paused_seconds = 0.0  # paused since warm-up, left out of throughput
+        self._last: dict[str, float] = {}
+
+    def train_step(self, output: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """Record one training step's `(loss, logits, labels)`; reports every `log_every` steps."""
+        loss, logits, labels = output
+        self.losses.append(loss.detach())
+        self._train_auc.update(torch.sigmoid(logits.detach()), labels)
+        self._step += 1
+        self._since_report += 1
+        self._bar.update(1)
+        if self._step == self._config.warmup_steps:
+            _sync(self._device)
+            self._measure_start = time.perf_counter()
+        if self._since_report == self._config.log_every:
+            self._report()
+
+    def eval_pass(self, outputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """Record one eval pass's outputs, one per batch, and report them."""
+        for _, logits, labels in outputs:
+            self._eval_auc.update(torch.sigmoid(logits), labels)
+        losses = [loss.item() for loss, _, _ in outputs]
+        self.eval_losses.append(losses)
+        mean = _global_mean(sum(losses), len(losses), self._device)
+        auc = float(self._eval_auc.compute())
+        self._eval_auc.reset()
+        self._last.update(eval_loss=mean, eval_auc=auc)
+        self.write(f"eval after step {self._step} | loss {mean:.4f} | auc {auc:.4f}")
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave the time spent inside (an eval pass) out of the training throughput."""
+        _sync(self._device)
+        started = time.perf_counter()
+        yield
+        _sync(self._device)
+        gap = time.perf_counter() - started
+        self._interval_start += gap
+        if self._measure_start is not None:
+            self._paused_seconds += gap
+
+    def finish(self) -> dict[str, Any]:
+        """Report the last partial interval and return the summary, the same on every rank."""
+        if self._since_report:
+            self._report()
+        self._bar.close()
+        _sync(self._device)
+        end = time.perf_counter()
+        start = self._measure_start if self._measure_start is not None else self._started
+        measured = self._step
+        if self._measure_start is not None:
+            measured -= self._config.warmup_steps
+        seconds = _global_max(end - start - self._paused_seconds, self._device)
+        summary: dict[str, Any] = {
+            "steps": self._step,
+            "global_batch_size": self._config.batch_size,
+            "train_seconds": round(_global_max(end - self._started, self._device), 3),
+            "timed_steps": measured,
+            "step_time_ms": round(1000 * seconds / measured, 3) if measured else None,
+            "samples_per_second": round(measured * self._config.batch_size / seconds, 1)
+            if measured
+            else None,
+        }
+        summary.update({k: round(v, 5) for k, v in self._last.items()})
+        summary["eval_passes"] = len(self.eval_losses)
+        return summary
+
+    def _report(self) -> None:
+        recent = torch.stack(self.losses[-self._since_report :]).sum().item()
+        loss = _global_mean(recent, self._since_report, self._device)
+        auc = float(self._train_auc.compute())
+        self._train_auc.reset()
+        now = time.perf_counter()
+        step_ms = 1000 * (now - self._interval_start) / self._since_report
+        rate = self._config.batch_size * 1000 / step_ms
+        self._last.update(train_loss=loss, train_auc=auc)
+        self._bar.set_postfix(loss=f"{loss:.4f}", auc=f"{auc:.3f}")
+        self.write(
+            f"step {self._step} | loss {loss:.4f} | auc {auc:.4f} | "
+            f"{rate:,.0f} samples/s | {step_ms:.1f} ms/step"
+        )
+        self._since_report = 0
+        self._interval_start = now
+
+    def write(self, line: str) -> None:
+        """Print `line` on rank 0 without breaking the progress bar."""
+        if self._verbose:
+            self._bar.write(line)
+
+
+def _global_mean(total: float, count: int, device: torch.device) -> float:
+    t = torch.tensor([total, float(count)], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t[0] / t[1])
+
+
+def _global_max(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

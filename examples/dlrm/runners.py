@@ -1,0 +1,90 @@
+"""One object per `--pipeline` value with the pipelines' `progress(dataloader_iter)` API.
+
+`none` is the plain loop, written out here; the others are the `pipeline` package's classes. That
+package is imported only when one of them is asked for, so the plain loop keeps working while the
+package is missing or broken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torchrec.datasets.utils import Batch
+
+from examples.dlrm.config import InputError
+
+__all__ = ["PIPELINE_CLASSES", "PlainLoop", "Runner", "make_runner"]
+
+PIPELINE_CLASSES = {
+    "base": "TrainPipelineBase",
+    "sparse-dist": "TrainPipelineSparseDist",
+    "prefetch": "PrefetchTrainPipelineSparseDist",
+}
+
+
+class Runner(Protocol):
+    """Anything that trains (or, with the model in eval mode, evaluates) one batch per call."""
+
+    def progress(self, dataloader_iter: Iterator[Batch]) -> Any:
+        """Run the next batch and return the model's output for it.
+
+        Raises:
+            StopIteration: every batch of `dataloader_iter` has been run.
+        """
+        ...
+
+
+class PlainLoop:
+    """The reference loop: `loss, out = model(batch); loss.backward(); opt.step(); opt.zero_grad()`.
+
+    In eval mode it runs the forward only, under `no_grad`.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
+        self._model = model
+        self._optimizer = optimizer
+        self._device = device
+
+    def progress(self, dataloader_iter: Iterator[Batch]) -> Any:
+        """Train on (or evaluate) the next batch and return the model's output for it."""
+        batch = next(dataloader_iter).to(self._device)
+        if not self._model.training:
+            with torch.no_grad():
+                return self._model(batch)[1]
+        loss, out = self._model(batch)
+        loss.backward()
+        self._optimizer.step()
+        self._optimizer.zero_grad()
+        return out
+
+
+def make_runner(
+    name: str, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+) -> Runner:
+    """The runner for `--pipeline name`.
+
+    Raises:
+        InputError: the `pipeline` package is not installed or lacks the class for `name`.
+    """
+    if name == "none":
+        return PlainLoop(model, optimizer, device)
+    class_name = PIPELINE_CLASSES[name]
+    try:
+        import pipeline
+    except ModuleNotFoundError as e:
+        if e.name != "pipeline":
+            raise
+        raise InputError(
+            f"--pipeline {name} needs the `pipeline` package of this repository; install it with "
+            f"`make setup` (or `pip install -e .`), or use --pipeline none"
+        ) from e
+    cls = getattr(pipeline, class_name, None)
+    if cls is None:
+        raise InputError(
+            f"--pipeline {name} needs `pipeline.{class_name}`, which the installed `pipeline` "
+            f"package does not provide (yet); use --pipeline none"
+        )
+    return cls(model, optimizer, device)

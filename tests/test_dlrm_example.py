@@ -1,0 +1,245 @@
+"""examples/dlrm: every --pipeline value trains like the plain loop on 2 ranks, the TSV reader reads
+the fixture, bad input fails with one clear paragraph, and the torchrun entry point runs.
+
+tests/fixtures/criteo_tiny.tsv was written by
+`python examples/dlrm/train.py --write-tsv tests/fixtures/criteo_tiny.tsv --lines 48 --seed 0
+--num-embeddings 10000` (missing rate 0.1); `_FIXTURE_SPEC` must match that command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from examples.dlrm import train as train_script
+from examples.dlrm.config import InputError, TrainConfig
+from examples.dlrm.criteo_tsv import resolve_paths, tsv_batches
+from examples.dlrm.loop import train
+from examples.dlrm.runners import PIPELINE_CLASSES
+from examples.dlrm.synthetic import SyntheticSpec, synthetic_batches
+from tests.harness import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "fixtures" / "criteo_tiny.tsv"
+_FIXTURE_SPEC = SyntheticSpec(table_sizes=(10_000,) * 26, missing_rate=0.1, seed=0)
+_STEPS = 6
+
+
+def _pipeline_missing(name: str) -> str | None:
+    """Why `pipeline` cannot provide the class for `name` yet, or None when it can.
+
+    Only a missing package or a missing class counts: a package that fails to import for any other
+    reason is broken, and its tests must fail, not skip.
+    """
+    try:
+        import pipeline
+    except ModuleNotFoundError as e:
+        if e.name != "pipeline":
+            raise
+        return "the `pipeline` package is not installed yet"
+    if not hasattr(pipeline, PIPELINE_CLASSES[name]):
+        return f"the `pipeline` package does not provide {PIPELINE_CLASSES[name]} yet"
+    return None
+
+
+def _config(pipeline: str, **overrides) -> TrainConfig:
+    base = dict(
+        pipeline=pipeline,
+        steps=_STEPS,
+        batch_size=64,
+        num_embeddings=(500,),
+        eval_batches=2,
+        log_every=3,
+        show_progress=False,
+    )
+    return TrainConfig(**{**base, **overrides})
+
+
+def _run_variants(rank: int, world_size: int, names: list[str]) -> dict:
+    device = torch.device("cpu")
+    results: dict = {}
+    for name in names:
+        try:
+            results[name] = {}
+            if name == "none":  # without eval: the reference for what eval must not change
+                plain = train(_config(name), rank=rank, world_size=world_size, device=device)
+                results[name]["losses"] = plain.losses
+            evaluated = train(_config(name, eval_every=2), rank=rank, world_size=world_size, device=device)
+            results[name].update(losses_with_eval=evaluated.losses, eval_losses=evaluated.eval_losses)
+        except Exception:
+            # Recorded, not raised, so that one broken variant does not hide the others (it only
+            # hangs them if it failed on one rank alone).
+            results[name] = traceback.format_exc()
+    long_run = _config("none", steps=40, batch_size=128, log_every=40, lr=0.1)
+    results["learning"] = train(long_run, rank=rank, world_size=world_size, device=device).losses
+    return results
+
+
+def _should_run(name: str) -> bool:
+    try:
+        return _pipeline_missing(name) is None
+    except Exception:
+        return True  # a broken package: run the variant, so that its test fails with the error
+
+
+@pytest.fixture(scope="module")
+def variants() -> list[dict]:
+    names = ["none"] + [n for n in PIPELINE_CLASSES if _should_run(n)]
+    return run_ranks(_run_variants, 2, timeout=150, args=(names,))
+
+
+def test_plain_loop_trains_on_two_ranks(variants):
+    for rank in range(2):
+        reference = variants[rank]["none"]
+        assert isinstance(reference, dict), reference
+        assert len(reference["losses"]) == _STEPS
+        # An eval pass between steps must not change training.
+        assert reference["losses_with_eval"] == reference["losses"]
+        # eval after steps 2, 4, 6, two batches each
+        assert [len(p) for p in reference["eval_losses"]] == [2, 2, 2]
+        # ... on the same eval batches, so a changing loss means the model changed.
+        assert reference["eval_losses"][0] != reference["eval_losses"][-1]
+        learning = variants[rank]["learning"]
+        assert sum(learning[-10:]) < sum(learning[:10]) - 0.5, learning
+    # Ranks read different data.
+    assert variants[0]["none"]["losses"] != variants[1]["none"]["losses"]
+
+
+@pytest.mark.parametrize("name", list(PIPELINE_CLASSES))
+def test_pipeline_matches_plain_loop(variants, name):
+    missing = _pipeline_missing(name)
+    if missing:
+        pytest.skip(f"{missing}: the example's --pipeline {name} cannot run until it does")
+    for rank in range(2):
+        got, reference = variants[rank][name], variants[rank]["none"]
+        assert isinstance(got, dict), f"--pipeline {name} failed on rank {rank}:\n{got}"
+        assert got["losses_with_eval"] == reference["losses"], f"rank {rank} training losses"
+        assert got["eval_losses"] == reference["eval_losses"], f"rank {rank} eval losses"
+
+
+def test_tsv_reader_reads_the_fixture_as_generated():
+    (batch,) = tsv_batches(
+        resolve_paths(str(FIXTURE)),
+        table_sizes=_FIXTURE_SPEC.table_sizes,
+        batch_size=48,
+        rank=0,
+        world_size=1,
+    )
+    (expected,) = synthetic_batches(_FIXTURE_SPEC, batch_size=48, num_batches=1, rank=0)
+    assert batch.dense_features.shape == (48, 13)
+    assert torch.equal(batch.dense_features, expected.dense_features)
+    assert torch.equal(batch.labels, expected.labels)
+    assert batch.sparse_features.keys() == expected.sparse_features.keys()
+    assert torch.equal(batch.sparse_features.lengths(), expected.sparse_features.lengths())
+    assert torch.equal(batch.sparse_features.values(), expected.sparse_features.values())
+    # The fixture has empty fields, which read as no id.
+    assert 0 < int((batch.sparse_features.lengths() == 0).sum()) < 48 * 26
+
+
+def test_tsv_ranks_read_disjoint_shares():
+    def read(rank: int, world_size: int, batch_size: int):
+        return list(
+            tsv_batches(
+                [FIXTURE],
+                table_sizes=(97,) * 26,
+                batch_size=batch_size,
+                rank=rank,
+                world_size=world_size,
+            )
+        )
+
+    whole = read(0, 1, 10)  # 4 batches of 10 lines; the last 8 lines make no full batch
+    shares = [read(r, 2, 5) for r in range(2)]
+    assert len(whole) == len(shares[0]) == len(shares[1]) == 4
+    for j, batch in enumerate(whole):
+        joined = torch.cat([shares[0][j].dense_features, shares[1][j].dense_features])
+        assert torch.equal(joined, batch.dense_features)
+        assert torch.equal(torch.cat([s[j].labels for s in shares]), batch.labels)
+
+
+def test_missing_data_file_is_one_clear_error(tmp_path, capsys):
+    missing = tmp_path / "nope.tsv"
+    assert train_script.main(["--data", str(missing), "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("train.py: error:") and str(missing) in err
+    assert "Traceback" not in err
+    with pytest.raises(InputError, match="no data file matches"):
+        resolve_paths(str(tmp_path / "*.tsv"))
+    with pytest.raises(InputError, match="not a file"):
+        resolve_paths(str(tmp_path))
+
+
+def test_wrong_column_count_names_file_and_line(tmp_path):
+    lines = FIXTURE.read_text().splitlines(keepends=True)
+    lines[4] = lines[4].split("\t", 1)[1]  # line 5 loses its label column
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("".join(lines))
+    with pytest.raises(InputError, match=r"bad\.tsv:5: expected 40 tab-separated columns.*39"):
+        list(tsv_batches([bad], table_sizes=(97,) * 26, batch_size=4, rank=1, world_size=2))
+
+
+def test_malformed_value_names_file_and_line(tmp_path):
+    lines = FIXTURE.read_text().splitlines(keepends=True)
+    lines[2] = "7" + lines[2][1:]  # label 7
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("".join(lines))
+    with pytest.raises(InputError, match=r"bad\.tsv:3: malformed field: label 7"):
+        list(tsv_batches([bad], table_sizes=(97,) * 26, batch_size=4, rank=0, world_size=1))
+
+
+def test_batch_size_must_divide_by_world_size(monkeypatch, capsys):
+    with pytest.raises(InputError, match="divisible by the world size"):
+        TrainConfig(batch_size=255).local_batch_size(2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train_script.main(["--batch-size", "255", "--pipeline", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "255 samples do not split evenly over 2 ranks" in err and "Traceback" not in err
+    with pytest.raises(InputError, match="--batch-size must be a positive"):
+        TrainConfig(batch_size=0)
+
+
+def test_unknown_pipeline_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        train_script.main(["--pipeline", "fast"])
+    assert info.value.code == 2
+    assert "invalid choice: 'fast'" in capsys.readouterr().err
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_malformed_line_through_the_script_exits_2_without_traceback(tmp_path):
+    lines = FIXTURE.read_text().splitlines(keepends=True)
+    lines[30] = "\t".join(lines[30].split("\t")[:20]) + "\n"
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("".join(lines))
+    cmd = [sys.executable, "examples/dlrm/train.py", "--pipeline", "none", "--no-progress"]
+    proc = _run([*cmd, "--data", str(bad), "--batch-size", "8", "--steps", "0"], timeout=90)
+    assert proc.returncode == 2, proc.stderr
+    assert f"{bad}:31: expected 40 tab-separated columns" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_torchrun_entry_point_prints_the_summary(tmp_path):
+    summary = tmp_path / "summary.json"
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node=2", "examples/dlrm/train.py"]
+    flags = ["--pipeline", "none", "--steps", "3", "--batch-size", "64", "--eval-every", "3"]
+    proc = _run([*cmd, *flags, "--summary-json", str(summary)], timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "summary" in proc.stdout and "samples_per_second" in proc.stdout
+    assert "eval after step 3 | loss" in proc.stdout
+    written = json.loads(summary.read_text())
+    assert written["steps"] == 3 and written["world_size"] == 2 and written["eval_passes"] == 1
+    assert 0 < written["train_loss"] < 5 and written["samples_per_second"] > 0
