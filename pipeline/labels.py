@@ -12,20 +12,10 @@ from typing import Any
 
 from torch.profiler import record_function
 
+from pipeline.stages import STAGES
 from pipeline.streams import Streams
 
 __all__ = ["STAGES", "stage"]
-
-STAGES = (
-    "copy",
-    "input_dist::start",
-    "input_dist::splits",
-    "input_dist::wait",
-    "prefetch",
-    "forward",
-    "backward",
-    "optimizer",
-)
 
 
 @contextmanager

@@ -65,12 +65,21 @@ def _not_prepared(fqn: str, what: str) -> NotPreparedError:
 class _HijackedForward:
     """Common state: which module, under which name, reading which slot."""
 
-    kind = "base"
+    _take = ""  # the ForwardContext method that hands over what was prepared
+    _what = ""
 
     def __init__(self, fqn: str, module: nn.Module, slot: ContextSlot) -> None:
         self.fqn = fqn
         self.module = module
         self.slot = slot
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        ctx = self.slot.current
+        prepared = None if ctx is None else getattr(ctx, self._take)(self.fqn)
+        if prepared is None:
+            raise _not_prepared(self.fqn, self._what)
+        module_ctx, dist_input = prepared
+        return self.module.compute_and_output_dist(module_ctx, dist_input)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.fqn!r})"
@@ -79,25 +88,15 @@ class _HijackedForward:
 class PipelinedForward(_HijackedForward):
     """Runs `compute_and_output_dist` on the input_dist result the pipeline started earlier."""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        ctx = self.slot.current
-        prepared = None if ctx is None else ctx.take_input_dist(self.fqn)
-        if prepared is None:
-            raise _not_prepared(self.fqn, "The input_dist result")
-        module_ctx, dist_input = prepared
-        return self.module.compute_and_output_dist(module_ctx, dist_input)
+    _take = "take_input_dist"
+    _what = "The input_dist result"
 
 
 class PrefetchPipelinedForward(_HijackedForward):
     """Runs `compute_and_output_dist` on the post-prefetch input; no wait on communication."""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        ctx = self.slot.current
-        prepared = None if ctx is None else ctx.take_prefetched(self.fqn)
-        if prepared is None:
-            raise _not_prepared(self.fqn, "The prefetched input")
-        module_ctx, dist_input = prepared
-        return self.module.compute_and_output_dist(module_ctx, dist_input)
+    _take = "take_prefetched"
+    _what = "The prefetched input"
 
 
 class PostprocForward(_HijackedForward):

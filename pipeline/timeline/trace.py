@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.stages import STAGES  # torch-free: the timeline must not import torch
+
 __all__ = [
     "STAGES",
     "Kernel",
@@ -28,18 +30,8 @@ __all__ = [
     "parse_label",
 ]
 
+
 LABEL_RE = re.compile(r"^pipeline::(?P<stage>.+)#(?P<batch>\d+)$")
-# The stages the pipelines label (pipeline/labels.py, kept here to avoid importing torch).
-STAGES = (
-    "copy",
-    "input_dist::start",
-    "input_dist::splits",
-    "input_dist::wait",
-    "prefetch",
-    "forward",
-    "backward",
-    "optimizer",
-)
 # Kernel-like activities on the GPU timeline; each carries args.stream and args.correlation.
 _GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 # CPU-side calls that launch GPU work; args.correlation links them to the kernel.
