@@ -55,5 +55,10 @@ timeline: setup
 	$(BIN)/torchrun --standalone --nproc_per_node=2 examples/dlrm/train.py --pipeline prefetch $(TIMELINE_TRAIN_ARGS) --profile $(TIMELINE_OUT)/prefetch
 	$(BIN)/python -m pipeline.timeline compare $(TIMELINE_OUT)/base/rank0.json $(TIMELINE_OUT)/prefetch/rank0.json -o $(TIMELINE_OUT) --labels base,prefetch $(TIMELINE_ARGS)
 
+# `make bench BENCH_ARGS=` runs over loopback, without root; see docs/benchmarks.md for the flags.
+BENCH_ARGS ?= --link 1gbit
+bench: setup
+	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,93 @@
+"""The named model/batch shapes the benchmark runs: `BenchConfig` and the `CONFIGS` registry.
+
+Every config is a DLRM (torchrec's `DLRMTrain`) on 26 sparse and 13 dense features; they differ in
+where the time goes. `demo` is the size of `make demo`; `input-dist-heavy` sends ~100 ids per feature
+per sample with a tiny embedding dim and tiny MLPs, so the input all-to-all dominates; `compute-heavy`
+has one id per feature, a wide embedding and big MLPs, so the dense compute dominates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["CONFIGS", "NUM_DENSE", "NUM_SPARSE", "BenchConfig", "get_config"]
+
+NUM_DENSE = 13
+NUM_SPARSE = 26
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class BenchConfig:
+    """One model and batch shape."""
+
+    name: str
+    """Registry key, e.g. `input-dist-heavy`."""
+    description: str
+    """One line for the report: what dominates the step."""
+    batch_size: int
+    """Samples per rank per step (the global batch is this times the world size)."""
+    embedding_dim: int
+    """Width of every table (DLRM needs one width for all)."""
+    num_embeddings: int
+    """Rows of each of the 26 tables."""
+    ids_per_feature: int
+    """Mean ids per sparse feature per sample; lengths are uniform in [1, 2 * ids_per_feature - 1]
+    (exactly 1 when this is 1)."""
+    dense_hidden: tuple[int, ...]
+    """Hidden widths of the bottom MLP; `embedding_dim` is appended as its output."""
+    over_hidden: tuple[int, ...]
+    """Hidden widths of the top MLP; a single logit is appended as its output."""
+
+    def __post_init__(self) -> None:
+        for field in ("batch_size", "embedding_dim", "num_embeddings", "ids_per_feature"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{self.name}: {field} must be positive, got {getattr(self, field)}")
+
+
+CONFIGS: dict[str, BenchConfig] = {
+    c.name: c
+    for c in (
+        BenchConfig(
+            name="demo",
+            description="the demo's DLRM: 1 id per feature, dim 16, 64-wide MLPs",
+            batch_size=128,
+            embedding_dim=16,
+            num_embeddings=10_000,
+            ids_per_feature=1,
+            dense_hidden=(64,),
+            over_hidden=(64,),
+        ),
+        BenchConfig(
+            name="input-dist-heavy",
+            description="~100 ids per feature, dim 4, tiny MLPs: the input all-to-all dominates",
+            batch_size=256,
+            embedding_dim=4,
+            num_embeddings=10_000,
+            ids_per_feature=100,
+            dense_hidden=(16,),
+            over_hidden=(16,),
+        ),
+        BenchConfig(
+            name="compute-heavy",
+            description="1 id per feature, dim 64, 1024-wide MLPs: dense compute dominates",
+            batch_size=256,
+            embedding_dim=64,
+            num_embeddings=10_000,
+            ids_per_feature=1,
+            dense_hidden=(512, 256),
+            over_hidden=(1024, 1024, 512),
+        ),
+    )
+}
+
+
+def get_config(name: str) -> BenchConfig:
+    """The config called `name`.
+
+    Raises:
+        ValueError: no config has that name; the message lists the known ones.
+    """
+    try:
+        return CONFIGS[name]
+    except KeyError:
+        raise ValueError(f"unknown config {name!r}; choose from {', '.join(CONFIGS)}") from None

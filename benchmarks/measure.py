@@ -1,0 +1,135 @@
+"""Peak memory and profiler arithmetic for one run of one variant.
+
+Memory on CPU is the process's resident set: `reset_peak` releases what Python and malloc hold
+free (gc, `malloc_trim`), resets the kernel's high-water mark (`/proc/self/clear_refs` = 5) and
+returns the RSS then; `peak` reads the high-water mark (VmHWM) back. The difference is the run's peak
+growth. On CUDA the same pair uses the caching allocator's allocated-bytes counters.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["ProfileSummary", "peak", "reset_peak", "summarize_profile", "tensor_peak_bytes"]
+
+_STATUS = Path("/proc/self/status")
+# "pipeline::forward#12" and torchrec's "## forward 12 ##" both name stage "forward" of batch 12.
+_INDEX_SUFFIX = re.compile(r"(#\d+$)|(\s+\d+\s*##$)|(\s*##$)")
+
+
+def reset_peak(device: torch.device) -> int:
+    """Free what can be freed, restart peak tracking and return current memory in bytes."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    _malloc_trim()
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kb("VmRSS") * 1024
+
+
+def peak(device: torch.device) -> int:
+    """Peak memory in bytes since the last `reset_peak`."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    return _status_kb("VmHWM") * 1024
+
+
+def _status_kb(key: str) -> int:
+    match = re.search(rf"^{key}:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"no {key} in {_STATUS}: cannot measure memory on this system")
+    return int(match.group(1))
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: freed memory may stay resident (a bigger baseline)
+        pass
+
+
+@dataclass(kw_only=True, slots=True)
+class ProfileSummary:
+    """What one profiled segment says, per step."""
+
+    wait_in_forward_ms: float
+    """Time inside the forward label spent under the input_dist wait label, per step."""
+    forward_ms: float
+    """Time under the forward label, per step."""
+    labels_ms: dict[str, float]
+    """Every `pipeline::`, `bench::` and torchrec `## ... ##` label on the forward's thread, with its
+    batch index removed, to its total time per step (nested labels count in each parent)."""
+
+
+def summarize_profile(
+    events: Iterable[Any], *, forward_label: str, wait_label: str, steps: int
+) -> ProfileSummary:
+    """Sum the wait labels contained in forward labels on the same thread.
+
+    Args:
+        events: `torch.profiler.profile(...).events()`; each has `name`, `thread` and `time_range`
+            (microseconds).
+        forward_label: prefix of the label around forward.
+        wait_label: prefix of the input_dist wait label.
+        steps: steps the segment ran, to turn totals into per-step figures.
+    """
+    events = [e for e in events if _is_label(e.name)]
+    forwards = [e for e in events if e.name.startswith(forward_label)]
+    threads = {e.thread for e in forwards}
+    per_thread: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for f in forwards:
+        per_thread[f.thread].append((f.time_range.start, f.time_range.end))
+    waited = 0.0
+    labels: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e.thread not in threads:
+            continue
+        start, end = e.time_range.start, e.time_range.end
+        labels[_INDEX_SUFFIX.sub("", e.name)] += (end - start) / 1e3
+        if e.name.startswith(wait_label) and any(s <= start and end <= t for s, t in per_thread[e.thread]):
+            waited += (end - start) / 1e3
+    forward_ms = sum(t - s for spans in per_thread.values() for s, t in spans) / 1e3
+    return ProfileSummary(
+        wait_in_forward_ms=waited / steps,
+        forward_ms=forward_ms / steps,
+        labels_ms={k: v / steps for k, v in sorted(labels.items())},
+    )
+
+
+def tensor_peak_bytes(prof: Any, device: torch.device) -> int:
+    """Largest rise of live tensor bytes on `device` during a `profile(profile_memory=True)` segment.
+
+    The profiler logs every allocation (+bytes) and free (-bytes); the result is the largest
+    `live(t) - min(live(s) for s <= t)`. Unlike RSS it ignores what the allocator keeps cached, so it
+    is the CPU counterpart of CUDA's max allocated. Frees of tensors made before the segment only
+    lower the running minimum, so a segment of a few steps measures the steady state.
+    """
+    kind = "CUDA" if device.type == "cuda" else "CPU"
+    changes = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and str(e.device_type()).endswith(kind)
+    )
+    live = low = rise = 0
+    for _, nbytes in changes:
+        live += nbytes
+        low = min(low, live)
+        rise = max(rise, live - low)
+    return rise
+
+
+def _is_label(name: str) -> bool:
+    return name.startswith(("pipeline::", "bench::", "## "))

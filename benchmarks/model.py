@@ -1,0 +1,112 @@
+"""Build the sharded DLRM of a `BenchConfig`, and the batches every variant trains on.
+
+`build_model` seeds the global RNG first, so two calls on the same config give bit-identical models
+(weights, sharding plan, optimizer state): each variant of a round starts from the same model.
+`make_batches` draws each batch from its own generator seeded by (seed, rank, index), so all variants
+see the same batches, generated in memory before any timing starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.datasets.utils import Batch
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
+from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
+from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
+from torchrec.models.dlrm import DLRM, DLRMTrain
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from benchmarks.configs import NUM_DENSE, NUM_SPARSE, BenchConfig
+
+__all__ = ["BuiltModel", "batch_nbytes", "build_model", "make_batches"]
+
+# gloo has no row-wise sharding; on CUDA the planner may choose freely.
+_CPU_SHARDING = ["table_wise", "column_wise"]
+_LR = 0.05
+
+
+@dataclass(kw_only=True, slots=True)
+class BuiltModel:
+    """A sharded model and the optimizer the training loop steps."""
+
+    model: nn.Module
+    """DistributedModelParallel over DLRMTrain; `model(batch)` returns `(loss, output)`."""
+    optimizer: torch.optim.Optimizer
+    """Steps the dense parameters; the embeddings use SGD fused into backward."""
+
+
+def build_model(config: BenchConfig, *, device: torch.device, seed: int = 0) -> BuiltModel:
+    """Build and shard `config`'s DLRM over the default process group (a collective call)."""
+    torch.manual_seed(seed)
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=config.embedding_dim,
+            num_embeddings=config.num_embeddings,
+            feature_names=[f"f{i}"],
+        )
+        for i in range(NUM_SPARSE)
+    ]
+    # On the meta device nothing is allocated: each rank materializes only its own shards.
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    dlrm = DLRMTrain(
+        DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=NUM_DENSE,
+            dense_arch_layer_sizes=[*config.dense_hidden, config.embedding_dim],
+            over_arch_layer_sizes=[*config.over_hidden, 1],
+        )
+    )
+    apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": _LR})
+    world_size = dist.get_world_size()
+    sharding = _CPU_SHARDING if device.type == "cpu" else None
+    constraints = {t.name: ParameterConstraints(sharding_types=sharding) for t in tables}
+    planner = EmbeddingShardingPlanner(
+        topology=TopologyFactory.create_topology(
+            trainer_config=TrainerConfig(world_size=world_size, local_world_size=world_size),
+            kernel_config=KernelConfig(compute_device=device.type),
+        ),
+        batch_size=config.batch_size,
+        constraints=constraints,
+        storage_reservation=FixedPercentageStorageReservation(0.15),
+    )
+    sharders = [EmbeddingBagCollectionSharder()]
+    plan = planner.collective_plan(dlrm, sharders, dist.GroupMember.WORLD)
+    model = DistributedModelParallel(dlrm, device=device, plan=plan, sharders=sharders)
+    dense = dict(in_backward_optimizer_filter(model.named_parameters()))
+    optimizer = KeyedOptimizerWrapper(dense, lambda params: torch.optim.SGD(params, lr=_LR))
+    return BuiltModel(model=model, optimizer=optimizer)
+
+
+def make_batches(config: BenchConfig, *, count: int, rank: int, seed: int = 0) -> list[Batch]:
+    """`count` batches of `config.batch_size` samples for `rank`, on CPU, deterministic in the
+    arguments: uniform ids, lengths uniform around `config.ids_per_feature`, random labels."""
+    out = []
+    for index in range(count):
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + rank) * 1_000_003 + index)
+        n, p = config.batch_size, config.ids_per_feature
+        lengths = torch.randint(1, 2 * p, (NUM_SPARSE * n,), generator=gen, dtype=torch.int32)
+        values = torch.randint(0, config.num_embeddings, (int(lengths.sum()),), generator=gen)
+        sparse = KeyedJaggedTensor.from_lengths_sync(
+            keys=[f"f{i}" for i in range(NUM_SPARSE)], values=values, lengths=lengths
+        )
+        dense = torch.rand(n, NUM_DENSE, generator=gen)
+        labels = torch.randint(0, 2, (n,), generator=gen)
+        out.append(Batch(dense_features=dense, sparse_features=sparse, labels=labels))
+    return out
+
+
+def batch_nbytes(batch: Batch) -> int:
+    """Bytes of every tensor one batch holds (dense, labels, ids, lengths, offsets)."""
+    kjt = batch.sparse_features
+    tensors = [batch.dense_features, batch.labels, kjt.values(), kjt.lengths(), kjt.offsets()]
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,83 @@
+"""What one benchmark invocation runs: `RunSpec`, the variant names, and the order of a round.
+
+Kept free of torch imports: the launcher and the report read it without loading torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from benchmarks.configs import get_config
+
+__all__ = ["OURS_TO_TORCHREC", "VARIANTS", "RunSpec", "round_order"]
+
+VARIANTS = (
+    "plain",
+    "ours-base",
+    "ours-sparse-dist",
+    "ours-prefetch",
+    "torchrec-base",
+    "torchrec-sparse-dist",
+    "torchrec-prefetch",
+)
+"""The training loops compared; see `benchmarks.variants`."""
+OURS_TO_TORCHREC = {
+    "ours-base": "torchrec-base",
+    "ours-sparse-dist": "torchrec-sparse-dist",
+    "ours-prefetch": "torchrec-prefetch",
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class RunSpec:
+    """What one benchmark invocation runs; the same on every rank."""
+
+    configs: tuple[str, ...]
+    """Names from `benchmarks.configs.CONFIGS`."""
+    variants: tuple[str, ...] = VARIANTS
+    """Names from `VARIANTS`."""
+    steps: int = 20
+    """Timed steps per run."""
+    warmup: int = 5
+    """Untimed steps before the timed ones (first-batch rewrite, allocator warm-up)."""
+    rounds: int = 3
+    """Repetitions of every variant; the order of variants is rotated between rounds."""
+    profile_steps: int = 5
+    """Steps of the separate profiled segment (input_dist wait inside forward); 0 skips it."""
+    seed: int = 0
+    """Seeds the models and the batches."""
+    device: str = "cpu"
+    """`cpu` (gloo) or `cuda` (nccl, one GPU per rank)."""
+    trace_dir: str | None = None
+    """Write each profiled segment's chrome trace here (`<config>_<variant>_r<round>_rank<r>.json`,
+    readable by `python -m pipeline.timeline`); None writes none."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.rounds < 1 or self.warmup < 0 or self.profile_steps < 0:
+            raise ValueError("steps and rounds must be positive, warmup and profile_steps not negative")
+        if not self.configs:
+            raise ValueError("no configs to run")
+        for name in self.configs:
+            get_config(name)
+        unknown = set(self.variants) - set(VARIANTS)
+        if unknown or not self.variants:
+            raise ValueError(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RunSpec:
+        raw = json.loads(text)
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+
+
+def round_order(variants: tuple[str, ...], round_index: int) -> list[str]:
+    """`variants` rotated so that each round starts with a different one, spread evenly."""
+    stride = max(1, len(variants) // 3)
+    shift = (round_index * stride) % len(variants)
+    return [*variants[shift:], *variants[:shift]]

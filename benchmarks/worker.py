@@ -1,0 +1,169 @@
+"""One rank of a benchmark: every config, round and variant, in the order both ranks agree on.
+
+Started by `benchmarks.launch` as `python -m benchmarks.worker SPEC OUT` with the usual torchrun
+environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; GLOO_SOCKET_IFNAME under link emulation).
+It writes this rank's records to OUT as JSON; `benchmarks.report` merges the ranks.
+
+One run of one variant: build the model (same seed for every variant), reset the peak-memory
+tracker, `warmup` untimed steps, `steps` steps timed one by one with `perf_counter`, then a separate
+profiled segment of `profile_steps` steps (so profiler overhead never reaches the step times), then
+drain the batches still in flight. Every variant trains the same pre-generated batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import logging
+import os
+import sys
+import time
+import warnings
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.configs import BenchConfig, get_config
+from benchmarks.measure import peak, reset_peak, summarize_profile, tensor_peak_bytes
+from benchmarks.model import batch_nbytes, build_model, make_batches
+from benchmarks.spec import RunSpec, round_order
+from benchmarks.variants import make_runner, timed_input_dist
+
+__all__ = ["run_rank"]
+
+# Batches beyond the measured ones, so that the profiled steps still have i+1 and i+2 in flight.
+_TAIL = 2
+_PRIMERS = ("plain", "ours-sparse-dist", "torchrec-sparse-dist")
+
+
+def run_rank(spec: RunSpec, rank: int) -> list[dict[str, Any]]:
+    """Every (config, round, variant) run on this rank; the process group must be initialized."""
+    device = torch.device(spec.device, rank if spec.device == "cuda" else None)
+    records = []
+    for name in spec.configs:
+        config = get_config(name)
+        count = spec.warmup + spec.steps + spec.profile_steps + _TAIL
+        batches = make_batches(config, count=count, rank=rank, seed=spec.seed)
+        _prime(config, batches, device, spec.seed)
+        for round_index in range(spec.rounds):
+            for position, variant in enumerate(round_order(spec.variants, round_index)):
+                trace = None
+                if spec.trace_dir:
+                    trace = Path(spec.trace_dir) / f"{name}_{variant}_r{round_index}_rank{rank}.json"
+                record = _run_one(spec, config, variant, batches, device, trace)
+                record.update(round=round_index, position=position, batch_bytes=batch_nbytes(batches[0]))
+                records.append(record)
+                if rank == 0:
+                    print(f"[bench] {name} round {round_index} {variant}: {_brief(record)}", flush=True)
+    return records
+
+
+def _prime(config: BenchConfig, batches: list, device: torch.device, seed: int) -> None:
+    """A few untimed steps of the plain loop and both SparseDist pipelines, so that one-time costs
+    of the process (thread pools, allocator arenas, first fx trace) land on no measured run."""
+    for variant in _PRIMERS:
+        built = build_model(config, device=device, seed=seed)
+        _drain(make_runner(variant, built.model, built.optimizer, device), iter(batches[:4]))
+        dist.barrier()
+
+
+def _run_one(
+    spec: RunSpec,
+    config: BenchConfig,
+    variant: str,
+    batches: list,
+    device: torch.device,
+    trace: Path | None,
+) -> dict:
+    record: dict[str, Any] = {"config": config.name, "variant": variant, "status": "ok"}
+    built = build_model(config, device=device, seed=spec.seed)
+    dist.barrier()
+    baseline = reset_peak(device)
+    it = iter(batches)
+    try:
+        runner = make_runner(variant, built.model, built.optimizer, device)
+        for _ in range(spec.warmup):
+            runner.step(it)
+    except Exception as e:
+        if variant == "torchrec-prefetch" and device.type == "cpu":
+            # Known: torchrec 1.8's Prefetch pipeline prefetches only on CUDA, and its forward then
+            # refuses the batch. Both ranks fail at the same point, so they stay in step.
+            record.update(status="unsupported", message=f"does not run on CPU ({type(e).__name__}: {e})")
+            # It had launched input_dist all-to-alls it will never wait for; gloo's barrier waits for
+            # all earlier work, so nothing is still running when the process group is destroyed.
+            del e
+            gc.collect()
+            dist.barrier()
+            return record
+        raise
+    times = []
+    for _ in range(spec.steps):
+        start = time.perf_counter()
+        runner.step(it)
+        times.append(time.perf_counter() - start)
+    record.update(step_times_s=times, peak_bytes=peak(device) - baseline, baseline_bytes=baseline)
+    if spec.profile_steps:
+        inline = timed_input_dist(built.model) if runner.inline_input_dist else nullcontext()
+        with inline, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            for _ in range(spec.profile_steps):
+                runner.step(it)
+        summary = summarize_profile(
+            prof.events(),
+            forward_label=runner.forward_label,
+            wait_label=runner.wait_label,
+            steps=spec.profile_steps,
+        )
+        record.update(dataclasses.asdict(summary), tensor_peak_bytes=tensor_peak_bytes(prof, device))
+        if trace is not None:
+            trace.parent.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(trace))
+    _drain(runner, it)
+    return record
+
+
+def _drain(runner: Any, it: Any) -> None:
+    """Train what is left, in flight or not, so no collective is left pending on any rank."""
+    try:
+        while True:
+            runner.step(it)
+    except StopIteration:
+        pass
+
+
+def _brief(record: dict[str, Any]) -> str:
+    if record["status"] != "ok":
+        return record.get("message", record["status"])
+    times = sorted(record["step_times_s"])
+    return f"median {times[len(times) // 2] * 1e3:.1f} ms"
+
+
+def main(argv: list[str]) -> int:
+    spec_path, out_path = argv
+    spec = RunSpec.from_json(Path(spec_path).read_text())
+    _quiet()
+    # Two ranks on two cores: one intra-op thread each keeps them from thrashing.
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("nccl" if spec.device == "cuda" else "gloo")
+    try:
+        records = run_rank(spec, rank)
+        Path(out_path).write_text(json.dumps(records))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def _quiet() -> None:
+    # torchrec's planner and DMP warn on every build; the benchmark builds dozens of models.
+    warnings.filterwarnings("ignore")
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    logging.getLogger("torch").setLevel(logging.ERROR)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

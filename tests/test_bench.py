@@ -1,0 +1,163 @@
+"""The benchmark machinery: a tiny end-to-end run on 2 ranks, and link emulation's setup, cleanup and
+"cannot run" paths against a fake `ip`/`tc` (no root needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Sequence
+
+import pytest
+
+from benchmarks import link as link_mod
+from benchmarks.link import LinkUnavailable, check_available, emulated_link, parse_rate
+from benchmarks.run import main
+from benchmarks.spec import VARIANTS, RunSpec, round_order
+
+
+def test_tiny_run_reports_every_variant(tmp_path):
+    out = tmp_path / "r.json"
+    argv = ["--configs", "demo", "--steps", "3", "--warmup", "2", "--rounds", "1", "--profile-steps", "2"]
+    assert main([*argv, "--json", str(out), "--md", str(tmp_path / "r.md")]) == 0
+    result = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in result["summary"]}
+    assert set(rows) == set(VARIANTS)
+    for variant, row in rows.items():
+        if variant == "torchrec-prefetch" and row["status"] != "ok":
+            assert "does not run on CPU" in row["message"]
+            continue
+        assert row["status"] == "ok", row
+        assert row["median_step_ms"] > 0 and row["samples_per_s"] > 0
+        assert row["wait_in_forward_ms"] is not None
+    assert rows["plain"]["vs_plain"] == pytest.approx(1.0)
+    assert rows["plain"]["wait_in_forward_ms"] > 0  # the inline input_dist was measured
+    runs = [r for r in result["runs"] if r["status"] == "ok"]
+    assert all(len(r["step_times_s"]) == 3 and min(r["step_times_s"]) > 0 for r in runs)
+    assert (tmp_path / "r.md").read_text().startswith("# Benchmark results")
+
+
+def test_rounds_rotate_the_order():
+    orders = [round_order(VARIANTS, r) for r in range(3)]
+    assert all(sorted(o) == sorted(VARIANTS) for o in orders)
+    assert len({o[0] for o in orders}) == 3
+
+
+def test_spec_rejects_unknown_names():
+    with pytest.raises(ValueError, match="unknown config"):
+        RunSpec(configs=("nope",))
+    with pytest.raises(ValueError, match="unknown variants"):
+        RunSpec(configs=("demo",), variants=("fast",))
+
+
+# -- link emulation, against a fake `ip` -------------------------------------------------------
+
+
+class FakeIp:
+    """Just enough of `ip`/`tc` state: namespaces, and which namespace each interface is in."""
+
+    def __init__(self, fail_on: str | None = None, namespaces: Sequence[str] = ()) -> None:
+        self.fail_on = fail_on
+        self.namespaces = set(namespaces)
+        self.links: dict[str, str | None] = {}  # interface -> namespace (None: root)
+        self.calls: list[list[str]] = []
+
+    def __call__(self, argv: Sequence[str]) -> str:
+        argv = list(argv)
+        self.calls.append(argv)
+        if self.fail_on and self.fail_on in " ".join(argv):
+            raise LinkUnavailable(f"`{' '.join(argv)}` failed: fake failure")
+        match argv:
+            case ["ip", "netns", "add", ns]:
+                self.namespaces.add(ns)
+            case ["ip", "netns", "del", ns]:
+                self.namespaces.discard(ns)
+                self.links = {d: n for d, n in self.links.items() if n != ns}
+            case ["ip", "netns", "list"]:
+                return "".join(f"{ns} (id: {i})\n" for i, ns in enumerate(sorted(self.namespaces)))
+            case ["ip", "link", "add", a, "type", "veth", "peer", "name", b]:
+                self.links.update({a: None, b: None})
+            case ["ip", "link", "set", dev, "netns", ns]:
+                self.links[dev] = ns
+            case ["ip", "link", "show", dev] if self.links.get(dev, "absent") is not None:
+                raise LinkUnavailable(f"Device {dev} does not exist")
+            case ["ip", "link", "del", dev]:
+                self.links.clear()  # deleting one end of a veth deletes the pair
+        return ""
+
+    @property
+    def clean(self) -> bool:
+        return not any(ns.startswith("trbench-") for ns in self.namespaces) and not self.links
+
+
+def _ok() -> None:
+    pass
+
+
+def test_link_creates_and_removes_everything():
+    ip = FakeIp()
+    with emulated_link("1gbit", run=ip, check=_ok) as link:
+        assert set(link.namespaces) <= ip.namespaces
+        assert ip.links == {link.interfaces[0]: link.namespaces[0], link.interfaces[1]: link.namespaces[1]}
+        tbf = [c for c in ip.calls if c[0] == "tc"]
+        assert len(tbf) == 2 and all("tbf" in c and "1gbit" in c for c in tbf)
+        assert link.env(1) == {"GLOO_SOCKET_IFNAME": link.interfaces[1], "MASTER_ADDR": "10.77.0.1"}
+        assert link.command(0, ["python"])[:4] == ["ip", "netns", "exec", link.namespaces[0]]
+    assert ip.clean
+
+
+@pytest.mark.parametrize("step", ["netns add", "type veth", "r1 netns", "tc -n"])
+def test_link_cleans_up_when_setup_fails(step):
+    ip = FakeIp(fail_on=step)
+    with pytest.raises(LinkUnavailable, match="fake failure"):
+        with emulated_link("100mbit", run=ip, check=_ok):
+            pytest.fail("the body must not run")
+    assert ip.clean
+
+
+def test_link_cleans_up_on_ctrl_c_and_sigterm():
+    ip = FakeIp()
+    with pytest.raises(KeyboardInterrupt):
+        with emulated_link("1gbit", run=ip, check=_ok):
+            raise KeyboardInterrupt
+    assert ip.clean
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as info:
+        with emulated_link("1gbit", run=ip, check=_ok):
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert info.value.code == 128 + signal.SIGTERM
+    assert ip.clean
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+
+
+def test_link_removes_namespaces_of_dead_runs_only():
+    alive = f"trbench-{os.getppid()}-0"  # a live process, not this one
+    ip = FakeIp(namespaces=["trbench-999999999-0", alive, "other"])
+    with emulated_link("1gbit", run=ip, check=_ok):
+        pass
+    assert ip.namespaces == {alive, "other"}
+
+
+def test_link_says_why_it_cannot_run(monkeypatch):
+    with pytest.raises(LinkUnavailable, match="needs root"):
+        check_available(euid=lambda: 1000)
+    with pytest.raises(LinkUnavailable, match=r"needs tc from iproute2.*apt-get install iproute2"):
+        check_available(euid=lambda: 0, which=lambda tool: None if tool == "tc" else "/usr/sbin/ip")
+    ip = FakeIp()
+    with pytest.raises(LinkUnavailable, match="needs root"):
+        with emulated_link("1gbit", run=ip, check=lambda: check_available(euid=lambda: 1000)):
+            pass
+    assert ip.calls == []  # nothing was attempted
+    # The CLI turns it into one message and exit status 2, before starting any rank.
+    monkeypatch.setattr(link_mod.os, "geteuid", lambda: 1000)
+    assert main(["--configs", "demo", "--link", "1gbit"]) == 2
+
+
+def test_parse_rate():
+    assert parse_rate("1gbit") == 1e9
+    assert parse_rate("100mbit") == 1e8
+    assert parse_rate("125mbps") == 1e9
+    assert parse_rate("1.5Gbit") == 1.5e9
+    for bad in ("fast", "1 gigabit", "0mbit", "-1gbit", ""):
+        with pytest.raises(ValueError, match="not a tc rate"):
+            parse_rate(bad)
