@@ -95,6 +95,7 @@ def _rank_env(rank: int, world_size: int, port: int, link: Link | None) -> dict[
         PYTHONUNBUFFERED="1",
     )
     env.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's start/stop banners, on every segment
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # "block allocated before profiling": expected
     if link is not None:
         env.update(link.env(rank))
     return env

@@ -103,12 +103,12 @@ def check_available(
     hint = "or run without --link to benchmark over loopback (make bench BENCH_ARGS=)"
     if (euid or os.geteuid)() != 0:
         raise LinkUnavailable(
-            f"--link needs root (network namespaces, veth and tc qdiscs): run as root {hint}"
+            f"--link needs root (network namespaces, veth and tc qdiscs): run as root, {hint}"
         )
     missing = [tool for tool in ("ip", "tc") if which(tool) is None]
     if missing:
         raise LinkUnavailable(
-            f"--link needs {' and '.join(missing)} from iproute2: apt-get install iproute2 {hint}"
+            f"--link needs {' and '.join(missing)} from iproute2: apt-get install iproute2, {hint}"
         )
 
 

@@ -110,12 +110,15 @@ def summarize_profile(
 
 
 def tensor_peak_bytes(prof: Any, device: torch.device) -> int:
-    """Largest rise of live tensor bytes on `device` during a `profile(profile_memory=True)` segment.
+    """Peak bytes of tensors on `device` allocated during a `profile(profile_memory=True)` segment
+    and alive at the same time.
 
-    The profiler logs every allocation (+bytes) and free (-bytes); the result is the largest
-    `live(t) - min(live(s) for s <= t)`. Unlike RSS it ignores what the allocator keeps cached, so it
-    is the CPU counterpart of CUDA's max allocated. Frees of tensors made before the segment only
-    lower the running minimum, so a segment of a few steps measures the steady state.
+    The profiler logs each allocation (+bytes) and each free of a block it saw allocated (-bytes);
+    the result is the maximum of their running sum. Unlike RSS it ignores what the allocator keeps
+    cached: the CPU counterpart of CUDA's max allocated. Everything a step creates, in-flight
+    batches included, is freed within a few steps, so over a segment of several steps the figure is
+    the steady-state peak minus the long-lived state (weights, optimizer state, the batches in
+    memory), which is the same for every variant.
     """
     kind = "CUDA" if device.type == "cuda" else "CPU"
     changes = sorted(
@@ -123,12 +126,11 @@ def tensor_peak_bytes(prof: Any, device: torch.device) -> int:
         for e in prof.profiler.kineto_results.events()
         if e.name() == "[memory]" and str(e.device_type()).endswith(kind)
     )
-    live = low = rise = 0
+    live = top = 0
     for _, nbytes in changes:
         live += nbytes
-        low = min(low, live)
-        rise = max(rise, live - low)
-    return rise
+        top = max(top, live)
+    return top
 
 
 def _is_label(name: str) -> bool:

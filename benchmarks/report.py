@@ -35,6 +35,8 @@ class Row:
     median_step_ms: float | None = None
     """Median over every timed step of every round."""
     round_medians_ms: list[float] | None = None
+    spread: float | None = None
+    """(slowest - fastest round median) / median: how far apart the rounds were."""
     samples_per_s: float | None = None
     """Global batch (all ranks) over the median step time."""
     vs_plain: float | None = None
@@ -46,7 +48,7 @@ class Row:
     extra_peak_mib: float | None = None
     """`peak_mib` minus the plain loop's."""
     tensor_peak_mib: float | None = None
-    """Largest rise of live tensor memory in the profiled segment, MiB (allocator cache ignored)."""
+    """Peak live tensor memory made during the profiled segment, MiB (allocator cache ignored)."""
     extra_tensor_mib: float | None = None
     """`tensor_peak_mib` minus the plain loop's."""
     batch_mib: float | None = None
@@ -102,13 +104,15 @@ def summarize(runs: list[dict[str, Any]], *, world_size: int) -> list[Row]:
             continue
         steps = [t for r in ok for t in r["step_times_s"]]
         median = statistics.median(steps) * 1e3
+        round_medians = [statistics.median(r["step_times_s"]) * 1e3 for r in ok]
         global_batch = get_config(config).batch_size * world_size
         rows[config, variant] = Row(
             config=config,
             variant=variant,
             status="ok",
             median_step_ms=median,
-            round_medians_ms=[statistics.median(r["step_times_s"]) * 1e3 for r in ok],
+            round_medians_ms=round_medians,
+            spread=(max(round_medians) - min(round_medians)) / median,
             samples_per_s=global_batch / median * 1e3,
             peak_mib=statistics.median(r["peak_bytes"] for r in ok) / _MIB,
             batch_mib=ok[0]["batch_bytes"] / _MIB,
@@ -176,8 +180,8 @@ def check_targets(rows: list[Row], config: str = TARGET_CONFIG) -> list[Target]:
     ]
 
 
-_HEADER = ("config", "variant", "step ms", "samples/s", "vs plain", "vs torchrec", "RSS MiB", "extra",
-           "tensor MiB", "extra", "input_dist in fwd ms")  # fmt: skip
+_HEADER = ("config", "variant", "step ms", "spread", "samples/s", "vs plain", "vs torchrec", "RSS MiB",
+           "+RSS", "tensor MiB", "+tensor", "input_dist in fwd ms")  # fmt: skip
 
 
 def _cells(row: Row) -> list[str]:
@@ -191,6 +195,7 @@ def _cells(row: Row) -> list[str]:
         row.config,
         row.variant,
         f(row.median_step_ms, ".1f"),
+        f(row.spread, ".0%"),
         f(row.samples_per_s, ",.0f"),
         f(row.vs_plain, ".2f"),
         f(row.vs_torchrec, ".2f"),
@@ -236,7 +241,7 @@ def markdown(rows: list[Row], targets: list[Target], meta: dict[str, Any]) -> st
         f"Command: `{meta['command']}`  ",
         f"Link: {meta['link'] or 'loopback (no emulation)'}; {meta['world_size']} ranks; {meta['host']}  ",
         f"Steps {meta['spec']['steps']} timed + {meta['spec']['warmup']} warm-up, "
-        f"{meta['spec']['rounds']} rounds; load average before start {meta['load_before']:.2f}; "
+        f"{meta['spec']['rounds']} rounds; CPUs {meta['cpu_busy_before']:.0%} busy before start; "
         f"{meta['versions']}",
         "",
         "| " + " | ".join(_HEADER) + " |",

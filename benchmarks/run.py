@@ -33,7 +33,7 @@ from benchmarks.report import (
 )
 from benchmarks.spec import VARIANTS, RunSpec
 
-__all__ = ["main", "run_benchmark"]
+__all__ = ["cpu_busy", "main", "run_benchmark"]
 
 WORLD_SIZE = 2
 
@@ -51,7 +51,7 @@ def run_benchmark(
         LaunchError: a rank failed or timed out.
     """
     started = time.time()
-    load_before = os.getloadavg()[0]
+    busy_before = cpu_busy()
     if link is None:
         per_rank = launch(spec, world_size=WORLD_SIZE, timeout=timeout)
     else:
@@ -67,7 +67,7 @@ def run_benchmark(
         "host": _host(),
         "versions": ", ".join(f"{p} {_version(p)}" for p in ("torch", "torchrec", "fbgemm-gpu-cpu")),
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
-        "load_before": load_before,
+        "cpu_busy_before": round(busy_before, 3),
         "duration_s": round(time.time() - started, 1),
     }
     return {"meta": meta, "runs": runs, **rows_as_dicts(rows, check_targets(rows))}
@@ -92,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"bench: {e}", file=sys.stderr)
         return 2
-    load = os.getloadavg()[0]
-    if load > 0.5:
-        print(f"bench: warning: load average {load:.1f} before start; other work will skew the timings")
+    busy = cpu_busy()
+    if busy > 0.2:
+        print(f"bench: warning: CPUs {busy:.0%} busy before start; other work skews timings", file=sys.stderr)
     command = shlex.join(["python", "-m", "benchmarks.run", *argv])
     try:
         result = run_benchmark(spec, link=args.link, timeout=args.timeout, command=command)
@@ -104,18 +104,26 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as e:
         print(f"bench: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # ranks and link are gone by now: launch and emulated_link clean up
+        print("bench: interrupted", file=sys.stderr)
+        return 130
+    _report(result, json_path=Path(args.json), md_path=Path(args.md))
+    return 0
+
+
+def _report(result: dict[str, Any], *, json_path: Path, md_path: Path) -> None:
+    """Print the table and targets; write the JSON and the Markdown summary."""
     rows = [Row(**r) for r in result["summary"]]
     targets = [Target(**t) for t in result["targets"]]
-    print(f"\n{result['meta']['command']}  (link: {args.link or 'loopback'})\n")
+    print(f"\n{result['meta']['command']}  (link: {result['meta']['link'] or 'loopback'})\n")
     print(table(rows, targets))
     for path, text in (
-        (args.json, json.dumps(result, indent=1)),
-        (args.md, markdown(rows, targets, result["meta"])),
+        (json_path, json.dumps(result, indent=1)),
+        (md_path, markdown(rows, targets, result["meta"])),
     ):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(text)
-    print(f"\nwrote {args.json} and {args.md}")
-    return 0
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    print(f"\nwrote {json_path} and {md_path}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -124,9 +132,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"configs to run (default: all of {', '.join(CONFIGS)})")  # fmt: skip
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, metavar="NAME",
                    help=f"variants to run (default: all of {', '.join(VARIANTS)})")  # fmt: skip
-    p.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per run (default 30)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before them (default 5)")
-    p.add_argument("--rounds", type=int, default=3, help="repetitions, order rotated (default 3)")
+    p.add_argument("--rounds", type=int, default=4, help="repetitions, order rotated (default 4)")
     p.add_argument("--profile-steps", type=int, default=5,
                    help="steps of the separate profiled segment; 0 skips it (default 5)")  # fmt: skip
     p.add_argument("--link", metavar="RATE", help="emulate a link of this tc rate, e.g. 1gbit (root)")
@@ -136,6 +144,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default="out/bench/results.json", help="every run, as JSON")
     p.add_argument("--md", default="out/bench/results.md", help="the summary, as Markdown")
     return p
+
+
+def cpu_busy(interval: float = 0.5) -> float:
+    """Fraction of all CPUs' time spent busy over the next `interval` seconds (from /proc/stat)."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return sum(fields) - idle, sum(fields)
+
+    busy0, total0 = sample()
+    time.sleep(interval)
+    busy1, total1 = sample()
+    return (busy1 - busy0) / max(1, total1 - total0)
 
 
 def _host() -> str:

@@ -38,11 +38,11 @@ class RunSpec:
     """Names from `benchmarks.configs.CONFIGS`."""
     variants: tuple[str, ...] = VARIANTS
     """Names from `VARIANTS`."""
-    steps: int = 20
+    steps: int = 30
     """Timed steps per run."""
     warmup: int = 5
     """Untimed steps before the timed ones (first-batch rewrite, allocator warm-up)."""
-    rounds: int = 3
+    rounds: int = 4
     """Repetitions of every variant; the order of variants is rotated between rounds."""
     profile_steps: int = 5
     """Steps of the separate profiled segment (input_dist wait inside forward); 0 skips it."""

@@ -20,19 +20,21 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.configs import BenchConfig, get_config
 from benchmarks.measure import peak, reset_peak, summarize_profile, tensor_peak_bytes
 from benchmarks.model import batch_nbytes, build_model, make_batches
 from benchmarks.spec import RunSpec, round_order
-from benchmarks.variants import make_runner, timed_input_dist
+from benchmarks.variants import Runner, make_runner, timed_input_dist
 
 __all__ = ["run_rank"]
 
@@ -87,43 +89,61 @@ def _run_one(
     it = iter(batches)
     try:
         runner = make_runner(variant, built.model, built.optimizer, device)
-        for _ in range(spec.warmup):
-            runner.step(it)
+        times = _timed_steps(runner, it, spec)
     except Exception as e:
-        if variant == "torchrec-prefetch" and device.type == "cpu":
-            # Known: torchrec 1.8's Prefetch pipeline prefetches only on CUDA, and its forward then
-            # refuses the batch. Both ranks fail at the same point, so they stay in step.
-            record.update(status="unsupported", message=f"does not run on CPU ({type(e).__name__}: {e})")
-            # It had launched input_dist all-to-alls it will never wait for; gloo's barrier waits for
-            # all earlier work, so nothing is still running when the process group is destroyed.
-            del e
-            gc.collect()
-            dist.barrier()
-            return record
-        raise
+        if variant != "torchrec-prefetch" or device.type != "cpu":
+            raise
+        # Known: torchrec 1.8's Prefetch pipeline prefetches only on CUDA, and its forward then
+        # refuses the batch. Both ranks fail at the same point, so they stay in step.
+        record.update(status="unsupported", message=f"does not run on CPU ({type(e).__name__}: {e})")
+        # It launched input_dist all-to-alls it will never wait for. Free its objects while the
+        # process group lives (else the process can abort at exit), and let gloo's barrier wait
+        # for every earlier collective.
+        del e
+        gc.collect()
+        dist.barrier()
+        return record
+    record.update(step_times_s=times, peak_bytes=peak(device) - baseline, baseline_bytes=baseline)
+    if spec.profile_steps:
+        record.update(_profiled_segment(runner, built.model, it, spec, device, trace))
+    _drain(runner, it)
+    return record
+
+
+def _timed_steps(runner: Runner, it: Iterator[Any], spec: RunSpec) -> list[float]:
+    for _ in range(spec.warmup):
+        runner.step(it)
     times = []
     for _ in range(spec.steps):
         start = time.perf_counter()
         runner.step(it)
         times.append(time.perf_counter() - start)
-    record.update(step_times_s=times, peak_bytes=peak(device) - baseline, baseline_bytes=baseline)
-    if spec.profile_steps:
-        inline = timed_input_dist(built.model) if runner.inline_input_dist else nullcontext()
-        with inline, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            for _ in range(spec.profile_steps):
-                runner.step(it)
-        summary = summarize_profile(
-            prof.events(),
-            forward_label=runner.forward_label,
-            wait_label=runner.wait_label,
-            steps=spec.profile_steps,
-        )
-        record.update(dataclasses.asdict(summary), tensor_peak_bytes=tensor_peak_bytes(prof, device))
-        if trace is not None:
-            trace.parent.mkdir(parents=True, exist_ok=True)
-            prof.export_chrome_trace(str(trace))
-    _drain(runner, it)
-    return record
+    return times
+
+
+def _profiled_segment(
+    runner: Runner,
+    model: nn.Module,
+    it: Iterator[Any],
+    spec: RunSpec,
+    device: torch.device,
+    trace: Path | None,
+) -> dict[str, Any]:
+    """`spec.profile_steps` steps under the profiler: forward's input_dist wait, labels, tensor peak."""
+    inline = timed_input_dist(model) if runner.inline_input_dist else nullcontext()
+    with inline, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(spec.profile_steps):
+            runner.step(it)
+    summary = summarize_profile(
+        prof.events(),
+        forward_label=runner.forward_label,
+        wait_label=runner.wait_label,
+        steps=spec.profile_steps,
+    )
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
+    return {**dataclasses.asdict(summary), "tensor_peak_bytes": tensor_peak_bytes(prof, device)}
 
 
 def _drain(runner: Any, it: Any) -> None:

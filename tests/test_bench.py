@@ -7,11 +7,13 @@ import json
 import os
 import signal
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import pytest
 
 from benchmarks import link as link_mod
 from benchmarks.link import LinkUnavailable, check_available, emulated_link, parse_rate
+from benchmarks.measure import summarize_profile
 from benchmarks.run import main
 from benchmarks.spec import VARIANTS, RunSpec, round_order
 
@@ -35,6 +37,29 @@ def test_tiny_run_reports_every_variant(tmp_path):
     runs = [r for r in result["runs"] if r["status"] == "ok"]
     assert all(len(r["step_times_s"]) == 3 and min(r["step_times_s"]) > 0 for r in runs)
     assert (tmp_path / "r.md").read_text().startswith("# Benchmark results")
+
+
+def _event(name: str, start: float, end: float, thread: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(name=name, thread=thread, time_range=SimpleNamespace(start=start, end=end))
+
+
+def test_wait_counts_only_inside_forward_on_its_thread():
+    events = [
+        _event("pipeline::forward#0", 0, 10_000),
+        _event("pipeline::input_dist::wait#0", 1_000, 3_000),  # inside forward: counts
+        _event("pipeline::input_dist::wait#1", 12_000, 15_000),  # after forward (prefetch): not
+        _event("pipeline::input_dist::wait#0", 2_000, 9_000, thread=2),  # another thread: not
+        _event("pipeline::forward#1", 20_000, 30_000),
+        _event("pipeline::input_dist::wait#1", 29_000, 30_000),
+        _event("aten::mm", 1_000, 2_000),
+    ]
+    summary = summarize_profile(
+        events, forward_label="pipeline::forward", wait_label="pipeline::input_dist::wait", steps=2
+    )
+    assert summary.wait_in_forward_ms == pytest.approx(1.5)  # (2 ms + 1 ms) / 2 steps
+    assert summary.forward_ms == pytest.approx(10.0)
+    assert summary.labels_ms["pipeline::input_dist::wait"] == pytest.approx(3.0)  # all of thread 1
+    assert "aten::mm" not in summary.labels_ms
 
 
 def test_rounds_rotate_the_order():
