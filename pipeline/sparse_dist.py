@@ -6,15 +6,18 @@ Per `progress()` call that returns batch i:
 |------------------------------------------|---------------|-------|------------|----------|
 | copy host->device                        | memcpy        | i+2   | yes        | yes      |
 | input_dist::start (splits all-to-all)    | data_dist     | i+1   | yes        | yes      |
+| input_dist::splits (values all-to-all)   | data_dist     | i+1   | yes        | yes      |
 | prefetch (input_dist::wait + prefetch()) | prefetch      | i     | -          | yes      |
 | forward (SparseDist: input_dist::wait)   | current       | i     | yes        | yes      |
-| input_dist::splits (values all-to-all)   | data_dist     | i+1   | yes        | yes      |
 | backward, optimizer                      | current       | i     | yes        | yes      |
 
-So the splits all-to-all of batch i+1 runs during forward of i, and its values all-to-all during
-backward/optimizer of i and until forward of i+1 needs it. The splits all-to-alls of all modules on a
-process group are fused into one collective from the second batch on (input dists are created on the
-first). On CPU the collectives run in gloo's threads, so the overlap is real there too.
+So the values all-to-all of batch i+1 is under way during the whole forward, backward and optimizer
+step of batch i. Waiting for the splits of i+1 before forward costs one small round trip; waiting
+after forward (torchrec's order) would leave the values all-to-all only backward to hide behind.
+The splits all-to-alls of all modules on a process group are fused into one collective from the
+second batch on (input dists are created on the first), and from then on the input all-to-alls run
+on a process group of their own (`input_dist_group="own"`), so that backward's collectives do not
+queue behind them. On CPU the collectives run in gloo's threads, so the overlap is real there too.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from pipeline.base import TrainPipelineBase, _Lane
 from pipeline.context import BatchContext, PrefetchBatchContext
 from pipeline.labels import stage
 from pipeline.streams import Streams
-from rewrite import ContextSlot, Rewrite, RewriteReport, rewrite_model
+from rewrite import ContextSlot, InputDistGroups, Rewrite, RewriteReport, rewrite_model
 
 __all__ = ["PrefetchTrainPipelineSparseDist", "TrainPipelineSparseDist"]
 
@@ -53,6 +56,10 @@ class TrainPipelineSparseDist(TrainPipelineBase):
             FQNs are relative to the unwrapped model (see `rewrite_report`).
         rewrite_method: "auto", "explicit", "trace" or "direct" (see docs/rewrite.md).
         strict: fail on the first batch if any sharded module cannot be pipelined.
+        input_dist_group: "own" (default) runs the input all-to-alls on a process group of their
+            own, created on the second batch, so that the next batch's all-to-all does not hold up
+            backward's collectives; "shared" keeps torchrec's group (saves a communicator, which on
+            NCCL costs GPU memory for its buffers).
         streams: stream implementation (tests pass `RecordingStreams()`).
     """
 
@@ -73,10 +80,13 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         arg_paths: dict[str, str] | None = None,
         rewrite_method: str = "auto",
         strict: bool = False,
+        input_dist_group: str = "own",
         streams: Streams | None = None,
     ) -> None:
         if apply_jit:
             raise ValueError("apply_jit=True is not supported by this pipeline; leave it False")
+        if input_dist_group not in ("own", "shared"):
+            raise ValueError(f"input_dist_group must be 'own' or 'shared', not {input_dist_group!r}")
         super().__init__(
             model,
             optimizer,
@@ -95,6 +105,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         self._slot = ContextSlot()
         self._rewrite: Rewrite | None = None
         self._report: RewriteReport | None = None
+        self._groups = InputDistGroups() if input_dist_group == "own" else None
 
     @property
     def rewrite_report(self) -> RewriteReport | None:
@@ -133,10 +144,9 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         nxt = lane.inflight[1] if len(lane.inflight) > 1 else None
         if nxt is not None:
             self._start_input_dist(nxt)
+            self._wait_splits(nxt)
         self._before_forward(ctx)
         losses, output = self._forward(ctx)
-        if nxt is not None:
-            self._wait_splits(nxt)
         if losses is not None:
             self._backward_and_step(ctx, losses)
         lane.inflight.popleft()
@@ -166,7 +176,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
             return
         streams = self._streams
         rewrite = self._attach(ctx.batch)
-        fused = rewrite.fuse_splits()
+        fused = rewrite.fuse_splits(self._groups)
 
         def postproc(call: Any, batch: Any) -> Any:
             return rewrite.run_postproc(call, batch, ctx.postproc_results)

@@ -28,6 +28,7 @@ from rewrite.forwards import (
 )
 from rewrite.model import PipelinedModule, Rewrite, rewrite_model, unwrap_model
 from rewrite.report import ModuleReport, RewriteError, RewriteReport
+from rewrite.splits import InputDistGroups
 
 __all__ = [
     "ArgInfo",
@@ -36,6 +37,7 @@ __all__ = [
     "Const",
     "ContextSlot",
     "ForwardContext",
+    "InputDistGroups",
     "Item",
     "ModuleReport",
     "NotPreparedError",

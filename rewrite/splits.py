@@ -5,6 +5,8 @@ torchrec's KJTAllToAll issues its splits all-to-all as soon as it is called. Rep
 can send the splits of every module on one process group in a single all-to-all
 (`FusedKJTListSplitsAwaitable`). Input dists are created lazily on a module's first input, so this is
 installed after the first batch.
+
+`InputDistGroups` moves the same all-to-alls onto process groups of their own (see its docstring).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from torchrec.distributed.dist_data import KJTAllToAll
 from torchrec.distributed.embedding_sharding import KJTSplitsAllToAllMeta
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-__all__ = ["input_dists_ready", "install_fused_splits"]
+__all__ = ["InputDistGroups", "input_dists_ready", "install_fused_splits", "kjt_all_to_alls"]
 
 
 class _SplitsOnly:
@@ -50,7 +52,8 @@ class _SplitsOnly:
             )
 
 
-def _kjt_all_to_alls(module: nn.Module) -> list[KJTAllToAll]:
+def kjt_all_to_alls(module: nn.Module) -> list[KJTAllToAll]:
+    """Every KJTAllToAll in the input dists of `module` and its children (once they exist)."""
     found = []
     for child in module.modules():
         for input_dist in getattr(child, "_input_dists", None) or []:
@@ -69,7 +72,7 @@ def input_dists_ready(modules: list[nn.Module]) -> bool:
 
 def install_fused_splits(modules: list[nn.Module]) -> Callable[[], None]:
     """Make the modules' KJT all-to-alls return splits metadata; returns the undo function."""
-    patched = [a2a for m in modules for a2a in _kjt_all_to_alls(m) if "forward" not in vars(a2a)]
+    patched = [a2a for m in modules for a2a in kjt_all_to_alls(m) if "forward" not in vars(a2a)]
     for a2a in patched:
         a2a.forward = _SplitsOnly(a2a)
 
@@ -78,3 +81,48 @@ def install_fused_splits(modules: list[nn.Module]) -> Callable[[], None]:
             vars(a2a).pop("forward", None)
 
     return undo
+
+
+class InputDistGroups:
+    """Process groups reserved for the input all-to-alls, one per group they were created on.
+
+    A process group runs its collectives in the order they were issued. The pipeline issues the
+    values all-to-all of batch i+1 before the backward of batch i, so on a shared group backward's
+    embedding all-to-all and DDP's all-reduce would queue behind it. On a group of its own it runs
+    alongside them. Each group is created once (all ranks must reach `install` at the same point of
+    the schedule, which the pipelines guarantee) and reused when the pipeline re-attaches.
+
+    Only groups spanning every rank get their own: creating a copy of a subgroup would need every
+    rank to know every other rank's subgroups. Subgroups keep sharing (`shared` lists them).
+    The cost is one more communicator per group: on NCCL, its buffers on every GPU.
+    """
+
+    def __init__(self) -> None:
+        self._made: list[tuple[dist.ProcessGroup, dist.ProcessGroup]] = []
+        self.shared: list[dist.ProcessGroup] = []
+
+    def own_group(self, pg: dist.ProcessGroup) -> dist.ProcessGroup:
+        """The group reserved for all-to-alls originally on `pg` (`pg` itself for subgroups)."""
+        for original, own in self._made:
+            if original is pg or own is pg:
+                return own
+        if pg.size() != dist.get_world_size():
+            if not any(p is pg for p in self.shared):
+                self.shared.append(pg)
+            return pg
+        own = dist.new_group(backend=dist.get_backend(pg), group_desc="pipeline_input_dist")
+        self._made.append((pg, own))
+        return own
+
+    def install(self, modules: list[nn.Module]) -> Callable[[], None]:
+        """Move the modules' KJT all-to-alls to their own groups; returns the undo function."""
+        moved = []
+        for a2a in (a for m in modules for a in kjt_all_to_alls(m)):
+            moved.append((a2a, a2a._pg))
+            a2a._pg = self.own_group(a2a._pg)
+
+        def undo() -> None:
+            for a2a, pg in reversed(moved):
+                a2a._pg = pg
+
+        return undo

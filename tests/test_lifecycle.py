@@ -190,6 +190,42 @@ def _streams(rank: int, pipe_name: str, broken: bool) -> dict:
     }
 
 
+def _groups(rank: int, pipe_name: str) -> dict:
+    """The input all-to-alls move to their own group on the second batch, and back on detach."""
+    import torch.distributed as dist
+
+    from rewrite.splits import kjt_all_to_alls
+    from tests import models
+
+    def pgs(model):
+        return [a2a._pg for a2a in kjt_all_to_alls(model)]
+
+    out = {}
+    for option in ("own", "shared"):
+        ref, ref_opt, model, pipe = _pair(pipe_name, input_dist_group=option)
+        data = models.batches(KIND, N, rank, seed=11)
+        expected = models.plain_loop(ref, ref_opt, data)
+        it = iter(data)
+        got = [pipe.progress(it) for _ in range(3)]  # the first call already starts batch 2
+        during = pgs(model)
+        pipe.detach()
+        original = pgs(model)
+        got += [pipe.progress(it)]
+        reattached = pgs(model)
+        got += _drain(pipe, it)
+        out[option] = {
+            "a2as": len(original),
+            "original_is_world": all(pg is dist.group.WORLD for pg in original),
+            "moved": all(p is not q for p, q in zip(original, during, strict=True)),
+            "unchanged": all(p is q for p, q in zip(original, during, strict=True)),
+            "one_own_group": len({id(p) for p in during}) == 1,
+            "reused": all(p is q for p, q in zip(during, reattached, strict=True)),
+            "equal": len(got) == N and models.bitwise_equal(expected, got),
+            "params": models.bitwise_equal(ref.state_dict(), model.state_dict()),
+        }
+    return out
+
+
 def _labels(rank: int, pipe_name: str) -> list[str]:
     import torch
 
@@ -209,6 +245,7 @@ SCENARIOS = {
     "exception": _exception,
     "no_execute_all": _no_execute_all,
     "labels": _labels,
+    "groups": _groups,
 }
 
 
@@ -216,7 +253,7 @@ def _run_all(rank: int, world_size: int) -> dict:
     out = {}
     for pipe_name in PIPELINES:
         for name, fn in SCENARIOS.items():
-            if name == "detach" and pipe_name == "TrainPipelineBase":
+            if name in ("detach", "groups") and pipe_name == "TrainPipelineBase":
                 continue
             out[(name, pipe_name)] = fn(rank, pipe_name)
         for broken in (False, True):
@@ -317,3 +354,27 @@ def test_profiler_labels(results, pipe_name):
         found = {name.removeprefix("pipeline::").split("#")[0] for name in labels}
         found = {s for s in found if "::" not in s or s.startswith("input_dist")}
         assert found == stages
+
+
+@pytest.mark.parametrize("pipe_name", PIPELINES[1:])
+def test_input_all_to_alls_get_their_own_group(results, pipe_name):
+    for r in _each(results, "groups", pipe_name):
+        own, shared = r["own"], r["shared"]
+        assert own["a2as"] > 0 and own["original_is_world"]
+        assert own["moved"] and own["one_own_group"], "input all-to-alls still on the shared group"
+        assert own["original_is_world"], "detach() must put the original group back"
+        assert own["reused"], "re-attaching must reuse the group, not create another"
+        assert shared["unchanged"] and shared["original_is_world"], "input_dist_group='shared' must not move"
+        for r2 in (own, shared):
+            assert r2["equal"] and r2["params"]
+
+
+def test_input_dist_group_rejects_unknown_values():
+    import torch
+
+    import pipeline
+
+    with pytest.raises(ValueError, match="'own' or 'shared'"):
+        pipeline.TrainPipelineSparseDist(
+            torch.nn.Linear(1, 1), None, torch.device("cpu"), input_dist_group="x"
+        )
