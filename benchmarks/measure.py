@@ -67,6 +67,9 @@ class ProfileSummary:
 
     wait_in_forward_ms: float
     """Time inside the forward label spent under the input_dist wait label, per step."""
+    assembly_in_wait_ms: float
+    """Of `wait_in_forward_ms`, the time torchrec spends reordering the received ids into the
+    output KJT (its `## dist_init:recat_values ##` label): CPU work, not waiting on the network."""
     forward_ms: float
     """Time under the forward label, per step."""
     labels_ms: dict[str, float]
@@ -94,6 +97,7 @@ def summarize_profile(
         per_thread[f.thread].append((f.time_range.start, f.time_range.end))
     waited = 0.0
     labels: dict[str, float] = defaultdict(float)
+    waits: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for e in events:
         if e.thread not in threads:
             continue
@@ -101,9 +105,17 @@ def summarize_profile(
         labels[_INDEX_SUFFIX.sub("", e.name)] += (end - start) / 1e3
         if e.name.startswith(wait_label) and any(s <= start and end <= t for s, t in per_thread[e.thread]):
             waited += (end - start) / 1e3
+            waits[e.thread].append((start, end))
+    assembly = sum(
+        (e.time_range.end - e.time_range.start) / 1e3
+        for e in events
+        if e.name == _ASSEMBLY_LABEL
+        and any(s <= e.time_range.start and e.time_range.end <= t for s, t in waits[e.thread])
+    )
     forward_ms = sum(t - s for spans in per_thread.values() for s, t in spans) / 1e3
     return ProfileSummary(
         wait_in_forward_ms=waited / steps,
+        assembly_in_wait_ms=assembly / steps,
         forward_ms=forward_ms / steps,
         labels_ms={k: v / steps for k, v in sorted(labels.items())},
     )
@@ -131,6 +143,9 @@ def tensor_peak_bytes(prof: Any, device: torch.device) -> int:
         live += nbytes
         top = max(top, live)
     return top
+
+
+_ASSEMBLY_LABEL = "## dist_init:recat_values ##"
 
 
 def _is_label(name: str) -> bool:

@@ -19,7 +19,14 @@ from benchmarks.spec import OURS_TO_TORCHREC, VARIANTS
 __all__ = ["Row", "Target", "check_targets", "markdown", "merge_ranks", "rows_as_dicts", "summarize", "table"]
 
 _MIB = 2**20
-_PER_RANK = ("peak_bytes", "baseline_bytes", "tensor_peak_bytes", "wait_in_forward_ms", "labels_ms")
+_PER_RANK = (
+    "peak_bytes",
+    "baseline_bytes",
+    "tensor_peak_bytes",
+    "wait_in_forward_ms",
+    "assembly_in_wait_ms",
+    "labels_ms",
+)
 TARGET_CONFIG = "input-dist-heavy"
 
 
@@ -56,6 +63,8 @@ class Row:
     wait_in_forward_ms: float | None = None
     """Per step, time inside forward spent waiting on input_dist; for the plain loop and the Base
     pipelines the whole inline input_dist."""
+    assembly_in_wait_ms: float | None = None
+    """Of `wait_in_forward_ms`, torchrec's reordering of the received ids (CPU work, no waiting)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,6 +95,10 @@ def merge_ranks(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         for key in ("peak_bytes", "tensor_peak_bytes", "wait_in_forward_ms", "forward_ms"):
             if key in first:
                 run[key] = max(r[key] for r in records)
+        if "assembly_in_wait_ms" in first:  # from the rank whose wait is reported
+            run["assembly_in_wait_ms"] = max(records, key=lambda r: r["wait_in_forward_ms"])[
+                "assembly_in_wait_ms"
+            ]
         run["ranks"] = [{k: r[k] for k in _PER_RANK if k in r} for r in records]
         merged.append(run)
     return merged
@@ -117,6 +130,7 @@ def summarize(runs: list[dict[str, Any]], *, world_size: int) -> list[Row]:
             peak_mib=statistics.median(r["peak_bytes"] for r in ok) / _MIB,
             batch_mib=ok[0]["batch_bytes"] / _MIB,
             wait_in_forward_ms=_median_of(ok, "wait_in_forward_ms"),
+            assembly_in_wait_ms=_median_of(ok, "assembly_in_wait_ms"),
             tensor_peak_mib=_mib(_median_of(ok, "tensor_peak_bytes")),
         )
     for (config, variant), row in rows.items():
@@ -180,8 +194,25 @@ def check_targets(rows: list[Row], config: str = TARGET_CONFIG) -> list[Target]:
     ]
 
 
+def wait_note(rows: list[Row], config: str = TARGET_CONFIG) -> str | None:
+    """How much of SparseDist's wait in forward is torchrec's KJT assembly (not a target: context)."""
+    by = {r.variant: r for r in rows if r.config == config}
+    sd, plain = by.get("ours-sparse-dist"), by.get("plain")
+    if not (sd and plain and plain.wait_in_forward_ms) or None in (
+        sd.wait_in_forward_ms,
+        sd.assembly_in_wait_ms,
+    ):
+        return None
+    blocked = sd.wait_in_forward_ms - sd.assembly_in_wait_ms
+    return (
+        f"SparseDist wait in forward is {sd.wait_in_forward_ms:.2f} ms/step, of which "
+        f"{sd.assembly_in_wait_ms:.2f} ms reorders the received ids (dist_init:recat_values, CPU work); "
+        f"the rest, {blocked:.2f} ms, is {blocked / plain.wait_in_forward_ms:.3f} of plain's input_dist"
+    )
+
+
 _HEADER = ("config", "variant", "step ms", "spread", "samples/s", "vs plain", "vs torchrec", "RSS MiB",
-           "+RSS", "tensor MiB", "+tensor", "input_dist in fwd ms")  # fmt: skip
+           "+RSS", "tensor MiB", "+tensor", "input_dist in fwd ms", "of it assembly ms")  # fmt: skip
 
 
 def _cells(row: Row) -> list[str]:
@@ -204,6 +235,7 @@ def _cells(row: Row) -> list[str]:
         f(row.tensor_peak_mib, ".1f"),
         f(row.extra_tensor_mib, "+.1f"),
         f(row.wait_in_forward_ms, ".2f"),
+        f(row.assembly_in_wait_ms, ".2f"),
     ]
 
 
@@ -224,6 +256,9 @@ def table(rows: list[Row], targets: list[Target]) -> str:
         else:
             out.append(f"{row.config.ljust(widths[0])}  {row.variant.ljust(widths[1])}  {row.message}")
     out += ["", f"targets ({TARGET_CONFIG}):", *(_target_line(t) for t in targets)]
+    note = wait_note(rows)
+    if note:
+        out.append(f"  note   {note}")
     return "\n".join(out)
 
 
@@ -251,6 +286,7 @@ def markdown(rows: list[Row], targets: list[Target], meta: dict[str, Any]) -> st
         f"Targets on `{TARGET_CONFIG}`:",
         "",
         *(f"- {_target_line(t).strip()}" for t in targets),
+        *([f"- note: {note}"] if (note := wait_note(rows)) else []),
         "",
     ]
     return "\n".join(lines)

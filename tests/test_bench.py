@@ -31,7 +31,7 @@ def test_tiny_run_reports_every_variant(tmp_path):
             continue
         assert row["status"] == "ok", row
         assert row["median_step_ms"] > 0 and row["samples_per_s"] > 0
-        assert row["wait_in_forward_ms"] is not None
+        assert row["wait_in_forward_ms"] is not None and row["assembly_in_wait_ms"] is not None
     assert rows["plain"]["vs_plain"] == pytest.approx(1.0)
     assert rows["plain"]["wait_in_forward_ms"] > 0  # the inline input_dist was measured
     runs = [r for r in result["runs"] if r["status"] == "ok"]
@@ -60,6 +60,24 @@ def test_wait_counts_only_inside_forward_on_its_thread():
     assert summary.forward_ms == pytest.approx(10.0)
     assert summary.labels_ms["pipeline::input_dist::wait"] == pytest.approx(3.0)  # all of thread 1
     assert "aten::mm" not in summary.labels_ms
+    assert summary.assembly_in_wait_ms == 0.0
+
+
+def test_assembly_counts_only_inside_counted_waits():
+    recat = "## dist_init:recat_values ##"
+    events = [
+        _event("pipeline::forward#0", 0, 10_000),
+        _event("pipeline::input_dist::wait#0", 1_000, 4_000),
+        _event(recat, 2_000, 3_000),  # inside a counted wait: counts
+        _event(recat, 5_000, 6_000),  # in forward, outside the wait: not
+        _event("pipeline::input_dist::wait#1", 12_000, 15_000),  # outside forward
+        _event(recat, 13_000, 14_000),  # so this one does not count either
+    ]
+    summary = summarize_profile(
+        events, forward_label="pipeline::forward", wait_label="pipeline::input_dist::wait", steps=1
+    )
+    assert summary.wait_in_forward_ms == pytest.approx(3.0)
+    assert summary.assembly_in_wait_ms == pytest.approx(1.0)
 
 
 def test_rounds_rotate_the_order():
