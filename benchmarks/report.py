@@ -10,6 +10,7 @@ memory and wait figures are medians over rounds.
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -65,6 +66,8 @@ class Row:
     pipelines the whole inline input_dist."""
     assembly_in_wait_ms: float | None = None
     """Of `wait_in_forward_ms`, torchrec's reordering of the received ids (CPU work, no waiting)."""
+    schedule: str | None = None
+    """Our SparseDist/Prefetch: the input_dist schedule "auto" kept, per round (e.g. "early x4")."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -87,6 +90,7 @@ def merge_ranks(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         if len(keys) != 1:
             raise ValueError(f"ranks disagree on the run order: {sorted(keys)}")
         run = {k: first[k] for k in ("config", "variant", "round", "position", "status", "batch_bytes")}
+        run["schedule"] = first.get("schedule")  # the same on every rank (they agree on it)
         if first["status"] != "ok":
             run["message"] = first.get("message", "")
             merged.append(run)
@@ -131,6 +135,7 @@ def summarize(runs: list[dict[str, Any]], *, world_size: int) -> list[Row]:
             batch_mib=ok[0]["batch_bytes"] / _MIB,
             wait_in_forward_ms=_median_of(ok, "wait_in_forward_ms"),
             assembly_in_wait_ms=_median_of(ok, "assembly_in_wait_ms"),
+            schedule=_schedules(ok),
             tensor_peak_mib=_mib(_median_of(ok, "tensor_peak_bytes")),
         )
     for (config, variant), row in rows.items():
@@ -152,6 +157,11 @@ def _pairs(runs: list[dict[str, Any]]) -> list[tuple[str, str]]:
     configs = list(dict.fromkeys(r["config"] for r in runs))
     present = {(r["config"], r["variant"]) for r in runs}
     return [(c, v) for c in configs for v in VARIANTS if (c, v) in present]
+
+
+def _schedules(runs: list[dict[str, Any]]) -> str | None:
+    counts = Counter(r.get("schedule") for r in runs if r.get("schedule"))
+    return " ".join(f"{name} x{n}" for name, n in counts.most_common()) or None
 
 
 def _mib(value: float | None) -> float | None:
@@ -212,7 +222,8 @@ def wait_note(rows: list[Row], config: str = TARGET_CONFIG) -> str | None:
 
 
 _HEADER = ("config", "variant", "step ms", "spread", "samples/s", "vs plain", "vs torchrec", "RSS MiB",
-           "+RSS", "tensor MiB", "+tensor", "input_dist in fwd ms", "of it assembly ms")  # fmt: skip
+           "+RSS", "tensor MiB", "+tensor", "input_dist in fwd ms", "of it assembly ms",
+           "schedule")  # fmt: skip
 
 
 def _cells(row: Row) -> list[str]:
@@ -236,6 +247,7 @@ def _cells(row: Row) -> list[str]:
         f(row.extra_tensor_mib, "+.1f"),
         f(row.wait_in_forward_ms, ".2f"),
         f(row.assembly_in_wait_ms, ".2f"),
+        row.schedule or "-",
     ]
 
 

@@ -133,7 +133,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, metavar="NAME",
                    help=f"variants to run (default: all of {', '.join(VARIANTS)})")  # fmt: skip
     p.add_argument("--steps", type=int, default=30, help="timed steps per run (default 30)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps before them (default 5)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=20,
+        help="untimed steps before them (default 20: covers the 19 steps in which our pipelines' "
+        "auto input_dist schedule times both schedules)",
+    )
     p.add_argument("--rounds", type=int, default=4, help="repetitions, order rotated (default 4)")
     p.add_argument("--profile-steps", type=int, default=5,
                    help="steps of the separate profiled segment; 0 skips it (default 5)")  # fmt: skip

@@ -40,7 +40,7 @@ class RunSpec:
     """Names from `VARIANTS`."""
     steps: int = 30
     """Timed steps per run."""
-    warmup: int = 5
+    warmup: int = 20
     """Untimed steps before the timed ones (first-batch rewrite, allocator warm-up)."""
     rounds: int = 4
     """Repetitions of every variant; the order of variants is rotated between rounds."""

@@ -56,6 +56,9 @@ class Runner:
     """Prefix of the profiler label of input_dist waiting inside forward."""
     inline_input_dist: bool
     """The sharded modules run input_dist inside their own forward (wrap with `timed_input_dist`)."""
+    schedule: Callable[[], str | None] = lambda: None
+    """Our SparseDist/Prefetch: the input_dist schedule in use ("early"/"late", see
+    `pipeline.schedule`); None for the others."""
 
 
 def make_runner(
@@ -88,6 +91,7 @@ def make_runner(
         forward_label=forward,
         wait_label=INLINE_WAIT if base else wait,
         inline_input_dist=base,
+        schedule=lambda: getattr(pipe, "input_dist_schedule", None),
     )
 
 

@@ -104,6 +104,7 @@ def _run_one(
         dist.barrier()
         return record
     record.update(step_times_s=times, peak_bytes=peak(device) - baseline, baseline_bytes=baseline)
+    record["schedule"] = runner.schedule()
     if spec.profile_steps:
         record.update(_profiled_segment(runner, built.model, it, spec, device, trace))
     _drain(runner, it)

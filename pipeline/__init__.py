@@ -24,6 +24,7 @@ _EXPORTS = {
     "CudaStreams": "pipeline.streams",
     "RecordingStreams": "pipeline.streams",
     "HandoffError": "pipeline.streams",
+    "Tuner": "pipeline.schedule",
 }
 
 __all__ = sorted(_EXPORTS)

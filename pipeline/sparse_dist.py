@@ -11,13 +11,14 @@ Per `progress()` call that returns batch i:
 | forward (SparseDist: input_dist::wait)   | current       | i     | yes        | yes      |
 | backward, optimizer                      | current       | i     | yes        | yes      |
 
-So the values all-to-all of batch i+1 is under way during the whole forward, backward and optimizer
-step of batch i. Waiting for the splits of i+1 before forward costs one small round trip; waiting
-after forward (torchrec's order) would leave the values all-to-all only backward to hide behind.
+The table shows the "early" input_dist schedule: the splits of batch i+1 are waited for before
+forward of i, so its values all-to-all is under way during the whole forward, backward and optimizer
+step of i, on a process group of its own so that backward's collectives do not queue behind it. The
+"late" schedule is torchrec's: the splits are waited for after forward, on torchrec's group. "auto"
+(the default) times both over the first training steps and keeps the faster (`pipeline.schedule`).
 The splits all-to-alls of all modules on a process group are fused into one collective from the
-second batch on (input dists are created on the first), and from then on the input all-to-alls run
-on a process group of their own (`input_dist_group="own"`), so that backward's collectives do not
-queue behind them. On CPU the collectives run in gloo's threads, so the overlap is real there too.
+second batch on (input dists are created on the first). On CPU the collectives run in gloo's
+threads, so the overlap is real there too.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torchrec.distributed.embedding_sharding import FusedKJTListSplitsAwaitable,
 from pipeline.base import TrainPipelineBase, _Lane
 from pipeline.context import BatchContext, PrefetchBatchContext
 from pipeline.labels import stage
+from pipeline.schedule import SCHEDULES, Tuner
 from pipeline.streams import Streams
 from rewrite import ContextSlot, InputDistGroups, Rewrite, RewriteReport, rewrite_model
 
@@ -56,10 +58,10 @@ class TrainPipelineSparseDist(TrainPipelineBase):
             FQNs are relative to the unwrapped model (see `rewrite_report`).
         rewrite_method: "auto", "explicit", "trace" or "direct" (see docs/rewrite.md).
         strict: fail on the first batch if any sharded module cannot be pipelined.
-        input_dist_group: "own" (default) runs the input all-to-alls on a process group of their
-            own, created on the second batch, so that the next batch's all-to-all does not hold up
-            backward's collectives; "shared" keeps torchrec's group (saves a communicator, which on
-            NCCL costs GPU memory for its buffers).
+        input_dist_schedule: "auto" (default), "early" or "late": when the next batch's input
+            all-to-alls run (module docstring, `pipeline.schedule`). "early" and "auto" create one
+            more process group per input_dist group on the second batch (on NCCL a communicator,
+            whose buffers take GPU memory); "late" never does.
         streams: stream implementation (tests pass `RecordingStreams()`).
     """
 
@@ -80,13 +82,15 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         arg_paths: dict[str, str] | None = None,
         rewrite_method: str = "auto",
         strict: bool = False,
-        input_dist_group: str = "own",
+        input_dist_schedule: str = "auto",
         streams: Streams | None = None,
     ) -> None:
         if apply_jit:
             raise ValueError("apply_jit=True is not supported by this pipeline; leave it False")
-        if input_dist_group not in ("own", "shared"):
-            raise ValueError(f"input_dist_group must be 'own' or 'shared', not {input_dist_group!r}")
+        if input_dist_schedule not in SCHEDULES:
+            raise ValueError(
+                f"input_dist_schedule must be one of {', '.join(SCHEDULES)}; got {input_dist_schedule!r}"
+            )
         super().__init__(
             model,
             optimizer,
@@ -105,7 +109,20 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         self._slot = ContextSlot()
         self._rewrite: Rewrite | None = None
         self._report: RewriteReport | None = None
-        self._groups = InputDistGroups() if input_dist_group == "own" else None
+        self._tuner = Tuner() if input_dist_schedule == "auto" else None
+        self._schedule = "late" if input_dist_schedule == "late" else "early"
+        self._groups = InputDistGroups()
+        self._undo_groups: Callable[[], None] | None = None
+
+    @property
+    def input_dist_schedule(self) -> str:
+        """The input_dist schedule in use: "early" or "late" (under "auto", changes while tuning)."""
+        return self._schedule
+
+    @property
+    def tuner(self) -> Tuner | None:
+        """Under "auto", the tuner: `choice` and `medians_ms` once it has decided."""
+        return self._tuner
 
     @property
     def rewrite_report(self) -> RewriteReport | None:
@@ -120,6 +137,9 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         Returns:
             The model, as it was before the pipeline touched it.
         """
+        if self._undo_groups is not None:
+            self._undo_groups()
+            self._undo_groups = None
         if self._rewrite is not None:
             self._rewrite.restore()
             self._rewrite = None
@@ -137,16 +157,29 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         if len(lane.inflight) < 2:
             self._enqueue(lane)
 
+    def reset(self) -> None:
+        super().reset()
+        if self._tuner is not None:
+            self._tuner.interrupt()
+
     def _step(self, lane: _Lane) -> Any:
         ctx = lane.inflight[0]
+        if self._tuner is not None:
+            if self._model.training:
+                self._schedule = self._tuner.next_schedule()
+            else:
+                self._tuner.interrupt()
         if len(lane.inflight) < 3:
             self._enqueue(lane)
         nxt = lane.inflight[1] if len(lane.inflight) > 1 else None
         if nxt is not None:
             self._start_input_dist(nxt)
-            self._wait_splits(nxt)
+            if self._schedule == "early":
+                self._wait_splits(nxt)
         self._before_forward(ctx)
         losses, output = self._forward(ctx)
+        if nxt is not None:
+            self._wait_splits(nxt)  # "late" (a no-op after "early")
         if losses is not None:
             self._backward_and_step(ctx, losses)
         lane.inflight.popleft()
@@ -176,7 +209,9 @@ class TrainPipelineSparseDist(TrainPipelineBase):
             return
         streams = self._streams
         rewrite = self._attach(ctx.batch)
-        fused = rewrite.fuse_splits(self._groups)
+        fused = rewrite.fuse_splits()
+        if fused:
+            self._place_all_to_alls(rewrite)
 
         def postproc(call: Any, batch: Any) -> Any:
             return rewrite.run_postproc(call, batch, ctx.postproc_results)
@@ -198,6 +233,14 @@ class TrainPipelineSparseDist(TrainPipelineBase):
                 else [([name], _One(request)) for name, request in requests.items()]
             )
         ctx.started = True
+
+    def _place_all_to_alls(self, rewrite: Rewrite) -> None:
+        """Input all-to-alls on their own groups under "early", on torchrec's under "late"."""
+        if self._schedule == "early" and self._undo_groups is None:
+            self._undo_groups = self._groups.install([pm.module for pm in rewrite.modules])
+        elif self._schedule == "late" and self._undo_groups is not None:
+            self._undo_groups()
+            self._undo_groups = None
 
     def _wait_splits(self, ctx: BatchContext) -> None:
         """Wait for the splits all-to-all of `ctx` and launch its values all-to-alls."""

@@ -24,7 +24,7 @@ from rewrite.forwards import (
     PrefetchPipelinedForward,
 )
 from rewrite.report import ModuleReport, RewriteReport
-from rewrite.splits import InputDistGroups, input_dists_ready, install_fused_splits
+from rewrite.splits import input_dists_ready, install_fused_splits
 from rewrite.trace import trace_arg_infos
 
 __all__ = ["Method", "PipelinedModule", "Rewrite", "rewrite_model", "unwrap_model"]
@@ -67,22 +67,11 @@ class Rewrite:
     _saved: list[tuple[nn.Module, Any, bool]] = field(default_factory=list)
     _undo_fuse: Callable[[], None] | None = None
 
-    def fuse_splits(self, groups: InputDistGroups | None = None) -> bool:
-        """Fuse the splits all-to-alls once every input dist exists; True when fused.
-
-        With `groups`, the input all-to-alls also move to process groups of their own then.
-        """
+    def fuse_splits(self) -> bool:
+        """Fuse the splits all-to-alls once every input dist exists; True when fused."""
         modules = [m.module for m in self.modules]
         if self._undo_fuse is None and input_dists_ready(modules):
-            undos = [install_fused_splits(modules)]
-            if groups is not None:
-                undos.append(groups.install(modules))
-
-            def undo() -> None:
-                for each in reversed(undos):
-                    each()
-
-            self._undo_fuse = undo
+            self._undo_fuse = install_fused_splits(modules)
         return self._undo_fuse is not None
 
     def restore(self) -> None:

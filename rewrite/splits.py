@@ -90,7 +90,7 @@ class InputDistGroups:
     values all-to-all of batch i+1 before the backward of batch i, so on a shared group backward's
     embedding all-to-all and DDP's all-reduce would queue behind it. On a group of its own it runs
     alongside them. Each group is created once (all ranks must reach `install` at the same point of
-    the schedule, which the pipelines guarantee) and reused when the pipeline re-attaches.
+    the schedule, which the pipelines guarantee) and reused when the all-to-alls move again.
 
     Only groups spanning every rank get their own: creating a copy of a subgroup would need every
     rank to know every other rank's subgroups. Subgroups keep sharing (`shared` lists them).
@@ -115,7 +115,9 @@ class InputDistGroups:
         return own
 
     def install(self, modules: list[nn.Module]) -> Callable[[], None]:
-        """Move the modules' KJT all-to-alls to their own groups; returns the undo function."""
+        """Move the modules' KJT all-to-alls to their own groups; returns the undo function.
+
+        Collectives already issued keep the group they were issued on."""
         moved = []
         for a2a in (a for m in modules for a in kjt_all_to_alls(m)):
             moved.append((a2a, a2a._pg))

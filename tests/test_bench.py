@@ -33,6 +33,7 @@ def test_tiny_run_reports_every_variant(tmp_path):
         assert row["median_step_ms"] > 0 and row["samples_per_s"] > 0
         assert row["wait_in_forward_ms"] is not None and row["assembly_in_wait_ms"] is not None
     assert rows["plain"]["vs_plain"] == pytest.approx(1.0)
+    assert rows["ours-sparse-dist"]["schedule"] and rows["plain"]["schedule"] is None
     assert rows["plain"]["wait_in_forward_ms"] > 0  # the inline input_dist was measured
     runs = [r for r in result["runs"] if r["status"] == "ok"]
     assert all(len(r["step_times_s"]) == 3 and min(r["step_times_s"]) > 0 for r in runs)

@@ -201,8 +201,8 @@ def _groups(rank: int, pipe_name: str) -> dict:
         return [a2a._pg for a2a in kjt_all_to_alls(model)]
 
     out = {}
-    for option in ("own", "shared"):
-        ref, ref_opt, model, pipe = _pair(pipe_name, input_dist_group=option)
+    for option in ("early", "late"):
+        ref, ref_opt, model, pipe = _pair(pipe_name, input_dist_schedule=option)
         data = models.batches(KIND, N, rank, seed=11)
         expected = models.plain_loop(ref, ref_opt, data)
         it = iter(data)
@@ -223,6 +223,26 @@ def _groups(rank: int, pipe_name: str) -> dict:
             "equal": len(got) == N and models.bitwise_equal(expected, got),
             "params": models.bitwise_equal(ref.state_dict(), model.state_dict()),
         }
+    # "auto" switches between both while it tunes, then keeps one; the same one on every rank
+    ref, ref_opt, model, pipe = _pair(pipe_name)
+    data = models.batches(KIND, 3 * N, rank, seed=12)
+    expected = models.plain_loop(ref, ref_opt, data)
+    got, seen = [], set()
+    it = iter(data)
+    while True:
+        try:
+            got.append(pipe.progress(it))
+        except StopIteration:
+            break
+        seen.add(pipe.input_dist_schedule)
+    out["auto"] = {
+        "seen": sorted(seen),
+        "choice": pipe.tuner.choice,
+        "medians": pipe.tuner.medians_ms,
+        "on_own_group": all(pg is not dist.group.WORLD for pg in pgs(model)),
+        "equal": len(got) == 3 * N and models.bitwise_equal(expected, got),
+        "params": models.bitwise_equal(ref.state_dict(), model.state_dict()),
+    }
     return out
 
 
@@ -359,22 +379,35 @@ def test_profiler_labels(results, pipe_name):
 @pytest.mark.parametrize("pipe_name", PIPELINES[1:])
 def test_input_all_to_alls_get_their_own_group(results, pipe_name):
     for r in _each(results, "groups", pipe_name):
-        own, shared = r["own"], r["shared"]
+        own, shared = r["early"], r["late"]
         assert own["a2as"] > 0 and own["original_is_world"]
         assert own["moved"] and own["one_own_group"], "input all-to-alls still on the shared group"
         assert own["original_is_world"], "detach() must put the original group back"
         assert own["reused"], "re-attaching must reuse the group, not create another"
-        assert shared["unchanged"] and shared["original_is_world"], "input_dist_group='shared' must not move"
+        assert shared["unchanged"] and shared["original_is_world"], "'late' must not move them"
         for r2 in (own, shared):
             assert r2["equal"] and r2["params"]
 
 
-def test_input_dist_group_rejects_unknown_values():
+@pytest.mark.parametrize("pipe_name", PIPELINES[1:])
+def test_auto_schedule_tries_both_and_ranks_agree(results, pipe_name):
+    ranks = _each(results, "groups", pipe_name)
+    for r in ranks:
+        auto = r["auto"]
+        assert auto["seen"] == ["early", "late"]
+        assert auto["choice"] in ("early", "late") and set(auto["medians"]) == {"early", "late"}
+        assert auto["on_own_group"] == (auto["choice"] == "early")
+        assert auto["equal"] and auto["params"]
+    assert len({r["auto"]["choice"] for r in ranks}) == 1
+    assert ranks[0]["auto"]["medians"] == ranks[1]["auto"]["medians"]  # summed over ranks
+
+
+def test_input_dist_schedule_rejects_unknown_values():
     import torch
 
     import pipeline
 
-    with pytest.raises(ValueError, match="'own' or 'shared'"):
+    with pytest.raises(ValueError, match="one of auto, early, late"):
         pipeline.TrainPipelineSparseDist(
-            torch.nn.Linear(1, 1), None, torch.device("cpu"), input_dist_group="x"
+            torch.nn.Linear(1, 1), None, torch.device("cpu"), input_dist_schedule="x"
         )
