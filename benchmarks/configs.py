@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CONFIGS", "NUM_DENSE", "NUM_SPARSE", "BenchConfig", "get_config"]
+from examples.dlrm.config import NUM_DENSE, NUM_SPARSE  # the DLRM example's Criteo-like inputs
 
-NUM_DENSE = 13
-NUM_SPARSE = 26
+__all__ = ["CONFIGS", "NUM_DENSE", "NUM_SPARSE", "BenchConfig", "get_config"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

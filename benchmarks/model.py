@@ -13,19 +13,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.datasets.utils import Batch
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
-from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from benchmarks.configs import NUM_DENSE, NUM_SPARSE, BenchConfig
+from examples.dlrm.model import unsharded_dlrm
 
 __all__ = ["BuiltModel", "batch_nbytes", "build_model", "make_batches"]
 
@@ -56,16 +56,13 @@ def build_model(config: BenchConfig, *, device: torch.device, seed: int = 0) -> 
         )
         for i in range(NUM_SPARSE)
     ]
-    # On the meta device nothing is allocated: each rank materializes only its own shards.
-    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-    dlrm = DLRMTrain(
-        DLRM(
-            embedding_bag_collection=ebc,
-            dense_in_features=NUM_DENSE,
-            dense_arch_layer_sizes=[*config.dense_hidden, config.embedding_dim],
-            over_arch_layer_sizes=[*config.over_hidden, 1],
-        )
+    dlrm = unsharded_dlrm(
+        tables,
+        embedding_dim=config.embedding_dim,
+        dense_hidden=config.dense_hidden,
+        over_hidden=config.over_hidden,
     )
+    ebc = dlrm.model.sparse_arch.embedding_bag_collection
     apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": _LR})
     world_size = dist.get_world_size()
     sharding = _CPU_SHARDING if device.type == "cpu" else None

@@ -74,16 +74,13 @@ def build_model(
         )
         for feature, size in zip(SPARSE_NAMES, config.table_sizes, strict=True)
     ]
-    # On the meta device nothing is allocated: each rank materializes only its own shards.
-    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-    dlrm = DLRMTrain(
-        DLRM(
-            embedding_bag_collection=ebc,
-            dense_in_features=NUM_DENSE,
-            dense_arch_layer_sizes=[*config.dense_hidden, config.embedding_dim],
-            over_arch_layer_sizes=[*config.over_hidden, 1],
-        )
+    dlrm = unsharded_dlrm(
+        tables,
+        embedding_dim=config.embedding_dim,
+        dense_hidden=config.dense_hidden,
+        over_hidden=config.over_hidden,
     )
+    ebc = dlrm.model.sparse_arch.embedding_bag_collection
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": config.lr})
 
     model, plan = _shard(
@@ -92,6 +89,28 @@ def build_model(
     dense = dict(in_backward_optimizer_filter(model.named_parameters()))
     optimizer = KeyedOptimizerWrapper(dense, lambda ps: torch.optim.Adagrad(ps, lr=config.lr))
     return ShardedDLRM(model=model, optimizer=optimizer, plan=_describe(plan))
+
+
+def unsharded_dlrm(
+    tables: list[EmbeddingBagConfig],
+    *,
+    embedding_dim: int,
+    dense_hidden: tuple[int, ...],
+    over_hidden: tuple[int, ...],
+) -> DLRMTrain:
+    """DLRMTrain over `tables` and NUM_DENSE dense features, its embeddings on the meta device.
+
+    Nothing is allocated for the tables: sharding materializes each rank's own shards.
+    """
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    return DLRMTrain(
+        DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=NUM_DENSE,
+            dense_arch_layer_sizes=[*dense_hidden, embedding_dim],
+            over_arch_layer_sizes=[*over_hidden, 1],
+        )
+    )
 
 
 def _shard(
