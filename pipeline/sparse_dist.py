@@ -137,9 +137,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         Returns:
             The model, as it was before the pipeline touched it.
         """
-        if self._undo_groups is not None:
-            self._undo_groups()
-            self._undo_groups = None
+        self._restore_groups()
         if self._rewrite is not None:
             self._rewrite.restore()
             self._rewrite = None
@@ -238,7 +236,12 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         """Input all-to-alls on their own groups under "early", on torchrec's under "late"."""
         if self._schedule == "early" and self._undo_groups is None:
             self._undo_groups = self._groups.install([pm.module for pm in rewrite.modules])
-        elif self._schedule == "late" and self._undo_groups is not None:
+        elif self._schedule == "late":
+            self._restore_groups()
+
+    def _restore_groups(self) -> None:
+        """Put the input all-to-alls back on the groups torchrec made them with."""
+        if self._undo_groups is not None:
             self._undo_groups()
             self._undo_groups = None
 

@@ -93,13 +93,12 @@ class InputDistGroups:
     the schedule, which the pipelines guarantee) and reused when the all-to-alls move again.
 
     Only groups spanning every rank get their own: creating a copy of a subgroup would need every
-    rank to know every other rank's subgroups. Subgroups keep sharing (`shared` lists them).
+    rank to know every other rank's subgroups. Subgroups keep sharing.
     The cost is one more communicator per group: on NCCL, its buffers on every GPU.
     """
 
     def __init__(self) -> None:
         self._made: list[tuple[dist.ProcessGroup, dist.ProcessGroup]] = []
-        self.shared: list[dist.ProcessGroup] = []
 
     def own_group(self, pg: dist.ProcessGroup) -> dist.ProcessGroup:
         """The group reserved for all-to-alls originally on `pg` (`pg` itself for subgroups)."""
@@ -107,8 +106,6 @@ class InputDistGroups:
             if original is pg or own is pg:
                 return own
         if pg.size() != dist.get_world_size():
-            if not any(p is pg for p in self.shared):
-                self.shared.append(pg)
             return pg
         own = dist.new_group(backend=dist.get_backend(pg), group_desc="pipeline_input_dist")
         self._made.append((pg, own))
