@@ -1,0 +1,240 @@
+"""The slow tier: one table shard's rows and optimizer state in a file on local disk.
+
+A store knows row I/O and nothing else: no cache, no torchrec. The file is a 4 KiB header (shape and
+dtype, checked on open), then the weights `[rows, dim]` and the optimizer state `[rows, state_width]`
+as two contiguous float32 regions. Rows are read and written with `preadv`/`pwritev` (the GIL is
+released during the system call, so a prefetch thread overlaps compute while it waits on the disk),
+one call per run of consecutive rows. Nothing is memory-mapped during training, so resident memory
+stays bounded by the cache however large the table; `weights()`/`state()` map the regions only for
+checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["RowStore", "StoreError", "StoreStats"]
+
+_MAGIC = b"TIEREDSTORE1\n"
+_HEADER = 4096
+_ALIGN = 4096
+_CHUNK_BYTES = 64 << 20  # initialisation writes at most this much at a time
+
+
+class StoreError(RuntimeError):
+    """The store file cannot be created or opened as asked; the message says what to do."""
+
+
+@dataclass(slots=True)
+class StoreStats:
+    """Cumulative I/O of one store."""
+
+    rows_read: int = 0
+    rows_written: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class RowStore:
+    """Rows of one table shard on disk.
+
+    Use `RowStore.create` (new file from initial weights) or `RowStore.open` (existing file).
+
+    Args:
+        cold: after every read, ask the kernel to drop the pages just read from its page cache
+            (`posix_fadvise(DONTNEED)`), so the next read of those rows goes to the disk again.
+            For benchmarks of a table much larger than RAM on a machine that has the RAM.
+    """
+
+    def __init__(self, path: Path, rows: int, dim: int, state_width: int, *, cold: bool = False) -> None:
+        self.path = Path(path)
+        self.rows, self.dim, self.state_width = rows, dim, state_width
+        self.cold = cold
+        self.stats = StoreStats()
+        self._w_off = _HEADER
+        self._s_off = _align(_HEADER + rows * dim * 4)
+        self._size = _align(self._s_off + rows * state_width * 4)
+        self._fd = os.open(self.path, os.O_RDWR)
+        self._maps: dict[str, torch.Tensor] = {}
+
+    # -- creation -----------------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        path: str | os.PathLike,
+        rows: int,
+        dim: int,
+        state_width: int,
+        init: Callable[[torch.Tensor], None],
+        *,
+        cold: bool = False,
+    ) -> RowStore:
+        """Write a new store at `path` with weights filled chunk by chunk by `init(tensor)` and
+        the optimizer state zeroed, then open it.
+
+        The file is written under a temporary name and renamed into place, so an interrupted
+        creation never leaves a half-written store at `path`. An existing store of the same shape
+        is replaced; one of another shape is refused.
+
+        Raises:
+            StoreError: the directory is missing or not writable, or `path` holds a store made for
+                another shape.
+        """
+        path = Path(path)
+        _check_directory(path.parent)
+        if path.exists():
+            _check_header(path, rows, dim, state_width)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                header = json.dumps({"rows": rows, "dim": dim, "state_width": state_width, "dtype": "f32"})
+                f.write(_MAGIC + header.encode().ljust(_HEADER - len(_MAGIC), b" "))
+                chunk = max(1, _CHUNK_BYTES // (4 * max(dim, 1)))
+                for start in range(0, rows, chunk):
+                    block = torch.empty(min(chunk, rows - start), dim)
+                    init(block)
+                    f.write(block.numpy().tobytes())
+                f.truncate(_align(_align(_HEADER + rows * dim * 4) + rows * state_width * 4))
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return cls(path, rows, dim, state_width, cold=cold)
+
+    @classmethod
+    def open(
+        cls, path: str | os.PathLike, rows: int, dim: int, state_width: int, *, cold: bool = False
+    ) -> RowStore:
+        """Open an existing store, checking that it was made for this shape.
+
+        Raises:
+            StoreError: no store at `path`, or one made for another shape.
+        """
+        path = Path(path)
+        if not path.exists():
+            raise StoreError(f"no embedding store at {path}; create it first (store_mode='create')")
+        _check_header(path, rows, dim, state_width)
+        return cls(path, rows, dim, state_width, cold=cold)
+
+    # -- row I/O ------------------------------------------------------------------------------
+
+    def read(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weights `[n, dim]` and state `[n, state_width]` of `rows` (sorted, unique)."""
+        started = time.perf_counter()
+        ids = rows.numpy()
+        weights = np.empty((len(ids), self.dim), dtype=np.float32)
+        state = np.empty((len(ids), self.state_width), dtype=np.float32)
+        for first, start, n in _runs(ids):
+            self._io(os.preadv, weights[first : first + n], self._w_off + start * self.dim * 4)
+            if self.state_width:
+                self._io(os.preadv, state[first : first + n], self._s_off + start * self.state_width * 4)
+        nbytes = weights.nbytes + state.nbytes
+        self.stats.rows_read += len(ids)
+        self.stats.bytes_read += nbytes
+        self.stats.read_seconds += time.perf_counter() - started
+        return torch.from_numpy(weights), torch.from_numpy(state)
+
+    def write(self, rows: torch.Tensor, weights: torch.Tensor, state: torch.Tensor) -> None:
+        """Write `weights`/`state` of `rows` (sorted, unique) back to the file."""
+        started = time.perf_counter()
+        ids = rows.numpy()
+        w = np.ascontiguousarray(weights.numpy())
+        s = np.ascontiguousarray(state.numpy())
+        for first, start, n in _runs(ids):
+            self._io(os.pwritev, w[first : first + n], self._w_off + start * self.dim * 4)
+            if self.state_width:
+                self._io(os.pwritev, s[first : first + n], self._s_off + start * self.state_width * 4)
+        self.stats.rows_written += len(ids)
+        self.stats.bytes_written += w.nbytes + s.nbytes
+        self.stats.write_seconds += time.perf_counter() - started
+
+    def _io(self, call: Callable, block: np.ndarray, offset: int) -> None:
+        view = memoryview(block).cast("B")
+        done = call(self._fd, [view], offset)
+        if done != len(view):
+            raise StoreError(f"short I/O on {self.path} at byte {offset}: {done} of {len(view)} bytes")
+        if self.cold and call is os.preadv:
+            os.posix_fadvise(self._fd, offset, len(view), os.POSIX_FADV_DONTNEED)
+
+    def drop_page_cache(self) -> None:
+        """Write dirty pages and drop the whole file from the page cache (cold reads after)."""
+        os.fsync(self._fd)
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    # -- whole-table views (checkpoints) ------------------------------------------------------
+
+    def weights(self) -> torch.Tensor:
+        """The weights region as a `[rows, dim]` tensor mapped onto the file (writes go to disk)."""
+        return self._map("weights", self._w_off, (self.rows, self.dim))
+
+    def state(self) -> torch.Tensor:
+        """The optimizer-state region as a `[rows, state_width]` tensor mapped onto the file."""
+        return self._map("state", self._s_off, (self.rows, self.state_width))
+
+    def _map(self, name: str, offset: int, shape: tuple[int, int]) -> torch.Tensor:
+        if name not in self._maps:
+            if shape[0] * shape[1] == 0:
+                self._maps[name] = torch.zeros(shape)
+            else:
+                array = np.memmap(self.path, dtype=np.float32, mode="r+", offset=offset, shape=shape)
+                self._maps[name] = torch.from_numpy(array)
+        return self._maps[name]
+
+    def close(self) -> None:
+        self._maps.clear()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _runs(ids: np.ndarray):
+    """(position in `ids`, first row, count) for each run of consecutive rows in sorted `ids`."""
+    if len(ids) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    firsts = np.concatenate(([0], breaks))
+    counts = np.diff(np.concatenate((firsts, [len(ids)])))
+    return zip(firsts.tolist(), ids[firsts].tolist(), counts.tolist(), strict=True)
+
+
+def _check_directory(directory: Path) -> None:
+    if not directory.is_dir():
+        raise StoreError(f"embedding store directory {directory} does not exist; create it or pick another")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise StoreError(f"embedding store directory {directory} is not writable; pick a writable one")
+
+
+def _check_header(path: Path, rows: int, dim: int, state_width: int) -> None:
+    with open(path, "rb") as f:
+        head = f.read(_HEADER)
+    if not head.startswith(_MAGIC):
+        raise StoreError(f"{path} is not an embedding store; delete it or pick another directory")
+    found = json.loads(head[len(_MAGIC) :].decode().strip())
+    want = {"rows": rows, "dim": dim, "state_width": state_width}
+    got = {k: found.get(k) for k in want}
+    if got != want:
+        raise StoreError(
+            f"{path} was made for another table shape ({got}, this table needs {want}); "
+            "delete it or pick another store directory"
+        )
