@@ -56,6 +56,7 @@ class TrainPipelineBase:
     """
 
     _context_type: type[BatchContext] = BatchContext
+    _prefetch_thread = False  # on CPU, run the prefetch stage on a worker thread
 
     def __init__(
         self,
@@ -72,7 +73,9 @@ class TrainPipelineBase:
         self._device = device
         self._model_fwd = custom_model_fwd if custom_model_fwd is not None else model
         self._execute_all_batches = execute_all_batches
-        self._streams = streams if streams is not None else streams_for(device)
+        self._streams = (
+            streams if streams is not None else streams_for(device, prefetch_thread=self._prefetch_thread)
+        )
         self._lanes: dict[int, _Lane] = {}
         self._next_index = 0
 
@@ -104,6 +107,7 @@ class TrainPipelineBase:
 
     def reset(self) -> None:
         """Drop every in-flight batch (after an exception, or to abandon an iterator)."""
+        self._streams.drain()
         self._lanes.clear()
 
     # -- stages shared by all pipelines -------------------------------------------------------

@@ -71,6 +71,9 @@ class BatchContext:
 class PrefetchBatchContext(BatchContext):
     """Adds what the prefetch stage hands to forward."""
 
+    prefetch_job: Any = None
+    """Written by the prefetch submission (main thread): the future of this batch's prefetch stage;
+    read by the main thread before forward."""
     prefetched: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     """Written by prefetch (on the prefetch stream): (module context, post-prefetch input) per
     module; read (popped) by forward's `take_prefetched`, which never waits on communication."""

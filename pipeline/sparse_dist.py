@@ -178,6 +178,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         losses, output = self._forward(ctx)
         if nxt is not None:
             self._wait_splits(nxt)  # "late" (a no-op after "early")
+            self._after_forward(nxt)
         if losses is not None:
             self._backward_and_step(ctx, losses)
         lane.inflight.popleft()
@@ -185,6 +186,9 @@ class TrainPipelineSparseDist(TrainPipelineBase):
 
     def _before_forward(self, ctx: BatchContext) -> None:
         pass
+
+    def _after_forward(self, nxt: BatchContext) -> None:
+        """Forward of the head batch is done and `nxt`'s values all-to-all is under way."""
 
     def _call_model(self, ctx: BatchContext) -> Any:
         self._slot.current = ctx
@@ -294,6 +298,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
 
     _context_type = PrefetchBatchContext
     _prefetch = True
+    _prefetch_thread = True
 
     def __init__(
         self,
@@ -318,11 +323,33 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
             **options,
         )
 
+    def detach(self) -> nn.Module:
+        self._streams.drain()
+        return super().detach()
+
+    def _after_forward(self, nxt: BatchContext) -> None:
+        # The prefetch of batch i+1 overlaps backward and optimizer of batch i (torchrec's GPU
+        # order); rows it needs are pinned by the kernel, so backward of i cannot lose them.
+        self._submit_prefetch(nxt)
+
     def _before_forward(self, ctx: BatchContext) -> None:
         assert isinstance(ctx, PrefetchBatchContext)
+        if ctx.prefetch_job is None:  # first batch, or one whose predecessor ran in another lane
+            self._submit_prefetch(ctx)
+        ctx.prefetch_job.result()  # re-raises what went wrong on the prefetch stream
+
+    def _submit_prefetch(self, ctx: BatchContext) -> None:
+        assert isinstance(ctx, PrefetchBatchContext)
+        if ctx.prefetch_job is None:
+            forward_stream = self._streams.current()  # the caller's stream, where forward will run
+            ctx.prefetch_job = self._streams.submit(
+                self._streams.prefetch, lambda: self._prefetch(ctx, forward_stream)
+            )
+
+    def _prefetch(self, ctx: PrefetchBatchContext, forward_stream: Any) -> None:
+        """The prefetch stage: wait for `ctx`'s input_dist, then each module's `prefetch()`."""
         streams = self._streams
-        forward_stream = streams.current()  # the caller's stream, where forward will run
-        with stage(streams, "prefetch", ctx.index, streams.prefetch):
+        with stage(streams, "prefetch", ctx.index), torch.no_grad():
             for pm in self._rewrite.modules if self._rewrite else []:
                 prepared = ctx.take_input_dist(pm.fqn)
                 if prepared is None:

@@ -6,8 +6,10 @@ is running on (read at each use, never a stream of our own: see meta-pytorch/tor
 object made on one stream and used on another goes through `Streams.handoff`, which orders the
 consumer after the producer and keeps the object's memory alive for the consumer.
 
-Three implementations: `Streams` (CPU, no streams: every method is a no-op), `CudaStreams` (real
-streams), and `RecordingStreams`, which runs on CPU with named fake streams and logs every stage,
+Four implementations: `Streams` (CPU, no streams: every method is a no-op), `CudaStreams` (real
+streams), `ThreadStreams` (CPU, with a worker thread playing the prefetch stream: work submitted to it
+runs in order there, and a hand-off waits for the producer's future instead of `wait_stream`), and
+`RecordingStreams`, which runs on CPU with named fake streams and logs every stage,
 wait, record and use, so that `check()` can prove that nothing was used on a stream that had not
 waited for its producer. CI has no GPU; this is how a missing wait is caught there.
 """
@@ -15,13 +17,14 @@ waited for its producer. CI has no GPU; this is how a missing wait is caught the
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 
-__all__ = ["CudaStreams", "HandoffError", "RecordingStreams", "Streams", "streams_for"]
+__all__ = ["CudaStreams", "HandoffError", "RecordingStreams", "Streams", "ThreadStreams", "streams_for"]
 
 
 class Streams:
@@ -50,6 +53,21 @@ class Streams:
 
     def stage(self, name: str) -> None:
         """Stage `name` starts on the current stream (a checking hook; no-op here)."""
+
+    def submit(self, stream: Any, work: Callable[[], None]) -> Future:
+        """Run `work` on `stream`; the returned future's `result()` waits for it on the host.
+
+        With CUDA or no streams the work is enqueued (or run) now, on the calling thread; on a
+        thread-backed stream it runs later, in order, on that stream's thread.
+        """
+        done: Future = Future()
+        with self.use(stream):
+            work()
+        done.set_result(None)
+        return done
+
+    def drain(self) -> None:
+        """Wait for all submitted work and drop its errors (before a reset or detach)."""
 
     def handoff(self, obj: Any, producer: Any) -> None:
         """Make `obj`, produced on stream `producer`, usable on the current stream.
@@ -101,9 +119,62 @@ def _record_stream(obj: Any, stream: Any) -> None:
             _record_stream(getattr(obj, f.name), stream)
 
 
-def streams_for(device: torch.device) -> Streams:
-    """Real streams on CUDA, none elsewhere."""
-    return CudaStreams(device) if device.type == "cuda" else Streams()
+class _WorkerStream:
+    """A thread that runs submitted work in order: the CPU stand-in for a CUDA side stream."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pipeline-{name}")
+        self._last: Future | None = None
+
+    def submit(self, work: Callable[[], None]) -> Future:
+        self._last = self._executor.submit(work)
+        return self._last
+
+    def join(self) -> None:
+        """Wait for everything submitted so far; re-raises the error of the last work."""
+        if self._last is not None:
+            self._last.result()
+
+
+class ThreadStreams(Streams):
+    """CPU streams where the prefetch stage runs on a worker thread.
+
+    On a CPU, a prefetch that waits (on the disk, on the all-to-all) overlaps the main thread's
+    backward only if it runs on another thread; CPU-bound work moved there competes with compute.
+    A hand-off from the worker waits for the work submitted to it so far (its future), which is
+    what `wait_stream` does on CUDA; memory needs no recording on the host.
+    """
+
+    def __init__(self) -> None:
+        self.prefetch = _WorkerStream("prefetch")
+
+    def submit(self, stream: Any, work: Callable[[], None]) -> Future:
+        # torch.profiler records only the threads it was started on: while it runs, work stays on
+        # the calling thread so that every stage keeps its label (and the overlap is not shown).
+        if isinstance(stream, _WorkerStream) and not torch.autograd.profiler._is_profiler_enabled:
+            return stream.submit(work)
+        if isinstance(stream, _WorkerStream):
+            stream.join()  # in order with what was submitted before
+            stream = None
+        return super().submit(stream, work)
+
+    def drain(self) -> None:
+        try:
+            self.prefetch.join()
+        except BaseException:
+            pass
+
+    def handoff(self, obj: Any, producer: Any) -> None:
+        if isinstance(producer, _WorkerStream):
+            producer.join()
+
+
+def streams_for(device: torch.device, *, prefetch_thread: bool = False) -> Streams:
+    """Real streams on CUDA; on CPU none, or a prefetch worker thread if `prefetch_thread`."""
+    if device.type == "cuda":
+        return CudaStreams(device)
+    return ThreadStreams() if prefetch_thread else Streams()
 
 
 class HandoffError(AssertionError):
