@@ -134,7 +134,7 @@ class RowCache:
             raise CacheTooSmallError(
                 f"cache of {self.name or 'a table'} has {self.capacity} rows; {pinned_rows} are pinned by "
                 f"batches in flight, and this batch needs {need} more ({len(unique)} distinct rows). "
-                f"Give it at least {pinned_rows + len(unique)} rows (cache_rows), or keep fewer "
+                f"Give it at least {pinned_rows + need} rows (cache_rows), or keep fewer "
                 "batches in flight."
             )
         scores = self.policy.scores()[free]

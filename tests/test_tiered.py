@@ -1,0 +1,159 @@
+"""Unit tests of the tiered kernel's store and cache (no process group): write-back on eviction,
+pinning, the too-small-cache error, eviction policies, and store files that are never half-written."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from tiered import CacheTooSmallError, RowCache, RowStore, StoreError, TieredOptions, make_policy
+
+ROWS, DIM = 100, 4
+
+
+def _fill(block: torch.Tensor) -> None:
+    block.copy_(torch.arange(block.numel(), dtype=torch.float32).view_as(block))
+
+
+def _store(tmp_path, state_width: int = 1) -> RowStore:
+    return RowStore.create(tmp_path / "t.rows", ROWS, DIM, state_width, lambda b: b.normal_())
+
+
+def _cache(tmp_path, capacity: int, policy: str = "lru") -> RowCache:
+    store = _store(tmp_path)
+    return RowCache(store, capacity, make_policy(policy, capacity), name="t")
+
+
+def test_store_round_trip_in_runs(tmp_path):
+    store = _store(tmp_path)
+    rows = torch.tensor([0, 1, 2, 7, 50, 51, 99])
+    before = store.weights()[rows].clone()
+    weights, state = store.read(rows)
+    assert torch.equal(weights, before) and torch.equal(state, torch.zeros(7, 1))
+    store.write(rows, weights + 1, state + 2)
+    weights2, state2 = store.read(rows)
+    assert torch.equal(weights2, before + 1) and torch.equal(state2, torch.full((7, 1), 2.0))
+    assert store.stats.rows_read == 14 and store.stats.rows_written == 7
+    assert store.stats.bytes_read == 14 * (DIM + 1) * 4
+
+
+def test_store_refuses_another_shape_and_missing_directory(tmp_path):
+    _store(tmp_path)
+    with pytest.raises(StoreError, match="another table shape"):
+        RowStore.create(tmp_path / "t.rows", ROWS, DIM + 1, 1, _fill)
+    with pytest.raises(StoreError, match="another table shape"):
+        RowStore.open(tmp_path / "t.rows", ROWS + 1, DIM, 1)
+    with pytest.raises(StoreError, match="does not exist"):
+        RowStore.create(tmp_path / "nope" / "t.rows", ROWS, DIM, 1, _fill)
+    with pytest.raises(StoreError, match="no embedding store"):
+        RowStore.open(tmp_path / "other.rows", ROWS, DIM, 1)
+
+
+def test_interrupted_creation_leaves_no_file(tmp_path):
+    def failing(block: torch.Tensor) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        RowStore.create(tmp_path / "t.rows", ROWS, DIM, 1, failing)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_acquire_maps_every_id_to_its_row(tmp_path):
+    cache = _cache(tmp_path, 10)
+    ids = torch.tensor([5, 3, 5, 9])
+    pin = cache.acquire(ids)
+    assert torch.equal(cache.weights[pin.slots], cache.store.weights()[ids])
+    assert cache.stats.misses == 3 and cache.stats.hits == 0
+    pin.release()
+    cache.acquire(torch.tensor([3, 4])).release()
+    assert cache.stats.hits == 1 and cache.stats.misses == 4
+
+
+def test_dirty_rows_are_written_back_on_eviction_and_flush(tmp_path):
+    cache = _cache(tmp_path, 4)
+    pin = cache.acquire(torch.tensor([1, 2]))
+    cache.weights[pin.unique_slots] += 100.0
+    cache.state[pin.unique_slots] += 7.0
+    cache.mark_dirty(pin.unique_slots)
+    expected = cache.weights[pin.unique_slots].clone()
+    pin.release()
+    cache.acquire(torch.tensor([10, 11, 12, 13])).release()  # evicts rows 1 and 2
+    assert cache.stats.evictions == 2 and cache.stats.writebacks == 2
+    weights, state = cache.store.read(torch.tensor([1, 2]))
+    assert torch.equal(weights, expected) and torch.equal(state, torch.full((2, 1), 7.0))
+    pin = cache.acquire(torch.tensor([1]))  # reloaded from the store, with the update
+    assert torch.equal(cache.weights[pin.slots], expected[:1])
+    cache.weights[pin.slots] -= 1.0
+    cache.mark_dirty(pin.unique_slots)
+    cache.flush()
+    assert torch.equal(cache.store.read(torch.tensor([1]))[0], expected[:1] - 1.0)
+
+
+def test_pinned_rows_are_never_evicted(tmp_path):
+    cache = _cache(tmp_path, 6)
+    in_flight = cache.acquire(torch.tensor([0, 1, 2]))  # a batch between prefetch and backward
+    slots = in_flight.slots.clone()
+    for start in range(10, 40, 3):  # later batches churn through the other 3 slots
+        cache.acquire(torch.arange(start, start + 3)).release()
+    assert torch.equal(cache.slot_of_row[torch.tensor([0, 1, 2])].long(), slots)
+    assert torch.equal(cache.row_of_slot[slots], torch.tensor([0, 1, 2]))
+    assert cache.stats.evictions > 0
+
+
+def test_too_small_cache_is_a_clear_error_and_changes_nothing(tmp_path):
+    cache = _cache(tmp_path, 5)
+    held = cache.acquire(torch.tensor([0, 1, 2]))
+    pins_before = cache.pins.clone()
+    with pytest.raises(CacheTooSmallError, match=r"has 5 rows; 3 are pinned .* needs 3 more .* at least 6"):
+        cache.acquire(torch.tensor([2, 10, 11, 12]))
+    assert torch.equal(cache.pins, pins_before)
+    held.release()
+    cache.acquire(torch.tensor([2, 10, 11, 12])).release()
+
+
+def test_a_dropped_pin_releases_its_rows(tmp_path):
+    cache = _cache(tmp_path, 3)
+    pin = cache.acquire(torch.tensor([0, 1, 2]))
+    assert cache.pinned_rows == 3 and not pin.released
+    del pin
+    gc.collect()
+    assert cache.pinned_rows == 0
+    cache.acquire(torch.tensor([3, 4, 5])).release()
+
+
+@pytest.mark.parametrize(("policy", "evicted"), [("lru", 0), ("lfu", 1)])
+def test_eviction_policy_chooses_the_victim(tmp_path, policy, evicted):
+    cache = _cache(tmp_path, 2, policy)
+    cache.acquire(torch.tensor([0])).release()
+    for _ in range(3):
+        cache.acquire(torch.tensor([0])).release()  # row 0: used often, long ago
+    cache.acquire(torch.tensor([1])).release()  # row 1: used once, just now
+    cache.acquire(torch.tensor([2])).release()
+    assert int(cache.slot_of_row[evicted]) == -1
+    assert int(cache.slot_of_row[1 - evicted]) >= 0
+
+
+def test_purge_refuses_while_rows_are_pinned(tmp_path):
+    cache = _cache(tmp_path, 4)
+    pin = cache.acquire(torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="in flight"):
+        cache.purge()
+    pin.release()
+    cache.purge()
+    assert int((cache.row_of_slot >= 0).sum()) == 0
+
+
+def test_out_of_range_ids_are_refused(tmp_path):
+    cache = _cache(tmp_path, 4)
+    with pytest.raises(IndexError, match=r"\[0, 100\)"):
+        cache.acquire(torch.tensor([3, ROWS]))
+
+
+def test_options_validate(tmp_path):
+    with pytest.raises(ValueError, match="exactly one"):
+        TieredOptions(store_dir=tmp_path)
+    with pytest.raises(ValueError, match="does not exist"):
+        TieredOptions(store_dir=tmp_path / "missing", cache_rows=4)
+    assert TieredOptions(store_dir=tmp_path, cache_fraction=0.1).capacity(1000) == 100

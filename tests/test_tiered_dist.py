@@ -1,0 +1,224 @@
+"""The tiered kernel on 2 gloo ranks with real all-to-alls.
+
+- Equivalence: Base, SparseDist and Prefetch on the tiered kernel, with a cache a little above the
+  rows pinned in flight (so every step evicts), equal the plain loop on the same kernel bit for bit
+  (table-wise and column-wise, distinct batches, one output per batch then StopIteration).
+- The trained tables equal those of torchrec's fused CPU kernel on the same batches (float tolerance).
+- state_dict holds the trained weights, and a restart from a checkpoint (model, fused and dense
+  optimizer state, saved with torch.save) gives the same next outputs as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import tempfile
+
+import pytest
+
+from tests.harness import run_ranks
+
+PIPELINES = ("TrainPipelineBase", "TrainPipelineSparseDist", "PrefetchTrainPipelineSparseDist")
+SHARDINGS = ("table_wise", "column_wise")
+STEPS = 12
+ROWS, DIM, TABLES, BATCH, CACHE = 400, 8, 3, 8, 130
+
+
+def _build(sharding: str, store: str | None, *, adagrad: bool = False, seed: int = 0):
+    import torch
+    import torch.distributed as dist
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.models.dlrm import DLRM, DLRMTrain
+    from torchrec.optim import RowWiseAdagrad
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from tiered import TIERED, TieredEmbeddingBagCollectionSharder, TieredOptions
+
+    torch.manual_seed(seed)
+    configs = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{i}"])
+        for i in range(TABLES)
+    ]
+    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
+    model = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[DIM],
+                           over_arch_layer_sizes=[8, 1]))  # fmt: skip
+    optim, kwargs = (RowWiseAdagrad, {"lr": 0.1}) if adagrad else (torch.optim.SGD, {"lr": 0.5})
+    apply_optimizer_in_backward(optim, ebc.parameters(), kwargs)
+    if store is None:
+        sharder, kernel = EmbeddingBagCollectionSharder(), "fused"
+    else:
+        sharder = TieredEmbeddingBagCollectionSharder(TieredOptions(store_dir=store, cache_rows=CACHE))
+        kernel = TIERED
+    world = dist.get_world_size()
+    per_table = {
+        c.name: table_wise(rank=i % world, compute_kernel=kernel)
+        if sharding == "table_wise"
+        else column_wise(ranks=list(range(world)), compute_kernel=kernel)
+        for i, c in enumerate(configs)
+    }
+    plan = construct_module_sharding_plan(ebc, per_param_sharding=per_table, sharder=sharder)
+    fqn = "model.sparse_arch.embedding_bag_collection"
+    dmp = DistributedModelParallel(
+        model, device=torch.device("cpu"), plan=ShardingPlan({fqn: plan}), sharders=[sharder]
+    )
+    dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    return dmp, KeyedOptimizerWrapper(dense, lambda params: torch.optim.SGD(params, lr=0.1))
+
+
+def _batches(n: int, rank: int, start: int = 0):
+    import torch
+    from torchrec import KeyedJaggedTensor
+    from torchrec.datasets.utils import Batch
+
+    out = []
+    for i in range(start, start + n):
+        gen = torch.Generator().manual_seed(1000 * rank + i)
+        lengths = torch.randint(1, 6, (TABLES * BATCH,), generator=gen)
+        values = torch.randint(0, ROWS, (int(lengths.sum()),), generator=gen)
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=[f"f{t}" for t in range(TABLES)], values=values, lengths=lengths
+        )
+        out.append(Batch(dense_features=torch.rand(BATCH, 4, generator=gen), sparse_features=kjt,
+                         labels=torch.randint(0, 2, (BATCH,), generator=gen).float()))  # fmt: skip
+    return out
+
+
+def _state(dmp) -> dict:
+    from tests.models import flat_tensors
+
+    return {k: [t.clone() for t in flat_tensors(v)] for k, v in dmp.state_dict().items()}
+
+
+def _equivalence(rank: int, world_size: int) -> dict:
+    import torch
+
+    import pipeline
+    from tests.models import bitwise_equal, plain_loop
+
+    results = {}
+    for sharding in SHARDINGS:
+        data = _batches(STEPS, rank)
+        with tempfile.TemporaryDirectory() as d:
+            ref, ref_opt = _build(sharding, d)
+            expected = plain_loop(ref, ref_opt, data)
+            expected_state = _state(ref)
+            stats = ref.module.model.sparse_arch.embedding_bag_collection.tiered_stats()
+        results[("evictions", sharding)] = sum(s["evictions"] for s in stats.values())
+        results[("writebacks", sharding)] = sum(s["writebacks"] for s in stats.values())
+        with tempfile.TemporaryDirectory() as d:
+            fused, fused_opt = _build(sharding, None)
+            tiered, tiered_opt = _build(sharding, d)
+            tiered.load_state_dict(fused.state_dict())  # same starting point: the stores are written
+            plain_loop(fused, fused_opt, data)
+            plain_loop(tiered, tiered_opt, data)
+            results[("fused", sharding)] = max(
+                (a - b).abs().max().item()
+                for a, b in zip(
+                    itertools.chain(*_state(fused).values()),
+                    itertools.chain(*_state(tiered).values()),
+                    strict=True,
+                )
+            )
+        for pipe_name in PIPELINES:
+            with tempfile.TemporaryDirectory() as d:
+                model, opt = _build(sharding, d)
+                pipe = getattr(pipeline, pipe_name)(model, opt, torch.device("cpu"))
+                it = iter(data)
+                outputs = [pipe.progress(it) for _ in range(STEPS)]
+                try:
+                    pipe.progress(it)
+                    stopped = False
+                except StopIteration:
+                    stopped = True
+                ebc = model.module.model.sparse_arch.embedding_bag_collection
+                pinned = sum(c.pinned_rows for k in ebc.tiered_kernels() for c in k.caches)
+                results[(pipe_name, sharding)] = {
+                    "outputs": bitwise_equal(outputs, expected),
+                    "params": bitwise_equal(_state(model), expected_state),
+                    "stopped": stopped,
+                    "pinned_after": pinned,
+                }
+    return results
+
+
+@pytest.fixture(scope="module")
+def equivalence():
+    return run_ranks(_equivalence, 2, timeout=600)
+
+
+@pytest.mark.parametrize(("pipe_name", "sharding"), list(itertools.product(PIPELINES, SHARDINGS)))
+def test_pipelines_equal_the_plain_loop_on_the_tiered_kernel(equivalence, pipe_name, sharding):
+    for rank_result in equivalence:
+        r = rank_result[(pipe_name, sharding)]
+        assert r["outputs"], "per-step outputs differ from the plain loop"
+        assert r["params"], "final parameters differ from the plain loop"
+        assert r["stopped"], "no StopIteration after the last batch"
+        assert r["pinned_after"] == 0, "rows still pinned after the last batch"
+
+
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_the_cache_evicts_every_run(equivalence, sharding):
+    for rank_result in equivalence:
+        assert rank_result[("evictions", sharding)] > STEPS
+        assert rank_result[("writebacks", sharding)] > 0
+
+
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_trained_tables_equal_torchrecs_fused_kernel(equivalence, sharding):
+    for rank_result in equivalence:
+        assert rank_result[("fused", sharding)] < 1e-5
+
+
+def _restart(rank: int, world_size: int) -> dict:
+    import torch
+
+    import pipeline
+    from tests.models import bitwise_equal
+
+    split = 6
+    data = _batches(STEPS, rank)
+    results = {}
+    with tempfile.TemporaryDirectory() as d1, tempfile.TemporaryDirectory() as d2:
+        whole, whole_opt = _build("table_wise", d1, adagrad=True)
+        pipe = pipeline.PrefetchTrainPipelineSparseDist(whole, whole_opt, torch.device("cpu"))
+        it = iter(data)
+        uninterrupted = [pipe.progress(it) for _ in range(STEPS)]
+
+        first, first_opt = _build("table_wise", d2, adagrad=True)
+        pipe = pipeline.PrefetchTrainPipelineSparseDist(first, first_opt, torch.device("cpu"))
+        it = iter(data[:split])
+        for _ in range(split):
+            pipe.progress(it)
+        buffer = io.BytesIO()
+        torch.save(
+            {"model": first.state_dict(), "fused": first.fused_optimizer.state_dict(),
+             "dense": first_opt.state_dict()},
+            buffer,
+        )  # fmt: skip
+        results["state_dict_holds_trained_weights"] = not bitwise_equal(
+            _state(first), _state(_build("table_wise", None, adagrad=True)[0])
+        )
+    with tempfile.TemporaryDirectory() as d3:
+        resumed, resumed_opt = _build("table_wise", d3, adagrad=True, seed=7)  # other initial weights
+        buffer.seek(0)
+        checkpoint = torch.load(buffer, weights_only=False)
+        resumed.load_state_dict(checkpoint["model"])
+        resumed.fused_optimizer.load_state_dict(checkpoint["fused"])
+        resumed_opt.load_state_dict(checkpoint["dense"])
+        pipe = pipeline.PrefetchTrainPipelineSparseDist(resumed, resumed_opt, torch.device("cpu"))
+        it = iter(data[split:])
+        after = [pipe.progress(it) for _ in range(STEPS - split)]
+        results["resumed_equal"] = bitwise_equal(after, uninterrupted[split:])
+    return results
+
+
+def test_restart_from_a_checkpoint_continues_bit_for_bit():
+    for r in run_ranks(_restart, 2, timeout=600):
+        assert r["state_dict_holds_trained_weights"]
+        assert r["resumed_equal"], "outputs after the restart differ from the uninterrupted run"
