@@ -6,7 +6,8 @@ the previous batch's backward. Tables can be far larger than RAM.
 Neither `pipeline` nor `rewrite` imports this package: the pipeline only calls `prefetch()`.
 
     sharder = TieredEmbeddingBagCollectionSharder(TieredOptions(store_dir="/data/emb", cache_rows=100_000))
-    plan = construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0, compute_kernel=TIERED)}, sharder=sharder)
+    per_table = {"t0": table_wise(rank=0, compute_kernel=TIERED)}
+    plan = construct_module_sharding_plan(ebc, per_param_sharding=per_table, sharder=sharder)
 """
 
 from tiered.cache import CacheStats, CacheTooSmallError, Pin, RowCache

@@ -155,7 +155,9 @@ class TieredEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         with torch.no_grad():
             segments = _segments(features, len(self._feature_table))
             return [
-                cache.acquire(torch.cat([seg for seg, t in zip(segments, self._feature_table) if t == i]))
+                cache.acquire(
+                    torch.cat([seg for seg, t in zip(segments, self._feature_table, strict=True) if t == i])
+                )
                 for i, cache in enumerate(self.caches)
             ]
 

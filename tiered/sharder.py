@@ -115,9 +115,8 @@ class TieredShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 self._lookups.append(sharding.create_lookup())
                 continue
             if sharding_type not in _SUPPORTED:
-                raise ValueError(
-                    f"the tiered kernel supports {', '.join(sorted(_SUPPORTED))} sharding; got {sharding_type}"
-                )
+                supported = ", ".join(sorted(_SUPPORTED))
+                raise ValueError(f"the tiered kernel supports {supported} sharding; got {sharding_type}")
             self._lookups.append(
                 TieredLookup(
                     grouped_configs=configs,
