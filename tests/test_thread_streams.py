@@ -1,0 +1,59 @@
+"""ThreadStreams: the CPU prefetch stream as a worker thread (pipeline/streams.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from pipeline.streams import RecordingStreams, Streams, ThreadStreams, streams_for
+
+
+def test_work_runs_in_order_on_another_thread_and_handoff_waits():
+    streams = ThreadStreams()
+    seen: list[tuple[int, str]] = []
+
+    def work(i: int):
+        def run():
+            time.sleep(0.02 * (3 - i))  # earlier work takes longer: order must still hold
+            seen.append((i, threading.current_thread().name))
+
+        return run
+
+    futures = [streams.submit(streams.prefetch, work(i)) for i in range(3)]
+    streams.handoff(object(), streams.prefetch)  # waits for everything submitted so far
+    assert [i for i, _ in seen] == [0, 1, 2]
+    assert all(name.startswith("pipeline-prefetch") for _, name in seen)
+    assert all(f.done() for f in futures)
+
+
+def test_an_error_on_the_worker_surfaces_at_the_consumer_and_drain_clears_it():
+    streams = ThreadStreams()
+
+    def fail():
+        raise ValueError("bad batch")
+
+    future = streams.submit(streams.prefetch, fail)
+    with pytest.raises(ValueError, match="bad batch"):
+        future.result()
+    with pytest.raises(ValueError, match="bad batch"):
+        streams.handoff(object(), streams.prefetch)
+    streams.drain()  # a reset drops the error instead of raising it again
+
+
+def test_under_the_profiler_work_stays_on_the_calling_thread():
+    streams = ThreadStreams()
+    names = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        streams.submit(streams.prefetch, lambda: names.append(threading.current_thread().name)).result()
+    assert names == [threading.current_thread().name]
+
+
+def test_default_streams_per_device():
+    assert type(streams_for(torch.device("cpu"))) is Streams
+    assert type(streams_for(torch.device("cpu"), prefetch_thread=True)) is ThreadStreams
+    recording = RecordingStreams()
+    recording.submit(recording.prefetch, lambda: recording.stage("prefetch"))
+    assert recording.stage_streams() == {"prefetch": {"prefetch"}}
