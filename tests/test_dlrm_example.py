@@ -243,3 +243,97 @@ def test_torchrun_entry_point_prints_the_summary(tmp_path):
     written = json.loads(summary.read_text())
     assert written["steps"] == 3 and written["world_size"] == 2 and written["eval_passes"] == 1
     assert 0 < written["train_loss"] < 5 and written["samples_per_second"] > 0
+
+
+def _run_on_disk(rank: int, world_size: int, store: str) -> dict:
+    device = torch.device("cpu")
+    results: dict = {}
+    for name in ("none", "prefetch"):
+        # 2000 rows per table, 150 cached: batches of 32 ids per rank evict every step.
+        config = _config(name, num_embeddings=(2000,), embedding_store=store, cache_rows=150)
+        run = train(config, rank=rank, world_size=world_size, device=device)
+        results[name] = {"losses": run.losses, "summary": run.summary}
+    too_small = _config("none", num_embeddings=(2000,), embedding_store=store, cache_rows=8)
+    try:
+        train(too_small, rank=rank, world_size=world_size, device=device)
+    except InputError as e:
+        results["too_small"] = str(e)
+    return results
+
+
+@pytest.fixture(scope="module")
+def on_disk(tmp_path_factory) -> tuple[list[dict], Path]:
+    store = tmp_path_factory.mktemp("store")
+    return run_ranks(_run_on_disk, 2, timeout=150, args=(str(store),)), store
+
+
+def test_embedding_store_trains_like_the_plain_loop_and_reports_the_cache(on_disk):
+    results, store = on_disk
+    for rank in range(2):
+        plain, prefetch = results[rank]["none"], results[rank]["prefetch"]
+        assert len(plain["losses"]) == _STEPS
+        # The kernel is exact whatever the cache holds: the pipeline only moves the loads.
+        assert prefetch["losses"] == plain["losses"], f"rank {rank}"
+        for summary in (plain["summary"], prefetch["summary"]):
+            assert "customized_kernel" in summary["sharding"]
+            assert 0 < summary["cache_hit_rate"] < 1, summary  # evicting, yet re-using rows
+            assert summary["prefetch_ms"] > 0 and summary["store_read_ms"] >= 0
+    # One file per table shard, none left half-written (the too-small run wrote none either).
+    files = sorted(p.name for p in store.iterdir())
+    assert len(files) == 26 and all(f.endswith(".rows") for f in files), files
+
+
+def test_cache_smaller_than_a_batch_is_one_clear_error(on_disk):
+    results, _ = on_disk
+    for rank in range(2):
+        message = results[rank]["too_small"]
+        assert message.startswith("--cache-rows 8 is too small for one batch's rows"), message
+        assert "Raise --cache-rows" in message and "\n" not in message
+
+
+def test_embedding_store_flags_are_checked_before_training(tmp_path, monkeypatch, capsys):
+    def error(argv: list[str]) -> str:
+        assert train_script.main(["--pipeline", "none", "--steps", "2", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("train.py: error:") and "Traceback" not in err
+        assert err.count("\n") == 1, err
+        return err
+
+    missing = tmp_path / "missing"
+    assert "does not exist; create it" in error(["--embedding-store", str(missing), "--cache-rows", "64"])
+    afile = tmp_path / "file"
+    afile.write_text("")
+    assert "is not a directory" in error(["--embedding-store", str(afile), "--cache-rows", "64"])
+    assert "go together" in error(["--embedding-store", str(tmp_path)])
+    assert "--cache-rows must be a positive" in error(
+        ["--embedding-store", str(tmp_path), "--cache-rows", "0"]
+    )
+    # As root every directory is writable: the check itself is what this exercises.
+    monkeypatch.setattr(os, "access", lambda *args: False)
+    assert "is not writable" in error(["--embedding-store", str(tmp_path), "--cache-rows", "64"])
+    assert list(tmp_path.iterdir()) == [afile]
+
+
+def _store_errors(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "examples/dlrm/train.py", "--pipeline", "none", "--no-progress"]
+    flags = ["--steps", "2", "--batch-size", "32", "--embedding-store", str(tmp), "--cache-rows", "64"]
+    return _run([*cmd, *flags, *extra], timeout=90)
+
+
+def test_store_of_another_shape_or_none_to_open_is_one_clear_error(tmp_path):
+    made = _store_errors(tmp_path, "--num-embeddings", "300")
+    assert made.returncode == 0, made.stderr
+    before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    for mode in ("open", "create"):
+        proc = _store_errors(tmp_path, "--num-embeddings", "400", "--store-mode", mode)
+        assert proc.returncode == 2, proc.stderr
+        assert "was made for another table shape" in proc.stderr
+        assert "delete it or pick another" in proc.stderr
+        assert "Traceback" not in proc.stderr and proc.stderr.count("train.py: error") == 1
+    # The refused stores were neither replaced nor joined by half-written ones.
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = _store_errors(empty, "--store-mode", "open")
+    assert proc.returncode == 2 and "no embedding store at" in proc.stderr
+    assert "--store-mode create" in proc.stderr and not list(empty.iterdir())

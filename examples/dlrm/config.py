@@ -68,6 +68,15 @@ class TrainConfig:
     row-wise sharding over gloo), and those plus the row-wise kinds on GPU."""
     show_progress: bool = True
     """Show the tqdm bar and the periodic reports on rank 0."""
+    embedding_store: str | None = None
+    """Put every table on the disk-backed `tiered` kernel, its files in this existing directory;
+    None keeps the tables in RAM (torchrec's fused kernel)."""
+    cache_rows: int | None = None
+    """RAM rows cached per table shard with `embedding_store`: at least the distinct rows of the
+    batches in flight (about 3 batches under the pipelines)."""
+    store_mode: str = "create"
+    """With `embedding_store`: `create` writes new stores from the initial weights (replacing
+    same-shaped ones), `open` trains on the rows of existing ones (which must match the tables)."""
 
     def __post_init__(self) -> None:
         if self.pipeline not in PIPELINES:
@@ -91,6 +100,12 @@ class TrainConfig:
                 f"table sizes must be in [1, 2**31), got {min(self.num_embeddings)}"
                 f"..{max(self.num_embeddings)}"
             )
+        if (self.embedding_store is None) != (self.cache_rows is None):
+            raise InputError("--embedding-store DIR and --cache-rows N go together; give both or neither")
+        if self.cache_rows is not None:
+            _positive(cache_rows=self.cache_rows)
+        if self.store_mode not in ("create", "open"):
+            raise InputError(f"--store-mode must be create or open, got {self.store_mode!r}")
         if self.eval_every and self.data is not None and self.eval_data is None:
             raise InputError("--eval-every with --data needs --eval-data (a held-out TSV)")
 

@@ -24,6 +24,7 @@ from examples.dlrm.model import build_model
 from examples.dlrm.profiling import step_profiler
 from examples.dlrm.report import Reporter
 from examples.dlrm.runners import Runner, make_runner
+from examples.dlrm.store import cache_summary, guard_cache
 
 __all__ = ["TrainResult", "train"]
 
@@ -60,6 +61,8 @@ def train(
         config, device=device, world_size=world_size, local_world_size=local_world_size or 1
     )
     runner = make_runner(config.pipeline, sharded.model, sharded.optimizer, device)
+    if config.embedding_store is not None:
+        runner = guard_cache(runner, config)
     per_epoch = sources.steps_per_epoch
     reporter = Reporter(
         config,
@@ -82,6 +85,7 @@ def train(
         "world_size": world_size,
         "sharding": sharded.plan,
         **reporter.finish(),
+        **(cache_summary(sharded.model, device) if config.embedding_store is not None else {}),
         "total_seconds": round(time.perf_counter() - started, 3),
     }
     if config.profile_dir is not None:

@@ -35,6 +35,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from examples.dlrm.config import NUM_DENSE, InputError, TrainConfig
 from examples.dlrm.features import SPARSE_NAMES
+from examples.dlrm.store import store_errors, tiered_plan
 
 __all__ = ["ShardedDLRM", "build_model"]
 
@@ -122,6 +123,9 @@ def _shard(
     local_world_size: int,
 ) -> tuple[DistributedModelParallel, ShardingPlan]:
     sharding = _sharding_types(config.sharding_types, device)
+    pg = dist.group.WORLD
+    if config.embedding_store is not None:
+        return _shard_on_disk(dlrm, config, device=device, world_size=world_size, sharding=sharding)
     constraints = {
         f"t_{feature}": ParameterConstraints(sharding_types=list(sharding), compute_kernels=["fused"])
         for feature in SPARSE_NAMES
@@ -138,7 +142,6 @@ def _shard(
         debug=False,
     )
     sharders = [EmbeddingBagCollectionSharder()]
-    pg = dist.group.WORLD
     try:
         plan = planner.collective_plan(dlrm, sharders, pg)
     except PlannerError as e:
@@ -146,6 +149,31 @@ def _shard(
     model = DistributedModelParallel(
         dlrm, env=ShardingEnv.from_process_group(pg), device=device, plan=plan, sharders=sharders
     )
+    return model, plan
+
+
+def _shard_on_disk(
+    dlrm: DLRMTrain,
+    config: TrainConfig,
+    *,
+    device: torch.device,
+    world_size: int,
+    sharding: tuple[str, ...],
+) -> tuple[DistributedModelParallel, ShardingPlan]:
+    """Every table on the tiered kernel, with a hand-built plan (see `examples.dlrm.store`)."""
+    if device.type != "cpu":
+        raise InputError("--embedding-store runs on CPU only; add --device cpu")
+    ebc = dlrm.model.sparse_arch.embedding_bag_collection
+    fqn = "model.sparse_arch.embedding_bag_collection"
+    plan, sharder = tiered_plan(ebc, fqn, config, world_size=world_size, sharding=sharding)
+    pg = dist.group.WORLD
+    try:
+        model = DistributedModelParallel(
+            dlrm, env=ShardingEnv.from_process_group(pg), device=device, plan=plan, sharders=[sharder]
+        )
+    except store_errors() as e:
+        message = str(e).replace("store_mode='create'", "--store-mode create")
+        raise InputError(f"--embedding-store: {message}") from e
     return model, plan
 
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from examples.dlrm.config import PIPELINES, InputError, TrainConfig
 from examples.dlrm.criteo_tsv import resolve_paths
 from examples.dlrm.loop import train
+from examples.dlrm.store import check_store_dir
 from examples.dlrm.synthetic import SyntheticSpec, write_tsv
 
 __all__ = ["format_summary", "main"]
@@ -85,6 +86,8 @@ def _preflight(config: TrainConfig) -> None:
     for pattern in (config.data, config.eval_data):
         if pattern:
             resolve_paths(pattern)
+    if config.embedding_store is not None:
+        check_store_dir(config.embedding_store)
 
 
 def _write_tsv(args: argparse.Namespace, config: TrainConfig) -> int:
@@ -156,6 +159,9 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         profile_steps=args.profile_steps,
         sharding_types=args.sharding_types,
         show_progress=not args.no_progress,
+        embedding_store=args.embedding_store,
+        cache_rows=args.cache_rows,
+        store_mode=args.store_mode,
     )
 
 
@@ -196,6 +202,10 @@ def _parser() -> argparse.ArgumentParser:
     add("--profile", metavar="DIR", help="write DIR/rank{r}.json chrome traces")
     add("--profile-steps", type=int, default=d.profile_steps)
     add("--sharding-types", type=_name_list, help="e.g. table_wise,column_wise (default by device)")
+    add("--embedding-store", metavar="DIR", help="tables on disk in DIR (tiered kernel, CPU)")
+    add("--cache-rows", type=int, metavar="N", help="with --embedding-store: RAM rows per table shard")
+    add("--store-mode", choices=("create", "open"), default=d.store_mode,
+        help="with --embedding-store: new stores from initial weights, or reuse existing ones")  # fmt: skip
     add("--device", choices=("auto", "cpu", "cuda"), default="auto")
     add("--summary-json", metavar="PATH", help="also write the summary here")
     add("--no-progress", action="store_true", help="no progress bar or periodic reports")
