@@ -1,0 +1,147 @@
+"""Tables larger than RAM: train DLRM whose tables fill `--total-gb` on disk, and report peak RSS.
+
+    python -m benchmarks.big_tables --total-gb 16 --store-dir /var/tmp/big --steps 50
+
+One process (a gloo world of one), every table on the `tiered` kernel with `--cache-rows` rows
+cached, row-wise Adagrad fused into backward (so the store holds weights and the accumulator).
+Prints the time to create the stores, steps/s over the timed steps, the cache's hit rate, and the
+peak resident set size (VmHWM) against `--rss-limit-gb`; exit status 1 when it is over. Not part of
+CI: creating 16 GB takes minutes. The store files are deleted at the end unless `--keep`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.datasets.utils import Batch
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from torchrec.distributed.types import ShardingPlan
+from torchrec.optim import RowWiseAdagrad
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from examples.dlrm.model import unsharded_dlrm
+from tiered import TIERED, TieredEmbeddingBagCollectionSharder, TieredOptions
+
+__all__ = ["main", "peak_rss_bytes"]
+
+_DENSE = 13
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (VmHWM of /proc/self/status), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _rows_per_table(total_gb: float, tables: int, dim: int) -> int:
+    # Weights plus row-wise Adagrad's one float of state per row.
+    return int(total_gb * 2**30 / (tables * (dim + 1) * 4))
+
+
+def _batch(rows: int, tables: int, batch_size: int, ids: int, gen: torch.Generator) -> Batch:
+    lengths = torch.full((tables * batch_size,), ids, dtype=torch.int32)
+    values = torch.randint(0, rows, (tables * batch_size * ids,), generator=gen)
+    sparse = KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"f{i}" for i in range(tables)], values=values, lengths=lengths
+    )
+    dense = torch.rand(batch_size, _DENSE, generator=gen)
+    return Batch(dense_features=dense, sparse_features=sparse, labels=torch.randint(0, 2, (batch_size,)))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Create the stores, train, print the figures; 1 when peak RSS exceeds the limit."""
+    store = Path(args.store_dir)
+    store.mkdir(parents=True, exist_ok=True)
+    rows = _rows_per_table(args.total_gb, args.tables, args.dim)
+    configs = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=args.dim, num_embeddings=rows, feature_names=[f"f{i}"])
+        for i in range(args.tables)
+    ]
+    dlrm = unsharded_dlrm(configs, embedding_dim=args.dim, dense_hidden=(256,), over_hidden=(256,))
+    ebc = dlrm.model.sparse_arch.embedding_bag_collection
+    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.05})
+    sharder = TieredEmbeddingBagCollectionSharder(TieredOptions(store_dir=store, cache_rows=args.cache_rows))
+    per_table = {c.name: table_wise(rank=0, compute_kernel=TIERED) for c in configs}
+    module_plan = construct_module_sharding_plan(
+        ebc, per_param_sharding=per_table, sharder=sharder, world_size=1, device_type="cpu"
+    )
+    plan = ShardingPlan({"model.sparse_arch.embedding_bag_collection": module_plan})
+    print(f"creating {args.tables} tables x {rows:,} rows x dim {args.dim} in {store} ...", flush=True)
+    started = time.perf_counter()
+    model = DistributedModelParallel(dlrm, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    created_s = time.perf_counter() - started
+    on_disk = sum(p.stat().st_size for p in store.glob("*.rows"))
+    print(f"created {on_disk / 2**30:.2f} GiB in {created_s:.1f} s; peak RSS so far "
+          f"{peak_rss_bytes() / 2**20:.0f} MiB", flush=True)  # fmt: skip
+    dense = dict(in_backward_optimizer_filter(model.named_parameters()))
+    optimizer = KeyedOptimizerWrapper(dense, lambda ps: torch.optim.Adagrad(ps, lr=0.05))
+    gen = torch.Generator().manual_seed(0)
+    timed_from = None
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            timed_from = time.perf_counter()
+        batch = _batch(rows, args.tables, args.batch_size, args.ids, gen)
+        loss, _ = model(batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    steps_per_s = args.steps / (time.perf_counter() - timed_from)
+    stats = [s for m in model.modules() if hasattr(m, "tiered_stats") for s in m.tiered_stats().values()]
+    hits, misses = sum(s["hits"] for s in stats), sum(s["misses"] for s in stats)
+    peak = peak_rss_bytes()
+    print(f"total_gb_on_disk {on_disk / 2**30:.2f}")
+    print(f"create_seconds {created_s:.1f}")
+    print(f"steps_per_s {steps_per_s:.2f}  (batch {args.batch_size}, {args.ids} ids per table per sample)")
+    print(f"cache_hit_rate {hits / max(hits + misses, 1):.4f}")
+    print(f"peak_rss_mib {peak / 2**20:.0f}  (limit {args.rss_limit_gb * 1024:.0f})")
+    return 0 if peak <= args.rss_limit_gb * 2**30 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.big_tables", description=__doc__.splitlines()[0])
+    p.add_argument("--total-gb", type=float, default=16.0, help="GiB of store files in all (default 16)")
+    p.add_argument("--store-dir", required=True, help="directory for the store files (local disk)")
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--cache-rows", type=int, default=50_000, help="RAM rows per table (default 50000)")
+    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--ids", type=int, default=4, help="ids per table per sample")
+    p.add_argument("--steps", type=int, default=50, help="timed steps")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rss-limit-gb", type=float, default=2.0)
+    p.add_argument("--keep", action="store_true", help="keep the store files")
+    args = p.parse_args(argv)
+    free = shutil.disk_usage(
+        Path(args.store_dir).parent if not Path(args.store_dir).exists() else args.store_dir
+    )
+    if free.free < args.total_gb * 2**30 * 1.05:
+        print(f"big_tables: {free.free / 2**30:.1f} GiB free, {args.total_gb} needed", file=sys.stderr)
+        return 2
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("gloo")
+    try:
+        return run(args)
+    finally:
+        dist.destroy_process_group()
+        if not args.keep:
+            for path in Path(args.store_dir).glob("*.rows"):
+                path.unlink()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
