@@ -13,7 +13,7 @@ DEV_TOOLS := pytest pytest-timeout ruff matplotlib setuptools
 STAMP := $(VENV)/.setup-$(VARIANT)
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint demo bench timeline clean
+.PHONY: setup test lint demo bench bench-tiered timeline clean
 
 setup: $(STAMP)
 
@@ -59,6 +59,14 @@ timeline: setup
 BENCH_ARGS ?= --link 1gbit
 bench: setup
 	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
+
+# Tables on disk (tiered kernel, cold store, 5 % cached): plain, our three pipelines and torchrec's
+# SparseDist on the same stores; prints hit rate and store read time per variant. Stores go to
+# $(BENCH_STORE_DIR) (local disk, ~350 MB).
+BENCH_STORE_DIR ?= /var/tmp/bench-tiered
+BENCH_TIERED_ARGS ?= --steps 20 --warmup 10 --rounds 2 --profile-steps 0
+bench-tiered: setup
+	BENCH_STORE_DIR=$(BENCH_STORE_DIR) $(BIN)/python -m benchmarks.run --configs tiered --variants plain ours-base ours-sparse-dist ours-prefetch torchrec-sparse-dist $(BENCH_TIERED_ARGS) --json out/bench/tiered.json --md out/bench/tiered.md
 
 clean:
 	rm -rf $(VENV) *.egg-info

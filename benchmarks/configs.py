@@ -5,7 +5,9 @@ where the time goes. `demo` is the size of `make demo`; `input-dist-heavy` sends
 per sample with a tiny embedding dim and tiny MLPs, so the input all-to-all dominates; `compute-heavy`
 has one id per feature, a wide embedding and big MLPs, so input_dist is a small part of the step (over
 loopback dense compute dominates it; over a 1 Gbit link the all-reduce of the 2.2 M dense gradients and
-the pooled-embedding all-to-alls do).
+the pooled-embedding all-to-alls do). `tiered` puts every table on disk (the `tiered` kernel, cold
+store, 5 % of the rows cached), so each step reads thousands of rows from the disk: the work the
+Prefetch pipeline hides behind the previous batch's backward.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class BenchConfig:
     """Hidden widths of the bottom MLP; `embedding_dim` is appended as its output."""
     over_hidden: tuple[int, ...]
     """Hidden widths of the top MLP; a single logit is appended as its output."""
+    cache_fraction: float | None = None
+    """Tables on the disk-backed `tiered` kernel with this fraction of each shard's rows cached in
+    RAM, the store cold (every miss reads the disk); None keeps them in RAM (torchrec's fused kernel)."""
 
     def __post_init__(self) -> None:
         for field in ("batch_size", "embedding_dim", "num_embeddings", "ids_per_feature"):
@@ -77,6 +82,17 @@ CONFIGS: dict[str, BenchConfig] = {
             ids_per_feature=1,
             dense_hidden=(512, 256),
             over_hidden=(1024, 1024, 512),
+        ),
+        BenchConfig(
+            name="tiered",
+            description="tables on disk, 5 % cached, cold store: each step reads its misses from disk",
+            batch_size=256,
+            embedding_dim=32,
+            num_embeddings=100_000,
+            ids_per_feature=1,
+            dense_hidden=(512, 256),
+            over_hidden=(1024, 512),
+            cache_fraction=0.05,
         ),
     )
 }

@@ -44,8 +44,15 @@ class BuiltModel:
     """Steps the dense parameters; the embeddings use SGD fused into backward."""
 
 
-def build_model(config: BenchConfig, *, device: torch.device, seed: int = 0) -> BuiltModel:
-    """Build and shard `config`'s DLRM over the default process group (a collective call)."""
+def build_model(
+    config: BenchConfig, *, device: torch.device, seed: int = 0, store_dir: str | None = None
+) -> BuiltModel:
+    """Build and shard `config`'s DLRM over the default process group (a collective call).
+
+    A config with `cache_fraction` puts its tables on the `tiered` kernel, table-wise round-robin
+    over the ranks (torchrec's planner refuses that kernel), with stores created afresh in
+    `store_dir` from the seeded initial weights, so every variant starts from the same tables.
+    """
     torch.manual_seed(seed)
     tables = [
         EmbeddingBagConfig(
@@ -65,6 +72,10 @@ def build_model(config: BenchConfig, *, device: torch.device, seed: int = 0) -> 
     ebc = dlrm.model.sparse_arch.embedding_bag_collection
     apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": _LR})
     world_size = dist.get_world_size()
+    if config.cache_fraction is not None:
+        if store_dir is None:
+            raise ValueError(f"{config.name} keeps its tables on disk: give store_dir")
+        return _on_disk(dlrm, tables, config, store_dir=store_dir, device=device)
     sharding = _CPU_SHARDING if device.type == "cpu" else None
     constraints = {t.name: ParameterConstraints(sharding_types=sharding) for t in tables}
     planner = EmbeddingShardingPlanner(
@@ -79,6 +90,29 @@ def build_model(config: BenchConfig, *, device: torch.device, seed: int = 0) -> 
     sharders = [EmbeddingBagCollectionSharder()]
     plan = planner.collective_plan(dlrm, sharders, dist.GroupMember.WORLD)
     model = DistributedModelParallel(dlrm, device=device, plan=plan, sharders=sharders)
+    dense = dict(in_backward_optimizer_filter(model.named_parameters()))
+    optimizer = KeyedOptimizerWrapper(dense, lambda params: torch.optim.SGD(params, lr=_LR))
+    return BuiltModel(model=model, optimizer=optimizer)
+
+
+def _on_disk(
+    dlrm: nn.Module, tables: list[EmbeddingBagConfig], config: BenchConfig, *, store_dir: str, device
+) -> BuiltModel:
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingPlan
+
+    from tiered import TIERED, TieredEmbeddingBagCollectionSharder, TieredOptions
+
+    options = TieredOptions(store_dir=store_dir, cache_fraction=config.cache_fraction, cold=True)
+    sharder = TieredEmbeddingBagCollectionSharder(options)
+    world_size = dist.get_world_size()
+    per_table = {t.name: table_wise(rank=i % world_size, compute_kernel=TIERED) for i, t in enumerate(tables)}
+    ebc = dlrm.model.sparse_arch.embedding_bag_collection
+    module_plan = construct_module_sharding_plan(
+        ebc, per_param_sharding=per_table, sharder=sharder, world_size=world_size, device_type="cpu"
+    )
+    plan = ShardingPlan({"model.sparse_arch.embedding_bag_collection": module_plan})
+    model = DistributedModelParallel(dlrm, device=device, plan=plan, sharders=[sharder])
     dense = dict(in_backward_optimizer_filter(model.named_parameters()))
     optimizer = KeyedOptimizerWrapper(dense, lambda params: torch.optim.SGD(params, lr=_LR))
     return BuiltModel(model=model, optimizer=optimizer)

@@ -17,7 +17,17 @@ from typing import Any
 from benchmarks.configs import get_config
 from benchmarks.spec import OURS_TO_TORCHREC, VARIANTS
 
-__all__ = ["Row", "Target", "check_targets", "markdown", "merge_ranks", "rows_as_dicts", "summarize", "table"]
+__all__ = [
+    "Row",
+    "Target",
+    "check_targets",
+    "markdown",
+    "merge_ranks",
+    "rows_as_dicts",
+    "summarize",
+    "table",
+    "tiered_lines",
+]
 
 _MIB = 2**20
 _PER_RANK = (
@@ -68,6 +78,13 @@ class Row:
     """Of `wait_in_forward_ms`, torchrec's reordering of the received ids (CPU work, no waiting)."""
     schedule: str | None = None
     """Our SparseDist/Prefetch: the input_dist schedule "auto" kept, per round (e.g. "early x4")."""
+    cache_hit_rate: float | None = None
+    """Tables on disk: rows found in the cache over rows looked up, timed steps (median of rounds)."""
+    store_read_ms: float | None = None
+    """Tables on disk: time reading the store per step, slowest rank (median of rounds)."""
+    prefetch_ms: float | None = None
+    """Tables on disk: time making a batch's rows resident per step, slowest rank, on whichever
+    thread ran it (median of rounds)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -98,6 +115,10 @@ def merge_ranks(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         run["step_times_s"] = [max(ts) for ts in zip(*(r["step_times_s"] for r in records), strict=True)]
         for key in ("peak_bytes", "tensor_peak_bytes", "wait_in_forward_ms", "forward_ms"):
             if key in first:
+                run[key] = max(r[key] for r in records)
+        if "cache_hit_rate" in first:  # tables on disk: mean hit rate, slowest rank's I/O
+            run["cache_hit_rate"] = statistics.mean(r["cache_hit_rate"] for r in records)
+            for key in ("store_read_ms", "prefetch_ms"):
                 run[key] = max(r[key] for r in records)
         if "assembly_in_wait_ms" in first:  # from the rank whose wait is reported
             run["assembly_in_wait_ms"] = max(records, key=lambda r: r["wait_in_forward_ms"])[
@@ -137,6 +158,9 @@ def summarize(runs: list[dict[str, Any]], *, world_size: int) -> list[Row]:
             assembly_in_wait_ms=_median_of(ok, "assembly_in_wait_ms"),
             schedule=_schedules(ok),
             tensor_peak_mib=_mib(_median_of(ok, "tensor_peak_bytes")),
+            cache_hit_rate=_median_of(ok, "cache_hit_rate"),
+            store_read_ms=_median_of(ok, "store_read_ms"),
+            prefetch_ms=_median_of(ok, "prefetch_ms"),
         )
     for (config, variant), row in rows.items():
         plain = rows.get((config, "plain"))
@@ -202,6 +226,26 @@ def check_targets(rows: list[Row], config: str = TARGET_CONFIG) -> list[Target]:
         target("SparseDist extra peak RSS / one input batch", extra, 3.0),
         target("SparseDist extra peak tensor memory / one input batch", extra_tensor, 3.0),
     ]
+
+
+def tiered_lines(rows: list[Row], config: str = "tiered") -> list[str]:
+    """Cache figures per variant of `config` (tables on disk) and its targets; [] if it did not run."""
+    by = {r.variant: r for r in rows if r.config == config and r.cache_hit_rate is not None}
+    if not by:
+        return []
+    lines = [f"{config} (tables on disk, cold store):"]
+    for variant, r in by.items():
+        lines.append(
+            f"  {variant}: hit rate {r.cache_hit_rate:.3f}, store read {r.store_read_ms:.1f} ms/step, "
+            f"making rows resident {r.prefetch_ms:.1f} ms/step"
+        )
+    pf, sd, plain = by.get("ours-prefetch"), by.get("ours-sparse-dist"), by.get("plain")
+    for name, base in (("SparseDist", sd), ("plain", plain)):
+        if pf and base and pf.median_step_ms and base.median_step_ms:
+            ratio = pf.median_step_ms / base.median_step_ms
+            verdict = "met" if ratio <= 0.6 else "MISSED"
+            lines.append(f"  {verdict:6} Prefetch step / {name} step: {ratio:.3f} (limit 0.6)")
+    return lines
 
 
 def wait_note(rows: list[Row], config: str = TARGET_CONFIG) -> str | None:
@@ -271,7 +315,8 @@ def table(rows: list[Row], targets: list[Target]) -> str:
     note = wait_note(rows)
     if note:
         out.append(f"  note   {note}")
-    return "\n".join(out)
+    tiered = tiered_lines(rows)
+    return "\n".join([*out, *([""] if tiered else []), *tiered])
 
 
 def _target_line(t: Target) -> str:
@@ -299,6 +344,8 @@ def markdown(rows: list[Row], targets: list[Target], meta: dict[str, Any]) -> st
         "",
         *(f"- {_target_line(t).strip()}" for t in targets),
         *([f"- note: {note}"] if (note := wait_note(rows)) else []),
+        "",
+        *(f"- {line.strip()}" if i else line for i, line in enumerate(tiered_lines(rows))),
         "",
     ]
     return "\n".join(lines)

@@ -8,6 +8,10 @@ One run of one variant: build the model (same seed for every variant), reset the
 tracker, `warmup` untimed steps, `steps` steps timed one by one with `perf_counter`, then a separate
 profiled segment of `profile_steps` steps (so profiler overhead never reaches the step times), then
 drain the batches still in flight. Every variant trains the same pre-generated batches.
+
+Configs with tables on disk (`cache_fraction`) create their stores afresh for every run in
+`$BENCH_STORE_DIR` (default: a folder in the temp directory), drop them from the page cache before
+the warm-up, and record the cache's hit rate and the store's read time over the timed steps.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -69,7 +74,7 @@ def _prime(config: BenchConfig, batches: list, device: torch.device, seed: int) 
     """A few untimed steps of the plain loop and both SparseDist pipelines, so that one-time costs
     of the process (thread pools, allocator arenas, first fx trace) land on no measured run."""
     for variant in _PRIMERS:
-        built = build_model(config, device=device, seed=seed)
+        built = build_model(config, device=device, seed=seed, store_dir=_store_dir())
         _drain(make_runner(variant, built.model, built.optimizer, device), iter(batches[:4]))
         dist.barrier()
 
@@ -83,13 +88,17 @@ def _run_one(
     trace: Path | None,
 ) -> dict:
     record: dict[str, Any] = {"config": config.name, "variant": variant, "status": "ok"}
-    built = build_model(config, device=device, seed=spec.seed)
+    built = build_model(config, device=device, seed=spec.seed, store_dir=_store_dir())
+    caches = [c for m in built.model.modules() if hasattr(m, "tiered_kernels") for k in m.tiered_kernels()
+              for c in k.caches]  # fmt: skip
+    for cache in caches:
+        cache.store.drop_page_cache()  # cold: the run's first reads of every row go to the disk
     dist.barrier()
     baseline = reset_peak(device)
     it = iter(batches)
     try:
         runner = make_runner(variant, built.model, built.optimizer, device)
-        times = _timed_steps(runner, it, spec)
+        times = _timed_steps(runner, it, spec, on_timed=lambda: record.update(_cache_figures(caches)))
     except Exception as e:
         if variant != "torchrec-prefetch" or device.type != "cpu":
             raise
@@ -103,6 +112,8 @@ def _run_one(
         gc.collect()
         dist.barrier()
         return record
+    if caches:
+        record.update(_cache_figures(caches, since=record, steps=spec.steps))
     record.update(step_times_s=times, peak_bytes=peak(device) - baseline, baseline_bytes=baseline)
     record["schedule"] = runner.schedule()
     if spec.profile_steps:
@@ -111,15 +122,44 @@ def _run_one(
     return record
 
 
-def _timed_steps(runner: Runner, it: Iterator[Any], spec: RunSpec) -> list[float]:
+def _timed_steps(
+    runner: Runner, it: Iterator[Any], spec: RunSpec, on_timed: Callable[[], None] = lambda: None
+) -> list[float]:
+    """Warm-up steps, `on_timed()`, then the timed steps' durations."""
     for _ in range(spec.warmup):
         runner.step(it)
+    on_timed()
     times = []
     for _ in range(spec.steps):
         start = time.perf_counter()
         runner.step(it)
         times.append(time.perf_counter() - start)
     return times
+
+
+def _store_dir() -> str:
+    path = Path(os.environ.get("BENCH_STORE_DIR") or Path(tempfile.gettempdir()) / "bench-tiered")
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
+def _cache_figures(caches: list, *, since: dict | None = None, steps: int = 1) -> dict[str, float]:
+    """Counters of `caches` summed (`since` None), or over the timed steps: this rank's hit rate,
+    and per step its store read time and time making rows resident (worker thread included)."""
+    now = {
+        "hits": sum(c.stats.hits for c in caches),
+        "misses": sum(c.stats.misses for c in caches),
+        "read_s": sum(c.store.stats.read_seconds for c in caches),
+        "prefetch_s": sum(c.stats.prefetch_seconds for c in caches),
+    }
+    if since is None:
+        return {f"_cache_{k}": v for k, v in now.items()}
+    d = {k: v - since.pop(f"_cache_{k}") for k, v in now.items()}
+    return {
+        "cache_hit_rate": d["hits"] / max(d["hits"] + d["misses"], 1),
+        "store_read_ms": 1e3 * d["read_s"] / steps,
+        "prefetch_ms": 1e3 * d["prefetch_s"] / steps,
+    }
 
 
 def _profiled_segment(
