@@ -346,6 +346,22 @@ def test_postproc_needs_opt_in_and_is_pipelined_with_it():
     assert "forward" not in vars(model.make)
 
 
+class WithNestedSharded(Model):
+    """`a` holds a sharded module of its own, as a sharded FP-EBC holds its sharded EBC."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a.inner = FakeSharded(["x"])
+
+
+def test_sharded_module_inside_another_is_not_a_module_of_its_own():
+    model, batch = WithNestedSharded(), outer_batch()
+    rw = rewrite_model(model, batch, slot=ContextSlot(), strict=True)  # no "a.inner not called"
+    assert [m.fqn for m in rw.report.modules] == ["a", "b"]
+    assert rw.report.pipelined == ["a", "b"]
+    assert "forward" not in vars(model.a.inner)
+
+
 # -- misuse and restore -------------------------------------------------------------------------
 
 
