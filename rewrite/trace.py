@@ -83,7 +83,8 @@ def trace_arg_infos(
                 f"called {counts[fqn]} times in one forward; a pipelined module's input_dist "
                 "result can be consumed only once per batch"
             )
-    walker = _Walker(placeholders[:1], modules, pipeline_postproc)
+    module_calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
+    walker = _Walker(placeholders[:1], modules, module_calls, pipeline_postproc)
     for node in calls:
         if node.target in result.rejected:
             continue
@@ -98,6 +99,8 @@ def trace_arg_infos(
 class _Walker:
     batch: list[fx.Node]
     modules: dict[str, nn.Module]
+    calls: Counter[str]
+    """How many times the traced forward calls each leaf module."""
     pipeline_postproc: bool
 
     def call_args(self, node: fx.Node) -> CallArgs:
@@ -157,6 +160,12 @@ class _Walker:
             raise _Reject(
                 f"input is computed by parameter-free module {node.target!r} (a postproc); "
                 "pass pipeline_postproc=True to run it ahead with input_dist"
+            )
+        if self.calls[node.target] > 1:
+            raise _Reject(
+                f"input is computed by postproc module {node.target!r}, which forward calls "
+                f"{self.calls[node.target]} times; its output is computed once per batch ahead, so "
+                "every call would return the same value"
             )
         return PostprocCall(node.target, self.call_args(node))
 

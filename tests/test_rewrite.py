@@ -338,6 +338,22 @@ def test_postproc_needs_opt_in_and_is_pipelined_with_it():
     assert "forward" not in vars(model.make)
 
 
+class PostprocTwice(WithPostproc):
+    def forward(self, batch):
+        other = self.make(batch.dense + 1)  # a second call, on other values
+        return self.a(self.make(batch.dense)).sum() + self.b(batch.by_name["u"]).sum() + other.values().sum()
+
+
+def test_postproc_called_twice_is_not_run_ahead():
+    model, batch = PostprocTwice(), outer_batch()
+    expected = model(batch)
+    slot = ContextSlot()
+    rw = rewrite_model(model, batch, slot=slot, pipeline_postproc=True)
+    assert "calls 2 times" in rw.report.not_pipelined[0].reason
+    assert rw.postprocs == {} and "forward" not in vars(model.make)
+    assert torch.equal(run_pipelined(model, rw, slot, batch), expected)
+
+
 # -- lists, tuples and dicts of batch values ------------------------------------------------------
 
 
