@@ -48,7 +48,8 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         model: usually a DistributedModelParallel; returns `(loss, output)` in training mode.
         optimizer: stepped after each training batch's backward.
         device: where batches are copied to.
-        execute_all_batches: run the batches in flight once the dataloader is exhausted.
+        execute_all_batches: run the batches in flight once the dataloader is exhausted (True), or
+            drop them as torchrec does (False; docs/pipeline.md says which).
         apply_jit: not supported (kept for torchrec's signature); must be False.
         context_type: ignored (kept for torchrec's signature): contexts are internal.
         pipeline_postproc: run parameter-free modules that transform the batch ahead with
@@ -186,6 +187,10 @@ class TrainPipelineSparseDist(TrainPipelineBase):
     def _before_forward(self, ctx: BatchContext) -> None:
         pass
 
+    def _lookahead(self, lane: _Lane) -> int:
+        # torchrec's fetches batch i+2 during step i and stops there when it is missing
+        return 2
+
     def _call_model(self, ctx: BatchContext) -> Any:
         self._slot.current = ctx
         try:
@@ -317,6 +322,12 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
             custom_model_fwd,
             **options,
         )
+
+    def _lookahead(self, lane: _Lane) -> int:
+        # torchrec's fetches batch 2 during its first step; with execute_all_batches=False its
+        # fill_pipeline refills on the second step, from then on it holds 4 batches ahead of the
+        # one it runs (train_pipelines.py, PrefetchTrainPipelineSparseDist.fill_pipeline).
+        return 2 if lane.steps == 0 else 4
 
     def _before_forward(self, ctx: BatchContext) -> None:
         assert isinstance(ctx, PrefetchBatchContext)
