@@ -1,7 +1,8 @@
 """Small sharded models and batches shared by the tests (run inside harness ranks).
 
-Four kinds: torchrec's DLRM on its `Batch`, a two-tower model on a nested dataclass holding two KJTs
-or on a plain dict, and a feature-processed EBC (position-weighted features) on torchrec's `Batch`.
+Four kinds (KINDS): torchrec's DLRM on its `Batch`, a two-tower model on a nested dataclass holding
+two KJTs or on a plain dict, and a feature-processed EBC (position-weighted features) on torchrec's
+`Batch`. A fifth, "postproc", feeds the two towers through postprocs called with collections.
 `build(kind, sharding)` returns a DistributedModelParallel and its dense optimizer; embeddings use a
 fused (in-backward) SGD, as in production; the position weights are dense (data-parallel) parameters.
 Two builds with the same seed are identical. Table- and column-wise plans come from torchrec's planner;
@@ -62,7 +63,8 @@ class NestedBatch:
 
 
 class TwoTower(nn.Module):
-    """Two EBCs fed from a nested dataclass (kind "nested") or a dict (kind "dict")."""
+    """Two EBCs fed from a nested dataclass (kind "nested"), a dict (kind "dict"), or a nested
+    dataclass through postprocs called with collections (kind "postproc", see `WithPostprocs`)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -78,11 +80,49 @@ class TwoTower(nn.Module):
         else:
             dense, user = batch["dense"], batch["sparse"]["user"]
             item, labels = batch["sparse"]["item"], batch["labels"]
+        return self.head(dense, user, item, labels)
+
+    def head(self, dense, user, item, labels):
         u = self.user_ebc(user).values()
         i = self.item_ebc(item).values()
         logits = self.over(torch.cat([self.dense(dense), u, i], dim=1)).squeeze(1)
         loss = nn.functional.binary_cross_entropy_with_logits(logits, labels)
         return loss, logits.detach()
+
+
+class ShiftIds(nn.Module):
+    """Parameter-free postproc called with a list and a dict: the ids of `parts[0]` shifted by
+    `opts["by"]` times the integer part of `parts[1].sum()` (a dense tensor of the batch)."""
+
+    def forward(self, parts: list, opts: dict) -> KeyedJaggedTensor:
+        features, dense = parts
+        values = features.values().clone()
+        values += dense.sum().long() * opts["by"]
+        return KeyedJaggedTensor.from_lengths_sync(
+            keys=features.keys(), values=values % ROWS, lengths=features.lengths()
+        )
+
+
+class Pick(nn.Module):
+    """Parameter-free postproc called with a dict holding a tuple: `spec["kjts"][spec["index"]]`."""
+
+    def forward(self, spec: dict) -> KeyedJaggedTensor:
+        return spec["kjts"][spec["index"]]
+
+
+class WithPostprocs(TwoTower):
+    """TwoTower on the nested batch, each EBC fed by a postproc whose arguments are collections of
+    batch values and constants (the pattern of torchrec's TestModelWithPreprocCollectionArgs)."""
+
+    def __init__(self) -> None:
+        super().__init__("nested")
+        self.shift = ShiftIds()
+        self.pick = Pick()
+
+    def forward(self, batch):
+        user = self.shift([batch.features.user, batch.dense], {"by": 1})
+        item = self.pick({"kjts": (batch.features.item, batch.features.user), "index": 0})
+        return self.head(batch.dense, user, item, batch.labels)
 
 
 class PositionWeighted(nn.Module):
@@ -108,6 +148,8 @@ def unsharded(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if kind == "fp":
         return PositionWeighted()
+    if kind == "postproc":
+        return WithPostprocs()
     if kind == "dlrm":
         ebc = EmbeddingBagCollection(tables=tables("", 3), device=torch.device("cpu"))
         return DLRMTrain(
@@ -184,7 +226,7 @@ def batches(kind: str, n: int, rank: int, seed: int = 1) -> list:
         labels = torch.randint(0, 2, (BATCH,), generator=gen).float()
         if kind in ("dlrm", "fp"):
             out.append(Batch(dense_features=dense, sparse_features=_kjt("", 3, gen), labels=labels))
-        elif kind == "nested":
+        elif kind in ("nested", "postproc"):
             feats = Features(user=_kjt("u", 2, gen), item=_kjt("i", 2, gen))
             out.append(NestedBatch(dense=dense, features=feats, labels=labels))
         else:
