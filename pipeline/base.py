@@ -38,6 +38,8 @@ class _Lane:
     iterator: Iterator[Any]
     inflight: deque[BatchContext] = field(default_factory=deque)
     exhausted: bool = False
+    steps: int = 0
+    """Batches of this iterator run so far."""
 
 
 class TrainPipelineBase:
@@ -50,7 +52,10 @@ class TrainPipelineBase:
         device: where batches are copied to.
         custom_model_fwd: called with the batch instead of `model` (same return convention).
         execute_all_batches: when the dataloader is exhausted, run the batches already in flight
-            (True) or drop them (False).
+            (True) or, as torchrec's pipelines do, drop them (False): a step runs only if the batch
+            that torchrec's pipeline of the same name fetches during that step exists
+            (`_lookahead`). TrainPipelineBase drops nothing, as torchrec's Base, which has no such
+            option, runs every batch.
         streams: stream implementation; default: real streams on CUDA, none on CPU. Tests pass
             `RecordingStreams()` to check every cross-stream hand-off.
     """
@@ -92,13 +97,15 @@ class TrainPipelineBase:
         if lane is None or lane.iterator is not dataloader_iter:
             lane = self._lanes[id(dataloader_iter)] = _Lane(dataloader_iter)
         try:
+            if not self._execute_all_batches and not self._read_ahead(lane):
+                lane.inflight.clear()  # the dataloader ended before this step's look-ahead: drop all
             self._fill(lane)
-            if lane.exhausted and not self._execute_all_batches:
-                lane.inflight.clear()  # the dataloader ended: drop what is still in flight
             if not lane.inflight:
                 del self._lanes[id(dataloader_iter)]
                 raise StopIteration
-            return self._step(lane)
+            output = self._step(lane)
+            lane.steps += 1
+            return output
         except StopIteration:
             raise
         except BaseException:
@@ -109,6 +116,21 @@ class TrainPipelineBase:
         """Drop every in-flight batch (after an exception, or to abandon an iterator)."""
         self._streams.drain()
         self._lanes.clear()
+
+    # -- execute_all_batches=False ------------------------------------------------------------
+
+    def _lookahead(self, lane: _Lane) -> int:
+        """Under `execute_all_batches=False`, the head batch runs only if this many batches follow
+        it in the dataloader (torchrec's rule for the pipeline of the same name)."""
+        return 0
+
+    def _read_ahead(self, lane: _Lane) -> bool:
+        """Copy batches until `_lookahead` batches follow the head; False if the dataloader ends
+        first. Only copies: nothing is started on the batches that may be dropped."""
+        while len(lane.inflight) <= self._lookahead(lane):
+            if not self._enqueue(lane):
+                return False
+        return True
 
     # -- stages shared by all pipelines -------------------------------------------------------
 

@@ -48,7 +48,8 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         model: usually a DistributedModelParallel; returns `(loss, output)` in training mode.
         optimizer: stepped after each training batch's backward.
         device: where batches are copied to.
-        execute_all_batches: run the batches in flight once the dataloader is exhausted.
+        execute_all_batches: run the batches in flight once the dataloader is exhausted (True), or
+            drop them as torchrec does (False; docs/pipeline.md says which).
         apply_jit: not supported (kept for torchrec's signature); must be False.
         context_type: ignored (kept for torchrec's signature): contexts are internal.
         pipeline_postproc: run parameter-free modules that transform the batch ahead with
@@ -189,6 +190,10 @@ class TrainPipelineSparseDist(TrainPipelineBase):
 
     def _after_forward(self, nxt: BatchContext) -> None:
         """Forward of the head batch is done and `nxt`'s values all-to-all is under way."""
+
+    def _lookahead(self, lane: _Lane) -> int:
+        # torchrec's fetches batch i+2 during step i and stops there when it is missing
+        return 2
 
     def _call_model(self, ctx: BatchContext) -> Any:
         self._slot.current = ctx
@@ -331,6 +336,12 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
         # The prefetch of batch i+1 overlaps backward and optimizer of batch i (torchrec's GPU
         # order); rows it needs are pinned by the kernel, so backward of i cannot lose them.
         self._submit_prefetch(nxt)
+
+    def _lookahead(self, lane: _Lane) -> int:
+        # torchrec's fetches batch 2 during its first step; with execute_all_batches=False its
+        # fill_pipeline refills on the second step, from then on it holds 4 batches ahead of the
+        # one it runs (train_pipelines.py, PrefetchTrainPipelineSparseDist.fill_pipeline).
+        return 2 if lane.steps == 0 else 4
 
     def _before_forward(self, ctx: BatchContext) -> None:
         assert isinstance(ctx, PrefetchBatchContext)

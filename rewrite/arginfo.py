@@ -1,7 +1,8 @@
 """ArgInfo: how one argument of a sharded module's forward is obtained from the batch.
 
 An ArgInfo is an ordered list of steps (attribute, item, constant) applied to the batch, optionally
-starting from the output of a parameter-free "postproc" module instead of the batch itself. A CallArgs
+starting from something other than the batch itself: the output of a parameter-free "postproc"
+module (`PostprocCall`), or a list, tuple or dict built from other ArgInfos (`Pack`). A CallArgs
 holds the positional and keyword ArgInfos of one call. Paths are written and parsed in Python syntax
 relative to the batch: `sparse_features`, `a.b`, `features["user"]`, `[0]`.
 """
@@ -18,6 +19,7 @@ __all__ = [
     "CallArgs",
     "Const",
     "Item",
+    "Pack",
     "PathError",
     "PostprocCall",
     "parse_path",
@@ -82,28 +84,81 @@ class PostprocCall:
 
 
 @dataclass(frozen=True, slots=True)
+class Pack:
+    """A list, tuple (or namedtuple) or dict built anew for each batch from ArgInfos.
+
+    `[batch.a, batch.b]`, `{"x": batch.sparse, "n": 1}`: each item is an ArgInfo, so items may be
+    constants, postproc outputs or Packs themselves (nested collections).
+    """
+
+    kind: type
+    """list, tuple, a namedtuple class, or dict."""
+    items: tuple[ArgInfo, ...]
+    keys: tuple[Any, ...] = ()
+    """For a dict: its keys, in the order of `items`."""
+
+    def build(self, batch: Any, postproc: Any = None) -> Any:
+        """A new collection of the items' values for `batch` (see `ArgInfo.resolve`)."""
+        values = [item.resolve(batch, postproc) for item in self.items]
+        if self.kind is dict:
+            return dict(zip(self.keys, values, strict=True))
+        if hasattr(self.kind, "_fields"):
+            return self.kind(*values)
+        return self.kind(values)
+
+    def __str__(self) -> str:
+        parts = [str(item) for item in self.items]
+        if self.kind is dict:
+            return "{" + ", ".join(f"{k!r}: {p}" for k, p in zip(self.keys, parts, strict=True)) + "}"
+        if self.kind is list:
+            return "[" + ", ".join(parts) + "]"
+        if self.kind is tuple:
+            return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
+        return f"{self.kind.__name__}(" + ", ".join(parts) + ")"
+
+
+@dataclass(frozen=True, slots=True)
 class ArgInfo:
-    """Steps applied, in order, to the batch (or to a postproc module's output)."""
+    """Steps applied, in order, to the batch (or to a postproc module's output, or a Pack)."""
 
     steps: tuple[Step, ...] = ()
-    source: PostprocCall | None = None
-    """When set, the steps start from this postproc module's output instead of the batch."""
+    source: PostprocCall | Pack | None = None
+    """When set, the steps start from this postproc module's output, or from this collection,
+    instead of the batch."""
 
     def resolve(self, batch: Any, postproc: Any = None) -> Any:
         """The argument's value for `batch`.
 
         Args:
             batch: the batch the model's forward receives.
-            postproc: callable `(PostprocCall, batch) -> output`, needed when `source` is set.
+            postproc: callable `(PostprocCall, batch) -> output`, needed when a PostprocCall is
+                the source of this ArgInfo or of any ArgInfo inside it.
         """
-        value = batch if self.source is None else postproc(self.source, batch)
+        if self.source is None:
+            value = batch
+        elif isinstance(self.source, Pack):
+            value = self.source.build(batch, postproc)
+        else:
+            value = postproc(self.source, batch)
         for step in self.steps:
             value = step.apply(value)
         return value
 
+    def postprocs(self) -> list[PostprocCall]:
+        """Every postproc call this argument depends on, innermost first."""
+        if isinstance(self.source, PostprocCall):
+            return [*self.source.args.postprocs(), self.source]
+        if isinstance(self.source, Pack):
+            return [call for item in self.source.items for call in item.postprocs()]
+        return []
+
     def __str__(self) -> str:
-        head = "batch" if self.source is None else str(self.source)
-        return head + "".join(str(s) for s in self.steps)
+        steps = self.steps
+        if steps and isinstance(steps[0], Const):
+            head, steps = repr(steps[0].value), steps[1:]
+        else:
+            head = "batch" if self.source is None else str(self.source)
+        return head + "".join(str(s) for s in steps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,12 +176,7 @@ class CallArgs:
 
     def postprocs(self) -> list[PostprocCall]:
         """Every postproc call this call depends on, innermost first."""
-        found: list[PostprocCall] = []
-        for info in (*self.args, *self.kwargs.values()):
-            if info.source is not None:
-                found.extend(info.source.args.postprocs())
-                found.append(info.source)
-        return found
+        return [call for info in (*self.args, *self.kwargs.values()) for call in info.postprocs()]
 
     def __str__(self) -> str:
         parts = [str(a) for a in self.args] + [f"{k}={a}" for k, a in self.kwargs.items()]

@@ -27,7 +27,7 @@ from rewrite.report import ModuleReport, RewriteReport
 from rewrite.splits import input_dists_ready, install_fused_splits
 from rewrite.trace import trace_arg_infos
 
-__all__ = ["Method", "PipelinedModule", "Rewrite", "rewrite_model", "unwrap_model"]
+__all__ = ["Method", "PipelinedModule", "Rewrite", "outermost_sharded", "rewrite_model", "unwrap_model"]
 
 Method = Literal["auto", "explicit", "trace", "direct"]
 _MISSING = object()
@@ -146,7 +146,7 @@ def rewrite_model(
         RewriteError: strict mode and some module cannot be pipelined.
     """
     root = unwrap_model(model)
-    sharded = {n: m for n, m in root.named_modules() if isinstance(m, ShardedModule)}
+    sharded = outermost_sharded(root)
     found, report = _find_arg_infos(root, sharded, batch, method, paths or {}, pipeline_postproc)
     if strict:
         report.check_strict()
@@ -161,6 +161,20 @@ def rewrite_model(
                 rewrite.postprocs[call.fqn] = modules[call.fqn]
                 rewrite._hijack(modules[call.fqn], PostprocForward(call.fqn, modules[call.fqn], slot))
     return rewrite
+
+
+def outermost_sharded(root: nn.Module) -> dict[str, ShardedModule]:
+    """The sharded modules of `root` by FQN, leaving out those inside another sharded module.
+
+    A sharded module nested in another (the EmbeddingBagCollection of a sharded
+    FeatureProcessedEmbeddingBagCollection) is part of its parent's implementation: the parent calls
+    it directly, never through the model's forward, so it has no input of its own to distribute.
+    """
+    found: dict[str, ShardedModule] = {}
+    for fqn, module in root.named_modules():  # parents come before their children
+        if isinstance(module, ShardedModule) and not any(fqn.startswith(f"{p}.") for p in found):
+            found[fqn] = module
+    return found
 
 
 def _find_arg_infos(

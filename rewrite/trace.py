@@ -3,19 +3,25 @@
 Sharded modules, and modules that contain no sharded module, are leaves: the trace only walks the
 glue code between the batch and the sharded calls. From each sharded-module call the walk goes back
 through getattr / getitem to the batch placeholder. A parameter-free leaf module on that path is a
-postproc module; a leaf with trainable parameters, any other operation, or a value not derived from
-the batch makes the module unpipelineable, with the reason.
+postproc module, whose own arguments are walked the same way. A list, tuple or dict argument (fx
+records it as such, holding nodes; a namedtuple as a call of its class) becomes a `Pack` whose items
+are walked one by one, nested collections included. A leaf with trainable parameters, any other
+operation, a value not derived from the batch, or an aggregate that cannot be rebuilt (a slice or
+range of batch values, a dataclass built in forward) makes the module unpipelineable, with the
+reason.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from torch import fx, nn
 
-from rewrite.arginfo import ArgInfo, Attr, CallArgs, Const, Item, PostprocCall, Step
+from rewrite.arginfo import ArgInfo, Attr, CallArgs, Const, Item, Pack, PostprocCall, Step
 
 __all__ = ["TraceResult", "trace_arg_infos"]
 
@@ -77,7 +83,8 @@ def trace_arg_infos(
                 f"called {counts[fqn]} times in one forward; a pipelined module's input_dist "
                 "result can be consumed only once per batch"
             )
-    walker = _Walker(placeholders[:1], modules, pipeline_postproc)
+    module_calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
+    walker = _Walker(placeholders[:1], modules, module_calls, pipeline_postproc)
     for node in calls:
         if node.target in result.rejected:
             continue
@@ -92,16 +99,25 @@ def trace_arg_infos(
 class _Walker:
     batch: list[fx.Node]
     modules: dict[str, nn.Module]
+    calls: Counter[str]
+    """How many times the traced forward calls each leaf module."""
     pipeline_postproc: bool
 
     def call_args(self, node: fx.Node) -> CallArgs:
         return CallArgs(
-            args=tuple(self.arg_info(a) for a in node.args),
+            args=self.items(node.args),
             kwargs={k: self.arg_info(v) for k, v in node.kwargs.items()},
         )
 
     def arg_info(self, value: object) -> ArgInfo:
+        if isinstance(value, (list, tuple, dict)):
+            return ArgInfo(source=self.pack(value))
         if not isinstance(value, fx.Node):
+            if _holds_node(value):
+                raise _Reject(
+                    f"input passes a {type(value).__name__} built from batch values; only lists, "
+                    "tuples and dicts of batch values can be rebuilt ahead"
+                )
             return ArgInfo((Const(value),))
         steps: list[Step] = []
         node = value
@@ -119,7 +135,19 @@ class _Walker:
                 continue
             if node.op == "call_module":
                 return ArgInfo(tuple(reversed(steps)), source=self.postproc(node))
+            if node.op == "call_function" and _is_namedtuple(node.target) and not node.kwargs:
+                # fx records a namedtuple argument as a call of its class on the fields
+                return ArgInfo(tuple(reversed(steps)), source=Pack(node.target, self.items(node.args)))
             raise _Reject(_why_not_from_batch(node))
+
+    def pack(self, value: list | tuple | dict) -> Pack:
+        """A Pack rebuilding `value` (fx's immutable list/dict become a plain list/dict)."""
+        if isinstance(value, dict):
+            return Pack(dict, self.items(value.values()), keys=tuple(value))
+        return Pack(type(value) if isinstance(value, tuple) else list, self.items(value))
+
+    def items(self, values: Iterable[object]) -> tuple[ArgInfo, ...]:
+        return tuple(self.arg_info(v) for v in values)
 
     def postproc(self, node: fx.Node) -> PostprocCall:
         module = self.modules[node.target]
@@ -133,12 +161,34 @@ class _Walker:
                 f"input is computed by parameter-free module {node.target!r} (a postproc); "
                 "pass pipeline_postproc=True to run it ahead with input_dist"
             )
+        if self.calls[node.target] > 1:
+            raise _Reject(
+                f"input is computed by postproc module {node.target!r}, which forward calls "
+                f"{self.calls[node.target]} times; its output is computed once per batch ahead, so "
+                "every call would return the same value"
+            )
         return PostprocCall(node.target, self.call_args(node))
+
+
+def _is_namedtuple(target: object) -> bool:
+    return isinstance(target, type) and issubclass(target, tuple) and hasattr(target, "_fields")
+
+
+def _holds_node(value: object) -> bool:
+    """Whether an aggregate fx keeps in a node's arguments (a slice, a range) holds a node."""
+    found: list[fx.Node] = []
+    fx.node.map_arg(value, found.append)
+    return bool(found)
 
 
 def _why_not_from_batch(node: fx.Node) -> str:
     if node.op == "get_attr":
         return f"input is the model attribute {node.target!r}, not derived from the batch"
+    if node.op == "call_function" and dataclasses.is_dataclass(node.target):
+        return (
+            f"input is a {node.target.__name__} dataclass built inside forward ({node.format_node()}); "
+            "only lists, tuples and dicts of batch values can be rebuilt ahead"
+        )
     what = getattr(node.target, "__name__", node.target)
     return (
         f"input is computed by {node.op} {what!r} inside forward ({node.format_node()}); only "

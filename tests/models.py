@@ -1,8 +1,12 @@
 """Small sharded models and batches shared by the tests (run inside harness ranks).
 
-Three batch shapes: torchrec's DLRM `Batch`, a nested dataclass holding two KJTs, and a plain dict.
+Four kinds (KINDS): torchrec's DLRM on its `Batch`, a two-tower model on a nested dataclass holding
+two KJTs or on a plain dict, and a feature-processed EBC (position-weighted features) on torchrec's
+`Batch`. A fifth, "postproc", feeds the two towers through postprocs called with collections.
 `build(kind, sharding)` returns a DistributedModelParallel and its dense optimizer; embeddings use a
-fused (in-backward) SGD, as in production. Two builds with the same seed are identical.
+fused (in-backward) SGD, as in production; the position weights are dense (data-parallel) parameters.
+Two builds with the same seed are identical. Table- and column-wise plans come from torchrec's planner;
+row-wise is planned by hand, since the planner refuses it on CPU.
 """
 
 from __future__ import annotations
@@ -16,8 +20,13 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 from torchrec.datasets.utils import Batch
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+from torchrec.distributed.types import ShardingPlan
 from torchrec.models.dlrm import DLRM, DLRMTrain
+from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -26,8 +35,9 @@ DIM = 8
 ROWS = 40
 DENSE = 4
 BATCH = 6
-KINDS = ("dlrm", "nested", "dict")
-SHARDINGS = ("table_wise", "column_wise")
+MAX_BAG = 3  # bags hold 0 to MAX_BAG ids
+KINDS = ("dlrm", "nested", "dict", "fp")
+SHARDINGS = ("table_wise", "column_wise", "row_wise")
 
 
 def tables(prefix: str, n: int) -> list[EmbeddingBagConfig]:
@@ -53,7 +63,8 @@ class NestedBatch:
 
 
 class TwoTower(nn.Module):
-    """Two EBCs fed from a nested dataclass (kind "nested") or a dict (kind "dict")."""
+    """Two EBCs fed from a nested dataclass (kind "nested"), a dict (kind "dict"), or a nested
+    dataclass through postprocs called with collections (kind "postproc", see `WithPostprocs`)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -69,6 +80,9 @@ class TwoTower(nn.Module):
         else:
             dense, user = batch["dense"], batch["sparse"]["user"]
             item, labels = batch["sparse"]["item"], batch["labels"]
+        return self.head(dense, user, item, labels)
+
+    def head(self, dense, user, item, labels):
         u = self.user_ebc(user).values()
         i = self.item_ebc(item).values()
         logits = self.over(torch.cat([self.dense(dense), u, i], dim=1)).squeeze(1)
@@ -76,8 +90,66 @@ class TwoTower(nn.Module):
         return loss, logits.detach()
 
 
+class ShiftIds(nn.Module):
+    """Parameter-free postproc called with a list and a dict: the ids of `parts[0]` shifted by
+    `opts["by"]` times the integer part of `parts[1].sum()` (a dense tensor of the batch)."""
+
+    def forward(self, parts: list, opts: dict) -> KeyedJaggedTensor:
+        features, dense = parts
+        values = features.values().clone()
+        values += dense.sum().long() * opts["by"]
+        return KeyedJaggedTensor.from_lengths_sync(
+            keys=features.keys(), values=values % ROWS, lengths=features.lengths()
+        )
+
+
+class Pick(nn.Module):
+    """Parameter-free postproc called with a dict holding a tuple: `spec["kjts"][spec["index"]]`."""
+
+    def forward(self, spec: dict) -> KeyedJaggedTensor:
+        return spec["kjts"][spec["index"]]
+
+
+class WithPostprocs(TwoTower):
+    """TwoTower on the nested batch, each EBC fed by a postproc whose arguments are collections of
+    batch values and constants (the pattern of torchrec's TestModelWithPreprocCollectionArgs)."""
+
+    def __init__(self) -> None:
+        super().__init__("nested")
+        self.shift = ShiftIds()
+        self.pick = Pick()
+
+    def forward(self, batch):
+        user = self.shift([batch.features.user, batch.dense], {"by": 1})
+        item = self.pick({"kjts": (batch.features.item, batch.features.user), "index": 0})
+        return self.head(batch.dense, user, item, batch.labels)
+
+
+class PositionWeighted(nn.Module):
+    """A FeatureProcessedEmbeddingBagCollection (trainable per-position weights) on torchrec's Batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        configs = tables("", 3)
+        ebc = EmbeddingBagCollection(tables=configs, is_weighted=True, device=torch.device("cpu"))
+        weights = PositionWeightedModuleCollection({f"f{i}": MAX_BAG for i in range(len(configs))})
+        self.fp_ebc = FeatureProcessedEmbeddingBagCollection(ebc, weights)
+        self.dense = nn.Linear(DENSE, DIM)
+        self.over = nn.Linear(4 * DIM, 1)
+
+    def forward(self, batch: Batch):
+        pooled = self.fp_ebc(batch.sparse_features).values()
+        logits = self.over(torch.cat([self.dense(batch.dense_features), pooled], dim=1)).squeeze(1)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        return loss, logits.detach()
+
+
 def unsharded(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
+    if kind == "fp":
+        return PositionWeighted()
+    if kind == "postproc":
+        return WithPostprocs()
     if kind == "dlrm":
         ebc = EmbeddingBagCollection(tables=tables("", 3), device=torch.device("cpu"))
         return DLRMTrain(
@@ -92,30 +164,53 @@ def unsharded(kind: str, seed: int = 0) -> nn.Module:
 
 
 def build(kind: str, sharding: str, seed: int = 0) -> tuple[DistributedModelParallel, torch.optim.Optimizer]:
-    """The model of `kind`, sharded `sharding` ("table_wise"/"column_wise") over the world group."""
+    """The model of `kind`, sharded `sharding` (one of SHARDINGS) over the world group."""
     model = unsharded(kind, seed)
     ebcs = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
     for ebc in ebcs:
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.5})
-    names = [t.name for ebc in ebcs for t in ebc.embedding_bag_configs()]
-    min_partition = DIM // 2 if sharding == "column_wise" else None
-    constraints = {
-        n: ParameterConstraints(sharding_types=[sharding], min_partition=min_partition) for n in names
-    }
-    world = dist.get_world_size()
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=world, compute_device="cpu"), constraints=constraints
-    )
-    sharders = [EmbeddingBagCollectionSharder()]
-    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    sharders = [FeatureProcessedEmbeddingBagCollectionSharder(), EmbeddingBagCollectionSharder()]
+    if sharding == "row_wise":
+        plan = _row_wise_plan(model)
+    else:
+        names = [t.name for ebc in ebcs for t in ebc.embedding_bag_configs()]
+        min_partition = DIM // 2 if sharding == "column_wise" else None
+        constraints = {
+            n: ParameterConstraints(sharding_types=[sharding], min_partition=min_partition) for n in names
+        }
+        planner = EmbeddingShardingPlanner(
+            topology=Topology(world_size=dist.get_world_size(), compute_device="cpu"),
+            constraints=constraints,
+        )
+        plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
     dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     opt = KeyedOptimizerWrapper(dense, lambda params: torch.optim.SGD(params, lr=0.1))
     return dmp, opt
 
 
+def _row_wise_plan(model: nn.Module) -> ShardingPlan:
+    """Every table row-wise over the world, for each outermost (FP-)EBC of `model`."""
+    world = dist.get_world_size()
+    plan = {}
+    for fqn, module in model.named_modules():  # parents come before their children
+        if any(fqn.startswith(f"{planned}.") for planned in plan):
+            continue  # the EBC inside an FP-EBC is sharded with it
+        if isinstance(module, FeatureProcessedEmbeddingBagCollection):
+            configs = module._embedding_bag_collection.embedding_bag_configs()
+        elif isinstance(module, EmbeddingBagCollection):
+            configs = module.embedding_bag_configs()
+        else:
+            continue
+        per_table = {t.name: row_wise() for t in configs}
+        plan[fqn] = construct_module_sharding_plan(
+            module, per_table, local_size=world, world_size=world, device_type="cpu"
+        )
+    return ShardingPlan(plan)
+
+
 def _kjt(prefix: str, n: int, gen: torch.Generator) -> KeyedJaggedTensor:
-    lengths = torch.randint(0, 4, (n * BATCH,), generator=gen)
+    lengths = torch.randint(0, MAX_BAG + 1, (n * BATCH,), generator=gen)
     values = torch.randint(0, ROWS, (int(lengths.sum()),), generator=gen)
     return KeyedJaggedTensor.from_lengths_sync(
         keys=[f"{prefix}f{i}" for i in range(n)], values=values, lengths=lengths
@@ -129,9 +224,9 @@ def batches(kind: str, n: int, rank: int, seed: int = 1) -> list:
     for _ in range(n):
         dense = torch.rand(BATCH, DENSE, generator=gen)
         labels = torch.randint(0, 2, (BATCH,), generator=gen).float()
-        if kind == "dlrm":
+        if kind in ("dlrm", "fp"):
             out.append(Batch(dense_features=dense, sparse_features=_kjt("", 3, gen), labels=labels))
-        elif kind == "nested":
+        elif kind in ("nested", "postproc"):
             feats = Features(user=_kjt("u", 2, gen), item=_kjt("i", 2, gen))
             out.append(NestedBatch(dense=dense, features=feats, labels=labels))
         else:

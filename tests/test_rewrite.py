@@ -8,6 +8,7 @@ test_rewrite_dist.py.
 
 from __future__ import annotations
 
+from collections import namedtuple
 from dataclasses import dataclass
 
 import pytest
@@ -104,12 +105,16 @@ def outer_batch(seed: int = 0) -> Outer:
 
 
 class Ctx:
-    """A ForwardContext that runs input_dist the way a pipeline would (here: synchronously)."""
+    """A ForwardContext that runs postprocs and input_dist the way a pipeline would (here:
+    synchronously)."""
 
     def __init__(self, rewrite, batch) -> None:
         self.prepared = {}
+        self.postproc_results = {}
         for pm in rewrite.modules:
-            args, kwargs = pm.args.build(batch, lambda c, b: rewrite.run_postproc(c, b, {}))
+            args, kwargs = pm.args.build(
+                batch, lambda c, b: rewrite.run_postproc(c, b, self.postproc_results)
+            )
             self.prepared[pm.fqn] = (None, pm.module.input_dist(None, *args, **kwargs).wait().wait())
 
     def take_input_dist(self, fqn):
@@ -119,7 +124,7 @@ class Ctx:
         return self.prepared.pop(fqn, None)
 
     def postproc_result(self, fqn):
-        return None
+        return self.postproc_results.get(fqn)
 
 
 def run_pipelined(model, rewrite, slot, batch):
@@ -328,22 +333,120 @@ def test_postproc_needs_opt_in_and_is_pipelined_with_it():
     assert rw.report.pipelined == ["a", "b"]
     assert list(rw.postprocs) == ["make"]
     assert {m.fqn: m.path for m in rw.report.modules}["a"] == "make(batch.dense)"
-
-    class PostprocCtx(Ctx):
-        def __init__(self, rewrite, batch):
-            self.cache = {}
-            self.prepared = {}
-            for pm in rewrite.modules:
-                args, _ = pm.args.build(batch, lambda c, b: rewrite.run_postproc(c, b, self.cache))
-                self.prepared[pm.fqn] = (None, args[0])
-
-        def postproc_result(self, fqn):
-            return self.cache.get(fqn)
-
-    slot.current = PostprocCtx(rw, batch)
-    assert torch.equal(model(batch), expected)
+    assert torch.equal(run_pipelined(model, rw, slot, batch), expected)
     rw.restore()
     assert "forward" not in vars(model.make)
+
+
+class PostprocTwice(WithPostproc):
+    def forward(self, batch):
+        other = self.make(batch.dense + 1)  # a second call, on other values
+        return self.a(self.make(batch.dense)).sum() + self.b(batch.by_name["u"]).sum() + other.values().sum()
+
+
+def test_postproc_called_twice_is_not_run_ahead():
+    model, batch = PostprocTwice(), outer_batch()
+    expected = model(batch)
+    slot = ContextSlot()
+    rw = rewrite_model(model, batch, slot=slot, pipeline_postproc=True)
+    assert "calls 2 times" in rw.report.not_pipelined[0].reason
+    assert rw.postprocs == {} and "forward" not in vars(model.make)
+    assert torch.equal(run_pipelined(model, rw, slot, batch), expected)
+
+
+# -- lists, tuples and dicts of batch values ------------------------------------------------------
+
+
+class Shift(nn.Module):
+    """Parameter-free postproc taking collections: the KJT in `parts[0]` with its ids shifted by
+    `opts["by"]` plus one where `parts[1]` (a dense tensor) sums above zero."""
+
+    def forward(self, parts, opts):
+        features, dense = parts
+        features = getattr(features, "kjt", features)  # also accepts an Inner
+        values = features.values().clone()
+        values += (dense.sum() > 0).long() + opts["by"]  # fails on an fx Node, as in issue 15
+        return KeyedJaggedTensor.from_lengths_sync(
+            keys=features.keys(), values=values % 10, lengths=features.lengths()
+        )
+
+
+Pair = namedtuple("Pair", ["kjt", "extra"])
+
+
+class PackedInput(FakeSharded):
+    """A sharded module whose input is a collection: `module([{"kjt": kjt}], Pair(kjt2, n))`."""
+
+    def input_dist(self, ctx, parts, pair):
+        assert isinstance(parts, list) and isinstance(parts[0], dict) and isinstance(pair, Pair)
+        return _Ready(_Ready(parts[0]["kjt"]))
+
+
+class WithCollections(Model):
+    def __init__(self, how: str = "collections") -> None:
+        super().__init__()
+        self.how = how
+        self.make = MakeKJT(trainable=False)
+        self.shift = Shift()
+        self.b = PackedInput(["u"])
+
+    def forward(self, batch):
+        u = self.b([{"kjt": batch.by_name["u"]}], Pair(batch.by_name["u"], 3))
+        if self.how == "collections":  # a postproc output, nested list/tuple/dict, constants
+            x = self.shift((self.make(batch.dense), batch.dense), {"by": 1, "more": [batch.inner.kjt]})
+        elif self.how == "slice":
+            x = self.shift([batch.inner.kjt, batch.dense], {"by": 1, "rows": slice(0, batch.dense.shape[0])})
+        else:  # "dataclass"
+            x = self.shift([Inner(kjt=batch.inner.kjt), batch.dense], {"by": 1})
+        return self.lin(batch.dense).sum() + self.a(x).sum() + u.sum()
+
+
+def test_collections_of_batch_values_are_rebuilt_for_each_batch():
+    model, batches = WithCollections(), [outer_batch(), outer_batch(seed=5)]
+    batches[1].dense = -batches[1].dense  # a different shift for the second batch
+    expected = [model(b) for b in batches]
+    slot = ContextSlot()
+    rw = rewrite_model(model, batches[0], slot=slot, pipeline_postproc=True, strict=True)
+    paths = {m.fqn: m.path for m in rw.report.modules}
+    assert paths == {
+        "a": "shift((make(batch.dense), batch.dense), {'by': 1, 'more': [batch.inner.kjt]})",
+        "b": "[{'kjt': batch.by_name['u']}], Pair(batch.by_name['u'], 3)",
+    }
+    assert sorted(rw.postprocs) == ["make", "shift"]
+    got = [run_pipelined(model, rw, slot, b) for b in batches]
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+    assert not torch.equal(got[0], got[1])
+
+
+@pytest.mark.parametrize(
+    ("how", "reason"),
+    [("slice", "input passes a slice built from batch values"), ("dataclass", "Inner dataclass built")],
+)
+def test_collection_that_cannot_be_rebuilt_leaves_the_module_unpipelined(how, reason):
+    model, batch = WithCollections(how), outer_batch()
+    expected = model(batch)
+    slot = ContextSlot()
+    rw = rewrite_model(model, batch, slot=slot, pipeline_postproc=True)
+    by_fqn = {m.fqn: m for m in rw.report.modules}
+    assert not by_fqn["a"].pipelined and reason in by_fqn["a"].reason
+    assert by_fqn["b"].pipelined and rw.postprocs == {}
+    assert torch.equal(run_pipelined(model, rw, slot, batch), expected)  # no failure at run time
+
+
+class WithNestedSharded(Model):
+    """`a` holds a sharded module of its own, as a sharded FP-EBC holds its sharded EBC."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a.inner = FakeSharded(["x"])
+
+
+def test_sharded_module_inside_another_is_not_a_module_of_its_own():
+    model, batch = WithNestedSharded(), outer_batch()
+    rw = rewrite_model(model, batch, slot=ContextSlot(), strict=True)  # no "a.inner not called"
+    assert [m.fqn for m in rw.report.modules] == ["a", "b"]
+    assert rw.report.pipelined == ["a", "b"]
+    assert "forward" not in vars(model.a.inner)
 
 
 # -- misuse and restore -------------------------------------------------------------------------
