@@ -202,6 +202,8 @@ class Tuner:
         """(step, decision) of the tuning and of every re-check, in order."""
         self.tuning_steps = 0
         """Steps run under a tuning or re-check plan so far (warm-up included)."""
+        self.tuning_steps_by_schedule: dict[str, int] = {}
+        """`tuning_steps` per schedule they ran under (what tuning cost is computed from)."""
 
     @property
     def reason(self) -> str | None:
@@ -226,6 +228,7 @@ class Tuner:
         name, k, timed = self._phase.plan[self._pos]
         self._pos += 1
         self.tuning_steps += 1
+        self.tuning_steps_by_schedule[name] = self.tuning_steps_by_schedule.get(name, 0) + 1
         if timed:
             self._last = (now, k, name)
         return name
