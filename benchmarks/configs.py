@@ -43,9 +43,11 @@ class BenchConfig:
     cache_fraction: float | None = None
     """Tables on the disk-backed `tiered` kernel with this fraction of each shard's rows cached in
     RAM, the store cold (every miss reads the disk); None keeps them in RAM (torchrec's fused kernel)."""
+    num_tables: int = NUM_SPARSE
+    """Sparse features, one table each (the DLRM example's 26 by default)."""
 
     def __post_init__(self) -> None:
-        for field in ("batch_size", "embedding_dim", "num_embeddings", "ids_per_feature"):
+        for field in ("batch_size", "embedding_dim", "num_embeddings", "ids_per_feature", "num_tables"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{self.name}: {field} must be positive, got {getattr(self, field)}")
 
@@ -99,12 +101,15 @@ CONFIGS: dict[str, BenchConfig] = {
 
 
 def get_config(name: str) -> BenchConfig:
-    """The config called `name`.
+    """The config called `name`: one of `CONFIGS`, or a sweep point's (`benchmarks.points`).
 
     Raises:
-        ValueError: no config has that name; the message lists the known ones.
+        ValueError: no config has that name; the message lists the named ones.
     """
+    from benchmarks.points import POINTS  # the sweep's configs are built from BenchConfig
+
+    known = {**CONFIGS, **{p.config.name: p.config for p in POINTS}}
     try:
-        return CONFIGS[name]
+        return known[name]
     except KeyError:
         raise ValueError(f"unknown config {name!r}; choose from {', '.join(CONFIGS)}") from None

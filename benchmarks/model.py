@@ -24,7 +24,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from benchmarks.configs import NUM_DENSE, NUM_SPARSE, BenchConfig
+from benchmarks.configs import NUM_DENSE, BenchConfig
 from examples.dlrm.model import unsharded_dlrm
 
 __all__ = ["BuiltModel", "batch_nbytes", "build_model", "make_batches"]
@@ -61,7 +61,7 @@ def build_model(
             num_embeddings=config.num_embeddings,
             feature_names=[f"f{i}"],
         )
-        for i in range(NUM_SPARSE)
+        for i in range(config.num_tables)
     ]
     dlrm = unsharded_dlrm(
         tables,
@@ -125,10 +125,10 @@ def make_batches(config: BenchConfig, *, count: int, rank: int, seed: int = 0) -
     for index in range(count):
         gen = torch.Generator().manual_seed((seed * 1_000_003 + rank) * 1_000_003 + index)
         n, p = config.batch_size, config.ids_per_feature
-        lengths = torch.randint(1, 2 * p, (NUM_SPARSE * n,), generator=gen, dtype=torch.int32)
+        lengths = torch.randint(1, 2 * p, (config.num_tables * n,), generator=gen, dtype=torch.int32)
         values = torch.randint(0, config.num_embeddings, (int(lengths.sum()),), generator=gen)
         sparse = KeyedJaggedTensor.from_lengths_sync(
-            keys=[f"f{i}" for i in range(NUM_SPARSE)], values=values, lengths=lengths
+            keys=[f"f{i}" for i in range(config.num_tables)], values=values, lengths=lengths
         )
         dense = torch.rand(n, NUM_DENSE, generator=gen)
         labels = torch.randint(0, 2, (n,), generator=gen)

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from benchmarks.configs import get_config
-from benchmarks.spec import OURS_TO_TORCHREC, VARIANTS
+from benchmarks.spec import ALL_VARIANTS, OURS_TO_TORCHREC
 
 __all__ = [
     "Row",
@@ -108,6 +108,7 @@ def merge_ranks(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             raise ValueError(f"ranks disagree on the run order: {sorted(keys)}")
         run = {k: first[k] for k in ("config", "variant", "round", "position", "status", "batch_bytes")}
         run["schedule"] = first.get("schedule")  # the same on every rank (they agree on it)
+        run["tuner"] = first.get("tuner")  # likewise
         if first["status"] != "ok":
             run["message"] = first.get("message", "")
             merged.append(run)
@@ -130,7 +131,7 @@ def merge_ranks(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 def summarize(runs: list[dict[str, Any]], *, world_size: int) -> list[Row]:
-    """One `Row` per (config, variant), in config then `VARIANTS` order."""
+    """One `Row` per (config, variant), in config then `ALL_VARIANTS` order."""
     rows: dict[tuple[str, str], Row] = {}
     for config, variant in _pairs(runs):
         mine = [r for r in runs if r["config"] == config and r["variant"] == variant]
@@ -180,7 +181,7 @@ def summarize(runs: list[dict[str, Any]], *, world_size: int) -> list[Row]:
 def _pairs(runs: list[dict[str, Any]]) -> list[tuple[str, str]]:
     configs = list(dict.fromkeys(r["config"] for r in runs))
     present = {(r["config"], r["variant"]) for r in runs}
-    return [(c, v) for c in configs for v in VARIANTS if (c, v) in present]
+    return [(c, v) for c in configs for v in ALL_VARIANTS if (c, v) in present]
 
 
 def _schedules(runs: list[dict[str, Any]]) -> str | None:

@@ -21,6 +21,7 @@ from typing import Any
 from benchmarks.configs import CONFIGS
 from benchmarks.launch import LaunchError, launch
 from benchmarks.link import LinkUnavailable, emulated_link, parse_rate
+from benchmarks.points import POINTS
 from benchmarks.report import (
     Row,
     Target,
@@ -31,7 +32,7 @@ from benchmarks.report import (
     summarize,
     table,
 )
-from benchmarks.spec import VARIANTS, RunSpec
+from benchmarks.spec import ALL_VARIANTS, VARIANTS, RunSpec
 
 __all__ = ["cpu_busy", "main", "run_benchmark"]
 
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             variants=tuple(args.variants),
             steps=args.steps,
             warmup=args.warmup,
+            auto_warmup=args.auto_warmup,
             rounds=args.rounds,
             profile_steps=args.profile_steps,
             seed=args.seed,
@@ -128,17 +130,26 @@ def _report(result: dict[str, Any], *, json_path: Path, md_path: Path) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS), metavar="NAME",
-                   help=f"configs to run (default: all of {', '.join(CONFIGS)})")  # fmt: skip
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, metavar="NAME",
-                   help=f"variants to run (default: all of {', '.join(VARIANTS)})")  # fmt: skip
+    points = [pt.name for pt in POINTS]
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=[*CONFIGS, *points], metavar="NAME",
+                   help=f"configs to run (default: all of {', '.join(CONFIGS)}; also the sweep's "
+                        "sweep-* points, see benchmarks/points.py)")  # fmt: skip
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=ALL_VARIANTS, metavar="NAME",
+                   help=f"variants to run (default: all of {', '.join(VARIANTS)}; also "
+                        f"{', '.join(ALL_VARIANTS[len(VARIANTS):])})")  # fmt: skip
     p.add_argument("--steps", type=int, default=30, help="timed steps per run (default 30)")
     p.add_argument(
         "--warmup",
         type=int,
         default=20,
-        help="untimed steps before them (default 20: covers the 19 steps in which our pipelines' "
-        "auto input_dist schedule times both schedules)",
+        help="untimed steps before them (default 20)",
+    )
+    p.add_argument(
+        "--auto-warmup",
+        type=int,
+        default=55,
+        help="untimed steps for our SparseDist and Prefetch, whose input_dist_schedule='auto' tunes "
+        "during its first 51 steps (default 55)",
     )
     p.add_argument("--rounds", type=int, default=4, help="repetitions, order rotated (default 4)")
     p.add_argument("--profile-steps", type=int, default=5,

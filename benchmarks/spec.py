@@ -11,7 +11,17 @@ from dataclasses import dataclass
 
 from benchmarks.configs import get_config
 
-__all__ = ["OURS_TO_TORCHREC", "VARIANTS", "RunSpec", "round_order"]
+__all__ = [
+    "ALL_VARIANTS",
+    "AUTO_VARIANTS",
+    "BOUND_VARIANTS",
+    "FORCED_VARIANTS",
+    "OURS_TO_TORCHREC",
+    "SCHEDULE_NAMES",
+    "VARIANTS",
+    "RunSpec",
+    "round_order",
+]
 
 VARIANTS = (
     "plain",
@@ -22,7 +32,16 @@ VARIANTS = (
     "torchrec-sparse-dist",
     "torchrec-prefetch",
 )
-"""The training loops compared; see `benchmarks.variants`."""
+"""The training loops compared by default; see `benchmarks.variants`."""
+SCHEDULE_NAMES = ("early", "late", "early-shared", "late-own")
+"""`pipeline.schedule.SCHEDULES` (repeated here to keep this module free of torch)."""
+FORCED_VARIANTS = tuple(f"ours-sparse-dist@{name}" for name in SCHEDULE_NAMES)
+"""Our SparseDist with `input_dist_schedule` forced to one schedule."""
+BOUND_VARIANTS = ("compute-alone", "comm-alone")
+"""Not training loops: the two halves of the bound (`benchmarks.bound`)."""
+ALL_VARIANTS = (*VARIANTS, *FORCED_VARIANTS, *BOUND_VARIANTS)
+AUTO_VARIANTS = ("ours-sparse-dist", "ours-prefetch")
+"""Variants that tune `input_dist_schedule="auto"` during their first steps."""
 OURS_TO_TORCHREC = {
     "ours-base": "torchrec-base",
     "ours-sparse-dist": "torchrec-sparse-dist",
@@ -42,6 +61,9 @@ class RunSpec:
     """Timed steps per run."""
     warmup: int = 20
     """Untimed steps before the timed ones (first-batch rewrite, allocator warm-up)."""
+    auto_warmup: int = 55
+    """Untimed steps before the timed ones for `AUTO_VARIANTS`: enough to cover the tuner's first
+    decision (3 warm-up steps + 3 rounds x 4 schedules x 4 steps = 51 with `Tuner()`'s defaults)."""
     rounds: int = 4
     """Repetitions of every variant; the order of variants is rotated between rounds."""
     profile_steps: int = 5
@@ -55,17 +77,21 @@ class RunSpec:
     readable by `python -m pipeline.timeline`); None writes none."""
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.rounds < 1 or self.warmup < 0 or self.profile_steps < 0:
+        if self.steps < 1 or self.rounds < 1 or min(self.warmup, self.auto_warmup, self.profile_steps) < 0:
             raise ValueError("steps and rounds must be positive, warmup and profile_steps not negative")
         if not self.configs:
             raise ValueError("no configs to run")
         for name in self.configs:
             get_config(name)
-        unknown = set(self.variants) - set(VARIANTS)
+        unknown = set(self.variants) - set(ALL_VARIANTS)
         if unknown or not self.variants:
-            raise ValueError(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+            raise ValueError(f"unknown variants {sorted(unknown)}; choose from {', '.join(ALL_VARIANTS)}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+
+    def warmup_of(self, variant: str) -> int:
+        """Untimed steps before `variant`'s timed ones."""
+        return self.auto_warmup if variant in AUTO_VARIANTS else self.warmup
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

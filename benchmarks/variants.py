@@ -26,7 +26,8 @@ from torchrec.distributed import train_pipeline as torchrec_pipelines
 from torchrec.distributed.types import ShardedModule
 
 import pipeline as ours
-from benchmarks.spec import VARIANTS
+from benchmarks import bound
+from benchmarks.spec import ALL_VARIANTS, BOUND_VARIANTS, FORCED_VARIANTS
 
 __all__ = ["INLINE_WAIT", "Runner", "make_runner", "timed_input_dist"]
 
@@ -57,14 +58,26 @@ class Runner:
     inline_input_dist: bool
     """The sharded modules run input_dist inside their own forward (wrap with `timed_input_dist`)."""
     schedule: Callable[[], str | None] = lambda: None
-    """Our SparseDist/Prefetch: the input_dist schedule in use ("early"/"late", see
-    `pipeline.schedule`); None for the others."""
+    """Our SparseDist/Prefetch: the input_dist schedule in use (see `pipeline.schedule`); None
+    for the others."""
+    tuner: Callable[[], Any] = lambda: None
+    """Our SparseDist/Prefetch under "auto": the `pipeline.schedule.Tuner`; None otherwise."""
+    profile: bool = True
+    """Run the profiled segment (the bound's step functions have nothing to label)."""
 
 
 def make_runner(
-    variant: str, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+    variant: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    *,
+    captured: bound.Captured | None = None,
 ) -> Runner:
     """The `Runner` of `variant` over a freshly built model.
+
+    `ours-sparse-dist@<schedule>` forces `input_dist_schedule`; `compute-alone` and `comm-alone`
+    need `captured` (`benchmarks.bound.capture` on the same config and batches).
 
     Raises:
         ValueError: unknown variant.
@@ -78,9 +91,20 @@ def make_runner(
             wait_label=INLINE_WAIT,
             inline_input_dist=True,
         )
+    if variant in BOUND_VARIANTS:
+        if captured is None:
+            raise ValueError(f"{variant} needs the captured inputs of benchmarks.bound.capture")
+        if variant == "compute-alone":
+            step = bound.compute_alone(model, optimizer, device, captured)
+        else:
+            step = bound.comm_alone(model, device, captured)
+        return Runner(step=step, forward_label="-", wait_label="-", inline_input_dist=False, profile=False)
+    options = {}
+    if variant in FORCED_VARIANTS:
+        variant, options["input_dist_schedule"] = variant.split("@")
     if variant not in _PIPELINES:
-        raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
-    pipe = _PIPELINES[variant](model, optimizer, device)
+        raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(ALL_VARIANTS)}")
+    pipe = _PIPELINES[variant](model, optimizer, device, **options)
     base = variant.endswith("-base")
     if variant.startswith("ours-"):
         forward, wait = "pipeline::forward", "pipeline::input_dist::wait"
@@ -92,6 +116,7 @@ def make_runner(
         wait_label=INLINE_WAIT if base else wait,
         inline_input_dist=base,
         schedule=lambda: getattr(pipe, "input_dist_schedule", None),
+        tuner=lambda: getattr(pipe, "tuner", None),
     )
 
 

@@ -35,10 +35,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks import bound
 from benchmarks.configs import BenchConfig, get_config
 from benchmarks.measure import peak, reset_peak, summarize_profile, tensor_peak_bytes
 from benchmarks.model import batch_nbytes, build_model, make_batches
-from benchmarks.spec import RunSpec, round_order
+from benchmarks.spec import BOUND_VARIANTS, RunSpec, round_order
 from benchmarks.variants import Runner, make_runner, timed_input_dist
 
 __all__ = ["run_rank"]
@@ -54,15 +55,21 @@ def run_rank(spec: RunSpec, rank: int) -> list[dict[str, Any]]:
     records = []
     for name in spec.configs:
         config = get_config(name)
-        count = spec.warmup + spec.steps + spec.profile_steps + _TAIL
+        count = max(spec.warmup, spec.auto_warmup) + spec.steps + spec.profile_steps + _TAIL
         batches = make_batches(config, count=count, rank=rank, seed=spec.seed)
         _prime(config, batches, device, spec.seed)
+        captured = None
+        if set(spec.variants) & set(BOUND_VARIANTS):
+            built = build_model(config, device=device, seed=spec.seed)
+            timed = batches[: spec.warmup + spec.steps]
+            captured = bound.capture(built.model, built.optimizer, timed, device)
+            del built
         for round_index in range(spec.rounds):
             for position, variant in enumerate(round_order(spec.variants, round_index)):
                 trace = None
                 if spec.trace_dir:
                     trace = Path(spec.trace_dir) / f"{name}_{variant}_r{round_index}_rank{rank}.json"
-                record = _run_one(spec, config, variant, batches, device, trace)
+                record = _run_one(spec, config, variant, batches, device, trace, captured)
                 record.update(round=round_index, position=position, batch_bytes=batch_nbytes(batches[0]))
                 records.append(record)
                 if rank == 0:
@@ -86,6 +93,7 @@ def _run_one(
     batches: list,
     device: torch.device,
     trace: Path | None,
+    captured: bound.Captured | None = None,
 ) -> dict:
     record: dict[str, Any] = {"config": config.name, "variant": variant, "status": "ok"}
     built = build_model(config, device=device, seed=spec.seed, store_dir=_store_dir())
@@ -97,8 +105,14 @@ def _run_one(
     baseline = reset_peak(device)
     it = iter(batches)
     try:
-        runner = make_runner(variant, built.model, built.optimizer, device)
-        times = _timed_steps(runner, it, spec, on_timed=lambda: record.update(_cache_figures(caches)))
+        runner = make_runner(variant, built.model, built.optimizer, device, captured=captured)
+        times = _timed_steps(
+            runner,
+            it,
+            warmup=spec.warmup_of(variant),
+            steps=spec.steps,
+            on_timed=lambda: record.update(_cache_figures(caches)),
+        )
     except Exception as e:
         if variant != "torchrec-prefetch" or device.type != "cpu":
             raise
@@ -116,21 +130,30 @@ def _run_one(
         record.update(_cache_figures(caches, since=record, steps=spec.steps))
     record.update(step_times_s=times, peak_bytes=peak(device) - baseline, baseline_bytes=baseline)
     record["schedule"] = runner.schedule()
-    if spec.profile_steps:
+    tuner = runner.tuner()
+    if tuner is not None:
+        record["tuner"] = {
+            "choice": tuner.choice,
+            "reason": tuner.reason,
+            "medians_ms": tuner.medians_ms,
+            "tuning_steps": tuner.tuning_steps,
+            "tuning_steps_by_schedule": tuner.tuning_steps_by_schedule,
+        }
+    if spec.profile_steps and runner.profile:
         record.update(_profiled_segment(runner, built.model, it, spec, device, trace))
     _drain(runner, it)
     return record
 
 
 def _timed_steps(
-    runner: Runner, it: Iterator[Any], spec: RunSpec, on_timed: Callable[[], None] = lambda: None
+    runner: Runner, it: Iterator[Any], *, warmup: int, steps: int, on_timed: Callable[[], None] = lambda: None
 ) -> list[float]:
     """Warm-up steps, `on_timed()`, then the timed steps' durations."""
-    for _ in range(spec.warmup):
+    for _ in range(warmup):
         runner.step(it)
     on_timed()
     times = []
-    for _ in range(spec.steps):
+    for _ in range(steps):
         start = time.perf_counter()
         runner.step(it)
         times.append(time.perf_counter() - start)

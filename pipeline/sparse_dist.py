@@ -14,8 +14,10 @@ Per `progress()` call that returns batch i:
 The table shows the "early" input_dist schedule: the splits of batch i+1 are waited for before
 forward of i, so its values all-to-all is under way during the whole forward, backward and optimizer
 step of i, on a process group of its own so that backward's collectives do not queue behind it. The
-"late" schedule is torchrec's: the splits are waited for after forward, on torchrec's group. "auto"
-(the default) times both over the first training steps and keeps the faster (`pipeline.schedule`).
+"late" schedule is torchrec's: the splits are waited for after forward, on torchrec's group;
+"early-shared" and "late-own" make the two choices the other way round. "auto" (the default)
+measures them in paired rounds over the first training steps and keeps torchrec's order unless
+another is significantly faster (`pipeline.schedule`).
 The splits all-to-alls of all modules on a process group are fused into one collective from the
 second batch on (input dists are created on the first). On CPU the collectives run in gloo's
 threads, so the overlap is real there too.
@@ -34,7 +36,7 @@ from torchrec.distributed.embedding_sharding import FusedKJTListSplitsAwaitable,
 from pipeline.base import TrainPipelineBase, _Lane
 from pipeline.context import BatchContext, PrefetchBatchContext
 from pipeline.labels import stage
-from pipeline.schedule import SCHEDULES, Tuner
+from pipeline.schedule import OPTIONS, SCHEDULES, Tuner
 from pipeline.streams import Streams
 from rewrite import ContextSlot, InputDistGroups, Rewrite, RewriteReport, rewrite_model
 
@@ -59,10 +61,13 @@ class TrainPipelineSparseDist(TrainPipelineBase):
             FQNs are relative to the unwrapped model (see `rewrite_report`).
         rewrite_method: "auto", "explicit", "trace" or "direct" (see docs/rewrite.md).
         strict: fail on the first batch if any sharded module cannot be pipelined.
-        input_dist_schedule: "auto" (default), "early" or "late": when the next batch's input
-            all-to-alls run (module docstring, `pipeline.schedule`). "early" and "auto" create one
-            more process group per input_dist group on the second batch (on NCCL a communicator,
-            whose buffers take GPU memory); "late" never does.
+        input_dist_schedule: "auto" (default), "early", "late", "early-shared" or "late-own":
+            when the next batch's input all-to-alls run and on which process group (module
+            docstring, `pipeline.schedule`). "early", "late-own" and "auto" create one more process
+            group per input_dist group the first time they use it (on NCCL a communicator, whose
+            buffers take GPU memory); "late" and "early-shared" never do.
+        tuner: under "auto", the `pipeline.schedule.Tuner` to use (its candidates, rounds,
+            margin, re-check interval); default `Tuner()`. Ignored by the other schedules.
         streams: stream implementation (tests pass `RecordingStreams()`).
     """
 
@@ -84,13 +89,14 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         rewrite_method: str = "auto",
         strict: bool = False,
         input_dist_schedule: str = "auto",
+        tuner: Tuner | None = None,
         streams: Streams | None = None,
     ) -> None:
         if apply_jit:
             raise ValueError("apply_jit=True is not supported by this pipeline; leave it False")
-        if input_dist_schedule not in SCHEDULES:
+        if input_dist_schedule not in OPTIONS:
             raise ValueError(
-                f"input_dist_schedule must be one of {', '.join(SCHEDULES)}; got {input_dist_schedule!r}"
+                f"input_dist_schedule must be one of {', '.join(OPTIONS)}; got {input_dist_schedule!r}"
             )
         super().__init__(
             model,
@@ -110,19 +116,21 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         self._slot = ContextSlot()
         self._rewrite: Rewrite | None = None
         self._report: RewriteReport | None = None
-        self._tuner = Tuner() if input_dist_schedule == "auto" else None
-        self._schedule = "late" if input_dist_schedule == "late" else "early"
+        self._tuner = (tuner or Tuner()) if input_dist_schedule == "auto" else None
+        self._schedule = "late" if input_dist_schedule == "auto" else input_dist_schedule
         self._groups = InputDistGroups()
         self._undo_groups: Callable[[], None] | None = None
 
     @property
     def input_dist_schedule(self) -> str:
-        """The input_dist schedule in use: "early" or "late" (under "auto", changes while tuning)."""
+        """The input_dist schedule in use, a name from `pipeline.schedule.SCHEDULES` (under "auto",
+        changes while tuning and may change at a re-check)."""
         return self._schedule
 
     @property
     def tuner(self) -> Tuner | None:
-        """Under "auto", the tuner: `choice` and `medians_ms` once it has decided."""
+        """Under "auto", the tuner: `choice`, `reason`, `medians_ms` and `decisions` once it has
+        decided."""
         return self._tuner
 
     @property
@@ -173,12 +181,12 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         nxt = lane.inflight[1] if len(lane.inflight) > 1 else None
         if nxt is not None:
             self._start_input_dist(nxt)
-            if self._schedule == "early":
+            if SCHEDULES[self._schedule].early_splits:
                 self._wait_splits(nxt)
         self._before_forward(ctx)
         losses, output = self._forward(ctx)
         if nxt is not None:
-            self._wait_splits(nxt)  # "late" (a no-op after "early")
+            self._wait_splits(nxt)  # late splits (a no-op after early ones)
             self._after_forward(nxt)
         if losses is not None:
             self._backward_and_step(ctx, losses)
@@ -242,10 +250,11 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         ctx.started = True
 
     def _place_all_to_alls(self, rewrite: Rewrite) -> None:
-        """Input all-to-alls on their own groups under "early", on torchrec's under "late"."""
-        if self._schedule == "early" and self._undo_groups is None:
+        """Input all-to-alls on their own groups or on torchrec's, as the schedule says."""
+        own = SCHEDULES[self._schedule].own_group
+        if own and self._undo_groups is None:
             self._undo_groups = self._groups.install([pm.module for pm in rewrite.modules])
-        elif self._schedule == "late":
+        elif not own:
             self._restore_groups()
 
     def _restore_groups(self) -> None:

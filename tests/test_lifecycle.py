@@ -223,8 +223,10 @@ def _groups(rank: int, pipe_name: str) -> dict:
             "equal": len(got) == N and models.bitwise_equal(expected, got),
             "params": models.bitwise_equal(ref.state_dict(), model.state_dict()),
         }
-    # "auto" switches between both while it tunes, then keeps one; the same one on every rank
-    ref, ref_opt, model, pipe = _pair(pipe_name)
+    # "auto" switches between all four while it tunes, keeps one, re-checks it; the same on every rank
+    from pipeline.schedule import SCHEDULES, Tuner
+
+    ref, ref_opt, model, pipe = _pair(pipe_name, tuner=Tuner(warmup=1, block=2, rounds=1, recheck_after=2))
     data = models.batches(KIND, 3 * N, rank, seed=12)
     expected = models.plain_loop(ref, ref_opt, data)
     got, seen = [], set()
@@ -239,7 +241,10 @@ def _groups(rank: int, pipe_name: str) -> dict:
         "seen": sorted(seen),
         "choice": pipe.tuner.choice,
         "medians": pipe.tuner.medians_ms,
+        "decisions": len(pipe.tuner.decisions),
+        "tuning_steps": pipe.tuner.tuning_steps,
         "on_own_group": all(pg is not dist.group.WORLD for pg in pgs(model)),
+        "own_expected": SCHEDULES[pipe.input_dist_schedule].own_group,
         "equal": len(got) == 3 * N and models.bitwise_equal(expected, got),
         "params": models.bitwise_equal(ref.state_dict(), model.state_dict()),
     }
@@ -390,13 +395,16 @@ def test_input_all_to_alls_get_their_own_group(results, pipe_name):
 
 
 @pytest.mark.parametrize("pipe_name", PIPELINES[1:])
-def test_auto_schedule_tries_both_and_ranks_agree(results, pipe_name):
+def test_auto_schedule_tries_all_and_ranks_agree(results, pipe_name):
     ranks = _each(results, "groups", pipe_name)
     for r in ranks:
         auto = r["auto"]
-        assert auto["seen"] == ["early", "late"]
-        assert auto["choice"] in ("early", "late") and set(auto["medians"]) == {"early", "late"}
-        assert auto["on_own_group"] == (auto["choice"] == "early")
+        assert auto["seen"] == ["early", "early-shared", "late", "late-own"]
+        assert set(auto["medians"]) == set(auto["seen"])
+        # 24 steps: tuning (1 + 1 round x 4 blocks x 2 = 9 steps), decision at step 10, a re-check
+        # of 2 rounds x 2 blocks x 2 from step 12, decision at 20, the next re-check from step 24
+        assert auto["decisions"] == 2 and auto["tuning_steps"] == 9 + 8 + 1
+        assert auto["on_own_group"] == auto["own_expected"]
         assert auto["equal"] and auto["params"]
     assert len({r["auto"]["choice"] for r in ranks}) == 1
     assert ranks[0]["auto"]["medians"] == ranks[1]["auto"]["medians"]  # summed over ranks

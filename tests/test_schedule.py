@@ -1,10 +1,15 @@
-"""pipeline.schedule.Tuner with a fake clock: what it runs, what it times, what it keeps."""
+"""pipeline.schedule: the paired decision rule, and the Tuner with a fake clock (what it runs, what it
+times, what it keeps, when it re-checks)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from pipeline.schedule import Tuner
+from pipeline.schedule import SCHEDULES, Tuner, decide
+
+FOUR = ("late", "early", "late-own", "early-shared")
 
 
 class FakeClock:
@@ -15,61 +20,142 @@ class FakeClock:
         return self.now
 
 
-def _run(cost: dict[str, float], **kw) -> tuple[Tuner, list[str]]:
-    """Step a tuner to its decision; a step under schedule s takes cost[s] seconds."""
+def _run(cost, steps: int | None = None, **kw) -> tuple[Tuner, list[str], list[list[float]]]:
+    """Step a tuner; a step under schedule s takes cost(s, step) seconds. Until its first decision, or
+    for `steps` steps."""
     clock = FakeClock()
     sums: list[list[float]] = []
     tuner = Tuner(clock=clock, agree=lambda v: sums.append(v) or v, **kw)
-    schedules = []
-    while tuner.choice is None:
+    schedules: list[str] = []
+    while (tuner.choice is None) if steps is None else len(schedules) < steps:
         schedule = tuner.next_schedule()
         schedules.append(schedule)
-        clock.now += cost[schedule]
+        clock.now += cost(schedule, len(schedules)) if callable(cost) else cost[schedule]
+    return tuner, schedules, sums
+
+
+def test_schedules_are_the_two_choices_crossed():
+    assert {(s.early_splits, s.own_group) for s in SCHEDULES.values()} == {
+        (True, True),
+        (True, False),
+        (False, True),
+        (False, False),
+    }
+    assert SCHEDULES["early"].own_group and not SCHEDULES["late"].own_group
+
+
+def test_decide_keeps_baseline_without_a_win_in_every_round():
+    rounds = [{"late": 10.0, "early": 8.0}, {"late": 10.0, "early": 8.0}, {"late": 10.0, "early": 10.5}]
+    d = decide(rounds, baseline="late", margin=0.03)
+    assert d.choice == "late" and "kept late" in d.reason
+    assert d.ratios["early"] == pytest.approx([0.8, 0.8, 1.05])
+
+
+def test_decide_needs_more_than_the_margin():
+    rounds = [{"late": 10.0, "early": 9.8}] * 3  # 2 % faster every time: below a 3 % margin
+    assert decide(rounds, baseline="late", margin=0.03).choice == "late"
+    assert decide(rounds, baseline="late", margin=0.01).choice == "early"
+
+
+def test_decide_takes_the_best_winner_and_drops_invalid_rounds():
+    rounds = [
+        {"late": 10.0, "early": 7.0, "late-own": 8.0},
+        {"late": math.inf, "early": 1.0, "late-own": 1.0},  # a round with an untimed block
+        {"late": 12.0, "early": 9.0, "late-own": 9.0},
+    ]
+    d = decide(rounds, baseline="late", margin=0.03)
+    assert d.choice == "early" and len(d.ratios["early"]) == 2
+    assert "2 paired rounds" in d.reason
+
+
+def test_plan_is_interleaved_and_rotated():
+    _, schedules, _ = _run({s: 0.01 for s in FOUR}, warmup=2, block=2, rounds=2, recheck_after=0)
+    blocks = [schedules[2 + 2 * i] for i in range(8)]
+    assert schedules[:2] == ["late", "late"]
+    assert blocks == [*FOUR, *FOUR[1:], FOUR[0]]  # round 1 starts one later
+    assert all(schedules[2 + 2 * i] == schedules[3 + 2 * i] for i in range(8))
+
+
+@pytest.mark.parametrize("faster", FOUR)
+def test_keeps_the_significantly_faster_schedule(faster):
+    tuner, _, sums = _run({s: 0.010 if s == faster else 0.012 for s in FOUR})
     assert len(sums) == 1  # one agreement, at the decision
-    return tuner, schedules
-
-
-@pytest.mark.parametrize("faster", ["early", "late"])
-def test_keeps_the_faster_schedule(faster):
-    slower = "late" if faster == "early" else "early"
-    tuner, _ = _run({faster: 0.010, slower: 0.012})
     assert tuner.choice == faster
     assert tuner.medians_ms[faster] == pytest.approx(10.0)
-    assert tuner.medians_ms[slower] == pytest.approx(12.0)
     assert tuner.next_schedule() == faster  # and stays with it
 
 
-def test_plan_warmup_then_alternating_blocks():
-    _, schedules = _run({"early": 0.01, "late": 0.01}, warmup=2, block=3, rounds=2)
-    blocks = ["early"] * 2 + (["early"] * 3 + ["late"] * 3) * 2
-    assert schedules == [*blocks, "early"]  # the decision step runs the choice (tie: early)
+def test_noise_without_a_consistent_gain_keeps_torchrecs_order():
+    # early is faster in some rounds and slower in others: no switch
+    def cost(schedule: str, step: int) -> float:
+        if schedule != "early":
+            return 0.010
+        return 0.008 if (step // 16) % 2 else 0.012
+
+    tuner, _, _ = _run(cost)
+    assert tuner.choice == "late"
+    assert tuner.reason.startswith("kept late")
 
 
 def test_first_step_of_each_block_is_not_timed():
     # the first step of a block pays for the switch; it must not sway the choice
-    clock = FakeClock()
-    tuner = Tuner(warmup=0, block=2, rounds=1, clock=clock, agree=lambda v: v)
-    costs = iter([5.0, 0.010, 5.0, 0.020])  # early(switch), early, late(switch), late
-    while tuner.choice is None:
-        tuner.next_schedule()
-        clock.now += next(costs, 0.0)
+    def cost(schedule: str, step: int) -> float:
+        first = (step - 1) % 4 == 0
+        return 5.0 if first and schedule == "early" else {"early": 0.010, "late": 0.020}[schedule]
+
+    tuner, _, _ = _run(cost, candidates=("late", "early"), warmup=0, rounds=2)
     assert tuner.choice == "early"
-    assert tuner.medians_ms == pytest.approx({"early": 10.0, "late": 20.0})
+    assert tuner.medians_ms == pytest.approx({"early": 20.0 / 2, "late": 20.0})
+
+
+def test_tuning_steps_are_counted():
+    tuner, schedules, _ = _run({s: 0.01 for s in FOUR}, warmup=3, block=4, rounds=3)
+    assert tuner.tuning_steps == 3 + 3 * 4 * 4 == len(schedules) - 1
+
+
+def test_recheck_switches_when_the_runner_up_becomes_faster():
+    # early wins the tuning; after step 100 late-own becomes the fastest by far
+    def cost(schedule: str, step: int) -> float:
+        if step > 100 and schedule == "late-own":
+            return 0.005
+        return {"early": 0.008, "late-own": 0.009}.get(schedule, 0.010)
+
+    tuner, schedules, sums = _run(cost, steps=200, recheck_after=60, recheck_rounds=2, block=4)
+    first, second = tuner.decisions
+    assert first[1].choice == "early" and second[1].choice == "late-own"
+    assert second[0] == first[0] + 60 + 2 * 2 * 4
+    assert len(sums) == 2 and len(sums[1]) == 2 * 2  # re-check: 2 rounds x (choice, runner-up)
+    assert set(schedules[first[0] : first[0] + 59]) == {"early"}
+    assert schedules[-1] == "late-own"
+
+
+def test_recheck_keeps_the_choice_without_significant_evidence():
+    tuner, _, _ = _run(
+        {"early": 0.008, "late-own": 0.009, "late": 0.01, "early-shared": 0.01}, steps=300, recheck_after=60
+    )
+    assert [d.choice for _, d in tuner.decisions] == ["early", "early", "early"]  # intervals 60, 120
 
 
 def test_interrupt_drops_the_interval_across_it():
     clock = FakeClock()
-    tuner = Tuner(warmup=0, block=3, rounds=1, clock=clock, agree=lambda v: v)
-    tuner.next_schedule()  # early, untimed
-    clock.now += 0.010
-    tuner.next_schedule()  # early, timed
+    tuner = Tuner(candidates=("late", "early"), warmup=0, block=3, rounds=1, clock=clock, agree=lambda v: v)
+    tuner.next_schedule()  # late, untimed
+    clock.now += 0.020
+    tuner.next_schedule()  # late, timed
     clock.now += 100.0  # e.g. an eval pass in between
     tuner.interrupt()
-    tuner.next_schedule()  # early, timed
-    clock.now += 0.010
+    tuner.next_schedule()  # late, timed
+    clock.now += 0.020
     for _ in range(3):
-        tuner.next_schedule()  # late
-        clock.now += 0.030
+        tuner.next_schedule()  # early
+        clock.now += 0.010
     tuner.next_schedule()
     assert tuner.choice == "early"
-    assert tuner.medians_ms["early"] == pytest.approx(10.0)
+    assert tuner.medians_ms["late"] == pytest.approx(20.0)
+
+
+def test_rejects_bad_settings():
+    with pytest.raises(ValueError, match="bad tuner settings"):
+        Tuner(candidates=("early", "sideways"))
+    with pytest.raises(ValueError, match="bad tuner settings"):
+        Tuner(candidates=("early",), baseline="late")
