@@ -13,7 +13,7 @@ DEV_TOOLS := pytest pytest-timeout ruff matplotlib setuptools
 STAMP := $(VENV)/.setup-$(VARIANT)
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint demo bench bench-tiered timeline clean
+.PHONY: setup test lint demo bench bench-tiered bench-sweep bench-big timeline clean
 
 setup: $(STAMP)
 
@@ -32,8 +32,8 @@ test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: setup
-	$(BIN)/ruff check pipeline rewrite tests examples benchmarks
-	$(BIN)/ruff format --check pipeline rewrite tests examples benchmarks
+	$(BIN)/ruff check pipeline rewrite tiered tests examples benchmarks
+	$(BIN)/ruff format --check pipeline rewrite tiered tests examples benchmarks
 
 # DLRM on 2 local ranks (gloo on CPU, NCCL on GPUs) with the prefetch pipeline: synthetic Criteo-like
 # data, loss/AUC/throughput as it trains, then the summary (also in $(DEMO_OUT)/summary.json).
@@ -67,6 +67,19 @@ BENCH_STORE_DIR ?= /var/tmp/bench-tiered
 BENCH_TIERED_ARGS ?= --steps 20 --warmup 10 --rounds 2 --profile-steps 0
 bench-tiered: setup
 	BENCH_STORE_DIR=$(BENCH_STORE_DIR) $(BIN)/python -m benchmarks.run --configs tiered --variants plain ours-base ours-sparse-dist ours-prefetch torchrec-sparse-dist $(BENCH_TIERED_ARGS) --json out/bench/tiered.json --md out/bench/tiered.md
+
+# The sweep (issue 12): 14 points from network-bound (100 Mbit) to compute-bound (loopback), every
+# variant, forced schedules and the bound, paired rounds; writes $(SWEEP_OUT)/sweep.md/.json/.png.
+# Needs root for the emulated links (docs/benchmarks.md, "The sweep"). About 30 minutes.
+SWEEP_OUT ?= out/sweep
+SWEEP_ARGS ?=
+bench-sweep: setup
+	$(BIN)/python -m benchmarks.sweep --out $(SWEEP_OUT) $(SWEEP_ARGS)
+
+# Tables of BIG_GB in total on disk, trained with a small cache; fails if peak RSS passes 2 GB.
+BIG_GB ?= 16
+bench-big: setup
+	$(BIN)/python -m benchmarks.big_tables --total-gb $(BIG_GB) --store-dir $(BENCH_STORE_DIR)-big $(BIG_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info
