@@ -25,6 +25,9 @@ _EXPORTS = {
     "RecordingStreams": "pipeline.streams",
     "HandoffError": "pipeline.streams",
     "Tuner": "pipeline.schedule",
+    "UnevenDataError": "pipeline.agreement",
+    "BatchKeysError": "pipeline.agreement",
+    "PeerFailedError": "pipeline.agreement",
 }
 
 __all__ = sorted(_EXPORTS)

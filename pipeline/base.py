@@ -13,6 +13,11 @@ Stages of TrainPipelineBase, per `progress()` call that returns batch i:
 Batches are kept per dataloader iterator (a "lane"): calling `progress()` with another iterator (an
 eval loader, say) parks the in-flight batches of the first one, and calling it again with the first
 resumes them, so no batch is lost, repeated or run in the other loader's loop.
+
+Ranks agree on every batch before it enters a collective (`pipeline.agreement`): a vote issued at
+fetch and waited a step later says whether every rank has the batch and whether its keys are right.
+So uneven data ends on every rank at the shortest rank's count, a batch with wrong keys stops every
+rank with the same error, and a rank that raises makes its peers stop within seconds.
 """
 
 from __future__ import annotations
@@ -20,11 +25,27 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import nn
 
+from pipeline.agreement import (
+    BAD_KEYS,
+    EXHAUSTED,
+    HAVE,
+    AgreedError,
+    Agreement,
+    BatchKeysError,
+    FailureSignal,
+    KeyCheck,
+    PeerFailedError,
+    UnevenDataError,
+    keys_message,
+    uneven_message,
+    warn_untrained,
+)
 from pipeline.batch import to_device
 from pipeline.context import BatchContext
 from pipeline.labels import stage
@@ -38,6 +59,13 @@ class _Lane:
     iterator: Iterator[Any]
     inflight: deque[BatchContext] = field(default_factory=deque)
     exhausted: bool = False
+    """This rank's iterator raised StopIteration (other ranks may still have batches)."""
+    ended: bool = False
+    """Every rank agreed that the data ended (nothing more is fetched)."""
+    draining: bool = False
+    """`drain()`: run what is in flight, fetch nothing."""
+    fetched: int = 0
+    """Batches taken from the iterator so far."""
     steps: int = 0
     """Batches of this iterator run so far."""
 
@@ -58,6 +86,24 @@ class TrainPipelineBase:
             option, runs every batch.
         streams: stream implementation; default: real streams on CUDA, none on CPU. Tests pass
             `RecordingStreams()` to check every cross-stream hand-off.
+        on_uneven: when the ranks' dataloaders end at different batches: "stop" (default) trains
+            the shortest rank's count on every rank, then StopIteration; the batches a longer rank
+            fetched beyond it are in `untrained_batches`, with a warning. "error" raises
+            `UnevenDataError` on every rank instead (docs/pipeline.md, "Uneven data").
+        check_keys: compare each batch's KeyedJaggedTensor keys with the first batch's and raise
+            `BatchKeysError` on every rank, before the batch enters a collective, if they differ.
+        agreement: vote on every batch across ranks (what `on_uneven` and a key error on one rank
+            need). False only when every rank is known to have the same batches: uneven data then
+            leaves a collective unmatched, as in torchrec.
+        abort_on_error: when this rank raises inside `progress()` (world size > 1), record the
+            error in the process group's store and, unless every rank raised at the same step
+            (within `failure_grace`), destroy this process's process groups, so the peers stop
+            within seconds with `PeerFailedError` instead of waiting for the group's timeout
+            (docs/pipeline.md, "When a rank fails"). The process groups cannot be used after that.
+            False leaves them alone.
+        failure_grace: seconds a failed rank waits for the others to fail too before destroying
+            its process groups; the peers end about a second after that.
+        peer_timeout: how long the per-batch vote waits for a peer that neither votes nor fails.
     """
 
     _context_type: type[BatchContext] = BatchContext
@@ -72,7 +118,15 @@ class TrainPipelineBase:
         *,
         execute_all_batches: bool = True,
         streams: Streams | None = None,
+        on_uneven: str = "stop",
+        check_keys: bool = True,
+        agreement: bool = True,
+        abort_on_error: bool = True,
+        failure_grace: float = 2.0,
+        peer_timeout: timedelta = timedelta(minutes=5),
     ) -> None:
+        if on_uneven not in ("stop", "error"):
+            raise ValueError(f'on_uneven must be "stop" or "error"; got {on_uneven!r}')
         self._model = model
         self._optimizer = optimizer
         self._device = device
@@ -83,6 +137,16 @@ class TrainPipelineBase:
         )
         self._lanes: dict[int, _Lane] = {}
         self._next_index = 0
+        self._on_uneven = on_uneven
+        self._keys = KeyCheck() if check_keys else None
+        self._agreement = Agreement(timeout=peer_timeout)
+        self._voting = agreement and self._agreement.distributed
+        """Ranks vote on every batch (else a rank's own status is its vote)."""
+        self._abort_on_error = abort_on_error
+        self._failure = FailureSignal(grace=failure_grace)
+        self.untrained_batches: list[Any] = []
+        """Batches this rank fetched but did not train because another rank's data ended first
+        (`on_uneven="stop"`), as copied to the device, in dataloader order."""
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         """Run one batch through forward (and, in training mode, backward and optimizer).
@@ -97,7 +161,7 @@ class TrainPipelineBase:
         if lane is None or lane.iterator is not dataloader_iter:
             lane = self._lanes[id(dataloader_iter)] = _Lane(dataloader_iter)
         try:
-            if not self._execute_all_batches and not self._read_ahead(lane):
+            if not (self._execute_all_batches or lane.draining) and not self._read_ahead(lane):
                 lane.inflight.clear()  # the dataloader ended before this step's look-ahead: drop all
             self._fill(lane)
             if not lane.inflight:
@@ -108,9 +172,62 @@ class TrainPipelineBase:
             return output
         except StopIteration:
             raise
-        except BaseException:
-            self.reset()
+        except AgreedError:
+            self.reset()  # every rank raises it at the same step: the process group is fine
             raise
+        except BaseException as e:
+            self._fail(e)
+            raise
+
+    def drain(self, dataloader_iter: Iterator[Any]) -> list[Any]:
+        """Run every batch in flight from `dataloader_iter` without fetching another.
+
+        Call it on every rank at the same step before saving a checkpoint: the model, the optimizer
+        and the dataloader's state then agree (every batch fetched has been trained), so a run
+        resumed from them trains each batch exactly once. The next `progress(dataloader_iter)`
+        starts filling the pipeline again.
+
+        Returns:
+            The outputs of the batches it ran, oldest first.
+        """
+        lane = self._lanes.get(id(dataloader_iter))
+        if lane is None or lane.iterator is not dataloader_iter:
+            return []
+        lane.draining = True
+        outputs = []
+        while True:
+            try:
+                outputs.append(self.progress(dataloader_iter))
+            except StopIteration:
+                return outputs
+
+    def _fail(self, error: BaseException) -> None:
+        """This rank raised inside `progress()`: drop the batches in flight and, across ranks, make
+        sure no peer is left waiting (`abort_on_error`). A failure that comes from a peer's (a
+        collective broken by it) becomes `PeerFailedError`."""
+        signal = self._failure
+        if not (self._abort_on_error and signal.distributed):
+            self.reset()
+            return
+        if _is_comm_error(error):
+            peers = signal.peer_failures()
+            try:
+                self.reset()
+            finally:
+                signal.abort()
+            cause = "; ".join(peers) or "no rank recorded an error: a peer was probably killed or exited"
+            raise PeerFailedError(
+                f"rank {signal.rank} stopped because a peer failed ({cause}). This rank's process "
+                "groups were destroyed; restart the job."
+            ) from error
+        signal.announce(error)
+        every_rank_failed = signal.all_failed()
+        signal.next_generation()
+        try:
+            self.reset()
+        finally:
+            if not every_rank_failed:  # a peer may be waiting in a collective for this rank
+                signal.abort()
 
     def reset(self) -> None:
         """Drop every in-flight batch (after an exception, or to abandon an iterator)."""
@@ -130,26 +247,70 @@ class TrainPipelineBase:
         while len(lane.inflight) <= self._lookahead(lane):
             if not self._enqueue(lane):
                 return False
-        return True
+        # Across ranks this waits for the vote on the newest batch at once (this option's cost).
+        return all(self._admit(lane, c) for c in list(lane.inflight)[: self._lookahead(lane) + 1])
 
     # -- stages shared by all pipelines -------------------------------------------------------
 
     def _enqueue(self, lane: _Lane) -> bool:
-        """Fetch the next batch and start copying it; False when the iterator is exhausted."""
-        if lane.exhausted:
+        """Fetch the next batch, vote on it and start copying it; False when nothing was added.
+
+        Across ranks, a rank whose iterator is exhausted adds a placeholder (and votes EXHAUSTED)
+        until the end is agreed, so every rank holds as many contexts and issues the same
+        collectives."""
+        if lane.ended or lane.draining:
             return False
-        try:
-            batch = next(lane.iterator)
-        except StopIteration:
-            lane.exhausted = True
+        batch, status = None, EXHAUSTED
+        if not lane.exhausted:
+            try:
+                batch, status = next(lane.iterator), HAVE
+            except StopIteration:
+                lane.exhausted = True
+        if status == EXHAUSTED and not self._voting:
             return False
         ctx = self._context_type(index=self._next_index, streams=self._streams)
         self._next_index += 1
-        with stage(self._streams, "copy", ctx.index, self._streams.memcpy):
-            ctx.batch = to_device(batch, self._device, non_blocking=True)
-            self._streams.produced(ctx.batch)
+        ctx.position = lane.fetched
+        if status == HAVE:
+            lane.fetched += 1
+            if self._keys is not None and (found := self._keys.check(batch)) is not None:
+                status, ctx.found_keys = BAD_KEYS, found
+        ctx.status = status
+        ctx.vote = self._agreement.vote(status) if self._voting else None
+        if batch is not None:
+            with stage(self._streams, "copy", ctx.index, self._streams.memcpy):
+                ctx.batch = to_device(batch, self._device, non_blocking=True)
+                self._streams.produced(ctx.batch)
         lane.inflight.append(ctx)
         return True
+
+    def _admit(self, lane: _Lane, ctx: BatchContext) -> bool:
+        """Wait for the ranks' votes on `ctx` (before its first collective). True: every rank has
+        it. False: some rank's data ended there; `ctx` and everything after it are dropped on every
+        rank. Raises the agreed errors (wrong keys; `on_uneven="error"`)."""
+        if ctx.admitted:
+            return True
+        statuses = ctx.vote.wait() if ctx.vote is not None else [ctx.status]
+        if all(s == HAVE for s in statuses):
+            ctx.admitted = True
+            return True
+        if BAD_KEYS in statuses:
+            mine = (self._failure.rank, ctx.position, ctx.found_keys)
+            details = self._agreement.gather(mine) if self._voting else [mine]
+            raise BatchKeysError(keys_message(details, self._keys.expected if self._keys else None))
+        dropped = list(lane.inflight)[lane.inflight.index(ctx) :]
+        for _ in dropped:
+            lane.inflight.pop()
+        lane.ended = True
+        if all(s == EXHAUSTED for s in statuses):
+            return False  # every rank ended here: even data
+        if self._on_uneven == "error":
+            raise UnevenDataError(uneven_message(statuses, ctx.position))
+        untrained = [c.batch for c in dropped if c.status != EXHAUSTED]
+        if untrained:
+            self.untrained_batches.extend(untrained)
+            warn_untrained(self._failure.rank, len(untrained), statuses, ctx.position)
+        return False
 
     def _forward(self, ctx: BatchContext) -> tuple[Any, Any]:
         """Forward of `ctx`'s batch; returns `(losses or None, output)`."""
@@ -187,6 +348,8 @@ class TrainPipelineBase:
     def _fill(self, lane: _Lane) -> None:
         if not lane.inflight:
             self._enqueue(lane)
+        if lane.inflight:
+            self._admit(lane, lane.inflight[0])  # forward is the first collective
 
     def _step(self, lane: _Lane) -> Any:
         ctx = lane.inflight[0]
@@ -196,3 +359,15 @@ class TrainPipelineBase:
             self._backward_and_step(ctx, losses)
         lane.inflight.popleft()
         return output
+
+
+def _is_comm_error(error: BaseException) -> bool:
+    """A collective failed (a peer closed its connection or timed out), as opposed to this rank's
+    own code raising."""
+    if isinstance(error, PeerFailedError):
+        return True
+    dist_error = getattr(torch.distributed, "DistError", ())
+    text = str(error)
+    return isinstance(error, dist_error) or any(
+        marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Timed out")
+    )

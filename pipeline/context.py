@@ -38,6 +38,17 @@ class BatchContext:
     `take_input_dist`, or by the prefetch stage."""
     started: bool = False
     """input_dist start ran (for pipelines without input_dist: never)."""
+    status: int = 1
+    """This rank's vote for the batch (`pipeline.agreement`): 1 have it, 0 a placeholder for a
+    batch this rank's dataloader does not have, 2 wrong keys. Written at fetch."""
+    vote: Any = None
+    """Written at fetch: the `Vote` of every rank on this batch; waited before its first collective."""
+    admitted: bool = False
+    """Every rank voted to have the batch (written by the vote wait)."""
+    position: int = 0
+    """Index of the batch in its dataloader (for error messages)."""
+    found_keys: Any = None
+    """Written at fetch when the key check failed: the keys the batch has."""
 
     def take_input_dist(self, fqn: str) -> tuple[Any, Any] | None:
         """Pop module `fqn`'s input_dist result, wait for it on data_dist and hand it (and the module

@@ -69,6 +69,8 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         tuner: under "auto", the `pipeline.schedule.Tuner` to use (its candidates, rounds,
             margin, re-check interval); default `Tuner()`. Ignored by the other schedules.
         streams: stream implementation (tests pass `RecordingStreams()`).
+        **ranks: `on_uneven`, `check_keys`, `agreement`, `abort_on_error`, `peer_timeout`: how the
+            ranks agree on uneven data, wrong keys and failures (see `TrainPipelineBase`).
     """
 
     _context_type: type[BatchContext] = BatchContext
@@ -91,6 +93,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         input_dist_schedule: str = "auto",
         tuner: Tuner | None = None,
         streams: Streams | None = None,
+        **ranks: Any,
     ) -> None:
         if apply_jit:
             raise ValueError("apply_jit=True is not supported by this pipeline; leave it False")
@@ -105,6 +108,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
             custom_model_fwd,
             execute_all_batches=execute_all_batches,
             streams=streams,
+            **ranks,
         )
         self._rewrite_options = dict(
             method=rewrite_method,
@@ -158,7 +162,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
     def _fill(self, lane: _Lane) -> None:
         if not lane.inflight:
             self._enqueue(lane)
-        if lane.inflight and not lane.inflight[0].started:
+        if lane.inflight and not lane.inflight[0].started and self._admit(lane, lane.inflight[0]):
             self._start_input_dist(lane.inflight[0])
             self._wait_splits(lane.inflight[0])
         if len(lane.inflight) < 2:
@@ -179,6 +183,8 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         if len(lane.inflight) < 3:
             self._enqueue(lane)
         nxt = lane.inflight[1] if len(lane.inflight) > 1 else None
+        if nxt is not None and not self._admit(lane, nxt):  # its input_dist is its first collective
+            nxt = None
         if nxt is not None:
             self._start_input_dist(nxt)
             if SCHEDULES[self._schedule].early_splits:

@@ -1,0 +1,256 @@
+"""Ranks agreeing on each batch before it enters a collective: uneven data, bad keys, failed peers.
+
+Votes. Every rank votes once per batch it fetches or fails to fetch: `HAVE`, `EXHAUSTED` (its
+dataloader ran dry) or `BAD_KEYS` (the batch's KeyedJaggedTensor keys differ from the first batch's).
+The votes of all ranks for one batch travel in one asynchronous all_reduce of a `[world_size]` int64
+tensor (each rank fills its own slot) on a gloo group of the pipeline's own. It is issued when the
+batch is fetched and waited when the batch is about to enter its first collective, a step later, so
+in steady state no one waits for it. A rank whose dataloader is exhausted keeps voting `EXHAUSTED`
+for each later fetch until the end is agreed, so every rank issues the same collectives in order.
+
+Failures. A rank that raises inside `progress()` writes what happened in the default process group's
+store and waits a grace period for the others: if every rank raised at the same step, nothing else
+is done. Otherwise it destroys its process groups: the peers' pending collectives then fail within
+about a second ("Connection closed by peer"), and they read the store to say which rank failed and
+why (`PeerFailedError`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rewrite import find_kjts
+
+__all__ = [
+    "BAD_KEYS",
+    "EXHAUSTED",
+    "HAVE",
+    "AgreedError",
+    "Agreement",
+    "BatchKeysError",
+    "FailureSignal",
+    "KeyCheck",
+    "PeerFailedError",
+    "UnevenDataError",
+    "Vote",
+]
+
+EXHAUSTED, HAVE, BAD_KEYS = 0, 1, 2
+
+
+class AgreedError(RuntimeError):
+    """Raised on every rank at the same step: the process group is still usable."""
+
+
+class UnevenDataError(AgreedError):
+    """`on_uneven="error"`: the ranks' dataloaders hold different numbers of batches."""
+
+
+class BatchKeysError(AgreedError, ValueError):
+    """A batch's KeyedJaggedTensor keys differ from those the model was sharded for."""
+
+
+class PeerFailedError(RuntimeError):
+    """Another rank raised inside `progress()`; this rank stopped too."""
+
+
+@dataclass(eq=False)
+class Vote:
+    """One batch's vote: `wait()` returns every rank's status for it, by rank."""
+
+    work: Any
+    tensor: torch.Tensor
+    statuses: list[int] | None = None
+
+    def wait(self) -> list[int]:
+        if self.statuses is None:
+            if self.work is not None:
+                self.work.wait()
+            self.statuses = [int(v) for v in self.tensor.tolist()]
+        return self.statuses
+
+
+def _world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Agreement:
+    """Issues the votes on a gloo group of its own (created on first use, at the same call on every
+    rank), or locally when there is no process group of more than one rank.
+
+    Args:
+        timeout: how long a vote may wait for a peer before failing (a peer that hangs).
+    """
+
+    def __init__(self, *, timeout: timedelta) -> None:
+        self._timeout = timeout
+        self._group: Any = None
+
+    @property
+    def distributed(self) -> bool:
+        return _world()[1] > 1
+
+    def vote(self, status: int) -> Vote:
+        """Start this rank's vote for the next batch; every rank calls it once per batch, in order."""
+        rank, world = _world()
+        if world == 1:
+            return Vote(None, torch.tensor([status]))
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo", timeout=self._timeout)
+        tensor = torch.zeros(world, dtype=torch.int64)
+        tensor[rank] = status
+        return Vote(dist.all_reduce(tensor, group=self._group, async_op=True), tensor)
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (a rare, blocking exchange: only on the error paths, which every rank
+        enters at the same vote)."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj, group=self._group)
+        return out
+
+
+class KeyCheck:
+    """Compares each batch's KeyedJaggedTensor keys, per path in the batch, with the first batch's.
+
+    The first batch is the reference: torchrec's input_dist builds its feature order from the keys of
+    the first batch it sees and does not look at them again, so a later batch with a feature renamed,
+    missing or added would be embedded under the wrong tables without a word.
+    """
+
+    def __init__(self) -> None:
+        self.expected: list[tuple[str, list[str]]] | None = None
+
+    @staticmethod
+    def keys_of(batch: Any) -> list[tuple[str, list[str]]]:
+        return [(str(path), list(kjt.keys())) for path, kjt in find_kjts(batch)]
+
+    def check(self, batch: Any) -> list[tuple[str, list[str]]] | None:
+        """None if `batch` has the expected keys (or is the first); else the keys it has."""
+        found = self.keys_of(batch)
+        if self.expected is None:
+            self.expected = found
+            return None
+        return None if found == self.expected else found
+
+
+def keys_message(details: list[Any], expected: list[tuple[str, list[str]]] | None) -> str:
+    """The key error's text, from every rank's `(rank, position, found keys or None)`."""
+    bad = [d for d in details if d is not None and d[2] is not None]
+    parts = [
+        f"batch {position} of rank {rank}'s dataloader has keys {_show(found)}"
+        for rank, position, found in bad
+    ]
+    return (
+        f"{'; '.join(parts)}, but the model was sharded for {_show(expected or [])} (the keys of the "
+        "first batch). Every rank stopped before that batch. Fix the dataset (a feature renamed, "
+        "missing or added), or pass check_keys=False if the keys legitimately vary."
+    )
+
+
+def _show(keys: list[tuple[str, list[str]]]) -> str:
+    return ", ".join(f"{keys} at {path or 'the batch'}" for path, keys in keys) or "no KeyedJaggedTensor"
+
+
+def uneven_message(statuses: list[int], position: int) -> str:
+    short = [r for r, s in enumerate(statuses) if s == EXHAUSTED]
+    long = [r for r, s in enumerate(statuses) if s != EXHAUSTED]
+    return (
+        f"uneven data: rank(s) {short} have {position} batches, rank(s) {long} at least "
+        f"{position + 1}. Give every rank the same number of batches (drop_last, or pad the shards), "
+        'or pass on_uneven="stop" to train the common count.'
+    )
+
+
+def warn_untrained(rank: int, count: int, statuses: list[int], position: int) -> None:
+    short = [r for r, s in enumerate(statuses) if s == EXHAUSTED]
+    warnings.warn(
+        f"rank {rank}: {count} batch(es) fetched but not trained: rank(s) {short} ran out of data "
+        f"after {position} batches, so every rank stopped there. They are in the pipeline's "
+        "`untrained_batches`.",
+        stacklevel=4,
+    )
+
+
+class FailureSignal:
+    """Tells the peers that this rank failed, and finds out whether they did too.
+
+    Each failure is a "generation" of keys in the default process group's store: every rank that
+    fails writes `rank<r>` (what it raised) and adds 1 to `count`. A rank that raised waits up to
+    `grace` seconds for `count` to reach the world size: if every rank raised at the same step (a
+    bad batch on all of them), the process groups are still consistent and nothing is destroyed.
+    Holds a reference to the store (taken while the group is alive), so that it can still be read
+    after the groups are destroyed.
+    """
+
+    def __init__(self, *, grace: float) -> None:
+        self._store: Any = None
+        self._grace = grace
+        self._generation = 0
+        self.rank, world = _world()
+        self.world = world
+        self.distributed = world > 1
+        if self.distributed:
+            with contextlib.suppress(Exception):
+                self._store = dist.distributed_c10d._get_default_store()
+
+    def _key(self, name: str) -> str:
+        return f"trainpipeline/failure{self._generation}/{name}"
+
+    def announce(self, error: BaseException) -> None:
+        """Record this rank's failure (what it raised)."""
+        if self._store is not None:
+            with contextlib.suppress(Exception):
+                text = f"rank {self.rank} raised {type(error).__name__}: {error}"
+                self._store.set(self._key(f"rank{self.rank}"), text[:2000])
+                self._store.add(self._key("count"), 1)
+
+    def all_failed(self) -> bool:
+        """Wait up to `grace` seconds for every rank to announce a failure of this generation."""
+        if self._store is None:
+            return False
+        deadline = time.monotonic() + self._grace
+        try:
+            while self._store.add(self._key("count"), 0) < self.world:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.02)
+        except Exception:  # the store's host (rank 0) is gone
+            return False
+        return True
+
+    def peer_failures(self) -> list[str]:
+        """What the peers that failed in this generation wrote (empty if none, or if the store
+        cannot be read: its host, rank 0, may be gone)."""
+        found = []
+        for rank in range(self.world):
+            if rank == self.rank or self._store is None:
+                continue
+            with contextlib.suppress(Exception):
+                key = self._key(f"rank{rank}")
+                if self._store.check([key]):
+                    found.append(self._store.get(key).decode(errors="replace"))
+        return found
+
+    def next_generation(self) -> None:
+        self._generation += 1
+
+    @staticmethod
+    def abort() -> None:
+        """Destroy every process group of this process: peers blocked in a collective with it fail
+        instead of waiting for the group's timeout."""
+        if dist.is_available() and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
