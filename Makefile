@@ -13,7 +13,7 @@ DEV_TOOLS := pytest pytest-timeout ruff matplotlib setuptools
 STAMP := $(VENV)/.setup-$(VARIANT)
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint demo bench bench-tiered bench-sweep bench-big timeline clean
+.PHONY: setup test lint demo bench bench-tiered bench-sweep bench-big bench-agreement timeline clean
 
 setup: $(STAMP)
 
@@ -43,14 +43,18 @@ DEMO_ARGS ?= --steps 300 --log-every 50 --eval-every 100
 demo: setup
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 examples/dlrm/train.py --pipeline prefetch $(DEMO_ARGS) --summary-json $(DEMO_OUT)/summary.json
 
-# Base and prefetch pipelines on DLRM (2 local ranks), traced with torch.profiler; then the PNG and
-# tables in $(TIMELINE_OUT) (timeline.png/.md/.json). docs/timeline.md explains how to read them.
+# Base and prefetch pipelines on DLRM (2 local ranks) with every table on disk (tiered kernel, cold
+# store, a cache far smaller than the tables, so most of each batch misses), traced with
+# torch.profiler; then the PNG and tables in $(TIMELINE_OUT) (timeline.png/.md/.json).
+# docs/timeline.md explains how to read them.
 TIMELINE_OUT ?= out/timeline
-TIMELINE_TRAIN_ARGS ?= --steps 32 --warmup-steps 4 --profile-steps 16 --no-progress
+TIMELINE_STORE ?= /var/tmp/timeline-store
+TIMELINE_TRAIN_ARGS ?= --steps 32 --warmup-steps 4 --profile-steps 16 --no-progress --num-embeddings 200000 --pooling 4 --embedding-store $(TIMELINE_STORE) --cache-rows 20000 --cold-store
 TIMELINE_ARGS ?= --steps 3 --warmup 2
 
 timeline: setup
-	rm -rf $(TIMELINE_OUT)/base $(TIMELINE_OUT)/prefetch
+	rm -rf $(TIMELINE_OUT)/base $(TIMELINE_OUT)/prefetch $(TIMELINE_STORE)
+	mkdir -p $(TIMELINE_STORE)
 	$(BIN)/torchrun --standalone --nproc_per_node=2 examples/dlrm/train.py --pipeline base $(TIMELINE_TRAIN_ARGS) --profile $(TIMELINE_OUT)/base
 	$(BIN)/torchrun --standalone --nproc_per_node=2 examples/dlrm/train.py --pipeline prefetch $(TIMELINE_TRAIN_ARGS) --profile $(TIMELINE_OUT)/prefetch
 	$(BIN)/python -m pipeline.timeline compare $(TIMELINE_OUT)/base/rank0.json $(TIMELINE_OUT)/prefetch/rank0.json -o $(TIMELINE_OUT) --labels base,prefetch $(TIMELINE_ARGS)
@@ -75,6 +79,10 @@ SWEEP_OUT ?= out/sweep
 SWEEP_ARGS ?=
 bench-sweep: setup
 	$(BIN)/python -m benchmarks.sweep --out $(SWEEP_OUT) $(SWEEP_ARGS)
+
+# The price of the ranks' per-batch vote and key check: with / without, paired rounds, loopback.
+bench-agreement: setup
+	$(BIN)/python -m benchmarks.agreement $(AGREEMENT_ARGS)
 
 # Tables of BIG_GB in total on disk, trained with a small cache; fails if peak RSS passes 2 GB.
 BIG_GB ?= 16

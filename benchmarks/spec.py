@@ -16,6 +16,7 @@ __all__ = [
     "AUTO_VARIANTS",
     "BOUND_VARIANTS",
     "FORCED_VARIANTS",
+    "NOVOTE_VARIANTS",
     "OURS_TO_TORCHREC",
     "SCHEDULE_NAMES",
     "VARIANTS",
@@ -39,7 +40,10 @@ FORCED_VARIANTS = tuple(f"ours-sparse-dist@{name}" for name in SCHEDULE_NAMES)
 """Our SparseDist with `input_dist_schedule` forced to one schedule."""
 BOUND_VARIANTS = ("compute-alone", "comm-alone")
 """Not training loops: the two halves of the bound (`benchmarks.bound`)."""
-ALL_VARIANTS = (*VARIANTS, *FORCED_VARIANTS, *BOUND_VARIANTS)
+NOVOTE_VARIANTS = ("ours-base+novote", "ours-sparse-dist@late+novote")
+"""Our pipelines with the per-batch vote and key check off (`agreement=False, check_keys=False`):
+what `benchmarks.agreement` compares with `ours-base` and `ours-sparse-dist@late` to price them."""
+ALL_VARIANTS = (*VARIANTS, *FORCED_VARIANTS, *BOUND_VARIANTS, *NOVOTE_VARIANTS)
 AUTO_VARIANTS = ("ours-sparse-dist", "ours-prefetch")
 """Variants that tune `input_dist_schedule="auto"` during their first steps."""
 OURS_TO_TORCHREC = {

@@ -16,7 +16,18 @@ from typing import Any
 
 from benchmarks.spec import FORCED_VARIANTS
 
-__all__ = ["Check", "Paired", "PointResult", "analyse", "checks", "markdown", "plot", "table"]
+__all__ = [
+    "Check",
+    "Paired",
+    "PointResult",
+    "analyse",
+    "checks",
+    "markdown",
+    "paired",
+    "plot",
+    "round_medians",
+    "table",
+]
 
 TORCHREC = "torchrec-sparse-dist"
 SD, PF, BASE, PLAIN = "ours-sparse-dist", "ours-prefetch", "ours-base", "plain"
@@ -80,7 +91,8 @@ class Check:
     met: bool | None
 
 
-def _round_medians(runs: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+def round_medians(runs: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Per round, each variant's median step time in ms (runs that went wrong left out)."""
     out: dict[int, dict[str, float]] = {}
     for r in runs:
         if r["status"] == "ok":
@@ -98,7 +110,7 @@ def paired(rounds: dict[int, dict[str, float]], a: str, b: str) -> Paired | None
 
 def analyse(runs: list[dict[str, Any]], *, name: str, link: str | None, description: str) -> PointResult:
     """One point's figures from its merged run records (`benchmarks.report.merge_ranks`)."""
-    rounds = _round_medians(runs)
+    rounds = round_medians(runs)
     pooled: dict[str, list[float]] = {}
     for r in runs:
         if r["status"] == "ok":

@@ -99,7 +99,10 @@ def make_runner(
         else:
             step = bound.comm_alone(model, device, captured)
         return Runner(step=step, forward_label="-", wait_label="-", inline_input_dist=False, profile=False)
-    options = {}
+    options: dict[str, Any] = {}
+    if variant.endswith("+novote"):
+        variant = variant.removesuffix("+novote")
+        options.update(agreement=False, check_keys=False)
     if variant in FORCED_VARIANTS:
         variant, options["input_dist_schedule"] = variant.split("@")
     if variant not in _PIPELINES:
