@@ -24,7 +24,34 @@ from typing import Any
 
 import torch
 
-__all__ = ["CudaStreams", "HandoffError", "RecordingStreams", "Streams", "ThreadStreams", "streams_for"]
+__all__ = [
+    "CudaStreams",
+    "HandoffError",
+    "RecordingStreams",
+    "Streams",
+    "ThreadStreams",
+    "profiling_all_threads",
+    "streams_for",
+]
+
+_all_threads_profiled = False
+
+
+@contextmanager
+def profiling_all_threads() -> Iterator[None]:
+    """Declare that the active torch.profiler records every thread, i.e. was made with
+    `experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`.
+
+    Inside it, `ThreadStreams` keeps the prefetch stage on its worker thread while the profiler
+    runs, so the trace shows the overlap; outside it, the stage runs inline while profiling, since
+    a profiler started without that option drops the worker thread's events.
+    """
+    global _all_threads_profiled
+    previous, _all_threads_profiled = _all_threads_profiled, True
+    try:
+        yield
+    finally:
+        _all_threads_profiled = previous
 
 
 class Streams:
@@ -150,9 +177,10 @@ class ThreadStreams(Streams):
         self.prefetch = _WorkerStream("prefetch")
 
     def submit(self, stream: Any, work: Callable[[], None]) -> Future:
-        # torch.profiler records only the threads it was started on: while it runs, work stays on
-        # the calling thread so that every stage keeps its label (and the overlap is not shown).
-        if isinstance(stream, _WorkerStream) and not torch.autograd.profiler._is_profiler_enabled:
+        # torch.profiler records only the threads it was started on, unless told otherwise: while it
+        # runs, work stays on the calling thread so that every stage keeps its label.
+        threaded = _all_threads_profiled or not torch.autograd.profiler._is_profiler_enabled
+        if isinstance(stream, _WorkerStream) and threaded:
             return stream.submit(work)
         if isinstance(stream, _WorkerStream):
             stream.join()  # in order with what was submitted before

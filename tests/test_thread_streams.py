@@ -51,6 +51,29 @@ def test_under_the_profiler_work_stays_on_the_calling_thread():
     assert names == [threading.current_thread().name]
 
 
+def test_a_profiler_of_every_thread_sees_the_work_on_the_worker():
+    from torch._C._profiler import _ExperimentalConfig
+
+    from pipeline.streams import profiling_all_threads
+
+    streams = ThreadStreams()
+    names = []
+
+    def work():
+        names.append(threading.current_thread().name)
+        with torch.profiler.record_function("pipeline::prefetch#7"):
+            torch.ones(4).sum()
+
+    config = _ExperimentalConfig(profile_all_threads=True)
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], experimental_config=config
+    ) as p:
+        with profiling_all_threads():
+            streams.submit(streams.prefetch, work).result()
+    assert names[0].startswith("pipeline-prefetch")
+    assert "pipeline::prefetch#7" in [e.name for e in p.events()]
+
+
 def test_default_streams_per_device():
     assert type(streams_for(torch.device("cpu"))) is Streams
     assert type(streams_for(torch.device("cpu"), prefetch_thread=True)) is ThreadStreams

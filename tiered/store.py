@@ -55,9 +55,10 @@ class RowStore:
     Use `RowStore.create` (new file from initial weights) or `RowStore.open` (existing file).
 
     Args:
-        cold: after every read, ask the kernel to drop the pages just read from its page cache
-            (`posix_fadvise(DONTNEED)`), so the next read of those rows goes to the disk again.
-            For benchmarks of a table much larger than RAM on a machine that has the RAM.
+        cold: drop the file from the page cache when it is opened, and after every read ask the
+            kernel to drop the pages just read (`posix_fadvise(DONTNEED)`), so every read of a row
+            goes to the disk. For benchmarks of a table much larger than RAM on a machine that has
+            the RAM.
     """
 
     def __init__(self, path: Path, rows: int, dim: int, state_width: int, *, cold: bool = False) -> None:
@@ -70,6 +71,8 @@ class RowStore:
         self._size = _align(self._s_off + rows * state_width * 4)
         self._fd = os.open(self.path, os.O_RDWR)
         self._maps: dict[str, torch.Tensor] = {}
+        if cold:
+            self.drop_page_cache()  # a new store's pages are all in the page cache
 
     # -- creation -----------------------------------------------------------------------------
 

@@ -74,6 +74,9 @@ class TrainConfig:
     cache_rows: int | None = None
     """RAM rows cached per table shard with `embedding_store`: at least the distinct rows of the
     batches in flight (about 3 batches under the pipelines)."""
+    cold_store: bool = False
+    """With `embedding_store`: drop rows from the OS page cache after reading them, so every cache
+    miss reads the disk (what a table larger than RAM does; for benchmarks and the timeline)."""
     store_mode: str = "create"
     """With `embedding_store`: `create` writes new stores from the initial weights (replacing
     same-shaped ones), `open` trains on the rows of existing ones (which must match the tables)."""

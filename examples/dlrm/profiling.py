@@ -11,7 +11,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile, schedule
+
+from pipeline.streams import profiling_all_threads
 
 __all__ = ["step_profiler"]
 
@@ -22,7 +25,9 @@ def step_profiler(
 ) -> Iterator[Callable[[], None]]:
     """Yield a `step()` to call after every training step; profiles steps skip+2 .. skip+1+active.
 
-    One step after `skip` is the profiler's own warm-up, whose events are dropped. With
+    Every thread is recorded, the prefetch pipeline's worker included (`profiling_all_threads`), so
+    the trace shows the prefetch stage where it really runs. One step after `skip` is the
+    profiler's own warm-up, whose events are dropped. With
     `trace_dir` None this records nothing. A run too short to reach the recorded steps writes no
     trace; the caller can check for the file.
     """
@@ -38,6 +43,7 @@ def step_profiler(
         activities=activities,
         schedule=schedule(skip_first=skip, wait=0, warmup=1, active=active, repeat=1),
         on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
+        experimental_config=_ExperimentalConfig(profile_all_threads=True),
     )
-    with prof:
+    with prof, profiling_all_threads():
         yield prof.step

@@ -59,7 +59,10 @@ def tiered_plan(
 
     try:
         options = TieredOptions(
-            store_dir=config.embedding_store, cache_rows=config.cache_rows, store_mode=config.store_mode
+            store_dir=config.embedding_store,
+            cache_rows=config.cache_rows,
+            store_mode=config.store_mode,
+            cold=config.cold_store,
         )
     except ValueError as e:
         raise InputError(str(e)) from e

@@ -162,6 +162,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         embedding_store=args.embedding_store,
         cache_rows=args.cache_rows,
         store_mode=args.store_mode,
+        cold_store=args.cold_store,
     )
 
 
@@ -206,6 +207,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--cache-rows", type=int, metavar="N", help="with --embedding-store: RAM rows per table shard")
     add("--store-mode", choices=("create", "open"), default=d.store_mode,
         help="with --embedding-store: new stores from initial weights, or reuse existing ones")  # fmt: skip
+    add("--cold-store", action="store_true", help="with --embedding-store: every miss reads the disk")
     add("--device", choices=("auto", "cpu", "cuda"), default="auto")
     add("--summary-json", metavar="PATH", help="also write the summary here")
     add("--no-progress", action="store_true", help="no progress bar or periodic reports")
