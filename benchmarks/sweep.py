@@ -142,8 +142,8 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"points to run (default all: {', '.join(pt.name for pt in POINTS)})")  # fmt: skip
     p.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before them (default 5)")
-    p.add_argument("--auto-warmup", type=int, default=55,
-                   help="untimed steps for the auto-tuning variants (default 55: covers tuning)")  # fmt: skip
+    p.add_argument("--auto-warmup", type=int, default=75,
+                   help="untimed steps for the auto-tuning variants (default 75: covers tuning)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3, help="rounds per point, order rotated (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seeds models and batches (default 0)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before a link's ranks are killed")

@@ -25,6 +25,8 @@ threads, so the overlap is real there too.
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +39,7 @@ from pipeline.base import TrainPipelineBase, _Lane
 from pipeline.context import BatchContext, PrefetchBatchContext
 from pipeline.labels import stage
 from pipeline.schedule import OPTIONS, SCHEDULES, Tuner
-from pipeline.streams import Streams
+from pipeline.streams import Streams, ThreadStreams
 from rewrite import ContextSlot, InputDistGroups, Rewrite, RewriteReport, rewrite_model
 
 __all__ = ["PrefetchTrainPipelineSparseDist", "TrainPipelineSparseDist"]
@@ -313,8 +315,22 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
     forward, on the prefetch stream, so forward never waits on communication.
 
     Same arguments as `TrainPipelineSparseDist` (torchrec's positional order, in which
-    `pipeline_postproc` comes before `custom_model_fwd` and there is no `context_type`).
+    `pipeline_postproc` comes before `custom_model_fwd` and there is no `context_type`), plus:
+
+    Args:
+        prefetch_ahead: True: the prefetch stage of batch i+1 is submitted right after forward of
+            i, so it overlaps backward and optimizer of i (on CPU on a worker thread). False: it
+            runs just before forward of i+1 (SparseDist's order; inline on CPU). "auto" (default):
+            on CUDA True; on CPU True while the modules' `prefetch()` calls take at least
+            `AHEAD_MIN_MS` a batch (median of batches 2 to 9), else False, since handing a
+            near-empty stage to a thread costs more than it hides. `pipe.prefetch_ahead` says
+            which is in use.
     """
+
+    AHEAD_MIN_MS = 1.0
+    """Under `prefetch_ahead="auto"` on CPU, the prefetch work per batch below which the stage
+    stays on the main thread."""
+    _AHEAD_SAMPLES = 8
 
     _context_type = PrefetchBatchContext
     _prefetch = True
@@ -329,8 +345,12 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
         apply_jit: bool = False,
         pipeline_postproc: bool = True,
         custom_model_fwd: Callable[[Any], Any] | None = None,
+        *,
+        prefetch_ahead: bool | str = "auto",
         **options: Any,
     ) -> None:
+        if prefetch_ahead not in (True, False, "auto"):
+            raise ValueError(f'prefetch_ahead must be True, False or "auto"; got {prefetch_ahead!r}')
         super().__init__(
             model,
             optimizer,
@@ -342,6 +362,18 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
             custom_model_fwd,
             **options,
         )
+        threads = isinstance(self._streams, ThreadStreams)
+        self._ahead = prefetch_ahead if prefetch_ahead != "auto" else True
+        self._ahead_auto = prefetch_ahead == "auto" and threads
+        self._work_ms: list[float] = []  # prefetch() time per batch, for the "auto" choice
+        if threads:
+            self._streams.threaded = self._ahead
+
+    @property
+    def prefetch_ahead(self) -> bool:
+        """Whether the prefetch stage of batch i+1 runs ahead, during backward of i (see
+        `prefetch_ahead=`)."""
+        return self._ahead
 
     def detach(self) -> nn.Module:
         self._streams.drain()
@@ -350,7 +382,8 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
     def _after_forward(self, nxt: BatchContext) -> None:
         # The prefetch of batch i+1 overlaps backward and optimizer of batch i (torchrec's GPU
         # order); rows it needs are pinned by the kernel, so backward of i cannot lose them.
-        self._submit_prefetch(nxt)
+        if self._ahead:
+            self._submit_prefetch(nxt)
 
     def _lookahead(self, lane: _Lane) -> int:
         # torchrec's fetches batch 2 during its first step; with execute_all_batches=False its
@@ -360,9 +393,13 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
 
     def _before_forward(self, ctx: BatchContext) -> None:
         assert isinstance(ctx, PrefetchBatchContext)
-        if ctx.prefetch_job is None:  # first batch, or one whose predecessor ran in another lane
+        if ctx.prefetch_job is None:  # not ahead, the first batch, or another lane's successor
             self._submit_prefetch(ctx)
         ctx.prefetch_job.result()  # re-raises what went wrong on the prefetch stream
+        if self._ahead_auto and len(self._work_ms) > self._AHEAD_SAMPLES:
+            self._ahead_auto = False
+            self._ahead = statistics.median(self._work_ms[1:]) >= self.AHEAD_MIN_MS
+            self._streams.threaded = self._ahead
 
     def _submit_prefetch(self, ctx: BatchContext) -> None:
         assert isinstance(ctx, PrefetchBatchContext)
@@ -375,13 +412,18 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
     def _prefetch(self, ctx: PrefetchBatchContext, forward_stream: Any) -> None:
         """The prefetch stage: wait for `ctx`'s input_dist, then each module's `prefetch()`."""
         streams = self._streams
+        work = 0.0
         with stage(streams, "prefetch", ctx.index), torch.no_grad():
             for pm in self._rewrite.modules if self._rewrite else []:
                 prepared = ctx.take_input_dist(pm.fqn)
                 if prepared is None:
                     continue
                 module_ctx, data = prepared
+                start = time.perf_counter()
                 with record_function(f"pipeline::prefetch::{pm.fqn}#{ctx.index}"):
                     pm.module.prefetch(dist_input=data, forward_stream=forward_stream, ctx=module_ctx)
+                work += time.perf_counter() - start
                 streams.produced(data)
                 ctx.prefetched[pm.fqn] = (module_ctx, data)
+        if self._ahead_auto:
+            self._work_ms.append(work * 1e3)

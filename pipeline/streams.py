@@ -175,11 +175,14 @@ class ThreadStreams(Streams):
 
     def __init__(self) -> None:
         self.prefetch = _WorkerStream("prefetch")
+        self.threaded = True
+        """False runs work submitted to the prefetch stream inline, on the calling thread."""
 
     def submit(self, stream: Any, work: Callable[[], None]) -> Future:
         # torch.profiler records only the threads it was started on, unless told otherwise: while it
         # runs, work stays on the calling thread so that every stage keeps its label.
-        threaded = _all_threads_profiled or not torch.autograd.profiler._is_profiler_enabled
+        profiled = torch.autograd.profiler._is_profiler_enabled and not _all_threads_profiled
+        threaded = self.threaded and not profiled
         if isinstance(stream, _WorkerStream) and threaded:
             return stream.submit(work)
         if isinstance(stream, _WorkerStream):

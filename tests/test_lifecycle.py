@@ -226,7 +226,9 @@ def _groups(rank: int, pipe_name: str) -> dict:
     # "auto" switches between all four while it tunes, keeps one, re-checks it; the same on every rank
     from pipeline.schedule import SCHEDULES, Tuner
 
-    ref, ref_opt, model, pipe = _pair(pipe_name, tuner=Tuner(warmup=1, block=2, rounds=1, recheck_after=2))
+    ref, ref_opt, model, pipe = _pair(
+        pipe_name, tuner=Tuner(warmup=1, block=2, rounds=1, settle=1, visit=0, recheck_after=2)
+    )
     data = models.batches(KIND, 3 * N, rank, seed=12)
     expected = models.plain_loop(ref, ref_opt, data)
     got, seen = [], set()

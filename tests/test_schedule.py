@@ -45,10 +45,19 @@ def test_schedules_are_the_two_choices_crossed():
 
 
 def test_decide_keeps_baseline_without_a_win_in_every_round():
-    rounds = [{"late": 10.0, "early": 8.0}, {"late": 10.0, "early": 8.0}, {"late": 10.0, "early": 10.5}]
+    rounds = [{"late": 10.0, "early": 9.5}, {"late": 10.0, "early": 9.5}, {"late": 10.0, "early": 10.5}]
     d = decide(rounds, baseline="late", margin=0.03)
     assert d.choice == "late" and "kept late" in d.reason
-    assert d.ratios["early"] == pytest.approx([0.8, 0.8, 1.05])
+    assert d.ratios["early"] == pytest.approx([0.95, 0.95, 1.05])
+
+
+def test_decide_lets_a_large_gain_lose_one_round_of_three():
+    # 20 % faster in two rounds, one disturbed round: a real gain, taken
+    rounds = [{"late": 10.0, "early": 8.0}, {"late": 10.0, "early": 8.0}, {"late": 10.0, "early": 10.5}]
+    assert decide(rounds, baseline="late", margin=0.03).choice == "early"
+    # but not two lost rounds, nor one lost round of two
+    assert decide([*rounds, rounds[2]], baseline="late", margin=0.03).choice == "late"
+    assert decide(rounds[1:], baseline="late", margin=0.03).choice == "late"
 
 
 def test_decide_needs_more_than_the_margin():
@@ -69,7 +78,9 @@ def test_decide_takes_the_best_winner_and_drops_invalid_rounds():
 
 
 def test_plan_is_interleaved_and_rotated():
-    _, schedules, _ = _run({s: 0.01 for s in FOUR}, warmup=2, block=2, rounds=2, recheck_after=0)
+    _, schedules, _ = _run(
+        {s: 0.01 for s in FOUR}, warmup=2, block=2, rounds=2, settle=1, visit=0, recheck_after=0
+    )
     blocks = [schedules[2 + 2 * i] for i in range(8)]
     assert schedules[:2] == ["late", "late"]
     assert blocks == [*FOUR, *FOUR[1:], FOUR[0]]  # round 1 starts one later
@@ -97,20 +108,24 @@ def test_noise_without_a_consistent_gain_keeps_torchrecs_order():
     assert tuner.reason.startswith("kept late")
 
 
-def test_first_step_of_each_block_is_not_timed():
-    # the first step of a block pays for the switch; it must not sway the choice
+def test_first_steps_of_each_block_and_the_visits_are_not_timed():
+    # the first `settle` steps of a block pay for the switch, and each schedule's first use pays
+    # for setting it up; neither may sway the choice
     def cost(schedule: str, step: int) -> float:
-        first = (step - 1) % 4 == 0
-        return 5.0 if first and schedule == "early" else {"early": 0.010, "late": 0.020}[schedule]
+        visiting = step <= 2 * 2
+        settling = (step - 1 - 2 * 2) % 5 < 2
+        slow = visiting or settling
+        return 5.0 if slow and schedule == "early" else {"early": 0.010, "late": 0.020}[schedule]
 
-    tuner, _, _ = _run(cost, candidates=("late", "early"), warmup=0, rounds=2)
+    tuner, schedules, _ = _run(cost, candidates=("late", "early"), warmup=0, rounds=2)
+    assert schedules[:4] == ["late", "late", "early", "early"]  # the visits
     assert tuner.choice == "early"
     assert tuner.medians_ms == pytest.approx({"early": 20.0 / 2, "late": 20.0})
 
 
 def test_tuning_steps_are_counted():
-    tuner, schedules, _ = _run({s: 0.01 for s in FOUR}, warmup=3, block=4, rounds=3)
-    assert tuner.tuning_steps == 3 + 3 * 4 * 4 == len(schedules) - 1
+    tuner, schedules, _ = _run({s: 0.01 for s in FOUR}, warmup=3, block=5, rounds=3)
+    assert tuner.tuning_steps == 3 + 4 * 2 + 3 * 4 * 5 == len(schedules) - 1
 
 
 def test_recheck_switches_when_the_runner_up_becomes_faster():
@@ -138,7 +153,16 @@ def test_recheck_keeps_the_choice_without_significant_evidence():
 
 def test_interrupt_drops_the_interval_across_it():
     clock = FakeClock()
-    tuner = Tuner(candidates=("late", "early"), warmup=0, block=3, rounds=1, clock=clock, agree=lambda v: v)
+    tuner = Tuner(
+        candidates=("late", "early"),
+        warmup=0,
+        block=3,
+        rounds=1,
+        settle=1,
+        visit=0,
+        clock=clock,
+        agree=lambda v: v,
+    )
     tuner.next_schedule()  # late, untimed
     clock.now += 0.020
     tuner.next_schedule()  # late, timed
