@@ -1,12 +1,23 @@
 """Ranks agreeing on each batch before it enters a collective: uneven data, bad keys, failed peers.
 
-Votes. Every rank votes once per batch it fetches or fails to fetch: `HAVE`, `EXHAUSTED` (its
-dataloader ran dry) or `BAD_KEYS` (the batch's KeyedJaggedTensor keys differ from the first batch's).
-The votes of all ranks for one batch travel in one asynchronous all_reduce of a `[world_size]` int64
-tensor (each rank fills its own slot) on a gloo group of the pipeline's own. It is issued when the
-batch is fetched and waited when the batch is about to enter its first collective, a step later, so
-in steady state no one waits for it. A rank whose dataloader is exhausted keeps voting `EXHAUSTED`
-for each later fetch until the end is agreed, so every rank issues the same collectives in order.
+Every rank has a status for every batch position it fetches: `HAVE`, `EXHAUSTED` (its dataloader ran
+dry) or `BAD_KEYS` (the batch's KeyedJaggedTensor keys differ from the first batch's). The ranks
+learn each other's statuses before the batch enters its first collective, in one of two ways:
+
+- Votes (`Agreement`): one asynchronous all_reduce of a `[world_size]` int64 tensor (each rank fills
+  its own slot) on a gloo group of the pipeline's own, issued at fetch and waited before the batch's
+  first collective. Used where nothing else orders the ranks: the first two batches of a lane, and
+  the batches read ahead under `execute_all_batches=False`. On two shared cores its threads cost about a
+  millisecond a step, too much for every batch.
+- Flags (`StoreFlags`), for every other batch: a rank whose status is not `HAVE` writes it into the
+  default process group's store when it fetches the batch; every rank reads one counter from the
+  store (one round trip, ~50 us) before the batch's first collective, and the details only when the
+  counter moved. A flag is always written in time: a rank fetches batch j before it takes part in
+  the collectives of the step before j, which every other rank must complete before it reads the
+  flags for j.
+
+A rank whose dataloader is exhausted keeps adding placeholders (no batch) until the end is agreed, so
+every rank holds as many batches in flight and issues the same collectives in order.
 
 Failures. A rank that raises inside `progress()` writes what happened in the default process group's
 store and waits a grace period for the others: if every rank raised at the same step, nothing else
@@ -39,6 +50,7 @@ __all__ = [
     "FailureSignal",
     "KeyCheck",
     "PeerFailedError",
+    "StoreFlags",
     "UnevenDataError",
     "Vote",
 ]
@@ -122,6 +134,38 @@ class Agreement:
         return out
 
 
+class StoreFlags:
+    """Statuses other than `HAVE`, published in the default process group's store under `prefix`
+    (unique per pipeline and lane, the same on every rank)."""
+
+    def __init__(self, store: Any, prefix: str) -> None:
+        self.store, self._prefix = store, prefix
+        self._seen = 0
+        self._flags: dict[int, tuple[int, int]] = {}
+
+    def raise_flag(self, status: int, position: int) -> None:
+        """Publish this rank's `status` for batch `position` (EXHAUSTED: from there on)."""
+        rank = dist.get_rank()
+        self.store.set(f"{self._prefix}/r{rank}", f"{status} {position}")
+        self.store.add(f"{self._prefix}/events", 1)  # after the set: a reader that sees it sees both
+
+    def statuses(self, position: int, world: int) -> list[int]:
+        """Every rank's status for batch `position`, from the flags raised so far."""
+        events = self.store.add(f"{self._prefix}/events", 0)
+        if events != self._seen:
+            self._seen = events
+            for rank in range(world):
+                key = f"{self._prefix}/r{rank}"
+                if self.store.check([key]):
+                    status, at = map(int, self.store.get(key).split())
+                    self._flags[rank] = (status, at)
+        out = [HAVE] * world
+        for rank, (status, at) in self._flags.items():
+            if (status == EXHAUSTED and at <= position) or at == position:
+                out[rank] = status
+        return out
+
+
 class KeyCheck:
     """Compares each batch's KeyedJaggedTensor keys, per path in the batch, with the first batch's.
 
@@ -196,7 +240,8 @@ class FailureSignal:
     """
 
     def __init__(self, *, grace: float) -> None:
-        self._store: Any = None
+        self.store: Any = None
+        """The default process group's store (None in a single process)."""
         self._grace = grace
         self._generation = 0
         self.rank, world = _world()
@@ -204,26 +249,26 @@ class FailureSignal:
         self.distributed = world > 1
         if self.distributed:
             with contextlib.suppress(Exception):
-                self._store = dist.distributed_c10d._get_default_store()
+                self.store = dist.distributed_c10d._get_default_store()
 
     def _key(self, name: str) -> str:
         return f"trainpipeline/failure{self._generation}/{name}"
 
     def announce(self, error: BaseException) -> None:
         """Record this rank's failure (what it raised)."""
-        if self._store is not None:
+        if self.store is not None:
             with contextlib.suppress(Exception):
                 text = f"rank {self.rank} raised {type(error).__name__}: {error}"
-                self._store.set(self._key(f"rank{self.rank}"), text[:2000])
-                self._store.add(self._key("count"), 1)
+                self.store.set(self._key(f"rank{self.rank}"), text[:2000])
+                self.store.add(self._key("count"), 1)
 
     def all_failed(self) -> bool:
         """Wait up to `grace` seconds for every rank to announce a failure of this generation."""
-        if self._store is None:
+        if self.store is None:
             return False
         deadline = time.monotonic() + self._grace
         try:
-            while self._store.add(self._key("count"), 0) < self.world:
+            while self.store.add(self._key("count"), 0) < self.world:
                 if time.monotonic() > deadline:
                     return False
                 time.sleep(0.02)
@@ -236,12 +281,12 @@ class FailureSignal:
         cannot be read: its host, rank 0, may be gone)."""
         found = []
         for rank in range(self.world):
-            if rank == self.rank or self._store is None:
+            if rank == self.rank or self.store is None:
                 continue
             with contextlib.suppress(Exception):
                 key = self._key(f"rank{rank}")
-                if self._store.check([key]):
-                    found.append(self._store.get(key).decode(errors="replace"))
+                if self.store.check([key]):
+                    found.append(self.store.get(key).decode(errors="replace"))
         return found
 
     def next_generation(self) -> None:

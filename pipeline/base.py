@@ -22,6 +22,7 @@ rank with the same error, and a rank that raises makes its peers stop within sec
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from pipeline.agreement import (
     FailureSignal,
     KeyCheck,
     PeerFailedError,
+    StoreFlags,
     UnevenDataError,
     keys_message,
     uneven_message,
@@ -66,6 +68,12 @@ class _Lane:
     """`drain()`: run what is in flight, fetch nothing."""
     fetched: int = 0
     """Batches taken from the iterator so far."""
+    flags: Any = None
+    """The lane's `StoreFlags` (across ranks, once a status other than HAVE may be published)."""
+    enqueued: int = 0
+    """Contexts added so far (placeholders included): the same count on every rank."""
+    flagged_end: bool = False
+    """This rank published that its iterator is exhausted."""
     steps: int = 0
     """Batches of this iterator run so far."""
 
@@ -141,7 +149,9 @@ class TrainPipelineBase:
         self._keys = KeyCheck() if check_keys else None
         self._agreement = Agreement(timeout=peer_timeout)
         self._voting = agreement and self._agreement.distributed
-        """Ranks vote on every batch (else a rank's own status is its vote)."""
+        """Ranks agree on every batch (else a rank's own status is all it knows)."""
+        self._pipeline_id = next(_PIPELINE_IDS)
+        self._lane_count = 0
         self._abort_on_error = abort_on_error
         self._failure = FailureSignal(grace=failure_grace)
         self.untrained_batches: list[Any] = []
@@ -159,7 +169,7 @@ class TrainPipelineBase:
         """
         lane = self._lanes.get(id(dataloader_iter))
         if lane is None or lane.iterator is not dataloader_iter:
-            lane = self._lanes[id(dataloader_iter)] = _Lane(dataloader_iter)
+            lane = self._lanes[id(dataloader_iter)] = self._new_lane(dataloader_iter)
         try:
             if not (self._execute_all_batches or lane.draining) and not self._read_ahead(lane):
                 lane.inflight.clear()  # the dataloader ended before this step's look-ahead: drop all
@@ -178,6 +188,14 @@ class TrainPipelineBase:
         except BaseException as e:
             self._fail(e)
             raise
+
+    def _new_lane(self, iterator: Iterator[Any]) -> _Lane:
+        lane = _Lane(iterator)
+        self._lane_count += 1  # the same on every rank: lanes are opened by lockstep progress()
+        store = self._failure.store
+        if self._voting and store is not None:
+            lane.flags = StoreFlags(store, f"trainpipeline/p{self._pipeline_id}/lane{self._lane_count}")
+        return lane
 
     def drain(self, dataloader_iter: Iterator[Any]) -> list[Any]:
         """Run every batch in flight from `dataloader_iter` without fetching another.
@@ -276,12 +294,21 @@ class TrainPipelineBase:
             if self._keys is not None and (found := self._keys.check(batch)) is not None:
                 status, ctx.found_keys = BAD_KEYS, found
         ctx.status = status
-        ctx.vote = self._agreement.vote(status) if self._voting else None
+        if self._voting:
+            # a vote where no collective of this rank's comes between this fetch and the other
+            # ranks' reading of the flags: the lane's first two batches (the second is fetched
+            # after the first's splits), and batches read ahead and admitted at once; else a flag
+            if lane.flags is None or lane.enqueued < 2 or not self._execute_all_batches:
+                ctx.vote = self._agreement.vote(status)
+            elif status == BAD_KEYS or (status == EXHAUSTED and not lane.flagged_end):
+                lane.flags.raise_flag(status, ctx.position)
+                lane.flagged_end = status == EXHAUSTED
         if batch is not None:
             with stage(self._streams, "copy", ctx.index, self._streams.memcpy):
                 ctx.batch = to_device(batch, self._device, non_blocking=True)
                 self._streams.produced(ctx.batch)
         lane.inflight.append(ctx)
+        lane.enqueued += 1
         return True
 
     def _admit(self, lane: _Lane, ctx: BatchContext) -> bool:
@@ -290,7 +317,13 @@ class TrainPipelineBase:
         rank. Raises the agreed errors (wrong keys; `on_uneven="error"`)."""
         if ctx.admitted:
             return True
-        statuses = ctx.vote.wait() if ctx.vote is not None else [ctx.status]
+        if ctx.vote is not None:
+            statuses = ctx.vote.wait()
+        elif self._voting and lane.flags is not None:
+            statuses = lane.flags.statuses(ctx.position, self._failure.world)
+            statuses[self._failure.rank] = ctx.status
+        else:
+            statuses = [ctx.status]
         if all(s == HAVE for s in statuses):
             ctx.admitted = True
             return True
@@ -359,6 +392,10 @@ class TrainPipelineBase:
             self._backward_and_step(ctx, losses)
         lane.inflight.popleft()
         return output
+
+
+_PIPELINE_IDS = itertools.count()
+"""Numbers pipelines in construction order, the same on every rank (names the store keys)."""
 
 
 def _is_comm_error(error: BaseException) -> bool:

@@ -18,8 +18,18 @@ from tests.harness import run_ranks
 
 PIPELINES = ("TrainPipelineBase", "TrainPipelineSparseDist", "PrefetchTrainPipelineSparseDist")
 LONG = 12
-# (batches on rank 0, batches on rank 1): rank 1 short by 1, 2, 3 and 10; rank 0 short by 2
-UNEVEN = [(LONG, LONG - 1), (LONG, LONG - 2), (LONG, LONG - 3), (LONG, LONG - 10), (LONG - 2, LONG)]
+# (batches on rank 0, batches on rank 1): rank 1 short by 1, 2, 3 and 10; rank 0 short by 2; rank 1
+# with one batch and with none (the ranks learn of these from the votes of a lane's first two
+# batches, of the others from the flags in the store)
+UNEVEN = [
+    (LONG, LONG - 1),
+    (LONG, LONG - 2),
+    (LONG, LONG - 3),
+    (LONG, LONG - 10),
+    (LONG - 2, LONG),
+    (LONG, 1),
+    (LONG, 0),
+]
 
 
 class Stateful:
