@@ -66,7 +66,7 @@ bench: setup
 
 # Tables on disk (tiered kernel, cold store, 5 % cached): plain, our three pipelines and torchrec's
 # SparseDist on the same stores; prints hit rate and store read time per variant. Stores go to
-# $(BENCH_STORE_DIR) (local disk, ~350 MB).
+# $(BENCH_STORE_DIR) (local disk, ~1.1 GB).
 BENCH_STORE_DIR ?= /var/tmp/bench-tiered
 BENCH_TIERED_ARGS ?= --steps 20 --warmup 10 --rounds 2 --profile-steps 0
 bench-tiered: setup

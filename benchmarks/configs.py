@@ -87,11 +87,13 @@ CONFIGS: dict[str, BenchConfig] = {
         ),
         BenchConfig(
             name="tiered",
-            description="tables on disk, 5 % cached, cold store: each step reads its misses from disk",
+            description="8 tables of 1M rows on disk (1 GB), 5 % cached, cold store: each step reads "
+            "its misses from the disk",
             batch_size=256,
             embedding_dim=32,
-            num_embeddings=100_000,
-            ids_per_feature=1,
+            num_embeddings=1_000_000,
+            ids_per_feature=2,
+            num_tables=8,
             dense_hidden=(512, 256),
             over_hidden=(1024, 512),
             cache_fraction=0.05,

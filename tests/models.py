@@ -265,3 +265,25 @@ def bitwise_equal(a, b) -> bool:
     return len(ta) == len(tb) and all(
         x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y) for x, y in zip(ta, tb, strict=True)
     )
+
+
+def run_to_end(pipe, it, limit: int = 1000) -> list:
+    """`pipe.progress(it)` until StopIteration; the outputs. Fails after `limit` outputs (a pipeline
+    that never stops)."""
+    outputs = []
+    while True:
+        try:
+            outputs.append(pipe.progress(it))
+        except StopIteration:
+            return outputs
+        assert len(outputs) <= limit, f"no StopIteration after {limit} outputs"
+
+
+def outputs_then_stop(pipe, it, steps: int) -> tuple[list, bool]:
+    """`steps` outputs, then whether the next `progress()` raises StopIteration."""
+    outputs = [pipe.progress(it) for _ in range(steps)]
+    try:
+        pipe.progress(it)
+    except StopIteration:
+        return outputs, True
+    return outputs, False

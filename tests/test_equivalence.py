@@ -34,12 +34,7 @@ def _run_cases(rank: int, world_size: int) -> dict:
         pipe = getattr(pipeline, pipe_name)(model, opt, torch.device("cpu"))
         # a fresh copy of the batches: row-wise FP-EBC input_dist writes weights into the KJTs
         it = iter(models.batches(kind, STEPS, rank))
-        outputs = [pipe.progress(it) for _ in range(STEPS)]
-        try:
-            pipe.progress(it)
-            stopped = False
-        except StopIteration:
-            stopped = True
+        outputs, stopped = models.outputs_then_stop(pipe, it, STEPS)
         report = getattr(pipe, "rewrite_report", None)
         results[(pipe_name, kind, sharding)] = {
             "outputs_equal": models.bitwise_equal(expected, outputs),

@@ -15,15 +15,6 @@ PIPELINES = ("TrainPipelineBase", "TrainPipelineSparseDist", "PrefetchTrainPipel
 KIND, SHARDING, N = "nested", "column_wise", 8
 
 
-def _drain(pipe, it) -> list:
-    out = []
-    while True:
-        try:
-            out.append(pipe.progress(it))
-        except StopIteration:
-            return out
-
-
 def _pair(pipe_name: str, **options):
     import torch
 
@@ -43,9 +34,9 @@ def _epochs(rank: int, pipe_name: str) -> dict:
     e1, e2 = models.batches(KIND, N, rank, seed=1), models.batches(KIND, 5, rank, seed=2)
     expected = models.plain_loop(ref, ref_opt, e1) + models.plain_loop(ref, ref_opt, e2)
     it1 = iter(e1)
-    got = _drain(pipe, it1)
-    again = _drain(pipe, it1)  # StopIteration again, nothing repeated
-    got += _drain(pipe, iter(e2))
+    got = models.run_to_end(pipe, it1)
+    again = models.run_to_end(pipe, it1)  # StopIteration again, nothing repeated
+    got += models.run_to_end(pipe, iter(e2))
     return {
         "counts": (len(got), len(again)),
         "equal": models.bitwise_equal(expected, got),
@@ -79,10 +70,10 @@ def _eval_switch(rank: int, pipe_name: str) -> dict:
     got = [pipe.progress(it) for _ in range(3)]
     grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
     model.eval()
-    got_eval = _drain(pipe, iter(evals))
+    got_eval = models.run_to_end(pipe, iter(evals))
     grad_in_eval = not models.bitwise_equal(grads, [p.grad for p in model.parameters()])
     model.train()
-    got += _drain(pipe, it)
+    got += models.run_to_end(pipe, it)
     return {
         "counts": (len(got), len(got_eval)),
         "equal": models.bitwise_equal(expected, got),
@@ -105,7 +96,7 @@ def _eval_pair(rank: int, pipe_name: str) -> bool:
     model.eval()
     with torch.no_grad():
         expected = [ref(b)[1] for b in data]
-    return models.bitwise_equal(expected, _drain(pipe, iter(data)))
+    return models.bitwise_equal(expected, models.run_to_end(pipe, iter(data)))
 
 
 def _detach(rank: int, pipe_name: str) -> dict:
@@ -125,7 +116,7 @@ def _detach(rank: int, pipe_name: str) -> dict:
     restored = all("forward" not in vars(m) for m in model.modules())
     with torch.no_grad():
         got_probe = model(probe)  # the plain model, mid-run
-    got += _drain(pipe, it)  # re-attaches, in-flight batches resume
+    got += models.run_to_end(pipe, it)  # re-attaches, in-flight batches resume
     return {
         "restored": restored,
         "probe_equal": models.bitwise_equal(expected_probe, got_probe),
@@ -145,7 +136,7 @@ def _exception(rank: int, pipe_name: str) -> dict:
     it = iter(data)
     error = None
     try:
-        _drain(pipe, it)
+        models.run_to_end(pipe, it)
     except RuntimeError as e:
         error = str(e)
     detach = getattr(pipe, "detach", lambda: None)
@@ -161,7 +152,7 @@ def _no_execute_all(rank: int, pipe_name: str) -> dict:
 
     ref, ref_opt, _, pipe = _pair(pipe_name, execute_all_batches=False)
     data = models.batches(KIND, N, rank, seed=8)
-    got = _drain(pipe, iter(data))
+    got = models.run_to_end(pipe, iter(data))
     expected = models.plain_loop(ref, ref_opt, data[: len(got)])
     return {"count": len(got), "equal": models.bitwise_equal(expected, got)}
 
@@ -177,7 +168,7 @@ def _streams(rank: int, pipe_name: str, broken: bool) -> dict:
         streams.handoff = lambda obj, producer: streams.record(obj, streams.current())
     model, opt = models.build(KIND, SHARDING)
     pipe = getattr(pipeline, pipe_name)(model, opt, torch.device("cpu"), streams=streams)
-    outputs = _drain(pipe, iter(models.batches(KIND, N, rank, seed=9)))
+    outputs = models.run_to_end(pipe, iter(models.batches(KIND, N, rank, seed=9)))
     try:
         checked, error = streams.check(), None
     except pipeline.HandoffError as e:
@@ -212,7 +203,7 @@ def _groups(rank: int, pipe_name: str) -> dict:
         original = pgs(model)
         got += [pipe.progress(it)]
         reattached = pgs(model)
-        got += _drain(pipe, it)
+        got += models.run_to_end(pipe, it)
         out[option] = {
             "a2as": len(original),
             "original_is_world": all(pg is dist.group.WORLD for pg in original),
@@ -260,7 +251,7 @@ def _labels(rank: int, pipe_name: str) -> list[str]:
 
     _, _, _, pipe = _pair(pipe_name)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        _drain(pipe, iter(models.batches(KIND, 4, rank, seed=10)))
+        models.run_to_end(pipe, iter(models.batches(KIND, 4, rank, seed=10)))
     return sorted({e.name for e in prof.events() if e.name.startswith("pipeline::")})
 
 

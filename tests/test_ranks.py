@@ -52,17 +52,6 @@ class Stateful:
         return {"position": self.position}
 
 
-def _run_to_end(pipe, it) -> tuple[list, bool]:
-    outputs = []
-    while True:
-        try:
-            outputs.append(pipe.progress(it))
-        except StopIteration:
-            return outputs, True
-        if len(outputs) > 100:
-            return outputs, False
-
-
 # -- uneven data ------------------------------------------------------------------------------
 
 
@@ -88,11 +77,10 @@ def _uneven(rank: int, world_size: int) -> dict:
         start = time.monotonic()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            outputs, stopped = _run_to_end(pipe, iter(models.batches("dlrm", counts[rank], rank)))
+            outputs = models.run_to_end(pipe, iter(models.batches("dlrm", counts[rank], rank)))
         results[(pipe_name, sharding, counts)] = {
             "seconds": time.monotonic() - start,
             "count": len(outputs),
-            "stopped": stopped,
             "outputs_equal": models.bitwise_equal(expected, outputs),
             "params_equal": models.bitwise_equal(ref_model.state_dict(), model.state_dict()),
             "untrained": len(pipe.untrained_batches),
@@ -102,7 +90,7 @@ def _uneven(rank: int, world_size: int) -> dict:
         model, opt = models.build("dlrm", sharding)
         pipe = getattr(pipeline, pipe_name)(model, opt, torch.device("cpu"), on_uneven="error")
         try:
-            _run_to_end(pipe, iter(models.batches("dlrm", counts[rank], rank)))
+            models.run_to_end(pipe, iter(models.batches("dlrm", counts[rank], rank)))
             results[(pipe_name, sharding, counts)]["error"] = None
         except pipeline.UnevenDataError as e:
             results[(pipe_name, sharding, counts)]["error"] = str(e)
@@ -124,7 +112,7 @@ def test_uneven_data_trains_the_common_count_on_every_rank(uneven, pipe_name, sh
     common = min(counts)
     for rank, per_rank in enumerate(uneven):
         r = per_rank[(pipe_name, sharding, counts)]
-        assert r["stopped"] and r["count"] == common, f"rank {rank}: {r['count']} outputs, expected {common}"
+        assert r["count"] == common, f"rank {rank}: {r['count']} outputs, expected {common}"
         assert r["outputs_equal"], f"rank {rank}: outputs differ from the plain loop on {common} batches"
         assert r["params_equal"], f"rank {rank}: parameters differ from the plain loop on {common} batches"
         assert r["seconds"] < 60, f"rank {rank}: took {r['seconds']:.0f} s"
@@ -279,11 +267,10 @@ def _checkpoint_resume(rank: int, world_size: int, out: str) -> dict:
         opt.load_state_dict(saved["optimizer"])
         loader = Stateful(models.batches("dlrm", CKPT_STEPS, rank), **saved["loader"])
         pipe = getattr(pipeline, pipe_name)(model, opt, torch.device("cpu"))
-        rest, stopped = _run_to_end(pipe, loader)
+        rest = models.run_to_end(pipe, loader)
         outputs = saved["outputs"] + rest
         results[pipe_name] = {
             "count": len(outputs),
-            "stopped": stopped,
             "outputs_equal": models.bitwise_equal(expected, outputs),
             "params_equal": models.bitwise_equal(ref_model.state_dict(), model.state_dict()),
         }
@@ -299,5 +286,5 @@ def test_drain_then_checkpoint_resumes_bit_for_bit(tmp_path):
             assert s["in_flight_equal"], f"{pipe_name} rank {rank}: state_dict at step {CKPT_AT} differs"
             if pipe_name != "TrainPipelineBase":
                 assert s["fetched_ahead"] > 0, "the case must have batches in flight at the checkpoint"
-            assert r["stopped"] and r["count"] == CKPT_STEPS, r
+            assert r["count"] == CKPT_STEPS, r
             assert r["outputs_equal"] and r["params_equal"], f"{pipe_name} rank {rank}: {r}"

@@ -39,6 +39,38 @@ def test_store_round_trip_in_runs(tmp_path):
     assert store.stats.bytes_read == 14 * (DIM + 1) * 4
 
 
+@pytest.mark.parametrize("cold", [False, True])
+def test_store_reads_and_writes_scattered_rows_through_the_io_pool(tmp_path, cold):
+    # 256-byte rows, 3000 of 20000 at random: spans of neighbours, lone rows, more calls than the
+    # pool's threshold (so the calls run on the I/O threads), through the page cache or not
+    store = RowStore.create(tmp_path / "big.rows", 20_000, 64, 1, lambda b: b.normal_(), cold=cold)
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randperm(20_000, generator=gen)[:3000].sort().values
+    weights, state = store.read(rows)
+    assert torch.equal(weights, store.weights()[rows]) and torch.equal(state, torch.zeros(3000, 1))
+    new_w, new_s = torch.randn(3000, 64, generator=gen), torch.randn(3000, 1, generator=gen)
+    store.write(rows, new_w, new_s)
+    weights, state = store.read(rows)
+    assert torch.equal(weights, new_w) and torch.equal(state, new_s)
+    untouched = torch.ones(20_000, dtype=torch.bool)
+    untouched[rows] = False
+    assert torch.equal(store.state()[untouched], torch.zeros(int(untouched.sum()), 1))
+
+
+def test_spans_cover_every_row_once_within_their_limits():
+    import numpy as np
+
+    from tiered.store import _spans
+
+    ids = np.array([0, 1, 2, 10, 11, 40, 41, 200, 201, 202, 203, 204, 205])
+    spans = _spans(ids, max_gap=8, max_rows=4)
+    assert [i for a, b in spans for i in range(a, b)] == list(range(len(ids)))
+    for a, b in spans:
+        assert ids[b - 1] - ids[a] + 1 <= 4 or b - a == 1
+        assert all(np.diff(ids[a:b]) <= 8)
+    assert spans[0] == (0, 3) and (7, 11) in spans
+
+
 def test_store_refuses_another_shape_and_missing_directory(tmp_path):
     _store(tmp_path)
     with pytest.raises(StoreError, match="another table shape"):

@@ -99,7 +99,7 @@ def _equivalence(rank: int, world_size: int) -> dict:
     import torch
 
     import pipeline
-    from tests.models import bitwise_equal, plain_loop
+    from tests.models import bitwise_equal, outputs_then_stop, plain_loop
 
     results = {}
     for sharding in SHARDINGS:
@@ -133,12 +133,7 @@ def _equivalence(rank: int, world_size: int) -> dict:
                 ahead = {"prefetch_ahead": True} if pipe_name.startswith("Prefetch") else {}
                 pipe = getattr(pipeline, pipe_name)(model, opt, torch.device("cpu"), **ahead)
                 it = iter(data)
-                outputs = [pipe.progress(it) for _ in range(STEPS)]
-                try:
-                    pipe.progress(it)
-                    stopped = False
-                except StopIteration:
-                    stopped = True
+                outputs, stopped = outputs_then_stop(pipe, it, STEPS)
                 ebc = model.module.model.sparse_arch.embedding_bag_collection
                 pinned = sum(c.pinned_rows for k in ebc.tiered_kernels() for c in k.caches)
                 results[(pipe_name, sharding)] = {

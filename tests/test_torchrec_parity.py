@@ -19,19 +19,11 @@ from torchrec.distributed import train_pipeline as torchrec_pipelines
 from torchrec.streamable import Pipelineable
 
 import pipeline
+from tests import models
 from tests.harness import run_ranks
 
 PIPELINES = ("TrainPipelineBase", "TrainPipelineSparseDist", "PrefetchTrainPipelineSparseDist")
 LENGTHS = (0, 1, 2, 3, 4, 5, 9)
-
-
-def _drain(pipe, it) -> list:
-    out = []
-    while True:
-        try:
-            out.append(pipe.progress(it))
-        except StopIteration:
-            return out
 
 
 # -- the schedule alone: a model without sharded modules ---------------------------------------
@@ -65,7 +57,7 @@ def schedule(cls: type, n: int, **options) -> list[int]:
     """The positions of the batches whose outputs `cls` returns from a dataloader of `n` batches."""
     model = _Echo()
     pipe = cls(model, torch.optim.SGD(model.parameters(), lr=0.0), torch.device("cpu"), **options)
-    return [int(out) for out in _drain(pipe, iter([_Numbered(i) for i in range(n)]))]
+    return [int(out) for out in models.run_to_end(pipe, iter([_Numbered(i) for i in range(n)]))]
 
 
 def _theirs(name: str, n: int, execute_all_batches: bool) -> list[int]:
@@ -131,7 +123,7 @@ def _lengths(rank: int) -> dict:
             no_option = (who, name) == ("torchrec", "TrainPipelineBase")
             options = {} if no_option else {"execute_all_batches": False}
             pipe = cls(model, opt, torch.device("cpu"), **options)
-            got = _drain(pipe, iter(models.batches(kind, n, rank, seed=20 + n)))
+            got = models.run_to_end(pipe, iter(models.batches(kind, n, rank, seed=20 + n)))
             out[who, name, n] = {
                 "count": len(got),
                 "outputs": models.bitwise_equal(expected[: len(got)], got),
@@ -152,7 +144,7 @@ def _collections(rank: int) -> dict:
         for name in PIPELINES[1:]:
             model, opt = models.build("postproc", sharding)
             pipe = getattr(pipeline, name)(model, opt, torch.device("cpu"), pipeline_postproc=True)
-            got = _drain(pipe, iter(models.batches("postproc", 12, rank)))
+            got = models.run_to_end(pipe, iter(models.batches("postproc", 12, rank)))
             out[name, sharding] = {
                 "outputs": len(got) == 12 and models.bitwise_equal(expected, got),
                 "params": models.bitwise_equal(states[-1], _state(model)),

@@ -3,8 +3,11 @@
 A store knows row I/O and nothing else: no cache, no torchrec. The file is a 4 KiB header (shape and
 dtype, checked on open), then the weights `[rows, dim]` and the optimizer state `[rows, state_width]`
 as two contiguous float32 regions. Rows are read and written with `preadv`/`pwritev` (the GIL is
-released during the system call, so a prefetch thread overlaps compute while it waits on the disk),
-one call per run of consecutive rows. Nothing is memory-mapped during training, so resident memory
+released during the system call, so a prefetch thread overlaps compute while it waits on the disk).
+A read covers a span of rows when the gaps between the rows asked for are under a page (one call
+instead of one per row; the rows are then gathered in memory), and the calls of one read or write
+go to a small pool of I/O threads (`IO_THREADS`), so that several requests wait on the disk at once
+instead of one after another. Nothing is memory-mapped during training, so resident memory
 stays bounded by the cache however large the table; `weights()`/`state()` map the regions only for
 checkpoints.
 """
@@ -13,8 +16,10 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +32,39 @@ _MAGIC = b"TIEREDSTORE1\n"
 _HEADER = 4096
 _ALIGN = 4096
 _CHUNK_BYTES = 64 << 20  # initialisation writes at most this much at a time
+_PAGE = 4096
+_SPAN_BYTES = 1 << 20  # a coalesced read reads at most this much at once
+IO_THREADS = 8
+"""Threads issuing one read's or write's system calls (shared by every store of the process)."""
+_PARALLEL_MIN = 16  # fewer calls than this are issued by the calling thread alone
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _io_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="tiered-io")
+        return _pool
+
+
+def _in_parallel(tasks: list[Callable[[], None]]) -> None:
+    """Run `tasks` (independent system calls) on the I/O pool, in `IO_THREADS` chunks; re-raise the
+    first error."""
+    if len(tasks) < _PARALLEL_MIN:
+        for task in tasks:
+            task()
+        return
+    chunks = [tasks[i::IO_THREADS] for i in range(IO_THREADS)]
+    futures = [_io_pool().submit(_run_all, chunk) for chunk in chunks if chunk]
+    for future in futures:
+        future.result()
+
+
+def _run_all(tasks: list[Callable[[], None]]) -> None:
+    for task in tasks:
+        task()
 
 
 class StoreError(RuntimeError):
@@ -142,10 +180,8 @@ class RowStore:
         ids = rows.numpy()
         weights = np.empty((len(ids), self.dim), dtype=np.float32)
         state = np.empty((len(ids), self.state_width), dtype=np.float32)
-        for first, start, n in _runs(ids):
-            self._io(os.preadv, weights[first : first + n], self._w_off + start * self.dim * 4)
-            if self.state_width:
-                self._io(os.preadv, state[first : first + n], self._s_off + start * self.state_width * 4)
+        tasks = self._reads(ids, weights, self._w_off) + self._reads(ids, state, self._s_off)
+        _in_parallel(tasks)
         nbytes = weights.nbytes + state.nbytes
         self.stats.rows_read += len(ids)
         self.stats.bytes_read += nbytes
@@ -158,13 +194,45 @@ class RowStore:
         ids = rows.numpy()
         w = np.ascontiguousarray(weights.numpy())
         s = np.ascontiguousarray(state.numpy())
+        tasks = []
         for first, start, n in _runs(ids):
-            self._io(os.pwritev, w[first : first + n], self._w_off + start * self.dim * 4)
+            tasks.append(self._call(os.pwritev, w[first : first + n], self._w_off + start * self.dim * 4))
             if self.state_width:
-                self._io(os.pwritev, s[first : first + n], self._s_off + start * self.state_width * 4)
+                offset = self._s_off + start * self.state_width * 4
+                tasks.append(self._call(os.pwritev, s[first : first + n], offset))
+        _in_parallel(tasks)
         self.stats.rows_written += len(ids)
         self.stats.bytes_written += w.nbytes + s.nbytes
         self.stats.write_seconds += time.perf_counter() - started
+
+    def _reads(self, ids: np.ndarray, out: np.ndarray, region: int) -> list[Callable[[], None]]:
+        """Tasks that fill `out` (one row per id) from the region at byte `region`."""
+        width = out.shape[1]
+        if width == 0 or len(ids) == 0:
+            return []
+        row_bytes = width * 4
+        tasks = []
+        for a, b in _spans(ids, max_gap=_PAGE // row_bytes, max_rows=max(1, _SPAN_BYTES // row_bytes)):
+            first, last = int(ids[a]), int(ids[b - 1])
+            offset = region + first * row_bytes
+            if last - first + 1 == b - a:  # consecutive rows: read them in place
+                tasks.append(self._call(os.preadv, out[a:b], offset))
+            else:
+                tasks.append(self._gather(out, ids[a:b], a, first, last, offset))
+        return tasks
+
+    def _gather(
+        self, out: np.ndarray, ids: np.ndarray, a: int, first: int, last: int, offset: int
+    ) -> Callable[[], None]:
+        def task() -> None:
+            span = np.empty((last - first + 1, out.shape[1]), dtype=np.float32)
+            self._io(os.preadv, span, offset)
+            out[a : a + len(ids)] = span[ids - first]
+
+        return task
+
+    def _call(self, call: Callable, block: np.ndarray, offset: int) -> Callable[[], None]:
+        return lambda: self._io(call, block, offset)
 
     def _io(self, call: Callable, block: np.ndarray, offset: int) -> None:
         view = memoryview(block).cast("B")
@@ -172,7 +240,9 @@ class RowStore:
         if done != len(view):
             raise StoreError(f"short I/O on {self.path} at byte {offset}: {done} of {len(view)} bytes")
         if self.cold and call is os.preadv:
-            os.posix_fadvise(self._fd, offset, len(view), os.POSIX_FADV_DONTNEED)
+            # whole pages: the kernel keeps a page that is only partly inside the range
+            start = offset // _PAGE * _PAGE
+            os.posix_fadvise(self._fd, start, _align(offset + len(view)) - start, os.POSIX_FADV_DONTNEED)
 
     def drop_page_cache(self) -> None:
         """Write dirty pages and drop the whole file from the page cache (cold reads after)."""
@@ -209,6 +279,23 @@ class RowStore:
             self.close()
         except Exception:
             pass
+
+
+def _spans(ids: np.ndarray, *, max_gap: int, max_rows: int) -> list[tuple[int, int]]:
+    """`[a, b)` ranges of sorted unique `ids` to read with one call each: neighbours at most
+    `max_gap` rows apart share a call, and no call covers more than `max_rows` rows."""
+    if len(ids) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(ids) > max_gap) + 1
+    spans = []
+    starts, ends = np.concatenate(([0], breaks)).tolist(), np.concatenate((breaks, [len(ids)])).tolist()
+    for a, b in zip(starts, ends, strict=True):
+        while ids[b - 1] - ids[a] + 1 > max_rows:
+            cut = a + int(np.searchsorted(ids[a:b], ids[a] + max_rows))
+            spans.append((a, cut))
+            a = cut
+        spans.append((a, b))
+    return spans
 
 
 def _runs(ids: np.ndarray):
