@@ -68,8 +68,9 @@ bench: setup
 # SparseDist on the same stores; prints hit rate and store read time per variant. Stores go to
 # $(BENCH_STORE_DIR) (local disk, ~1.1 GB).
 BENCH_STORE_DIR ?= /var/tmp/bench-tiered
-BENCH_TIERED_ARGS ?= --steps 20 --warmup 10 --rounds 2 --profile-steps 0
+BENCH_TIERED_ARGS ?= --steps 15 --warmup 60 --auto-warmup 75 --rounds 2 --profile-steps 0
 bench-tiered: setup
+	rm -rf $(BENCH_STORE_DIR)
 	BENCH_STORE_DIR=$(BENCH_STORE_DIR) $(BIN)/python -m benchmarks.run --configs tiered --variants plain ours-base ours-sparse-dist ours-prefetch torchrec-sparse-dist $(BENCH_TIERED_ARGS) --json out/bench/tiered.json --md out/bench/tiered.md
 
 # The sweep (issue 12): 14 points from network-bound (100 Mbit) to compute-bound (loopback), every
