@@ -57,6 +57,93 @@ def test_store_reads_and_writes_scattered_rows_through_the_io_pool(tmp_path, col
     assert torch.equal(store.state()[untouched], torch.zeros(int(untouched.sum()), 1))
 
 
+class _SlowWrites:
+    """Holds the store's writer thread inside its first write until `go` is set."""
+
+    def __init__(self, store: RowStore) -> None:
+        import threading
+
+        self.go, self.store, self._real = threading.Event(), store, store._write_now
+        store._write_now = self._write
+
+    def _write(self, *args) -> None:
+        assert self.go.wait(30)
+        self._real(*args)
+
+
+def test_store_writes_behind_and_reads_see_queued_rows(tmp_path):
+    store = _store(tmp_path)
+    before = store.weights().clone()
+    slow = _SlowWrites(store)
+    first, second = torch.tensor([3, 4, 5]), torch.tensor([4, 9])
+    store.write(first, torch.full((3, DIM), 1.0), torch.full((3, 1), 1.0))  # returns at once
+    store.write(second, torch.full((2, DIM), 2.0), torch.full((2, 1), 2.0))
+    on_disk = RowStore.open(tmp_path / "t.rows", ROWS, DIM, 1)  # the file, bypassing the queue
+    assert torch.equal(on_disk.read(torch.tensor([3, 4, 9]))[0], before[[3, 4, 9]])
+    weights, state = store.read(torch.tensor([2, 3, 4, 9]))  # the newest queued value wins
+    assert torch.equal(weights[0], before[2]) and weights[1:, 0].tolist() == [1.0, 2.0, 2.0]
+    assert state[:, 0].tolist() == [0.0, 1.0, 2.0, 2.0]
+    slow.go.set()
+    store.sync()
+    assert store._queued == []
+    weights = on_disk.read(torch.tensor([3, 4, 5, 9]))[0]
+    assert weights[:, 0].tolist() == [1.0, 2.0, 1.0, 2.0]  # written in order: row 4 ends at 2.0
+
+
+def test_store_write_queue_is_bounded(tmp_path, monkeypatch):
+    import threading
+
+    import tiered.store
+
+    monkeypatch.setattr(tiered.store, "WRITE_BEHIND", 2)
+    store = _store(tmp_path)
+    slow = _SlowWrites(store)
+    for row in range(2):  # the writer holds the first in its write; both are queued
+        store.write(torch.tensor([row]), torch.ones(1, DIM), torch.ones(1, 1))
+    blocked = threading.Thread(
+        target=store.write, args=(torch.tensor([7]), torch.ones(1, DIM), torch.ones(1, 1))
+    )
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive(), "a write beyond WRITE_BEHIND must wait for the oldest"
+    slow.go.set()
+    blocked.join(10)
+    assert not blocked.is_alive()
+    store.sync()
+    assert store.stats.write_wait_seconds > 0.2
+
+
+def test_store_write_error_is_reported_and_rows_stay_readable(tmp_path):
+    store = _store(tmp_path)
+
+    def fail(*args) -> None:
+        raise OSError(28, "No space left on device")
+
+    store._write_now = fail
+    store.write(torch.tensor([1]), torch.full((1, DIM), 5.0), torch.zeros(1, 1))
+    with pytest.raises(StoreError, match="No space left on device"):
+        store.sync()
+    assert store.read(torch.tensor([1]))[0][0, 0].item() == 5.0  # still served from the queue
+    with pytest.raises(StoreError, match="free disk space"):
+        store.write(torch.tensor([2]), torch.zeros(1, DIM), torch.zeros(1, 1))
+
+
+def test_cache_flush_puts_evicted_and_dirty_rows_in_the_file(tmp_path):
+    cache = _cache(tmp_path, capacity=4)
+    slow = _SlowWrites(cache.store)
+    pin = cache.acquire(torch.tensor([0, 1, 2, 3]))
+    cache.weights[pin.unique_slots] += 100.0
+    cache.mark_dirty(pin.unique_slots)
+    pin.release()
+    cache.acquire(torch.tensor([10, 11])).release()  # evicts two dirty rows: queued, not written
+    on_disk = RowStore.open(tmp_path / "t.rows", ROWS, DIM, 1)
+    queued = cache.store.read(torch.tensor([0, 1, 2, 3]))[0][:, 0] > 50  # the evicted two
+    assert int(queued.sum()) == 2 and not (on_disk.read(torch.tensor([0, 1, 2, 3]))[0] > 50).any()
+    slow.go.set()
+    cache.flush()
+    assert (on_disk.read(torch.tensor([0, 1, 2, 3]))[0] > 50).all()
+
+
 def test_spans_cover_every_row_once_within_their_limits():
     import numpy as np
 

@@ -4,7 +4,8 @@ The cache knows slots, pins and eviction, and nothing of torchrec. `acquire(ids)
 makes every row of a batch resident and pins it; the returned `Pin` carries the slot of every id and
 is released after that batch's update (or when dropped). Only unpinned rows are evicted, so the
 prefetch of batch i+1 can run while batch i is still in backward: the rows batch i reads and updates
-stay where they are. Dirty rows are written back to the store on eviction and on `flush()`.
+stay where they are. Dirty rows are written back to the store on eviction (queued: the store writes
+them behind, and a read sees them at once) and on `flush()` (which waits until they are in the file).
 
 Thread safety: one prefetch (or flush) at a time (`_io_lock`); the bookkeeping (`_lock`) is held
 only briefly, never across disk I/O, so a pin released by backward on the main thread never waits
@@ -170,13 +171,15 @@ class RowCache:
             self.dirty[slots] = True
 
     def flush(self) -> None:
-        """Write every dirty row back to the store (rows stay cached)."""
+        """Write every dirty row back to the store and wait until it is in the file (rows stay
+        cached)."""
         with self._io_lock:
             with self._lock:
                 slots = torch.nonzero(self.dirty).squeeze(1)
                 rows = self.row_of_slot[slots]
                 self.dirty[slots] = False
             self._write_back(rows, slots)
+            self.store.sync()
 
     def purge(self) -> None:
         """Forget every cached row without writing it back (after the store was overwritten).

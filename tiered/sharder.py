@@ -106,6 +106,14 @@ class TieredShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def __init__(self, *args: Any, tiered: TieredOptions, **kwargs: Any) -> None:
         self._tiered_options = tiered
         super().__init__(*args, **kwargs)
+        # Loading copies into the stores' mapped regions: rows queued for write-back must land
+        # before (or they would overwrite the loaded ones), and cached rows are stale after.
+        self._register_load_state_dict_pre_hook(lambda *_: self._for_kernels("flush"))
+        self.register_load_state_dict_post_hook(lambda *_: self._for_kernels("purge"))
+
+    def _for_kernels(self, method: str) -> None:
+        for kernel in self.tiered_kernels():
+            getattr(kernel, method)()
 
     def _create_lookups(self) -> None:
         prefix = f"{(self._module_fqn or 'ebc').replace('.', '_')}."

@@ -7,9 +7,12 @@ released during the system call, so a prefetch thread overlaps compute while it 
 A read covers a span of rows when the gaps between the rows asked for are under a page (one call
 instead of one per row; the rows are then gathered in memory), and the calls of one read or write
 go to a small pool of I/O threads (`IO_THREADS`), so that several requests wait on the disk at once
-instead of one after another. Nothing is memory-mapped during training, so resident memory
-stays bounded by the cache however large the table; `weights()`/`state()` map the regions only for
-checkpoints.
+instead of one after another. Writes are written behind: `write()` queues the rows and returns, a
+writer thread of the store writes them in the order they were queued, and `read()` of a row still
+queued returns the queued values, so a prefetch never waits for a write-back (up to `WRITE_BEHIND`
+writes are queued per store; one more waits for the oldest). `sync()` waits for every queued write.
+Nothing is memory-mapped during training, so resident memory stays bounded by the cache however
+large the table; `weights()`/`state()` map the regions only for checkpoints (after a `sync()`).
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +40,8 @@ _SPAN_BYTES = 1 << 20  # a coalesced read reads at most this much at once
 IO_THREADS = 8
 """Threads issuing one read's or write's system calls (shared by every store of the process)."""
 _PARALLEL_MIN = 16  # fewer calls than this are issued by the calling thread alone
+WRITE_BEHIND = 4
+"""Writes queued per store before `write()` waits for the oldest (bounds the RAM they hold)."""
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -81,6 +86,19 @@ class StoreStats:
     bytes_written: int = 0
     read_seconds: float = 0.0
     write_seconds: float = 0.0
+    """Time the writer thread spent writing (in the background)."""
+    write_wait_seconds: float = 0.0
+    """Time callers of `write()`/`sync()` waited for queued writes (the part not hidden)."""
+
+
+@dataclass(eq=False)
+class _Queued:
+    """One `write()` not yet on disk: sorted unique rows and their values (copies)."""
+
+    rows: np.ndarray
+    weights: np.ndarray
+    state: np.ndarray
+    done: Future = field(default_factory=Future)
 
 
 def _align(n: int) -> int:
@@ -109,6 +127,10 @@ class RowStore:
         self._size = _align(self._s_off + rows * state_width * 4)
         self._fd = os.open(self.path, os.O_RDWR)
         self._maps: dict[str, torch.Tensor] = {}
+        self._queued: list[_Queued] = []  # oldest first; an entry leaves once it is on disk
+        self._queue_lock = threading.Lock()
+        self._writer: ThreadPoolExecutor | None = None
+        self._write_error: BaseException | None = None
         if cold:
             self.drop_page_cache()  # a new store's pages are all in the page cache
 
@@ -175,13 +197,23 @@ class RowStore:
     # -- row I/O ------------------------------------------------------------------------------
 
     def read(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Weights `[n, dim]` and state `[n, state_width]` of `rows` (sorted, unique)."""
+        """Weights `[n, dim]` and state `[n, state_width]` of `rows` (sorted, unique), including
+        writes still queued."""
         started = time.perf_counter()
         ids = rows.numpy()
         weights = np.empty((len(ids), self.dim), dtype=np.float32)
         state = np.empty((len(ids), self.state_width), dtype=np.float32)
+        # Taken before the disk read: a queued write that lands during the read may or may not be
+        # seen by it, and is then overlaid from this snapshot either way.
+        with self._queue_lock:
+            queued = list(self._queued)
         tasks = self._reads(ids, weights, self._w_off) + self._reads(ids, state, self._s_off)
         _in_parallel(tasks)
+        for entry in queued:  # oldest first, so the newest value of a row wins
+            _, mine, theirs = np.intersect1d(ids, entry.rows, assume_unique=True, return_indices=True)
+            if len(mine):
+                weights[mine] = entry.weights[theirs]
+                state[mine] = entry.state[theirs]
         nbytes = weights.nbytes + state.nbytes
         self.stats.rows_read += len(ids)
         self.stats.bytes_read += nbytes
@@ -189,11 +221,71 @@ class RowStore:
         return torch.from_numpy(weights), torch.from_numpy(state)
 
     def write(self, rows: torch.Tensor, weights: torch.Tensor, state: torch.Tensor) -> None:
-        """Write `weights`/`state` of `rows` (sorted, unique) back to the file."""
+        """Queue `weights`/`state` of `rows` (sorted, unique) to be written to the file.
+
+        Returns once they are queued (copied); `read()` sees them at once, the file after `sync()`.
+
+        Raises:
+            StoreError: an earlier queued write failed (the store is then unusable).
+        """
+        self._raise_write_error()
+        entry = _Queued(
+            rows.numpy().copy(),
+            np.array(weights.numpy(), dtype=np.float32, order="C"),
+            np.array(state.numpy(), dtype=np.float32, order="C"),
+        )
+        with self._queue_lock:
+            self._queued.append(entry)
+            oldest = self._queued[0] if len(self._queued) > WRITE_BEHIND else None
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-writer")
+        self._writer.submit(self._write_queued, entry)
+        self.stats.rows_written += len(entry.rows)
+        self.stats.bytes_written += entry.weights.nbytes + entry.state.nbytes
+        if oldest is not None:
+            self._wait(oldest)
+
+    def sync(self) -> None:
+        """Wait until every queued write is in the file.
+
+        Raises:
+            StoreError: a queued write failed.
+        """
+        with self._queue_lock:
+            newest = self._queued[-1] if self._queued else None
+        if newest is not None:
+            self._wait(newest)  # one writer thread: the newest is written last
+        self._raise_write_error()
+
+    def _wait(self, entry: _Queued) -> None:
         started = time.perf_counter()
-        ids = rows.numpy()
-        w = np.ascontiguousarray(weights.numpy())
-        s = np.ascontiguousarray(state.numpy())
+        entry.done.result()
+        self.stats.write_wait_seconds += time.perf_counter() - started
+        self._raise_write_error()
+
+    def _write_queued(self, entry: _Queued) -> None:
+        """On the writer thread: write `entry`, then drop it from the queue (kept on failure, so
+        reads stay right while the error is reported)."""
+        started = time.perf_counter()
+        try:
+            if self._write_error is None:
+                self._write_now(entry.rows, entry.weights, entry.state)
+                with self._queue_lock:
+                    self._queued.remove(entry)
+        except BaseException as error:
+            self._write_error = error
+        finally:
+            self.stats.write_seconds += time.perf_counter() - started
+            entry.done.set_result(None)
+
+    def _raise_write_error(self) -> None:
+        if self._write_error is not None:
+            raise StoreError(
+                f"writing rows back to {self.path} failed ({self._write_error}); the rows still queued "
+                "are lost when the process ends: free disk space or fix the file, then restore a checkpoint"
+            ) from self._write_error
+
+    def _write_now(self, ids: np.ndarray, w: np.ndarray, s: np.ndarray) -> None:
         tasks = []
         for first, start, n in _runs(ids):
             tasks.append(self._call(os.pwritev, w[first : first + n], self._w_off + start * self.dim * 4))
@@ -201,9 +293,6 @@ class RowStore:
                 offset = self._s_off + start * self.state_width * 4
                 tasks.append(self._call(os.pwritev, s[first : first + n], offset))
         _in_parallel(tasks)
-        self.stats.rows_written += len(ids)
-        self.stats.bytes_written += w.nbytes + s.nbytes
-        self.stats.write_seconds += time.perf_counter() - started
 
     def _reads(self, ids: np.ndarray, out: np.ndarray, region: int) -> list[Callable[[], None]]:
         """Tasks that fill `out` (one row per id) from the region at byte `region`."""
@@ -245,7 +334,9 @@ class RowStore:
             os.posix_fadvise(self._fd, start, _align(offset + len(view)) - start, os.POSIX_FADV_DONTNEED)
 
     def drop_page_cache(self) -> None:
-        """Write dirty pages and drop the whole file from the page cache (cold reads after)."""
+        """Write queued rows and dirty pages and drop the whole file from the page cache (cold reads
+        after)."""
+        self.sync()
         os.fsync(self._fd)
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
@@ -260,6 +351,7 @@ class RowStore:
         return self._map("state", self._s_off, (self.rows, self.state_width))
 
     def _map(self, name: str, offset: int, shape: tuple[int, int]) -> torch.Tensor:
+        self.sync()
         if name not in self._maps:
             if shape[0] * shape[1] == 0:
                 self._maps[name] = torch.zeros(shape)
@@ -269,6 +361,14 @@ class RowStore:
         return self._maps[name]
 
     def close(self) -> None:
+        """Write what is queued and close the file."""
+        if self._fd >= 0:
+            try:
+                self.sync()
+            finally:
+                if self._writer is not None:
+                    self._writer.shutdown()
+                    self._writer = None
         self._maps.clear()
         if self._fd >= 0:
             os.close(self._fd)
