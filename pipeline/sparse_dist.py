@@ -191,6 +191,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
             self._start_input_dist(nxt)
             if SCHEDULES[self._schedule].early_splits:
                 self._wait_splits(nxt)
+                self._after_splits(nxt)
         self._before_forward(ctx)
         losses, output = self._forward(ctx)
         if nxt is not None:
@@ -203,6 +204,9 @@ class TrainPipelineSparseDist(TrainPipelineBase):
 
     def _before_forward(self, ctx: BatchContext) -> None:
         pass
+
+    def _after_splits(self, nxt: BatchContext) -> None:
+        """`nxt`'s values all-to-all is under way, before forward of the head batch (early splits)."""
 
     def _after_forward(self, nxt: BatchContext) -> None:
         """Forward of the head batch is done and `nxt`'s values all-to-all is under way."""
@@ -319,7 +323,9 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
 
     Args:
         prefetch_ahead: True: the prefetch stage of batch i+1 is submitted right after forward of
-            i, so it overlaps backward and optimizer of i (on CPU on a worker thread). False: it
+            i, so it overlaps backward and optimizer of i (on CPU on a worker thread, where under
+            the early-splits schedules it is submitted before forward of i, so it overlaps forward
+            too: the worker waits for the values all-to-all, then prefetches). False: it
             runs just before forward of i+1 (SparseDist's order; inline on CPU). "auto" (default):
             on CUDA True; on CPU True while the modules' `prefetch()` calls take at least
             `AHEAD_MIN_MS` a batch (median of batches 2 to 9), else False, since handing a
@@ -379,9 +385,17 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
         self._streams.drain()
         return super().detach()
 
+    def _after_splits(self, nxt: BatchContext) -> None:
+        # On a worker thread, the prefetch of batch i+1 can start as soon as its values all-to-all
+        # is under way: it waits for it there, then reads the disk during forward, backward and
+        # optimizer of batch i. The rows batch i uses are pinned, so it never evicts them.
+        if self._ahead and isinstance(self._streams, ThreadStreams) and self._streams.on_worker:
+            self._submit_prefetch(nxt)
+
     def _after_forward(self, nxt: BatchContext) -> None:
         # The prefetch of batch i+1 overlaps backward and optimizer of batch i (torchrec's GPU
-        # order); rows it needs are pinned by the kernel, so backward of i cannot lose them.
+        # order; a no-op if it was submitted before forward); rows it needs are pinned by the
+        # kernel, so backward of i cannot lose them.
         if self._ahead:
             self._submit_prefetch(nxt)
 

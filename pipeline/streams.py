@@ -178,12 +178,16 @@ class ThreadStreams(Streams):
         self.threaded = True
         """False runs work submitted to the prefetch stream inline, on the calling thread."""
 
-    def submit(self, stream: Any, work: Callable[[], None]) -> Future:
+    @property
+    def on_worker(self) -> bool:
+        """Whether work submitted to the prefetch stream now runs on the worker thread."""
         # torch.profiler records only the threads it was started on, unless told otherwise: while it
         # runs, work stays on the calling thread so that every stage keeps its label.
         profiled = torch.autograd.profiler._is_profiler_enabled and not _all_threads_profiled
-        threaded = self.threaded and not profiled
-        if isinstance(stream, _WorkerStream) and threaded:
+        return self.threaded and not profiled
+
+    def submit(self, stream: Any, work: Callable[[], None]) -> Future:
+        if isinstance(stream, _WorkerStream) and self.on_worker:
             return stream.submit(work)
         if isinstance(stream, _WorkerStream):
             stream.join()  # in order with what was submitted before
