@@ -120,13 +120,14 @@ def _on_disk(
 
 def make_batches(config: BenchConfig, *, count: int, rank: int, seed: int = 0) -> list[Batch]:
     """`count` batches of `config.batch_size` samples for `rank`, on CPU, deterministic in the
-    arguments: uniform ids, lengths uniform around `config.ids_per_feature`, random labels."""
+    arguments: ids uniform or power-law (`config.id_skew`), lengths uniform around
+    `config.ids_per_feature`, random labels."""
     out = []
     for index in range(count):
         gen = torch.Generator().manual_seed((seed * 1_000_003 + rank) * 1_000_003 + index)
         n, p = config.batch_size, config.ids_per_feature
         lengths = torch.randint(1, 2 * p, (config.num_tables * n,), generator=gen, dtype=torch.int32)
-        values = torch.randint(0, config.num_embeddings, (int(lengths.sum()),), generator=gen)
+        values = _ids(config, int(lengths.sum()), gen)
         sparse = KeyedJaggedTensor.from_lengths_sync(
             keys=[f"f{i}" for i in range(config.num_tables)], values=values, lengths=lengths
         )
@@ -134,6 +135,21 @@ def make_batches(config: BenchConfig, *, count: int, rank: int, seed: int = 0) -
         labels = torch.randint(0, 2, (n,), generator=gen)
         out.append(Batch(dense_features=dense, sparse_features=sparse, labels=labels))
     return out
+
+
+def _ids(config: BenchConfig, count: int, gen: torch.Generator) -> torch.Tensor:
+    rows = config.num_embeddings
+    if config.id_skew is None:
+        return torch.randint(0, rows, (count,), generator=gen)
+    # inverse CDF of the continuous power law on [1, rows + 1), then popularity rank -> row by a
+    # multiplicative hash (odd and not a multiple of 5: a bijection for the usual row counts)
+    u, a = torch.rand(count, generator=gen, dtype=torch.float64), config.id_skew
+    if abs(a - 1.0) < 1e-9:
+        ranks = torch.pow(float(rows + 1), u) - 1
+    else:
+        ranks = torch.pow((float(rows + 1) ** (1 - a) - 1) * u + 1, 1 / (1 - a)) - 1
+    ranks = ranks.long().clamp_(0, rows - 1)
+    return ranks * 2_654_435_761 % rows
 
 
 def batch_nbytes(batch: Batch) -> int:

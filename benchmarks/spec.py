@@ -18,6 +18,7 @@ __all__ = [
     "FORCED_VARIANTS",
     "NOVOTE_VARIANTS",
     "OURS_TO_TORCHREC",
+    "PREFETCH_FORCED_VARIANTS",
     "SCHEDULE_NAMES",
     "VARIANTS",
     "RunSpec",
@@ -38,12 +39,14 @@ SCHEDULE_NAMES = ("early", "late", "early-shared", "late-own")
 """`pipeline.schedule.SCHEDULES` (repeated here to keep this module free of torch)."""
 FORCED_VARIANTS = tuple(f"ours-sparse-dist@{name}" for name in SCHEDULE_NAMES)
 """Our SparseDist with `input_dist_schedule` forced to one schedule."""
+PREFETCH_FORCED_VARIANTS = tuple(f"ours-prefetch@{name}" for name in SCHEDULE_NAMES)
+"""Our Prefetch pipeline with `input_dist_schedule` forced to one schedule."""
 BOUND_VARIANTS = ("compute-alone", "comm-alone")
 """Not training loops: the two halves of the bound (`benchmarks.bound`)."""
 NOVOTE_VARIANTS = ("ours-base+novote", "ours-sparse-dist@late+novote")
 """Our pipelines with the per-batch vote and key check off (`agreement=False, check_keys=False`):
 what `benchmarks.agreement` compares with `ours-base` and `ours-sparse-dist@late` to price them."""
-ALL_VARIANTS = (*VARIANTS, *FORCED_VARIANTS, *BOUND_VARIANTS, *NOVOTE_VARIANTS)
+ALL_VARIANTS = (*VARIANTS, *FORCED_VARIANTS, *PREFETCH_FORCED_VARIANTS, *BOUND_VARIANTS, *NOVOTE_VARIANTS)
 AUTO_VARIANTS = ("ours-sparse-dist", "ours-prefetch")
 """Variants that tune `input_dist_schedule="auto"` during their first steps."""
 OURS_TO_TORCHREC = {

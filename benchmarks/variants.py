@@ -27,7 +27,7 @@ from torchrec.distributed.types import ShardedModule
 
 import pipeline as ours
 from benchmarks import bound
-from benchmarks.spec import ALL_VARIANTS, BOUND_VARIANTS, FORCED_VARIANTS
+from benchmarks.spec import ALL_VARIANTS, BOUND_VARIANTS, FORCED_VARIANTS, PREFETCH_FORCED_VARIANTS
 
 __all__ = ["INLINE_WAIT", "Runner", "make_runner", "timed_input_dist"]
 
@@ -103,7 +103,7 @@ def make_runner(
     if variant.endswith("+novote"):
         variant = variant.removesuffix("+novote")
         options.update(agreement=False, check_keys=False)
-    if variant in FORCED_VARIANTS:
+    if variant in FORCED_VARIANTS or variant in PREFETCH_FORCED_VARIANTS:
         variant, options["input_dist_schedule"] = variant.split("@")
     if variant not in _PIPELINES:
         raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(ALL_VARIANTS)}")
