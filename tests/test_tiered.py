@@ -40,9 +40,9 @@ def test_store_round_trip_in_runs(tmp_path):
 
 
 @pytest.mark.parametrize("cold", [False, True])
-def test_store_reads_and_writes_scattered_rows_through_the_io_pool(tmp_path, cold):
-    # 256-byte rows, 3000 of 20000 at random: spans of neighbours, lone rows, more calls than the
-    # pool's threshold (so the calls run on the I/O threads), through the page cache or not
+def test_store_reads_and_writes_scattered_rows_through_the_mapping(tmp_path, cold):
+    # 256-byte rows, 3000 of 20000 at random: runs of neighbours, lone rows, pages shared by rows,
+    # through the page cache or not
     store = RowStore.create(tmp_path / "big.rows", 20_000, 64, 1, lambda b: b.normal_(), cold=cold)
     gen = torch.Generator().manual_seed(0)
     rows = torch.randperm(20_000, generator=gen)[:3000].sort().values
@@ -55,6 +55,23 @@ def test_store_reads_and_writes_scattered_rows_through_the_io_pool(tmp_path, col
     untouched = torch.ones(20_000, dtype=torch.bool)
     untouched[rows] = False
     assert torch.equal(store.state()[untouched], torch.zeros(int(untouched.sum()), 1))
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_reading_a_store_does_not_grow_the_resident_set(tmp_path):
+    # 64 MiB of rows read in full, a chunk at a time: the pages are unmapped after every read
+    store = RowStore.create(tmp_path / "big.rows", 256_000, 64, 0, lambda b: b.fill_(1.0))
+    store.read(torch.arange(10))
+    before = _rss_kib()
+    for start in range(0, 256_000, 16_000):
+        weights, _ = store.read(torch.arange(start, start + 16_000))
+        assert weights.sum().item() == 16_000 * 64
+    del weights
+    assert _rss_kib() - before < 16 * 1024, "pages read through the mapping stay resident"
 
 
 class _SlowWrites:

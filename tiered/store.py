@@ -2,22 +2,25 @@
 
 A store knows row I/O and nothing else: no cache, no torchrec. The file is a 4 KiB header (shape and
 dtype, checked on open), then the weights `[rows, dim]` and the optimizer state `[rows, state_width]`
-as two contiguous float32 regions. Rows are read and written with `preadv`/`pwritev` (the GIL is
-released during the system call, so a prefetch thread overlaps compute while it waits on the disk).
-A read covers a span of rows when the gaps between the rows asked for are under a page (one call
-instead of one per row; the rows are then gathered in memory), and the calls of one read or write
-go to a small pool of I/O threads (`IO_THREADS`), so that several requests wait on the disk at once
-instead of one after another. Writes are written behind: `write()` queues the rows and returns, a
-writer thread of the store writes them in the order they were queued, and `read()` of a row still
+as two contiguous float32 regions. A read asks the kernel to start reading every page it needs at
+once (`madvise(MADV_WILLNEED)` on a mapping of the file: the reads are issued together and proceed
+in parallel on the device), then gathers the rows with one `index_select` over the mapping, which
+waits for the pages with the GIL released; afterwards the pages are unmapped again, so resident
+memory stays bounded by the cache however large the table. Per row that is a few microseconds of
+CPU: a prefetch on a worker thread spends its time waiting on the disk, which is what lets it
+overlap compute on a machine whose cores are busy. Writes are written behind: `write()` queues the
+rows and returns, a writer thread of the store writes them in the order they were queued (the same
+way: the pages asked for at once, since a row is a part of a page that must be read first, then one
+`index_copy_` into the mapping; the kernel writes the dirty pages back), and `read()` of a row still
 queued returns the queued values, so a prefetch never waits for a write-back (up to `WRITE_BEHIND`
 writes are queued per store; one more waits for the oldest). `sync()` waits for every queued write.
-Nothing is memory-mapped during training, so resident memory stays bounded by the cache however
-large the table; `weights()`/`state()` map the regions only for checkpoints (after a `sync()`).
+`weights()`/`state()` map the regions as tensors for checkpoints (after a `sync()`).
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import threading
 import time
@@ -36,40 +39,9 @@ _HEADER = 4096
 _ALIGN = 4096
 _CHUNK_BYTES = 64 << 20  # initialisation writes at most this much at a time
 _PAGE = 4096
-_SPAN_BYTES = 1 << 20  # a coalesced read reads at most this much at once
-IO_THREADS = 8
-"""Threads issuing one read's or write's system calls (shared by every store of the process)."""
-_PARALLEL_MIN = 16  # fewer calls than this are issued by the calling thread alone
+_WILLNEED_PAGES = 64  # one madvise covers at most this many pages
 WRITE_BEHIND = 4
 """Writes queued per store before `write()` waits for the oldest (bounds the RAM they hold)."""
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _io_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="tiered-io")
-        return _pool
-
-
-def _in_parallel(tasks: list[Callable[[], None]]) -> None:
-    """Run `tasks` (independent system calls) on the I/O pool, in `IO_THREADS` chunks; re-raise the
-    first error."""
-    if len(tasks) < _PARALLEL_MIN:
-        for task in tasks:
-            task()
-        return
-    chunks = [tasks[i::IO_THREADS] for i in range(IO_THREADS)]
-    futures = [_io_pool().submit(_run_all, chunk) for chunk in chunks if chunk]
-    for future in futures:
-        future.result()
-
-
-def _run_all(tasks: list[Callable[[], None]]) -> None:
-    for task in tasks:
-        task()
 
 
 class StoreError(RuntimeError):
@@ -131,6 +103,7 @@ class RowStore:
         self._queue_lock = threading.Lock()
         self._writer: ThreadPoolExecutor | None = None
         self._write_error: BaseException | None = None
+        self._reader: _Mapping | None = None
         if cold:
             self.drop_page_cache()  # a new store's pages are all in the page cache
 
@@ -201,14 +174,12 @@ class RowStore:
         writes still queued."""
         started = time.perf_counter()
         ids = rows.numpy()
-        weights = np.empty((len(ids), self.dim), dtype=np.float32)
-        state = np.empty((len(ids), self.state_width), dtype=np.float32)
         # Taken before the disk read: a queued write that lands during the read may or may not be
         # seen by it, and is then overlaid from this snapshot either way.
         with self._queue_lock:
             queued = list(self._queued)
-        tasks = self._reads(ids, weights, self._w_off) + self._reads(ids, state, self._s_off)
-        _in_parallel(tasks)
+        weights, state = self._mapping().gather(rows.long(), self.dim, self.state_width, drop=self.cold)
+        weights, state = weights.numpy(), state.numpy()
         for entry in queued:  # oldest first, so the newest value of a row wins
             _, mine, theirs = np.intersect1d(ids, entry.rows, assume_unique=True, return_indices=True)
             if len(mine):
@@ -286,52 +257,15 @@ class RowStore:
             ) from self._write_error
 
     def _write_now(self, ids: np.ndarray, w: np.ndarray, s: np.ndarray) -> None:
-        tasks = []
-        for first, start, n in _runs(ids):
-            tasks.append(self._call(os.pwritev, w[first : first + n], self._w_off + start * self.dim * 4))
-            if self.state_width:
-                offset = self._s_off + start * self.state_width * 4
-                tasks.append(self._call(os.pwritev, s[first : first + n], offset))
-        _in_parallel(tasks)
+        self._mapping().scatter(
+            torch.from_numpy(ids), torch.from_numpy(w), torch.from_numpy(s), drop=self.cold
+        )
 
-    def _reads(self, ids: np.ndarray, out: np.ndarray, region: int) -> list[Callable[[], None]]:
-        """Tasks that fill `out` (one row per id) from the region at byte `region`."""
-        width = out.shape[1]
-        if width == 0 or len(ids) == 0:
-            return []
-        row_bytes = width * 4
-        tasks = []
-        for a, b in _spans(ids, max_gap=_PAGE // row_bytes, max_rows=max(1, _SPAN_BYTES // row_bytes)):
-            first, last = int(ids[a]), int(ids[b - 1])
-            offset = region + first * row_bytes
-            if last - first + 1 == b - a:  # consecutive rows: read them in place
-                tasks.append(self._call(os.preadv, out[a:b], offset))
-            else:
-                tasks.append(self._gather(out, ids[a:b], a, first, last, offset))
-        return tasks
-
-    def _gather(
-        self, out: np.ndarray, ids: np.ndarray, a: int, first: int, last: int, offset: int
-    ) -> Callable[[], None]:
-        def task() -> None:
-            span = np.empty((last - first + 1, out.shape[1]), dtype=np.float32)
-            self._io(os.preadv, span, offset)
-            out[a : a + len(ids)] = span[ids - first]
-
-        return task
-
-    def _call(self, call: Callable, block: np.ndarray, offset: int) -> Callable[[], None]:
-        return lambda: self._io(call, block, offset)
-
-    def _io(self, call: Callable, block: np.ndarray, offset: int) -> None:
-        view = memoryview(block).cast("B")
-        done = call(self._fd, [view], offset)
-        if done != len(view):
-            raise StoreError(f"short I/O on {self.path} at byte {offset}: {done} of {len(view)} bytes")
-        if self.cold and call is os.preadv:
-            # whole pages: the kernel keeps a page that is only partly inside the range
-            start = offset // _PAGE * _PAGE
-            os.posix_fadvise(self._fd, start, _align(offset + len(view)) - start, os.POSIX_FADV_DONTNEED)
+    def _mapping(self) -> _Mapping:
+        with self._queue_lock:
+            if self._reader is None:
+                self._reader = _Mapping(self._fd, self._size, self._w_off, self._s_off, self.rows)
+            return self._reader
 
     def drop_page_cache(self) -> None:
         """Write queued rows and dirty pages and drop the whole file from the page cache (cold reads
@@ -362,6 +296,9 @@ class RowStore:
 
     def close(self) -> None:
         """Write what is queued and close the file."""
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
         if self._fd >= 0:
             try:
                 self.sync()
@@ -381,6 +318,77 @@ class RowStore:
             pass
 
 
+class _Mapping:
+    """The store file mapped for reads: both regions as `[rows, width]` tensors over the mapping."""
+
+    def __init__(self, fd: int, size: int, w_off: int, s_off: int, rows: int) -> None:
+        self._fd = fd
+        self._map = mmap.mmap(fd, size)
+        self._map.madvise(mmap.MADV_RANDOM)  # no readahead beyond the pages asked for
+        self._regions = (w_off, s_off)
+        self._rows = rows
+        self._tables: dict[int, torch.Tensor] = {}
+
+    def gather(
+        self, rows: torch.Tensor, dim: int, state_width: int, *, drop: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of `rows` of both regions; `drop` also evicts their pages from the page cache."""
+        out, ranges = [], []
+        for region, width in zip(self._regions, (dim, state_width), strict=True):
+            if width == 0 or len(rows) == 0:
+                out.append(torch.zeros(len(rows), width))
+                continue
+            ranges += self._will_need(rows.numpy(), region, width)
+            out.append(torch.index_select(self._table(region, width), 0, rows))  # GIL released
+        # unmap what was read (the page cache keeps it), so the process's RSS does not grow
+        self._map.madvise(mmap.MADV_DONTNEED)
+        if drop:
+            for start, length in ranges:
+                os.posix_fadvise(self._fd, start, length, os.POSIX_FADV_DONTNEED)
+        return out[0], out[1]
+
+    def scatter(self, rows: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, *, drop: bool) -> None:
+        """Write `weights`/`state` into `rows` of both regions (into the page cache; the kernel
+        writes the pages back); `drop` also starts that write-back and evicts clean pages."""
+        ranges = []
+        for region, values in zip(self._regions, (weights, state), strict=True):
+            if values.shape[1] == 0 or len(rows) == 0:
+                continue
+            ranges += self._will_need(rows.numpy(), region, values.shape[1])
+            self._table(region, values.shape[1]).index_copy_(0, rows, values)  # GIL released
+        self._map.madvise(mmap.MADV_DONTNEED)  # unmap; the dirty pages stay in the page cache
+        if drop:
+            for start, length in ranges:
+                os.posix_fadvise(self._fd, start, length, os.POSIX_FADV_DONTNEED)
+
+    def _table(self, region: int, width: int) -> torch.Tensor:
+        if region not in self._tables:
+            flat = torch.frombuffer(self._map, dtype=torch.float32, count=self._rows * width, offset=region)
+            self._tables[region] = flat.view(self._rows, width)
+        return self._tables[region]
+
+    def _will_need(self, ids: np.ndarray, region: int, width: int) -> list[tuple[int, int]]:
+        """Start reading every page that holds a byte of `ids`' rows (asynchronously); returns the
+        byte ranges asked for."""
+        row_bytes = width * 4
+        first = (region + ids * row_bytes) // _PAGE
+        last = (region + (ids + 1) * row_bytes - 1) // _PAGE
+        pages = np.unique(np.concatenate([first, last]))
+        ranges = []
+        for a, b in _spans(pages, max_gap=1, max_rows=_WILLNEED_PAGES):
+            start, length = int(pages[a]) * _PAGE, (int(pages[b - 1]) - int(pages[a]) + 1) * _PAGE
+            self._map.madvise(mmap.MADV_WILLNEED, start, length)
+            ranges.append((start, length))
+        return ranges
+
+    def close(self) -> None:
+        self._tables.clear()
+        try:
+            self._map.close()
+        except BufferError:  # a tensor still views the mapping; it is unmapped when collected
+            pass
+
+
 def _spans(ids: np.ndarray, *, max_gap: int, max_rows: int) -> list[tuple[int, int]]:
     """`[a, b)` ranges of sorted unique `ids` to read with one call each: neighbours at most
     `max_gap` rows apart share a call, and no call covers more than `max_rows` rows."""
@@ -396,16 +404,6 @@ def _spans(ids: np.ndarray, *, max_gap: int, max_rows: int) -> list[tuple[int, i
             a = cut
         spans.append((a, b))
     return spans
-
-
-def _runs(ids: np.ndarray):
-    """(position in `ids`, first row, count) for each run of consecutive rows in sorted `ids`."""
-    if len(ids) == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
-    firsts = np.concatenate(([0], breaks))
-    counts = np.diff(np.concatenate((firsts, [len(ids)])))
-    return zip(firsts.tolist(), ids[firsts].tolist(), counts.tolist(), strict=True)
 
 
 def _check_directory(directory: Path) -> None:
