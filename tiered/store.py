@@ -2,25 +2,24 @@
 
 A store knows row I/O and nothing else: no cache, no torchrec. The file is a 4 KiB header (shape and
 dtype, checked on open), then the weights `[rows, dim]` and the optimizer state `[rows, state_width]`
-as two contiguous float32 regions. A read asks the kernel to start reading every page it needs at
-once (`madvise(MADV_WILLNEED)` on a mapping of the file: the reads are issued together and proceed
-in parallel on the device), then gathers the rows with one `index_select` over the mapping, which
-waits for the pages with the GIL released; afterwards the pages are unmapped again, so resident
-memory stays bounded by the cache however large the table. Per row that is a few microseconds of
-CPU: a prefetch on a worker thread spends its time waiting on the disk, which is what lets it
-overlap compute on a machine whose cores are busy. Writes are written behind: `write()` queues the
-rows and returns, a writer thread of the store writes them in the order they were queued (the same
-way: the pages asked for at once, since a row is a part of a page that must be read first, then one
-`index_copy_` into the mapping; the kernel writes the dirty pages back), and `read()` of a row still
-queued returns the queued values, so a prefetch never waits for a write-back (up to `WRITE_BEHIND`
-writes are queued per store; one more waits for the oldest). `sync()` waits for every queued write.
-`weights()`/`state()` map the regions as tensors for checkpoints (after a `sync()`).
+as two contiguous float32 regions. Rows move in runs of whole pages (`_Pages`): every page a call
+needs is asked for at once, so the reads proceed in parallel on the device, then each run is read
+with one `preadv` (waiting with the GIL released) and the rows gathered in one vectorized step. Per
+row that is a few microseconds of CPU, so a prefetch on a worker thread spends its time waiting on
+the disk, which is what lets it overlap compute on cores that are already busy. Nothing is mapped
+during training, so resident memory stays bounded by the cache however large the table.
+
+Writes are written behind: `write()` queues the rows (a copy) and returns; the store's writer thread
+writes the queue in order (read the runs of pages, change the rows, write the runs back whole), and
+`read()` of a row still queued returns the queued values, so a prefetch never waits for a
+write-back. Up to `WRITE_BEHIND` writes are queued per store; one more waits for the oldest.
+`sync()` waits for every queued write; `weights()`/`state()` map the regions as tensors for
+checkpoints (after a `sync()`).
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import threading
 import time
@@ -39,7 +38,7 @@ _HEADER = 4096
 _ALIGN = 4096
 _CHUNK_BYTES = 64 << 20  # initialisation writes at most this much at a time
 _PAGE = 4096
-_WILLNEED_PAGES = 64  # one madvise covers at most this many pages
+_RUN_PAGES = 64  # one preadv/pwritev covers at most this many pages
 WRITE_BEHIND = 4
 """Writes queued per store before `write()` waits for the oldest (bounds the RAM they hold)."""
 
@@ -103,7 +102,7 @@ class RowStore:
         self._queue_lock = threading.Lock()
         self._writer: ThreadPoolExecutor | None = None
         self._write_error: BaseException | None = None
-        self._reader: _Mapping | None = None
+        self._pages = _Pages(self._fd, self._w_off, self._s_off)
         if cold:
             self.drop_page_cache()  # a new store's pages are all in the page cache
 
@@ -178,7 +177,7 @@ class RowStore:
         # seen by it, and is then overlaid from this snapshot either way.
         with self._queue_lock:
             queued = list(self._queued)
-        weights, state = self._mapping().gather(rows.long(), self.dim, self.state_width, drop=self.cold)
+        weights, state = self._pages.gather(rows.long(), self.dim, self.state_width, drop=self.cold)
         weights, state = weights.numpy(), state.numpy()
         for entry in queued:  # oldest first, so the newest value of a row wins
             _, mine, theirs = np.intersect1d(ids, entry.rows, assume_unique=True, return_indices=True)
@@ -257,15 +256,7 @@ class RowStore:
             ) from self._write_error
 
     def _write_now(self, ids: np.ndarray, w: np.ndarray, s: np.ndarray) -> None:
-        self._mapping().scatter(
-            torch.from_numpy(ids), torch.from_numpy(w), torch.from_numpy(s), drop=self.cold
-        )
-
-    def _mapping(self) -> _Mapping:
-        with self._queue_lock:
-            if self._reader is None:
-                self._reader = _Mapping(self._fd, self._size, self._w_off, self._s_off, self.rows)
-            return self._reader
+        self._pages.scatter(torch.from_numpy(ids), torch.from_numpy(w), torch.from_numpy(s), drop=self.cold)
 
     def drop_page_cache(self) -> None:
         """Write queued rows and dirty pages and drop the whole file from the page cache (cold reads
@@ -296,9 +287,6 @@ class RowStore:
 
     def close(self) -> None:
         """Write what is queued and close the file."""
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None
         if self._fd >= 0:
             try:
                 self.sync()
@@ -318,75 +306,80 @@ class RowStore:
             pass
 
 
-class _Mapping:
-    """The store file mapped for reads: both regions as `[rows, width]` tensors over the mapping."""
+class _Pages:
+    """Row I/O on the store file in runs of whole pages.
 
-    def __init__(self, fd: int, size: int, w_off: int, s_off: int, rows: int) -> None:
+    Every page a call needs is asked for first (`posix_fadvise(WILLNEED)`: the reads are issued at
+    once and proceed in parallel on the device), then each run of pages is read with one `preadv`
+    (which waits with the GIL released) into a staging buffer; rows are gathered from it, or
+    scattered into it and the runs written back whole with `pwritev` (so the kernel never has to
+    read a page in the middle of a write). Not through a mapping: a fault there also maps the page's
+    cached neighbours (the kernel's fault-around), which would count most of a table in the resident
+    set. Writes must come from one thread (the store's writer): two writers could lose each other's
+    rows of a shared page.
+    """
+
+    def __init__(self, fd: int, w_off: int, s_off: int) -> None:
         self._fd = fd
-        self._map = mmap.mmap(fd, size)
-        self._map.madvise(mmap.MADV_RANDOM)  # no readahead beyond the pages asked for
         self._regions = (w_off, s_off)
-        self._rows = rows
-        self._tables: dict[int, torch.Tensor] = {}
 
     def gather(
         self, rows: torch.Tensor, dim: int, state_width: int, *, drop: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of `rows` of both regions; `drop` also evicts their pages from the page cache."""
-        out, ranges = [], []
+        out = []
         for region, width in zip(self._regions, (dim, state_width), strict=True):
             if width == 0 or len(rows) == 0:
                 out.append(torch.zeros(len(rows), width))
                 continue
-            ranges += self._will_need(rows.numpy(), region, width)
-            out.append(torch.index_select(self._table(region, width), 0, rows))  # GIL released
-        # unmap what was read (the page cache keeps it), so the process's RSS does not grow
-        self._map.madvise(mmap.MADV_DONTNEED)
-        if drop:
-            for start, length in ranges:
-                os.posix_fadvise(self._fd, start, length, os.POSIX_FADV_DONTNEED)
+            staging, runs, at = self._load(rows.numpy(), region, width)
+            out.append(torch.from_numpy(staging.view(np.float32)[at]))
+            self._drop(runs, drop)
         return out[0], out[1]
 
     def scatter(self, rows: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, *, drop: bool) -> None:
-        """Write `weights`/`state` into `rows` of both regions (into the page cache; the kernel
-        writes the pages back); `drop` also starts that write-back and evicts clean pages."""
-        ranges = []
+        """Write `weights`/`state` into `rows` of both regions; `drop` also starts the pages'
+        write-back and evicts them from the page cache once clean."""
         for region, values in zip(self._regions, (weights, state), strict=True):
             if values.shape[1] == 0 or len(rows) == 0:
                 continue
-            ranges += self._will_need(rows.numpy(), region, values.shape[1])
-            self._table(region, values.shape[1]).index_copy_(0, rows, values)  # GIL released
-        self._map.madvise(mmap.MADV_DONTNEED)  # unmap; the dirty pages stay in the page cache
-        if drop:
-            for start, length in ranges:
-                os.posix_fadvise(self._fd, start, length, os.POSIX_FADV_DONTNEED)
+            staging, runs, at = self._load(rows.numpy(), region, values.shape[1])
+            staging.view(np.float32)[at] = values.numpy()
+            for start, length, offset in runs:
+                self._io(os.pwritev, staging[offset : offset + length], start)
+            self._drop(runs, drop)
 
-    def _table(self, region: int, width: int) -> torch.Tensor:
-        if region not in self._tables:
-            flat = torch.frombuffer(self._map, dtype=torch.float32, count=self._rows * width, offset=region)
-            self._tables[region] = flat.view(self._rows, width)
-        return self._tables[region]
-
-    def _will_need(self, ids: np.ndarray, region: int, width: int) -> list[tuple[int, int]]:
-        """Start reading every page that holds a byte of `ids`' rows (asynchronously); returns the
-        byte ranges asked for."""
+    def _load(self, ids: np.ndarray, region: int, width: int) -> tuple[np.ndarray, list, np.ndarray]:
+        """The runs of pages holding `ids`' rows read into a staging buffer: (buffer, [(file byte,
+        length, buffer byte)], float index of every row's values in the buffer `[n, width]`)."""
         row_bytes = width * 4
-        first = (region + ids * row_bytes) // _PAGE
-        last = (region + (ids + 1) * row_bytes - 1) // _PAGE
-        pages = np.unique(np.concatenate([first, last]))
-        ranges = []
-        for a, b in _spans(pages, max_gap=1, max_rows=_WILLNEED_PAGES):
-            start, length = int(pages[a]) * _PAGE, (int(pages[b - 1]) - int(pages[a]) + 1) * _PAGE
-            self._map.madvise(mmap.MADV_WILLNEED, start, length)
-            ranges.append((start, length))
-        return ranges
+        byte = region + ids.astype(np.int64) * row_bytes
+        pages = np.unique(np.concatenate([byte // _PAGE, (byte + row_bytes - 1) // _PAGE]))
+        spans = _spans(pages, max_gap=1, max_rows=_RUN_PAGES)
+        starts = np.array([int(pages[a]) * _PAGE for a, _ in spans], dtype=np.int64)
+        lengths = np.array(
+            [(int(pages[b - 1]) - int(pages[a]) + 1) * _PAGE for a, b in spans], dtype=np.int64
+        )
+        offsets = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+        runs = list(zip(starts.tolist(), lengths.tolist(), offsets.tolist(), strict=True))
+        for start, length, _ in runs:
+            os.posix_fadvise(self._fd, start, length, os.POSIX_FADV_WILLNEED)
+        staging = np.empty(int(lengths.sum()), dtype=np.uint8)
+        for start, length, offset in runs:
+            self._io(os.preadv, staging[offset : offset + length], start)
+        run = np.searchsorted(starts, byte, side="right") - 1
+        first = (offsets[run] + byte - starts[run]) // 4  # runs are page-aligned, rows float-aligned
+        return staging, runs, first[:, None] + np.arange(width)
 
-    def close(self) -> None:
-        self._tables.clear()
-        try:
-            self._map.close()
-        except BufferError:  # a tensor still views the mapping; it is unmapped when collected
-            pass
+    def _io(self, call: Callable, block: np.ndarray, offset: int) -> None:
+        done = call(self._fd, [memoryview(block)], offset)
+        if done != len(block):
+            raise StoreError(f"short I/O on the store at byte {offset}: {done} of {len(block)} bytes")
+
+    def _drop(self, runs: list, drop: bool) -> None:
+        if drop:
+            for start, length, _ in runs:
+                os.posix_fadvise(self._fd, start, length, os.POSIX_FADV_DONTNEED)
 
 
 def _spans(ids: np.ndarray, *, max_gap: int, max_rows: int) -> list[tuple[int, int]]:
