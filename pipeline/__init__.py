@@ -17,9 +17,12 @@ from typing import Any
 _EXPORTS = {
     "BatchContext": "pipeline.context",
     "PrefetchBatchContext": "pipeline.context",
+    "LookupBatchContext": "pipeline.context",
     "TrainPipelineBase": "pipeline.base",
     "TrainPipelineSparseDist": "pipeline.sparse_dist",
     "PrefetchTrainPipelineSparseDist": "pipeline.sparse_dist",
+    "EvalPipelineSparseDist": "pipeline.eval",
+    "TrainPipelineFusedSparseDist": "pipeline.lookup",
     "Streams": "pipeline.streams",
     "CudaStreams": "pipeline.streams",
     "RecordingStreams": "pipeline.streams",

@@ -1,0 +1,113 @@
+"""The rest of torchrec's pipeline family against their references, bit for bit, on 2 gloo ranks.
+
+- EvalPipelineSparseDist: the model's own outputs (eval mode), parameters untouched.
+- TrainPipelineFusedSparseDist: the plain loop.
+
+Table-wise and column-wise sharding, distinct batches per step and rank, one output per batch, then
+StopIteration. Every comparison also has a negative twin (a reference that is off by one step) that
+must differ, so a test that compares nothing cannot pass. All cases run in one pair of rank processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from tests.harness import run_ranks
+
+SHARDINGS = ("table_wise", "column_wise")
+STEPS = 8
+EVAL_CASES = list(itertools.product(("dlrm", "nested"), SHARDINGS))
+FUSED_CASES = list(itertools.product(("dlrm", "nested", "dict", "fp"), SHARDINGS))
+
+
+def _eval_case(rank: int, kind: str, sharding: str) -> dict:
+    import torch
+
+    import pipeline
+    from tests import models
+
+    ref, _ = models.build(kind, sharding)
+    ref.eval()
+    with torch.no_grad():
+        expected = [ref(b)[1] for b in models.batches(kind, STEPS, rank)]
+    model, opt = models.build(kind, sharding)
+    before = [t.clone() for t in models.flat_tensors(model.state_dict())]
+    model.eval()
+    pipe = pipeline.EvalPipelineSparseDist(model, opt, torch.device("cpu"))
+    outputs, stopped = models.outputs_then_stop(pipe, iter(models.batches(kind, STEPS, rank)), STEPS)
+    return {
+        "outputs": models.bitwise_equal(expected, outputs),
+        "shifted": models.bitwise_equal(expected[1:], outputs[:-1]),
+        "params": models.bitwise_equal(before, models.flat_tensors(model.state_dict())),
+        "stopped": stopped,
+        "not_pipelined": [m.fqn for m in pipe.rewrite_report.not_pipelined],
+    }
+
+
+def _train_case(rank: int, cls_name: str, kind: str, sharding: str, reference, **options) -> dict:
+    import torch
+
+    import pipeline
+    from tests import models
+
+    data = models.batches(kind, STEPS, rank)
+    ref_model, ref_opt = models.build(kind, sharding)
+    expected = reference(ref_model, ref_opt, data)
+    model, opt = models.build(kind, sharding)
+    pipe = getattr(pipeline, cls_name)(model, opt, torch.device("cpu"), **options)
+    outputs, stopped = models.outputs_then_stop(pipe, iter(models.batches(kind, STEPS, rank)), STEPS)
+    # the negative twin: the same reference with the last optimizer step skipped
+    twin_model, twin_opt = models.build(kind, sharding)
+    reference(twin_model, twin_opt, data[:-1])
+    return {
+        "outputs": models.bitwise_equal(expected, outputs),
+        "params": models.bitwise_equal(ref_model.state_dict(), model.state_dict()),
+        "twin_differs": not models.bitwise_equal(twin_model.state_dict(), model.state_dict()),
+        "stopped": stopped,
+        "not_pipelined": [m.fqn for m in pipe.rewrite_report.not_pipelined],
+    }
+
+
+def _run_all(rank: int, world_size: int) -> dict:
+    from tests import models
+
+    out = {}
+    for kind, sharding in EVAL_CASES:
+        out["eval", kind, sharding] = _eval_case(rank, kind, sharding)
+    for kind, sharding in FUSED_CASES:
+        out["fused", kind, sharding] = _train_case(
+            rank, "TrainPipelineFusedSparseDist", kind, sharding, models.plain_loop
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_ranks(_run_all, 2, timeout=400)
+
+
+def _check_common(r: dict) -> None:
+    assert r["not_pipelined"] == [], r
+    assert r["stopped"], f"no StopIteration after {STEPS} outputs"
+
+
+@pytest.mark.parametrize(("kind", "sharding"), EVAL_CASES)
+def test_eval_pipeline_gives_the_models_outputs(results, kind, sharding):
+    for rank, per_rank in enumerate(results):
+        r = per_rank["eval", kind, sharding]
+        _check_common(r)
+        assert r["outputs"], f"rank {rank}: outputs differ from model.eval() outputs"
+        assert not r["shifted"], "batches are not distinct: the comparison cannot fail"
+        assert r["params"], f"rank {rank}: the eval pipeline changed parameters"
+
+
+@pytest.mark.parametrize(("kind", "sharding"), FUSED_CASES)
+def test_fused_sparse_dist_equals_plain_loop(results, kind, sharding):
+    for rank, per_rank in enumerate(results):
+        r = per_rank["fused", kind, sharding]
+        _check_common(r)
+        assert r["outputs"], f"rank {rank}: per-step outputs differ from the plain loop"
+        assert r["params"], f"rank {rank}: final parameters differ from the plain loop"
+        assert r["twin_differs"], "a skipped optimizer step would go unnoticed"
