@@ -2,6 +2,8 @@
 
 - EvalPipelineSparseDist: the model's own outputs (eval mode), parameters untouched.
 - TrainPipelineFusedSparseDist: the plain loop.
+- StagedTrainPipeline (copy, a user stage, SparseDataDistUtil's input_dist stage) around the caller's
+  own forward/backward/step: the plain loop on the transformed batches.
 
 Table-wise and column-wise sharding, distinct batches per step and rank, one output per batch, then
 StopIteration. Every comparison also has a negative twin (a reference that is off by one step) that
@@ -20,6 +22,7 @@ SHARDINGS = ("table_wise", "column_wise")
 STEPS = 8
 EVAL_CASES = list(itertools.product(("dlrm", "nested"), SHARDINGS))
 FUSED_CASES = list(itertools.product(("dlrm", "nested", "dict", "fp"), SHARDINGS))
+STAGED_CASES = list(itertools.product(("dlrm", "nested"), SHARDINGS))
 
 
 def _eval_case(rank: int, kind: str, sharding: str) -> dict:
@@ -70,6 +73,56 @@ def _train_case(rank: int, cls_name: str, kind: str, sharding: str, reference, *
     }
 
 
+def _double_dense(batch):
+    """A user stage: a gradient-less transform of the batch (its dense features doubled)."""
+    import dataclasses
+
+    from torchrec.datasets.utils import Batch
+
+    if isinstance(batch, Batch):
+        return Batch(batch.dense_features * 2, batch.sparse_features, batch.labels)
+    return dataclasses.replace(batch, dense=batch.dense * 2)
+
+
+def _staged_case(rank: int, kind: str, sharding: str) -> dict:
+    import torch
+
+    import pipeline
+    from pipeline.batch import to_device
+    from tests import models
+
+    data = [_double_dense(b) for b in models.batches(kind, STEPS, rank)]
+    ref_model, ref_opt = models.build(kind, sharding)
+    expected = models.plain_loop(ref_model, ref_opt, data)
+    twin_model, twin_opt = models.build(kind, sharding)
+    models.plain_loop(twin_model, twin_opt, data[:-1])
+    model, opt = models.build(kind, sharding)
+    sdd = pipeline.SparseDataDistUtil(model)
+    pipe = pipeline.StagedTrainPipeline(
+        [
+            pipeline.PipelineStage("data_copy", lambda b: to_device(b, torch.device("cpu"), True)),
+            pipeline.PipelineStage("double_dense", _double_dense),
+            sdd.start_sparse_data_dist_stage(),
+        ]
+    )
+    it = iter(models.batches(kind, STEPS, rank))
+    outputs = []
+    while (batch := pipe.progress(it)) is not None:
+        opt.zero_grad()
+        loss, out = model(batch)
+        torch.sum(loss).backward()
+        opt.step()
+        outputs.append(out)
+        assert len(outputs) <= STEPS, "no end of data"
+    return {
+        "outputs": models.bitwise_equal(expected, outputs),
+        "params": models.bitwise_equal(ref_model.state_dict(), model.state_dict()),
+        "twin_differs": not models.bitwise_equal(twin_model.state_dict(), model.state_dict()),
+        "stopped": pipe.progress(it) is None,
+        "not_pipelined": [m.fqn for m in sdd.rewrite_report.not_pipelined],
+    }
+
+
 def _run_all(rank: int, world_size: int) -> dict:
     from tests import models
 
@@ -80,6 +133,8 @@ def _run_all(rank: int, world_size: int) -> dict:
         out["fused", kind, sharding] = _train_case(
             rank, "TrainPipelineFusedSparseDist", kind, sharding, models.plain_loop
         )
+    for kind, sharding in STAGED_CASES:
+        out["staged", kind, sharding] = _staged_case(rank, kind, sharding)
     return out
 
 
@@ -107,6 +162,16 @@ def test_eval_pipeline_gives_the_models_outputs(results, kind, sharding):
 def test_fused_sparse_dist_equals_plain_loop(results, kind, sharding):
     for rank, per_rank in enumerate(results):
         r = per_rank["fused", kind, sharding]
+        _check_common(r)
+        assert r["outputs"], f"rank {rank}: per-step outputs differ from the plain loop"
+        assert r["params"], f"rank {rank}: final parameters differ from the plain loop"
+        assert r["twin_differs"], "a skipped optimizer step would go unnoticed"
+
+
+@pytest.mark.parametrize(("kind", "sharding"), STAGED_CASES)
+def test_staged_pipeline_with_user_stages_equals_plain_loop(results, kind, sharding):
+    for rank, per_rank in enumerate(results):
+        r = per_rank["staged", kind, sharding]
         _check_common(r)
         assert r["outputs"], f"rank {rank}: per-step outputs differ from the plain loop"
         assert r["params"], f"rank {rank}: final parameters differ from the plain loop"
