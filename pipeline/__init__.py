@@ -23,6 +23,7 @@ _EXPORTS = {
     "PrefetchTrainPipelineSparseDist": "pipeline.sparse_dist",
     "EvalPipelineSparseDist": "pipeline.eval",
     "TrainPipelineFusedSparseDist": "pipeline.lookup",
+    "TrainPipelineSemiSync": "pipeline.lookup",
     "StagedTrainPipeline": "pipeline.staged",
     "PipelineStage": "pipeline.staged",
     "SparseDataDistUtil": "pipeline.staged",

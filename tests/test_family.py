@@ -2,6 +2,8 @@
 
 - EvalPipelineSparseDist: the model's own outputs (eval mode), parameters untouched.
 - TrainPipelineFusedSparseDist: the plain loop.
+- TrainPipelineSemiSync: a plain loop with the same staleness (`semi_sync_loop`), and different
+  from the plain loop once the warm-up (`start_batch`) is over.
 - StagedTrainPipeline (copy, a user stage, SparseDataDistUtil's input_dist stage) around the caller's
   own forward/backward/step: the plain loop on the transformed batches.
 
@@ -12,6 +14,7 @@ must differ, so a test that compares nothing cannot pass. All cases run in one p
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -23,6 +26,43 @@ STEPS = 8
 EVAL_CASES = list(itertools.product(("dlrm", "nested"), SHARDINGS))
 FUSED_CASES = list(itertools.product(("dlrm", "nested", "dict", "fp"), SHARDINGS))
 STAGED_CASES = list(itertools.product(("dlrm", "nested"), SHARDINGS))
+START_BATCH = 3
+SEMI_CASES = [(k, s, START_BATCH) for k, s in itertools.product(("dlrm", "nested"), SHARDINGS)]
+SEMI_CASES.append(("dlrm", "table_wise", 900))  # all warm-up: the plain loop
+
+
+def _features(kind: str, root, batch) -> list:
+    """(sharded module, its input) for each sharded module of the test model `root`."""
+    if kind == "dlrm":
+        return [(root.model.sparse_arch.embedding_bag_collection, batch.sparse_features)]
+    return [(root.user_ebc, batch.features.user), (root.item_ebc, batch.features.item)]
+
+
+def semi_sync_loop(kind: str, model, opt, data: list, start_batch: int) -> list:
+    """The plain loop with torchrec's semi-sync staleness: from batch `start_batch` on, the
+    embedding lookup of batch i+1 runs after forward and before backward of batch i."""
+    import torch
+
+    from rewrite import unwrap_model
+
+    def lookup(batch) -> list:  # each sharded module's own forward (input_dist, lookup, output_dist)
+        return [(m, m(kjt).wait()) for m, kjt in _features(kind, unwrap_model(model), batch)]
+
+    outputs, ahead = [], None
+    for i, batch in enumerate(data):
+        looked_up, ahead = ahead or lookup(batch), None
+        for module, embeddings in looked_up:
+            module.forward = lambda *args, _out=embeddings, **kwargs: _out
+        opt.zero_grad()
+        loss, out = model(batch)
+        for module, _ in looked_up:
+            del module.forward
+        if i >= start_batch and i + 1 < len(data):
+            ahead = lookup(data[i + 1])  # before this batch's embedding update: one step stale
+        torch.sum(loss).backward()
+        opt.step()
+        outputs.append(out)
+    return outputs
 
 
 def _eval_case(rank: int, kind: str, sharding: str) -> dict:
@@ -133,6 +173,13 @@ def _run_all(rank: int, world_size: int) -> dict:
         out["fused", kind, sharding] = _train_case(
             rank, "TrainPipelineFusedSparseDist", kind, sharding, models.plain_loop
         )
+    for kind, sharding, start in SEMI_CASES:
+        stale = functools.partial(semi_sync_loop, kind, start_batch=start)
+        case = _train_case(rank, "TrainPipelineSemiSync", kind, sharding, stale, start_batch=start)
+        case["equals_plain_loop"] = _train_case(
+            rank, "TrainPipelineSemiSync", kind, sharding, models.plain_loop, start_batch=start
+        )["outputs"]
+        out["semi", kind, sharding, start] = case
     for kind, sharding in STAGED_CASES:
         out["staged", kind, sharding] = _staged_case(rank, kind, sharding)
     return out
@@ -176,3 +223,15 @@ def test_staged_pipeline_with_user_stages_equals_plain_loop(results, kind, shard
         assert r["outputs"], f"rank {rank}: per-step outputs differ from the plain loop"
         assert r["params"], f"rank {rank}: final parameters differ from the plain loop"
         assert r["twin_differs"], "a skipped optimizer step would go unnoticed"
+
+
+@pytest.mark.parametrize(("kind", "sharding", "start_batch"), SEMI_CASES)
+def test_semi_sync_equals_the_stale_loop(results, kind, sharding, start_batch):
+    for rank, per_rank in enumerate(results):
+        r = per_rank["semi", kind, sharding, start_batch]
+        _check_common(r)
+        assert r["outputs"], f"rank {rank}: per-step outputs differ from the semi-sync reference"
+        assert r["params"], f"rank {rank}: final parameters differ from the semi-sync reference"
+        assert r["twin_differs"], "a skipped optimizer step would go unnoticed"
+        # the documented difference: stale embeddings change the numbers after the warm-up
+        assert r["equals_plain_loop"] == (start_batch >= STEPS - 1), r
