@@ -309,7 +309,8 @@ class TrainPipelineSemiSync(_LookupPipeline):
     def _swap_gradients(self) -> None:
         """Stash this batch's dense gradients and put the previous batch's in their place."""
         for name, param in self._model.named_parameters():
-            previous = self._stashed.pop(name, None)
+            # as torchrec: a parameter without a gradient this step keeps its stash for the next
+            previous = self._stashed.get(name)
             if param.grad is not None:
                 self._stashed[name] = param.grad.clone()
             param.grad = previous

@@ -29,6 +29,7 @@ STAGED_CASES = list(itertools.product(("dlrm", "nested"), SHARDINGS))
 START_BATCH = 3
 SEMI_CASES = [(k, s, START_BATCH) for k, s in itertools.product(("dlrm", "nested"), SHARDINGS)]
 SEMI_CASES.append(("dlrm", "table_wise", 900))  # all warm-up: the plain loop
+STASH_CASES = [("nested", "table_wise"), ("dlrm", "column_wise")]
 
 
 def _features(kind: str, root, batch) -> list:
@@ -38,9 +39,10 @@ def _features(kind: str, root, batch) -> list:
     return [(root.user_ebc, batch.features.user), (root.item_ebc, batch.features.item)]
 
 
-def semi_sync_loop(kind: str, model, opt, data: list, start_batch: int) -> list:
+def semi_sync_loop(kind: str, model, opt, data: list, start_batch: int, stash: bool = False) -> list:
     """The plain loop with torchrec's semi-sync staleness: from batch `start_batch` on, the
-    embedding lookup of batch i+1 runs after forward and before backward of batch i."""
+    embedding lookup of batch i+1 runs after forward and before backward of batch i (and with
+    `stash`, the dense step of batch i uses the gradients of batch i-1)."""
     import torch
 
     from rewrite import unwrap_model
@@ -48,7 +50,7 @@ def semi_sync_loop(kind: str, model, opt, data: list, start_batch: int) -> list:
     def lookup(batch) -> list:  # each sharded module's own forward (input_dist, lookup, output_dist)
         return [(m, m(kjt).wait()) for m, kjt in _features(kind, unwrap_model(model), batch)]
 
-    outputs, ahead = [], None
+    outputs, ahead, previous = [], None, {}
     for i, batch in enumerate(data):
         looked_up, ahead = ahead or lookup(batch), None
         for module, embeddings in looked_up:
@@ -60,8 +62,15 @@ def semi_sync_loop(kind: str, model, opt, data: list, start_batch: int) -> list:
         if i >= start_batch and i + 1 < len(data):
             ahead = lookup(data[i + 1])  # before this batch's embedding update: one step stale
         torch.sum(loss).backward()
-        opt.step()
         outputs.append(out)
+        if stash and i >= start_batch:
+            grads = [(p, p.grad) for p in model.parameters()]
+            for p, _ in grads:
+                p.grad = previous.get(p)
+            previous.update({p: g.clone() for p, g in grads if g is not None})
+            if i == start_batch:
+                continue
+        opt.step()
     return outputs
 
 
@@ -89,7 +98,11 @@ def _eval_case(rank: int, kind: str, sharding: str) -> dict:
     }
 
 
-def _train_case(rank: int, cls_name: str, kind: str, sharding: str, reference, **options) -> dict:
+def _train_case(
+    rank: int, cls_name: str, kind: str, sharding: str, reference, *, compare=None, **options
+) -> dict:
+    """`cls_name` against `reference(model, opt, batches)`; `compare`: other references, whose
+    equality with the pipeline is reported as `equals_<name>`."""
     import torch
 
     import pipeline
@@ -104,13 +117,20 @@ def _train_case(rank: int, cls_name: str, kind: str, sharding: str, reference, *
     # the negative twin: the same reference with the last optimizer step skipped
     twin_model, twin_opt = models.build(kind, sharding)
     reference(twin_model, twin_opt, data[:-1])
-    return {
+    result = {
         "outputs": models.bitwise_equal(expected, outputs),
         "params": models.bitwise_equal(ref_model.state_dict(), model.state_dict()),
         "twin_differs": not models.bitwise_equal(twin_model.state_dict(), model.state_dict()),
         "stopped": stopped,
         "not_pipelined": [m.fqn for m in pipe.rewrite_report.not_pipelined],
     }
+    for name, other in (compare or {}).items():
+        other_model, other_opt = models.build(kind, sharding)
+        other_outputs = other(other_model, other_opt, data)
+        result[f"equals_{name}"] = models.bitwise_equal(other_outputs, outputs) and models.bitwise_equal(
+            other_model.state_dict(), model.state_dict()
+        )
+    return result
 
 
 def _double_dense(batch):
@@ -175,11 +195,28 @@ def _run_all(rank: int, world_size: int) -> dict:
         )
     for kind, sharding, start in SEMI_CASES:
         stale = functools.partial(semi_sync_loop, kind, start_batch=start)
-        case = _train_case(rank, "TrainPipelineSemiSync", kind, sharding, stale, start_batch=start)
-        case["equals_plain_loop"] = _train_case(
-            rank, "TrainPipelineSemiSync", kind, sharding, models.plain_loop, start_batch=start
-        )["outputs"]
-        out["semi", kind, sharding, start] = case
+        out["semi", kind, sharding, start] = _train_case(
+            rank,
+            "TrainPipelineSemiSync",
+            kind,
+            sharding,
+            stale,
+            compare={"plain_loop": models.plain_loop},
+            start_batch=start,
+        )
+    for kind, sharding in STASH_CASES:
+        stale = functools.partial(semi_sync_loop, kind, start_batch=START_BATCH, stash=True)
+        no_stash = functools.partial(semi_sync_loop, kind, start_batch=START_BATCH)
+        out["stash", kind, sharding] = _train_case(
+            rank,
+            "TrainPipelineSemiSync",
+            kind,
+            sharding,
+            stale,
+            compare={"no_stash": no_stash},
+            start_batch=START_BATCH,
+            stash_gradients=True,
+        )
     for kind, sharding in STAGED_CASES:
         out["staged", kind, sharding] = _staged_case(rank, kind, sharding)
     return out
@@ -235,3 +272,13 @@ def test_semi_sync_equals_the_stale_loop(results, kind, sharding, start_batch):
         assert r["twin_differs"], "a skipped optimizer step would go unnoticed"
         # the documented difference: stale embeddings change the numbers after the warm-up
         assert r["equals_plain_loop"] == (start_batch >= STEPS - 1), r
+
+
+@pytest.mark.parametrize(("kind", "sharding"), STASH_CASES)
+def test_semi_sync_with_stashed_gradients(results, kind, sharding):
+    for rank, per_rank in enumerate(results):
+        r = per_rank["stash", kind, sharding]
+        _check_common(r)
+        assert r["outputs"], f"rank {rank}: per-step outputs differ from the semi-sync reference"
+        assert r["params"], f"rank {rank}: final parameters differ from the semi-sync reference"
+        assert not r["equals_no_stash"], "stash_gradients made no difference"
