@@ -282,3 +282,28 @@ def test_semi_sync_with_stashed_gradients(results, kind, sharding):
         assert r["outputs"], f"rank {rank}: per-step outputs differ from the semi-sync reference"
         assert r["params"], f"rank {rank}: final parameters differ from the semi-sync reference"
         assert not r["equals_no_stash"], "stash_gradients made no difference"
+
+
+# -- the schedule alone (one process): which batches run, against torchrec's class of the same name
+
+
+@pytest.mark.parametrize(
+    ("name", "execute_all_batches"),
+    [
+        *itertools.product(["TrainPipelineFusedSparseDist", "TrainPipelineSemiSync"], [True, False]),
+        ("EvalPipelineSparseDist", True),
+    ],
+)
+def test_schedule_matches_torchrec(name, execute_all_batches):
+    from torchrec.distributed.train_pipeline import train_pipelines as theirs
+
+    import pipeline
+    from tests.test_torchrec_parity import schedule
+
+    options = {} if name.startswith("Eval") else {"execute_all_batches": execute_all_batches}
+    if name == "TrainPipelineSemiSync":
+        options["start_batch"] = 1
+    for n in range(9):
+        ours = schedule(getattr(pipeline, name), n, **options)
+        assert ours == schedule(getattr(theirs, name), n, **options), f"{n} batches"
+        assert ours == list(range(len(ours)))
