@@ -183,6 +183,39 @@ def _staged_case(rank: int, kind: str, sharding: str) -> dict:
     }
 
 
+STREAM_PIPELINES = {
+    "TrainPipelineFusedSparseDist": {},
+    "TrainPipelineSemiSync": {"start_batch": 2},
+    "EvalPipelineSparseDist": {},
+}
+
+
+def _streams_case(rank: int, name: str, broken: bool) -> dict:
+    """The pipeline on fake named streams that log every hand-off (`RecordingStreams`)."""
+    import torch
+
+    import pipeline
+    from tests import models
+
+    streams = pipeline.RecordingStreams()
+    if broken:  # a hand-off that forgets to wait: the checker must catch it
+        streams.handoff = lambda obj, producer: streams.record(obj, streams.current())
+    model, opt = models.build("dlrm", "table_wise")
+    pipe = getattr(pipeline, name)(model, opt, torch.device("cpu"), streams=streams, **STREAM_PIPELINES[name])
+    outputs = models.run_to_end(pipe, iter(models.batches("dlrm", STEPS, rank, seed=9)))
+    try:
+        checked, error = streams.check(), None
+    except pipeline.HandoffError as e:
+        checked, error = 0, str(e)
+    return {
+        "outputs": len(outputs),
+        "checked": checked,
+        "error": error,
+        "stages": {k: sorted(v) for k, v in streams.stage_streams().items()},
+        "fences": sum(1 for e in streams.log if e == ("wait", "data_dist", "default")),
+    }
+
+
 def _run_all(rank: int, world_size: int) -> dict:
     from tests import models
 
@@ -217,6 +250,8 @@ def _run_all(rank: int, world_size: int) -> dict:
             start_batch=START_BATCH,
             stash_gradients=True,
         )
+    for name, broken in itertools.product(STREAM_PIPELINES, (False, True)):
+        out["streams", name, broken] = _streams_case(rank, name, broken)
     for kind, sharding in STAGED_CASES:
         out["staged", kind, sharding] = _staged_case(rank, kind, sharding)
     return out
@@ -282,6 +317,33 @@ def test_semi_sync_with_stashed_gradients(results, kind, sharding):
         assert r["outputs"], f"rank {rank}: per-step outputs differ from the semi-sync reference"
         assert r["params"], f"rank {rank}: final parameters differ from the semi-sync reference"
         assert not r["equals_no_stash"], "stash_gradients made no difference"
+
+
+EXPECTED_STAGES = {
+    "copy": ["memcpy"],
+    "input_dist::start": ["data_dist"],
+    "input_dist::splits": ["data_dist"],
+    "lookup": ["data_dist"],
+    "forward": ["default"],
+    "backward": ["default"],
+    "optimizer": ["default"],
+}
+
+
+@pytest.mark.parametrize("name", STREAM_PIPELINES)
+def test_stream_hand_offs(results, name):
+    for per_rank in results:
+        r = per_rank["streams", name, False]
+        assert r["outputs"] == STEPS and r["error"] is None
+        assert r["checked"] >= 2 * STEPS  # at least the batch and (or) the lookup, per batch
+        assert r["stages"] == {k: v for k, v in EXPECTED_STAGES.items() if k in r["stages"]}
+        assert ("lookup" in r["stages"]) == (name != "EvalPipelineSparseDist")
+        assert ("backward" in r["stages"]) == (name != "EvalPipelineSparseDist")
+        if name != "EvalPipelineSparseDist":
+            # the lookup stream waits for the caller's after each batch's backward
+            assert r["fences"] >= STEPS
+        broken = per_rank["streams", name, True]
+        assert broken["error"] and "without a wait" in broken["error"]
 
 
 # -- the schedule alone (one process): which batches run, against torchrec's class of the same name
