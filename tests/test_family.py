@@ -216,6 +216,75 @@ def _streams_case(rank: int, name: str, broken: bool) -> dict:
     }
 
 
+UNEVEN = {
+    "TrainPipelineSemiSync": [(8, 7), (8, 4), (3, 8), (8, 1), (8, 0)],
+    "TrainPipelineFusedSparseDist": [(8, 5)],
+}
+LIFECYCLE_OPTIONS = {"TrainPipelineSemiSync": {"start_batch": 2}, "TrainPipelineFusedSparseDist": {}}
+
+
+def _reference_of(name: str):
+    from tests import models
+
+    if name == "TrainPipelineSemiSync":
+        return functools.partial(semi_sync_loop, "dlrm", start_batch=2)
+    return models.plain_loop
+
+
+def _uneven_case(rank: int, name: str, counts: tuple[int, int]) -> dict:
+    import warnings
+
+    import torch
+
+    import pipeline
+    from tests import models
+
+    common = min(counts)
+    ref_model, ref_opt = models.build("dlrm", "table_wise")
+    expected = _reference_of(name)(ref_model, ref_opt, models.batches("dlrm", common, rank))
+    model, opt = models.build("dlrm", "table_wise")
+    pipe = getattr(pipeline, name)(model, opt, torch.device("cpu"), **LIFECYCLE_OPTIONS[name])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outputs = models.run_to_end(pipe, iter(models.batches("dlrm", counts[rank], rank)))
+    return {
+        "count": len(outputs),
+        "outputs": models.bitwise_equal(expected, outputs),
+        "params": models.bitwise_equal(ref_model.state_dict(), model.state_dict()),
+        "untrained": len(pipe.untrained_batches),
+        "warned": any("not trained" in str(w.message) for w in caught),
+    }
+
+
+def _switch_case(rank: int, name: str) -> dict:
+    """3 steps, detach and a direct call of the model, an eval pass on another iterator, then the
+    rest: the training batches are the reference's, as if nothing happened in between."""
+    import torch
+
+    import pipeline
+    from tests import models
+
+    data = models.batches("dlrm", STEPS, rank)
+    ref_model, ref_opt = models.build("dlrm", "table_wise")
+    expected = _reference_of(name)(ref_model, ref_opt, data)
+    model, opt = models.build("dlrm", "table_wise")
+    pipe = getattr(pipeline, name)(model, opt, torch.device("cpu"), **LIFECYCLE_OPTIONS[name])
+    it = iter(models.batches("dlrm", STEPS, rank))
+    outputs = [pipe.progress(it) for _ in range(3)]
+    pipe.detach()
+    with torch.no_grad():
+        model(models.batches("dlrm", 1, rank, seed=5)[0])  # the plain model runs while detached
+    model.eval()
+    evals = models.run_to_end(pipe, iter(models.batches("dlrm", 3, rank, seed=6)))
+    model.train()
+    outputs += models.run_to_end(pipe, it)
+    return {
+        "outputs": models.bitwise_equal(expected, outputs),
+        "params": models.bitwise_equal(ref_model.state_dict(), model.state_dict()),
+        "evals": len(evals),
+    }
+
+
 def _run_all(rank: int, world_size: int) -> dict:
     from tests import models
 
@@ -252,6 +321,10 @@ def _run_all(rank: int, world_size: int) -> dict:
         )
     for name, broken in itertools.product(STREAM_PIPELINES, (False, True)):
         out["streams", name, broken] = _streams_case(rank, name, broken)
+    for name, cases in UNEVEN.items():
+        for counts in cases:
+            out["uneven", name, counts] = _uneven_case(rank, name, counts)
+        out["switch", name] = _switch_case(rank, name)
     for kind, sharding in STAGED_CASES:
         out["staged", kind, sharding] = _staged_case(rank, kind, sharding)
     return out
@@ -317,6 +390,25 @@ def test_semi_sync_with_stashed_gradients(results, kind, sharding):
         assert r["outputs"], f"rank {rank}: per-step outputs differ from the semi-sync reference"
         assert r["params"], f"rank {rank}: final parameters differ from the semi-sync reference"
         assert not r["equals_no_stash"], "stash_gradients made no difference"
+
+
+@pytest.mark.parametrize(("name", "counts"), [(n, c) for n, cases in UNEVEN.items() for c in cases])
+def test_uneven_data_trains_the_common_count(results, name, counts):
+    common = min(counts)
+    for rank, per_rank in enumerate(results):
+        r = per_rank["uneven", name, counts]
+        assert r["count"] == common, f"rank {rank}: {r['count']} outputs, expected {common}"
+        assert r["outputs"] and r["params"], f"rank {rank}: not the reference on {common} batches"
+        longer = counts[rank] > common
+        assert (r["untrained"] > 0) == longer and r["warned"] == longer, r
+
+
+@pytest.mark.parametrize("name", UNEVEN)
+def test_detach_and_eval_pass_mid_run(results, name):
+    for per_rank in results:
+        r = per_rank["switch", name]
+        assert r["evals"] == 3
+        assert r["outputs"] and r["params"], "the training batches changed"
 
 
 EXPECTED_STAGES = {
