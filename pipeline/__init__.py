@@ -23,7 +23,7 @@ _EXPORTS = {
     "PrefetchTrainPipelineSparseDist": "pipeline.sparse_dist",
     "EvalPipelineSparseDist": "pipeline.eval",
     "TrainPipelineFusedSparseDist": "pipeline.lookup",
-    "TrainPipelineSemiSync": "pipeline.lookup",
+    "TrainPipelineSemiSync": "pipeline.semi_sync",
     "StagedTrainPipeline": "pipeline.staged",
     "PipelineStage": "pipeline.staged",
     "SparseDataDistUtil": "pipeline.staged",
