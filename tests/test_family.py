@@ -461,3 +461,52 @@ def test_schedule_matches_torchrec(name, execute_all_batches):
         ours = schedule(getattr(pipeline, name), n, **options)
         assert ours == schedule(getattr(theirs, name), n, **options), f"{n} batches"
         assert ours == list(range(len(ours)))
+
+
+# -- StagedTrainPipeline alone (one process): the order of the stages, the end, a flush
+
+
+def _tracing_stage(name: str, log: list):
+    import pipeline
+
+    def run(batch):
+        log.append((name, batch[0]))
+        return batch[0], [*batch[1], name]
+
+    return pipeline.PipelineStage(name, run)
+
+
+def test_staged_order_end_and_new_iterator():
+    import pipeline
+
+    log: list = []
+    pipe = pipeline.StagedTrainPipeline([_tracing_stage("a", log), _tracing_stage("b", log)])
+    it = iter([(i, []) for i in range(4)])
+    outputs = []
+    while (batch := pipe.progress(it)) is not None:
+        outputs.append(batch)
+    assert outputs == [(i, ["a", "b"]) for i in range(4)]
+    assert pipe.progress(it) is None and pipe.progress(it) is None
+    # the fill runs a and b on batch 0 and a on batch 1; each progress() then runs, newest first,
+    # a on batch i+2 and b on batch i+1
+    assert log[:5] == [("a", 0), ("b", 0), ("a", 1), ("a", 2), ("b", 1)]
+    assert sorted(log) == sorted((s, i) for s in "ab" for i in range(4))
+    assert pipe.progress(iter([(9, [])])) == (9, ["a", "b"])  # a new iterator fills again
+
+
+def test_staged_flush_returns_the_batches_in_flight_then_fills_again():
+    import pipeline
+
+    log: list = []
+    ends: list = []
+    pipe = pipeline.StagedTrainPipeline(
+        [_tracing_stage("a", log), _tracing_stage("b", log)], on_flush_end=lambda: ends.append(len(log))
+    )
+    it = iter([(i, []) for i in range(6)])
+    outputs = [pipe.progress(it)[0] for _ in range(2)]
+    pipe.set_flush(True)
+    outputs += [pipe.progress(it)[0] for _ in range(2)]  # batches 2 and 3 were in flight
+    assert ("a", 4) not in log, "a flushing pipeline fetched a batch"
+    outputs += [pipe.progress(it)[0] for _ in range(2)]  # flushed: on_flush_end, then a new fill
+    assert outputs == list(range(6)) and len(ends) == 1
+    assert pipe.progress(it) is None
