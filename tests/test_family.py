@@ -24,7 +24,11 @@ from tests.harness import run_ranks
 SHARDINGS = ("table_wise", "column_wise")
 STEPS = 8
 EVAL_CASES = list(itertools.product(("dlrm", "nested"), SHARDINGS))
-FUSED_CASES = list(itertools.product(("dlrm", "nested", "dict", "fp"), SHARDINGS))
+FUSED_CASES = [(k, s, "") for k, s in itertools.product(("dlrm", "nested", "dict", "fp"), SHARDINGS)]
+FUSED_CASES.append(
+    ("fp", "column_wise", "after")
+)  # the lookup after input_dist of i+1, on the caller's stream
+FUSED_OPTIONS = {"": {}, "after": {"embedding_lookup_after_data_dist": True, "emb_lookup_stream": "current"}}
 STAGED_CASES = list(itertools.product(("dlrm", "nested"), SHARDINGS))
 START_BATCH = 3
 SEMI_CASES = [(k, s, START_BATCH) for k, s in itertools.product(("dlrm", "nested"), SHARDINGS)]
@@ -285,16 +289,34 @@ def _switch_case(rank: int, name: str) -> dict:
     }
 
 
+def _shared_parameters_case() -> str | None:
+    """SemiSync with strict=True on a model whose sharded module has parameters in the dense
+    optimizer (position weights): every rank refuses it on the first step."""
+    import torch
+
+    import pipeline
+    from tests import models
+
+    model, opt = models.build("fp", "table_wise")
+    pipe = pipeline.TrainPipelineSemiSync(model, opt, torch.device("cpu"), start_batch=0, strict=True)
+    try:
+        pipe.progress(iter(models.batches("fp", 4, 0)))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _run_all(rank: int, world_size: int) -> dict:
     from tests import models
 
     out = {}
     for kind, sharding in EVAL_CASES:
         out["eval", kind, sharding] = _eval_case(rank, kind, sharding)
-    for kind, sharding in FUSED_CASES:
-        out["fused", kind, sharding] = _train_case(
-            rank, "TrainPipelineFusedSparseDist", kind, sharding, models.plain_loop
+    for kind, sharding, option in FUSED_CASES:
+        out["fused", kind, sharding, option] = _train_case(
+            rank, "TrainPipelineFusedSparseDist", kind, sharding, models.plain_loop, **FUSED_OPTIONS[option]
         )
+    out["semi_shared"] = _shared_parameters_case()
     for kind, sharding, start in SEMI_CASES:
         stale = functools.partial(semi_sync_loop, kind, start_batch=start)
         out["semi", kind, sharding, start] = _train_case(
@@ -350,10 +372,10 @@ def test_eval_pipeline_gives_the_models_outputs(results, kind, sharding):
         assert r["params"], f"rank {rank}: the eval pipeline changed parameters"
 
 
-@pytest.mark.parametrize(("kind", "sharding"), FUSED_CASES)
-def test_fused_sparse_dist_equals_plain_loop(results, kind, sharding):
+@pytest.mark.parametrize(("kind", "sharding", "option"), FUSED_CASES)
+def test_fused_sparse_dist_equals_plain_loop(results, kind, sharding, option):
     for rank, per_rank in enumerate(results):
-        r = per_rank["fused", kind, sharding]
+        r = per_rank["fused", kind, sharding, option]
         _check_common(r)
         assert r["outputs"], f"rank {rank}: per-step outputs differ from the plain loop"
         assert r["params"], f"rank {rank}: final parameters differ from the plain loop"
@@ -380,6 +402,11 @@ def test_semi_sync_equals_the_stale_loop(results, kind, sharding, start_batch):
         assert r["twin_differs"], "a skipped optimizer step would go unnoticed"
         # the documented difference: stale embeddings change the numbers after the warm-up
         assert r["equals_plain_loop"] == (start_batch >= STEPS - 1), r
+
+
+def test_semi_sync_refuses_shared_parameters_under_strict(results):
+    for per_rank in results:
+        assert per_rank["semi_shared"] and "dense optimizer" in per_rank["semi_shared"]
 
 
 @pytest.mark.parametrize(("kind", "sharding"), STASH_CASES)
