@@ -2,8 +2,12 @@
 
 `TrainPipelineBase` overlaps the host-to-device copy, `TrainPipelineSparseDist` adds input_dist
 (all-to-all) ahead of forward, `PrefetchTrainPipelineSparseDist` adds a prefetch stage so forward
-never waits on communication. Constructors and `progress()` follow torchrec's, so a torchrec user
-switches by changing an import.
+never waits on communication. The rest of torchrec's family: `TrainPipelineFusedSparseDist` (the
+embedding lookup ahead of forward), `TrainPipelineSemiSync` (the next batch's lookup before this
+batch's backward: embeddings one step stale), `EvalPipelineSparseDist` (forward only) and
+`StagedTrainPipeline` (the caller's own stages; `SparseDataDistUtil` makes the input_dist one).
+Constructors and `progress()` follow torchrec's, so a torchrec user switches by changing an import
+(docs/pipeline.md, "Which pipeline").
 
 The names are loaded on first use (PEP 562), so `python -m pipeline.timeline` does not pay for
 importing torchrec.
