@@ -35,11 +35,12 @@ class TrainPipelineSemiSync(_LookupPipeline):
     of i+1 runs after the optimizer step of i instead: the plain loop's numerics.
 
     Numerics, for the batch with index j (0-based; indexes count every batch this pipeline
-    fetched, as torchrec's contexts do): forward sees the dense parameters after step j-1 (after
-    step j-2 for the gradient step with `stash_gradients`) and, for j > `start_batch`, embeddings
-    after the update of batch j-2 instead of j-1: the embedding gradient of batch j-1 is applied
+    fetched, as torchrec's contexts do): forward sees the dense parameters as updated by step j-1
+    (which, with `stash_gradients`, applied the gradients of batch j-2) and, for j > `start_batch`,
+    the embeddings as updated by batch j-2, not j-1: the embedding gradient of batch j-1 is applied
     after batch j looked its rows up. Gradients are those of that forward. Bit for bit equal to the
     plain loop with this staleness (tests/test_family.py has it in 20 lines), not to the plain loop.
+    `drain()` ends the chain: the first batch after it is looked up in up-to-date tables.
     Pipelined modules whose parameters the dense optimizer also steps (feature processors'
     position weights) are updated in place after the next batch's lookup used them, which autograd
     rejects: a warning (an error under `strict`) says so.
