@@ -25,7 +25,7 @@ _EXPORTS = {
     "TrainPipelineBase": "pipeline.base",
     "TrainPipelineSparseDist": "pipeline.sparse_dist",
     "PrefetchTrainPipelineSparseDist": "pipeline.sparse_dist",
-    "EvalPipelineSparseDist": "pipeline.eval",
+    "EvalPipelineSparseDist": "pipeline.evaluation",
     "TrainPipelineFusedSparseDist": "pipeline.lookup",
     "TrainPipelineSemiSync": "pipeline.semi_sync",
     "StagedTrainPipeline": "pipeline.staged",
