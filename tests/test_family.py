@@ -148,7 +148,9 @@ def _double_dense(batch):
     return dataclasses.replace(batch, dense=batch.dense * 2)
 
 
-def _staged_case(rank: int, kind: str, sharding: str) -> dict:
+def _staged_case(rank: int, kind: str, sharding: str, detach_at: int = -1) -> dict:
+    """The staged pipeline around the caller's loop; after `detach_at` steps, `sdd.detach()` and a
+    direct call of the plain model (the next progress() re-attaches)."""
     import torch
 
     import pipeline
@@ -178,6 +180,10 @@ def _staged_case(rank: int, kind: str, sharding: str) -> dict:
         opt.step()
         outputs.append(out)
         assert len(outputs) <= STEPS, "no end of data"
+        if len(outputs) == detach_at:
+            sdd.detach()
+            with torch.no_grad():
+                model(models.batches(kind, 1, rank, seed=5)[0])
     return {
         "outputs": models.bitwise_equal(expected, outputs),
         "params": models.bitwise_equal(ref_model.state_dict(), model.state_dict()),
@@ -349,6 +355,7 @@ def _run_all(rank: int, world_size: int) -> dict:
         out["switch", name] = _switch_case(rank, name)
     for kind, sharding in STAGED_CASES:
         out["staged", kind, sharding] = _staged_case(rank, kind, sharding)
+    out["staged_detach"] = _staged_case(rank, "dlrm", "column_wise", detach_at=3)
     return out
 
 
@@ -386,6 +393,8 @@ def test_fused_sparse_dist_equals_plain_loop(results, kind, sharding, option):
 def test_staged_pipeline_with_user_stages_equals_plain_loop(results, kind, sharding):
     for rank, per_rank in enumerate(results):
         r = per_rank["staged", kind, sharding]
+        if (kind, sharding) == ("dlrm", "column_wise"):  # the same, with a detach after 3 steps
+            assert per_rank["staged_detach"] == r
         _check_common(r)
         assert r["outputs"], f"rank {rank}: per-step outputs differ from the plain loop"
         assert r["params"], f"rank {rank}: final parameters differ from the plain loop"
