@@ -93,11 +93,14 @@ def _eval_case(rank: int, kind: str, sharding: str) -> dict:
     model.eval()
     pipe = pipeline.EvalPipelineSparseDist(model, opt, torch.device("cpu"))
     outputs, stopped = models.outputs_then_stop(pipe, iter(models.batches(kind, STEPS, rank)), STEPS)
+    model.train()  # in training mode too: forward only, nothing stepped
+    trained = models.run_to_end(pipe, iter(models.batches(kind, 3, rank, seed=7)))
     return {
         "outputs": models.bitwise_equal(expected, outputs),
         "shifted": models.bitwise_equal(expected[1:], outputs[:-1]),
         "params": models.bitwise_equal(before, models.flat_tensors(model.state_dict())),
-        "stopped": stopped,
+        "stopped": stopped and len(trained) == 3,
+        "no_grad": all(p.grad is None for p in model.parameters()),
         "not_pipelined": [m.fqn for m in pipe.rewrite_report.not_pipelined],
     }
 
@@ -377,6 +380,7 @@ def test_eval_pipeline_gives_the_models_outputs(results, kind, sharding):
         assert r["outputs"], f"rank {rank}: outputs differ from model.eval() outputs"
         assert not r["shifted"], "batches are not distinct: the comparison cannot fail"
         assert r["params"], f"rank {rank}: the eval pipeline changed parameters"
+        assert r["no_grad"], f"rank {rank}: the eval pipeline ran backward"
 
 
 @pytest.mark.parametrize(("kind", "sharding", "option"), FUSED_CASES)
