@@ -15,6 +15,8 @@ __all__ = [
     "ALL_VARIANTS",
     "AUTO_VARIANTS",
     "BOUND_VARIANTS",
+    "CPU_UNSUPPORTED",
+    "FAMILY_VARIANTS",
     "FORCED_VARIANTS",
     "NOVOTE_VARIANTS",
     "OURS_TO_TORCHREC",
@@ -46,13 +48,37 @@ BOUND_VARIANTS = ("compute-alone", "comm-alone")
 NOVOTE_VARIANTS = ("ours-base+novote", "ours-sparse-dist@late+novote")
 """Our pipelines with the per-batch vote and key check off (`agreement=False, check_keys=False`):
 what `benchmarks.agreement` compares with `ours-base` and `ours-sparse-dist@late` to price them."""
-ALL_VARIANTS = (*VARIANTS, *FORCED_VARIANTS, *PREFETCH_FORCED_VARIANTS, *BOUND_VARIANTS, *NOVOTE_VARIANTS)
+FAMILY_VARIANTS = (
+    "ours-fused-sparse-dist",
+    "torchrec-fused-sparse-dist",
+    "ours-semi-sync",
+    "torchrec-semi-sync",
+    "ours-eval",
+    "torchrec-eval",
+    "ours-staged",
+)
+"""The rest of torchrec's family, ours against torchrec's same class (issue 14): SemiSync with
+`start_batch=0`; the eval pipelines time forward only (the model in eval mode); `ours-staged` is a
+StagedTrainPipeline (copy, input_dist) around the plain loop's forward/backward/step."""
+ALL_VARIANTS = (
+    *VARIANTS,
+    *FORCED_VARIANTS,
+    *PREFETCH_FORCED_VARIANTS,
+    *BOUND_VARIANTS,
+    *NOVOTE_VARIANTS,
+    *FAMILY_VARIANTS,
+)
 AUTO_VARIANTS = ("ours-sparse-dist", "ours-prefetch")
 """Variants that tune `input_dist_schedule="auto"` during their first steps."""
+CPU_UNSUPPORTED = ("torchrec-prefetch", "torchrec-fused-sparse-dist", "torchrec-semi-sync")
+"""torchrec 1.8's pipelines that fail on CPU at their first steps; recorded as unsupported there."""
 OURS_TO_TORCHREC = {
     "ours-base": "torchrec-base",
     "ours-sparse-dist": "torchrec-sparse-dist",
     "ours-prefetch": "torchrec-prefetch",
+    "ours-fused-sparse-dist": "torchrec-fused-sparse-dist",
+    "ours-semi-sync": "torchrec-semi-sync",
+    "ours-eval": "torchrec-eval",
 }
 
 

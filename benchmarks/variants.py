@@ -2,9 +2,11 @@
 
 Variants: `plain` (copy, zero_grad, forward, backward, step), this library's `ours-base`,
 `ours-sparse-dist` and `ours-prefetch`, and torchrec 1.8's `torchrec-base`, `torchrec-sparse-dist` and
-`torchrec-prefetch`. A `Runner` also names the profiler labels that delimit forward and the
-input_dist wait inside it, which differ between the libraries, so the profiled segment can measure
-"time forward spends waiting on input_dist" for every variant the same way.
+`torchrec-prefetch`; on request the rest of the family (`benchmarks.spec.FAMILY_VARIANTS`): Fused,
+SemiSync and Eval, ours and torchrec's, and our StagedTrainPipeline. A `Runner` also names the
+profiler labels that delimit forward and the input_dist wait inside it, which differ between the
+libraries, so the profiled segment can measure "time forward spends waiting on input_dist" for
+every variant the same way.
 
 Where a variant runs input_dist inside forward (the plain loop and both Base pipelines, whose
 sharded modules keep their own forward), `timed_input_dist` wraps each sharded module's `input_dist`
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 from torchrec.distributed import train_pipeline as torchrec_pipelines
+from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSemiSync
 from torchrec.distributed.types import ShardedModule
 
 import pipeline as ours
@@ -40,7 +43,18 @@ _PIPELINES: dict[str, Callable[..., Any]] = {
     "torchrec-base": torchrec_pipelines.TrainPipelineBase,
     "torchrec-sparse-dist": torchrec_pipelines.TrainPipelineSparseDist,
     "torchrec-prefetch": torchrec_pipelines.PrefetchTrainPipelineSparseDist,
+    "ours-fused-sparse-dist": ours.TrainPipelineFusedSparseDist,
+    "torchrec-fused-sparse-dist": torchrec_pipelines.TrainPipelineFusedSparseDist,
+    "ours-semi-sync": ours.TrainPipelineSemiSync,
+    "torchrec-semi-sync": TrainPipelineSemiSync,
+    "ours-eval": ours.EvalPipelineSparseDist,
+    "torchrec-eval": torchrec_pipelines.EvalPipelineSparseDist,
 }
+_OPTIONS: dict[str, dict[str, Any]] = {
+    "ours-semi-sync": {"start_batch": 0},
+    "torchrec-semi-sync": {"start_batch": 0},
+}
+"""Constructor options per variant: SemiSync semi-synchronous from the first batch."""
 _TORCHREC_FORWARD = "## forward"
 _TORCHREC_WAIT = "## runtime_forward_assemble_KJT"
 
@@ -105,9 +119,18 @@ def make_runner(
         options.update(agreement=False, check_keys=False)
     if variant in FORCED_VARIANTS or variant in PREFETCH_FORCED_VARIANTS:
         variant, options["input_dist_schedule"] = variant.split("@")
+    if variant == "ours-staged":
+        return Runner(
+            step=_staged_step(model, optimizer, device),
+            forward_label="bench::forward",
+            wait_label="pipeline::input_dist::wait",
+            inline_input_dist=False,
+        )
     if variant not in _PIPELINES:
         raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(ALL_VARIANTS)}")
-    pipe = _PIPELINES[variant](model, optimizer, device, **options)
+    if variant.endswith("-eval"):
+        model.eval()  # forward only; the worker builds a fresh model for each run
+    pipe = _PIPELINES[variant](model, optimizer, device, **options, **_OPTIONS.get(variant, {}))
     base = variant.endswith("-base")
     if variant.startswith("ours-"):
         forward, wait = "pipeline::forward", "pipeline::input_dist::wait"
@@ -126,6 +149,29 @@ def make_runner(
 def _plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
     def step(batches: Iterator[Any]) -> Any:
         batch = next(batches).to(device=device, non_blocking=True)
+        optimizer.zero_grad()
+        with record_function("bench::forward"):
+            loss, output = model(batch)
+        torch.sum(loss).backward()
+        optimizer.step()
+        return output
+
+    return step
+
+
+def _staged_step(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
+    sdd = ours.SparseDataDistUtil(model)
+    pipe = ours.StagedTrainPipeline(
+        [
+            ours.PipelineStage("data_copy", lambda batch: batch.to(device=device, non_blocking=True)),
+            sdd.start_sparse_data_dist_stage(),
+        ]
+    )
+
+    def step(batches: Iterator[Any]) -> Any:
+        batch = pipe.progress(batches)
+        if batch is None:
+            raise StopIteration
         optimizer.zero_grad()
         with record_function("bench::forward"):
             loss, output = model(batch)

@@ -39,7 +39,7 @@ from benchmarks import bound
 from benchmarks.configs import BenchConfig, get_config
 from benchmarks.measure import peak, reset_peak, summarize_profile, tensor_peak_bytes
 from benchmarks.model import batch_nbytes, build_model, make_batches
-from benchmarks.spec import BOUND_VARIANTS, RunSpec, round_order
+from benchmarks.spec import BOUND_VARIANTS, CPU_UNSUPPORTED, RunSpec, round_order
 from benchmarks.variants import Runner, make_runner, timed_input_dist
 
 __all__ = ["run_rank"]
@@ -114,10 +114,11 @@ def _run_one(
             on_timed=lambda: record.update(_cache_figures(caches)),
         )
     except Exception as e:
-        if variant != "torchrec-prefetch" or device.type != "cpu":
+        if variant not in CPU_UNSUPPORTED or device.type != "cpu":
             raise
         # Known: torchrec 1.8's Prefetch pipeline prefetches only on CUDA, and its forward then
-        # refuses the batch. Both ranks fail at the same point, so they stay in step.
+        # refuses the batch; its Fused and SemiSync pipelines record CPU tensors on a stream. Both ranks fail
+        # at the same point, so they stay in step.
         record.update(status="unsupported", message=f"does not run on CPU ({type(e).__name__}: {e})")
         # It launched input_dist all-to-alls it will never wait for. Free its objects while the
         # process group lives (else the process can abort at exit), and let gloo's barrier wait

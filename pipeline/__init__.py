@@ -2,8 +2,12 @@
 
 `TrainPipelineBase` overlaps the host-to-device copy, `TrainPipelineSparseDist` adds input_dist
 (all-to-all) ahead of forward, `PrefetchTrainPipelineSparseDist` adds a prefetch stage so forward
-never waits on communication. Constructors and `progress()` follow torchrec's, so a torchrec user
-switches by changing an import.
+never waits on communication. The rest of torchrec's family: `TrainPipelineFusedSparseDist` (the
+embedding lookup ahead of forward), `TrainPipelineSemiSync` (the next batch's lookup before this
+batch's backward: embeddings one step stale), `EvalPipelineSparseDist` (forward only) and
+`StagedTrainPipeline` (the caller's own stages; `SparseDataDistUtil` makes the input_dist one).
+Constructors and `progress()` follow torchrec's, so a torchrec user switches by changing an import
+(docs/pipeline.md, "Which pipeline").
 
 The names are loaded on first use (PEP 562), so `python -m pipeline.timeline` does not pay for
 importing torchrec.
@@ -17,9 +21,16 @@ from typing import Any
 _EXPORTS = {
     "BatchContext": "pipeline.context",
     "PrefetchBatchContext": "pipeline.context",
+    "LookupBatchContext": "pipeline.context",
     "TrainPipelineBase": "pipeline.base",
     "TrainPipelineSparseDist": "pipeline.sparse_dist",
     "PrefetchTrainPipelineSparseDist": "pipeline.sparse_dist",
+    "EvalPipelineSparseDist": "pipeline.evaluation",
+    "TrainPipelineFusedSparseDist": "pipeline.lookup",
+    "TrainPipelineSemiSync": "pipeline.semi_sync",
+    "StagedTrainPipeline": "pipeline.staged",
+    "PipelineStage": "pipeline.staged",
+    "SparseDataDistUtil": "pipeline.staged",
     "Streams": "pipeline.streams",
     "CudaStreams": "pipeline.streams",
     "RecordingStreams": "pipeline.streams",

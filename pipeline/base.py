@@ -116,6 +116,7 @@ class TrainPipelineBase:
 
     _context_type: type[BatchContext] = BatchContext
     _prefetch_thread = False  # on CPU, run the prefetch stage on a worker thread
+    _trains = True  # False: forward only, in any mode (EvalPipelineSparseDist)
 
     def __init__(
         self,
@@ -350,7 +351,7 @@ class TrainPipelineBase:
         streams = self._streams
         streams.handoff(ctx.batch, streams.memcpy)
         streams.consumed(ctx.batch)
-        training = self._model.training
+        training = self._model.training and self._trains
         if training:
             self._optimizer.zero_grad()
         with stage(streams, "forward", ctx.index), torch.set_grad_enabled(training):

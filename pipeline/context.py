@@ -14,7 +14,7 @@ from torch.profiler import record_function
 
 from pipeline.streams import Streams
 
-__all__ = ["BatchContext", "PrefetchBatchContext"]
+__all__ = ["BatchContext", "LookupBatchContext", "PrefetchBatchContext"]
 
 
 @dataclass(kw_only=True, slots=True, eq=False)
@@ -70,6 +70,9 @@ class BatchContext:
     def take_prefetched(self, fqn: str) -> tuple[Any, Any] | None:
         return None
 
+    def take_lookup(self, fqn: str) -> Any | None:
+        return None
+
     def postproc_result(self, fqn: str) -> Any | None:
         result = self.postproc_results.get(fqn)
         if result is not None:
@@ -97,3 +100,26 @@ class PrefetchBatchContext(BatchContext):
             self.streams.handoff(module_ctx, self.streams.prefetch)
             self.streams.consumed(data)
         return prepared
+
+
+@dataclass(kw_only=True, slots=True, eq=False)
+class LookupBatchContext(BatchContext):
+    """Adds what the embedding lookup stage hands to forward (Fused and SemiSync pipelines)."""
+
+    lookups: dict[str, tuple[Any, Any, Any]] = field(default_factory=dict)
+    """Written by the lookup stage (on data_dist): (module context, input_dist result, output of
+    `compute_and_output_dist`) per module; read (popped) by forward's `take_lookup`."""
+    looked_up: bool = False
+    """The lookup stage ran for this batch."""
+
+    def take_lookup(self, fqn: str) -> Any | None:
+        prepared = self.lookups.pop(fqn, None)
+        if prepared is None:
+            return None
+        module_ctx, data, output = prepared
+        streams = self.streams
+        streams.handoff(output, streams.data_dist)
+        streams.record(module_ctx, streams.current())  # backward reads them on this stream
+        streams.record(data, streams.current())
+        streams.consumed(output)
+        return output

@@ -11,6 +11,7 @@ STAGES = (
     "input_dist::splits",
     "input_dist::wait",
     "prefetch",
+    "lookup",
     "forward",
     "backward",
     "optimizer",

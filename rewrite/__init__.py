@@ -21,6 +21,7 @@ from rewrite.direct import find_kjts
 from rewrite.forwards import (
     ContextSlot,
     ForwardContext,
+    LookupPipelinedForward,
     NotPreparedError,
     PipelinedForward,
     PostprocForward,
@@ -39,6 +40,7 @@ __all__ = [
     "ForwardContext",
     "InputDistGroups",
     "Item",
+    "LookupPipelinedForward",
     "ModuleReport",
     "NotPreparedError",
     "PathError",

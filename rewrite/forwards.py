@@ -15,6 +15,7 @@ from torch import nn
 __all__ = [
     "ContextSlot",
     "ForwardContext",
+    "LookupPipelinedForward",
     "NotPreparedError",
     "PipelinedForward",
     "PostprocForward",
@@ -42,6 +43,10 @@ class ForwardContext(Protocol):
 
     def postproc_result(self, fqn: str) -> Any | None:
         """The output of postproc module `fqn` computed ahead for this batch."""
+
+    def take_lookup(self, fqn: str) -> Any | None:
+        """The output of `compute_and_output_dist` of `fqn`, run ahead of forward by the pipeline
+        (embedding lookup pipelines); usable on the current stream."""
 
 
 class ContextSlot:
@@ -97,6 +102,17 @@ class PrefetchPipelinedForward(_HijackedForward):
 
     _take = "take_prefetched"
     _what = "The prefetched input"
+
+
+class LookupPipelinedForward(_HijackedForward):
+    """Returns the lookup (`compute_and_output_dist`) the pipeline already ran for this batch."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        ctx = self.slot.current
+        result = None if ctx is None else ctx.take_lookup(self.fqn)
+        if result is None:
+            raise _not_prepared(self.fqn, "The embedding lookup")
+        return result
 
 
 class PostprocForward(_HijackedForward):

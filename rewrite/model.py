@@ -19,6 +19,7 @@ from rewrite.arginfo import CallArgs, PathError, parse_path
 from rewrite.direct import match_direct
 from rewrite.forwards import (
     ContextSlot,
+    LookupPipelinedForward,
     PipelinedForward,
     PostprocForward,
     PrefetchPipelinedForward,
@@ -117,6 +118,7 @@ def rewrite_model(
     *,
     slot: ContextSlot,
     prefetch: bool = False,
+    lookup: bool = False,
     method: Method = "auto",
     paths: dict[str, str] | None = None,
     pipeline_postproc: bool = False,
@@ -129,6 +131,8 @@ def rewrite_model(
         batch: a sample batch, as the model will receive it (on the device).
         slot: where the pipeline puts the current batch's context for the hijacked forwards.
         prefetch: install `PrefetchPipelinedForward` (inputs come from the prefetch stage).
+        lookup: install `LookupPipelinedForward` (the pipeline runs `compute_and_output_dist`
+            itself, ahead of forward).
         method: "auto" (explicit paths, then fx trace, falling back to direct lookup when the
             trace fails), or only "explicit", "trace" or "direct".
         paths: `{module_fqn: path}` for explicit ArgInfos, e.g. `{"sparse_arch.ebc":
@@ -152,7 +156,9 @@ def rewrite_model(
         report.check_strict()
     rewrite = Rewrite(report=report, modules=[], postprocs={})
     modules = dict(root.named_modules())
-    forward_type = PrefetchPipelinedForward if prefetch else PipelinedForward
+    forward_type = (
+        LookupPipelinedForward if lookup else PrefetchPipelinedForward if prefetch else PipelinedForward
+    )
     for fqn, (args, _) in found.items():
         rewrite.modules.append(PipelinedModule(fqn=fqn, module=sharded[fqn], args=args))
         rewrite._hijack(sharded[fqn], forward_type(fqn, sharded[fqn], slot))

@@ -15,7 +15,7 @@ from benchmarks import link as link_mod
 from benchmarks.link import LinkUnavailable, check_available, emulated_link, parse_rate
 from benchmarks.measure import summarize_profile
 from benchmarks.run import main
-from benchmarks.spec import VARIANTS, RunSpec, round_order
+from benchmarks.spec import CPU_UNSUPPORTED, FAMILY_VARIANTS, VARIANTS, RunSpec, round_order
 
 
 def test_tiny_run_reports_every_variant(tmp_path):
@@ -38,6 +38,22 @@ def test_tiny_run_reports_every_variant(tmp_path):
     runs = [r for r in result["runs"] if r["status"] == "ok"]
     assert all(len(r["step_times_s"]) == 3 and min(r["step_times_s"]) > 0 for r in runs)
     assert (tmp_path / "r.md").read_text().startswith("# Benchmark results")
+
+
+def test_tiny_run_of_the_family(tmp_path):
+    out = tmp_path / "r.json"
+    argv = ["--configs", "demo", "--steps", "3", "--warmup", "2", "--auto-warmup", "2", "--rounds", "1"]
+    argv += ["--profile-steps", "2", "--variants", *FAMILY_VARIANTS]
+    assert main([*argv, "--json", str(out), "--md", str(tmp_path / "r.md")]) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["summary"]}
+    assert set(rows) == set(FAMILY_VARIANTS)
+    for variant, row in rows.items():
+        if variant in CPU_UNSUPPORTED:  # torchrec 1.8's Fused and SemiSync fail on CPU
+            assert row["status"] != "ok" and "does not run on CPU" in row["message"], row
+            continue
+        assert row["status"] == "ok", row
+        assert row["median_step_ms"] > 0 and row["samples_per_s"] > 0
+    assert rows["ours-eval"]["vs_torchrec"] is not None
 
 
 def _event(name: str, start: float, end: float, thread: int = 1) -> SimpleNamespace:

@@ -459,6 +459,34 @@ def test_direct_call_while_attached_says_how_to_detach():
         model(batch)
 
 
+class LookupCtx(Ctx):
+    """Runs each module's `compute_and_output_dist` ahead, as the lookup pipelines do."""
+
+    def __init__(self, rewrite, batch) -> None:
+        super().__init__(rewrite, batch)
+        self.lookups = {
+            pm.fqn: pm.module.compute_and_output_dist(*self.prepared.pop(pm.fqn)) for pm in rewrite.modules
+        }
+
+    def take_lookup(self, fqn):
+        return self.lookups.pop(fqn, None)
+
+
+def test_lookup_forward_returns_the_lookup_run_ahead():
+    model, batch = Model(), outer_batch()
+    expected = model(batch)
+    slot = ContextSlot()
+    rw = rewrite_model(model, batch, slot=slot, lookup=True)
+    assert type(model.a.forward).__name__ == "LookupPipelinedForward"
+    slot.current = LookupCtx(rw, batch)
+    try:
+        assert torch.equal(model(batch), expected)
+        with pytest.raises(NotPreparedError, match="embedding lookup"):
+            model(batch)  # the lookups were taken: a second call has nothing prepared
+    finally:
+        slot.current = None
+
+
 def test_restore_is_exact():
     model, batch = Model(), outer_batch()
     custom = lambda features: torch.zeros(1)  # noqa: E731 - a user's own instance forward

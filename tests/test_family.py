@@ -1,0 +1,552 @@
+"""The rest of torchrec's pipeline family against their references, bit for bit, on 2 gloo ranks.
+
+- EvalPipelineSparseDist: the model's own outputs (eval mode), parameters untouched.
+- TrainPipelineFusedSparseDist: the plain loop.
+- TrainPipelineSemiSync: a plain loop with the same staleness (`semi_sync_loop`), and different
+  from the plain loop once the warm-up (`start_batch`) is over.
+- StagedTrainPipeline (copy, a user stage, SparseDataDistUtil's input_dist stage) around the caller's
+  own forward/backward/step: the plain loop on the transformed batches.
+
+Table-wise and column-wise sharding, distinct batches per step and rank, one output per batch, then
+StopIteration. Every comparison also has a negative twin (a reference that is off by one step) that
+must differ, so a test that compares nothing cannot pass. All cases run in one pair of rank processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import pytest
+
+from tests.harness import run_ranks
+
+SHARDINGS = ("table_wise", "column_wise")
+STEPS = 8
+EVAL_CASES = list(itertools.product(("dlrm", "nested"), SHARDINGS))
+FUSED_CASES = [(k, s, "") for k, s in itertools.product(("dlrm", "nested", "dict", "fp"), SHARDINGS)]
+FUSED_CASES.append(
+    ("fp", "column_wise", "after")
+)  # the lookup after input_dist of i+1, on the caller's stream
+FUSED_OPTIONS = {"": {}, "after": {"embedding_lookup_after_data_dist": True, "emb_lookup_stream": "current"}}
+STAGED_CASES = list(itertools.product(("dlrm", "nested"), SHARDINGS))
+START_BATCH = 3
+SEMI_CASES = [(k, s, START_BATCH) for k, s in itertools.product(("dlrm", "nested"), SHARDINGS)]
+SEMI_CASES.append(("dlrm", "table_wise", 900))  # all warm-up: the plain loop
+STASH_CASES = [("nested", "table_wise"), ("dlrm", "column_wise")]
+
+
+def _features(kind: str, root, batch) -> list:
+    """(sharded module, its input) for each sharded module of the test model `root`."""
+    if kind == "dlrm":
+        return [(root.model.sparse_arch.embedding_bag_collection, batch.sparse_features)]
+    return [(root.user_ebc, batch.features.user), (root.item_ebc, batch.features.item)]
+
+
+def semi_sync_loop(kind: str, model, opt, data: list, start_batch: int, stash: bool = False) -> list:
+    """The plain loop with torchrec's semi-sync staleness: from batch `start_batch` on, the
+    embedding lookup of batch i+1 runs after forward and before backward of batch i (and with
+    `stash`, the dense step of batch i uses the gradients of batch i-1)."""
+    import torch
+
+    from rewrite import unwrap_model
+
+    def lookup(batch) -> list:  # each sharded module's own forward (input_dist, lookup, output_dist)
+        return [(m, m(kjt).wait()) for m, kjt in _features(kind, unwrap_model(model), batch)]
+
+    outputs, ahead, previous = [], None, {}
+    for i, batch in enumerate(data):
+        looked_up, ahead = ahead or lookup(batch), None
+        for module, embeddings in looked_up:
+            module.forward = lambda *args, _out=embeddings, **kwargs: _out
+        opt.zero_grad()
+        loss, out = model(batch)
+        for module, _ in looked_up:
+            del module.forward
+        if i >= start_batch and i + 1 < len(data):
+            ahead = lookup(data[i + 1])  # before this batch's embedding update: one step stale
+        torch.sum(loss).backward()
+        outputs.append(out)
+        if stash and i >= start_batch:
+            grads = [(p, p.grad) for p in model.parameters()]
+            for p, _ in grads:
+                p.grad = previous.get(p)
+            previous.update({p: g.clone() for p, g in grads if g is not None})
+            if i == start_batch:
+                continue
+        opt.step()
+    return outputs
+
+
+def _eval_case(rank: int, kind: str, sharding: str) -> dict:
+    import torch
+
+    import pipeline
+    from tests import models
+
+    ref, _ = models.build(kind, sharding)
+    ref.eval()
+    with torch.no_grad():
+        expected = [ref(b)[1] for b in models.batches(kind, STEPS, rank)]
+    model, opt = models.build(kind, sharding)
+    before = [t.clone() for t in models.flat_tensors(model.state_dict())]
+    model.eval()
+    pipe = pipeline.EvalPipelineSparseDist(model, opt, torch.device("cpu"))
+    outputs, stopped = models.outputs_then_stop(pipe, iter(models.batches(kind, STEPS, rank)), STEPS)
+    model.train()  # in training mode too: forward only, nothing stepped
+    trained = models.run_to_end(pipe, iter(models.batches(kind, 3, rank, seed=7)))
+    return {
+        "outputs": models.bitwise_equal(expected, outputs),
+        "shifted": models.bitwise_equal(expected[1:], outputs[:-1]),
+        "params": models.bitwise_equal(before, models.flat_tensors(model.state_dict())),
+        "stopped": stopped and len(trained) == 3,
+        "no_grad": all(p.grad is None for p in model.parameters()),
+        "not_pipelined": [m.fqn for m in pipe.rewrite_report.not_pipelined],
+    }
+
+
+def _train_case(
+    rank: int, cls_name: str, kind: str, sharding: str, reference, *, compare=None, **options
+) -> dict:
+    """`cls_name` against `reference(model, opt, batches)`; `compare`: other references, whose
+    equality with the pipeline is reported as `equals_<name>`."""
+    import torch
+
+    import pipeline
+    from tests import models
+
+    data = models.batches(kind, STEPS, rank)
+    ref_model, ref_opt = models.build(kind, sharding)
+    expected = reference(ref_model, ref_opt, data)
+    model, opt = models.build(kind, sharding)
+    pipe = getattr(pipeline, cls_name)(model, opt, torch.device("cpu"), **options)
+    outputs, stopped = models.outputs_then_stop(pipe, iter(models.batches(kind, STEPS, rank)), STEPS)
+    # the negative twin: the same reference with the last optimizer step skipped
+    twin_model, twin_opt = models.build(kind, sharding)
+    reference(twin_model, twin_opt, data[:-1])
+    result = {
+        "outputs": models.bitwise_equal(expected, outputs),
+        "params": models.bitwise_equal(ref_model.state_dict(), model.state_dict()),
+        "twin_differs": not models.bitwise_equal(twin_model.state_dict(), model.state_dict()),
+        "stopped": stopped,
+        "not_pipelined": [m.fqn for m in pipe.rewrite_report.not_pipelined],
+    }
+    for name, other in (compare or {}).items():
+        other_model, other_opt = models.build(kind, sharding)
+        other_outputs = other(other_model, other_opt, data)
+        result[f"equals_{name}"] = models.bitwise_equal(other_outputs, outputs) and models.bitwise_equal(
+            other_model.state_dict(), model.state_dict()
+        )
+    return result
+
+
+def _double_dense(batch):
+    """A user stage: a gradient-less transform of the batch (its dense features doubled)."""
+    import dataclasses
+
+    from torchrec.datasets.utils import Batch
+
+    if isinstance(batch, Batch):
+        return Batch(batch.dense_features * 2, batch.sparse_features, batch.labels)
+    return dataclasses.replace(batch, dense=batch.dense * 2)
+
+
+def _staged_case(rank: int, kind: str, sharding: str, detach_at: int = -1) -> dict:
+    """The staged pipeline around the caller's loop; after `detach_at` steps, `sdd.detach()` and a
+    direct call of the plain model (the next progress() re-attaches)."""
+    import torch
+
+    import pipeline
+    from pipeline.batch import to_device
+    from tests import models
+
+    data = [_double_dense(b) for b in models.batches(kind, STEPS, rank)]
+    ref_model, ref_opt = models.build(kind, sharding)
+    expected = models.plain_loop(ref_model, ref_opt, data)
+    twin_model, twin_opt = models.build(kind, sharding)
+    models.plain_loop(twin_model, twin_opt, data[:-1])
+    model, opt = models.build(kind, sharding)
+    sdd = pipeline.SparseDataDistUtil(model)
+    pipe = pipeline.StagedTrainPipeline(
+        [
+            pipeline.PipelineStage("data_copy", lambda b: to_device(b, torch.device("cpu"), True)),
+            pipeline.PipelineStage("double_dense", _double_dense),
+            sdd.start_sparse_data_dist_stage(),
+        ]
+    )
+    it = iter(models.batches(kind, STEPS, rank))
+    outputs = []
+    while (batch := pipe.progress(it)) is not None:
+        opt.zero_grad()
+        loss, out = model(batch)
+        torch.sum(loss).backward()
+        opt.step()
+        outputs.append(out)
+        assert len(outputs) <= STEPS, "no end of data"
+        if len(outputs) == detach_at:
+            sdd.detach()
+            with torch.no_grad():
+                model(models.batches(kind, 1, rank, seed=5)[0])
+    return {
+        "outputs": models.bitwise_equal(expected, outputs),
+        "params": models.bitwise_equal(ref_model.state_dict(), model.state_dict()),
+        "twin_differs": not models.bitwise_equal(twin_model.state_dict(), model.state_dict()),
+        "stopped": pipe.progress(it) is None,
+        "not_pipelined": [m.fqn for m in sdd.rewrite_report.not_pipelined],
+    }
+
+
+STREAM_PIPELINES = {
+    "TrainPipelineFusedSparseDist": {},
+    "TrainPipelineSemiSync": {"start_batch": 2},
+    "EvalPipelineSparseDist": {},
+}
+
+
+def _streams_case(rank: int, name: str, broken: bool) -> dict:
+    """The pipeline on fake named streams that log every hand-off (`RecordingStreams`)."""
+    import torch
+
+    import pipeline
+    from tests import models
+
+    streams = pipeline.RecordingStreams()
+    if broken:  # a hand-off that forgets to wait: the checker must catch it
+        streams.handoff = lambda obj, producer: streams.record(obj, streams.current())
+    model, opt = models.build("dlrm", "table_wise")
+    pipe = getattr(pipeline, name)(model, opt, torch.device("cpu"), streams=streams, **STREAM_PIPELINES[name])
+    outputs = models.run_to_end(pipe, iter(models.batches("dlrm", STEPS, rank, seed=9)))
+    try:
+        checked, error = streams.check(), None
+    except pipeline.HandoffError as e:
+        checked, error = 0, str(e)
+    return {
+        "outputs": len(outputs),
+        "checked": checked,
+        "error": error,
+        "stages": {k: sorted(v) for k, v in streams.stage_streams().items()},
+        "fences": sum(1 for e in streams.log if e == ("wait", "data_dist", "default")),
+    }
+
+
+UNEVEN = {
+    "TrainPipelineSemiSync": [(8, 7), (8, 4), (3, 8), (8, 1), (8, 0)],
+    "TrainPipelineFusedSparseDist": [(8, 5)],
+}
+LIFECYCLE_OPTIONS = {"TrainPipelineSemiSync": {"start_batch": 2}, "TrainPipelineFusedSparseDist": {}}
+
+
+def _reference_of(name: str):
+    from tests import models
+
+    if name == "TrainPipelineSemiSync":
+        return functools.partial(semi_sync_loop, "dlrm", start_batch=2)
+    return models.plain_loop
+
+
+def _uneven_case(rank: int, name: str, counts: tuple[int, int]) -> dict:
+    import warnings
+
+    import torch
+
+    import pipeline
+    from tests import models
+
+    common = min(counts)
+    ref_model, ref_opt = models.build("dlrm", "table_wise")
+    expected = _reference_of(name)(ref_model, ref_opt, models.batches("dlrm", common, rank))
+    model, opt = models.build("dlrm", "table_wise")
+    pipe = getattr(pipeline, name)(model, opt, torch.device("cpu"), **LIFECYCLE_OPTIONS[name])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outputs = models.run_to_end(pipe, iter(models.batches("dlrm", counts[rank], rank)))
+    return {
+        "count": len(outputs),
+        "outputs": models.bitwise_equal(expected, outputs),
+        "params": models.bitwise_equal(ref_model.state_dict(), model.state_dict()),
+        "untrained": len(pipe.untrained_batches),
+        "warned": any("not trained" in str(w.message) for w in caught),
+    }
+
+
+def _switch_case(rank: int, name: str) -> dict:
+    """3 steps, detach and a direct call of the model, an eval pass on another iterator, then the
+    rest: the training batches are the reference's, as if nothing happened in between."""
+    import torch
+
+    import pipeline
+    from tests import models
+
+    data = models.batches("dlrm", STEPS, rank)
+    ref_model, ref_opt = models.build("dlrm", "table_wise")
+    expected = _reference_of(name)(ref_model, ref_opt, data)
+    model, opt = models.build("dlrm", "table_wise")
+    pipe = getattr(pipeline, name)(model, opt, torch.device("cpu"), **LIFECYCLE_OPTIONS[name])
+    it = iter(models.batches("dlrm", STEPS, rank))
+    outputs = [pipe.progress(it) for _ in range(3)]
+    pipe.detach()
+    with torch.no_grad():
+        model(models.batches("dlrm", 1, rank, seed=5)[0])  # the plain model runs while detached
+    model.eval()
+    evals = models.run_to_end(pipe, iter(models.batches("dlrm", 3, rank, seed=6)))
+    model.train()
+    outputs += models.run_to_end(pipe, it)
+    return {
+        "outputs": models.bitwise_equal(expected, outputs),
+        "params": models.bitwise_equal(ref_model.state_dict(), model.state_dict()),
+        "evals": len(evals),
+    }
+
+
+def _shared_parameters_case() -> str | None:
+    """SemiSync with strict=True on a model whose sharded module has parameters in the dense
+    optimizer (position weights): every rank refuses it on the first step."""
+    import torch
+
+    import pipeline
+    from tests import models
+
+    model, opt = models.build("fp", "table_wise")
+    pipe = pipeline.TrainPipelineSemiSync(model, opt, torch.device("cpu"), start_batch=0, strict=True)
+    try:
+        pipe.progress(iter(models.batches("fp", 4, 0)))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _run_all(rank: int, world_size: int) -> dict:
+    from tests import models
+
+    out = {}
+    for kind, sharding in EVAL_CASES:
+        out["eval", kind, sharding] = _eval_case(rank, kind, sharding)
+    for kind, sharding, option in FUSED_CASES:
+        out["fused", kind, sharding, option] = _train_case(
+            rank, "TrainPipelineFusedSparseDist", kind, sharding, models.plain_loop, **FUSED_OPTIONS[option]
+        )
+    out["semi_shared"] = _shared_parameters_case()
+    for kind, sharding, start in SEMI_CASES:
+        stale = functools.partial(semi_sync_loop, kind, start_batch=start)
+        out["semi", kind, sharding, start] = _train_case(
+            rank,
+            "TrainPipelineSemiSync",
+            kind,
+            sharding,
+            stale,
+            compare={"plain_loop": models.plain_loop},
+            start_batch=start,
+        )
+    for kind, sharding in STASH_CASES:
+        stale = functools.partial(semi_sync_loop, kind, start_batch=START_BATCH, stash=True)
+        no_stash = functools.partial(semi_sync_loop, kind, start_batch=START_BATCH)
+        out["stash", kind, sharding] = _train_case(
+            rank,
+            "TrainPipelineSemiSync",
+            kind,
+            sharding,
+            stale,
+            compare={"no_stash": no_stash},
+            start_batch=START_BATCH,
+            stash_gradients=True,
+        )
+    for name, broken in itertools.product(STREAM_PIPELINES, (False, True)):
+        out["streams", name, broken] = _streams_case(rank, name, broken)
+    for name, cases in UNEVEN.items():
+        for counts in cases:
+            out["uneven", name, counts] = _uneven_case(rank, name, counts)
+        out["switch", name] = _switch_case(rank, name)
+    for kind, sharding in STAGED_CASES:
+        out["staged", kind, sharding] = _staged_case(rank, kind, sharding)
+    out["staged_detach"] = _staged_case(rank, "dlrm", "column_wise", detach_at=3)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_ranks(_run_all, 2, timeout=400)
+
+
+def _check_common(r: dict) -> None:
+    assert r["not_pipelined"] == [], r
+    assert r["stopped"], f"no StopIteration after {STEPS} outputs"
+
+
+@pytest.mark.parametrize(("kind", "sharding"), EVAL_CASES)
+def test_eval_pipeline_gives_the_models_outputs(results, kind, sharding):
+    for rank, per_rank in enumerate(results):
+        r = per_rank["eval", kind, sharding]
+        _check_common(r)
+        assert r["outputs"], f"rank {rank}: outputs differ from model.eval() outputs"
+        assert not r["shifted"], "batches are not distinct: the comparison cannot fail"
+        assert r["params"], f"rank {rank}: the eval pipeline changed parameters"
+        assert r["no_grad"], f"rank {rank}: the eval pipeline ran backward"
+
+
+@pytest.mark.parametrize(("kind", "sharding", "option"), FUSED_CASES)
+def test_fused_sparse_dist_equals_plain_loop(results, kind, sharding, option):
+    for rank, per_rank in enumerate(results):
+        r = per_rank["fused", kind, sharding, option]
+        _check_common(r)
+        assert r["outputs"], f"rank {rank}: per-step outputs differ from the plain loop"
+        assert r["params"], f"rank {rank}: final parameters differ from the plain loop"
+        assert r["twin_differs"], "a skipped optimizer step would go unnoticed"
+
+
+@pytest.mark.parametrize(("kind", "sharding"), STAGED_CASES)
+def test_staged_pipeline_with_user_stages_equals_plain_loop(results, kind, sharding):
+    for rank, per_rank in enumerate(results):
+        r = per_rank["staged", kind, sharding]
+        if (kind, sharding) == ("dlrm", "column_wise"):  # the same, with a detach after 3 steps
+            assert per_rank["staged_detach"] == r
+        _check_common(r)
+        assert r["outputs"], f"rank {rank}: per-step outputs differ from the plain loop"
+        assert r["params"], f"rank {rank}: final parameters differ from the plain loop"
+        assert r["twin_differs"], "a skipped optimizer step would go unnoticed"
+
+
+@pytest.mark.parametrize(("kind", "sharding", "start_batch"), SEMI_CASES)
+def test_semi_sync_equals_the_stale_loop(results, kind, sharding, start_batch):
+    for rank, per_rank in enumerate(results):
+        r = per_rank["semi", kind, sharding, start_batch]
+        _check_common(r)
+        assert r["outputs"], f"rank {rank}: per-step outputs differ from the semi-sync reference"
+        assert r["params"], f"rank {rank}: final parameters differ from the semi-sync reference"
+        assert r["twin_differs"], "a skipped optimizer step would go unnoticed"
+        # the documented difference: stale embeddings change the numbers after the warm-up
+        assert r["equals_plain_loop"] == (start_batch >= STEPS - 1), r
+
+
+def test_semi_sync_refuses_shared_parameters_under_strict(results):
+    for per_rank in results:
+        assert per_rank["semi_shared"] and "dense optimizer" in per_rank["semi_shared"]
+
+
+@pytest.mark.parametrize(("kind", "sharding"), STASH_CASES)
+def test_semi_sync_with_stashed_gradients(results, kind, sharding):
+    for rank, per_rank in enumerate(results):
+        r = per_rank["stash", kind, sharding]
+        _check_common(r)
+        assert r["outputs"], f"rank {rank}: per-step outputs differ from the semi-sync reference"
+        assert r["params"], f"rank {rank}: final parameters differ from the semi-sync reference"
+        assert not r["equals_no_stash"], "stash_gradients made no difference"
+
+
+@pytest.mark.parametrize(("name", "counts"), [(n, c) for n, cases in UNEVEN.items() for c in cases])
+def test_uneven_data_trains_the_common_count(results, name, counts):
+    common = min(counts)
+    for rank, per_rank in enumerate(results):
+        r = per_rank["uneven", name, counts]
+        assert r["count"] == common, f"rank {rank}: {r['count']} outputs, expected {common}"
+        assert r["outputs"] and r["params"], f"rank {rank}: not the reference on {common} batches"
+        longer = counts[rank] > common
+        assert (r["untrained"] > 0) == longer and r["warned"] == longer, r
+
+
+@pytest.mark.parametrize("name", UNEVEN)
+def test_detach_and_eval_pass_mid_run(results, name):
+    for per_rank in results:
+        r = per_rank["switch", name]
+        assert r["evals"] == 3
+        assert r["outputs"] and r["params"], "the training batches changed"
+
+
+EXPECTED_STAGES = {
+    "copy": ["memcpy"],
+    "input_dist::start": ["data_dist"],
+    "input_dist::splits": ["data_dist"],
+    "lookup": ["data_dist"],
+    "forward": ["default"],
+    "backward": ["default"],
+    "optimizer": ["default"],
+}
+
+
+@pytest.mark.parametrize("name", STREAM_PIPELINES)
+def test_stream_hand_offs(results, name):
+    for per_rank in results:
+        r = per_rank["streams", name, False]
+        assert r["outputs"] == STEPS and r["error"] is None
+        assert r["checked"] >= 2 * STEPS  # at least the batch and (or) the lookup, per batch
+        assert r["stages"] == {k: v for k, v in EXPECTED_STAGES.items() if k in r["stages"]}
+        assert ("lookup" in r["stages"]) == (name != "EvalPipelineSparseDist")
+        assert ("backward" in r["stages"]) == (name != "EvalPipelineSparseDist")
+        if name != "EvalPipelineSparseDist":
+            # the lookup stream waits for the caller's after each batch's backward
+            assert r["fences"] >= STEPS
+        broken = per_rank["streams", name, True]
+        assert broken["error"] and "without a wait" in broken["error"]
+
+
+# -- the schedule alone (one process): which batches run, against torchrec's class of the same name
+
+
+@pytest.mark.parametrize(
+    ("name", "execute_all_batches"),
+    [
+        *itertools.product(["TrainPipelineFusedSparseDist", "TrainPipelineSemiSync"], [True, False]),
+        ("EvalPipelineSparseDist", True),
+    ],
+)
+def test_schedule_matches_torchrec(name, execute_all_batches):
+    from torchrec.distributed.train_pipeline import train_pipelines as theirs
+
+    import pipeline
+    from tests.test_torchrec_parity import schedule
+
+    options = {} if name.startswith("Eval") else {"execute_all_batches": execute_all_batches}
+    if name == "TrainPipelineSemiSync":
+        options["start_batch"] = 1
+    for n in range(9):
+        ours = schedule(getattr(pipeline, name), n, **options)
+        assert ours == schedule(getattr(theirs, name), n, **options), f"{n} batches"
+        assert ours == list(range(len(ours)))
+
+
+# -- StagedTrainPipeline alone (one process): the order of the stages, the end, a flush
+
+
+def _tracing_stage(name: str, log: list):
+    import pipeline
+
+    def run(batch):
+        log.append((name, batch[0]))
+        return batch[0], [*batch[1], name]
+
+    return pipeline.PipelineStage(name, run)
+
+
+def test_staged_order_end_and_new_iterator():
+    import pipeline
+
+    log: list = []
+    pipe = pipeline.StagedTrainPipeline([_tracing_stage("a", log), _tracing_stage("b", log)])
+    it = iter([(i, []) for i in range(4)])
+    outputs = []
+    while (batch := pipe.progress(it)) is not None:
+        outputs.append(batch)
+    assert outputs == [(i, ["a", "b"]) for i in range(4)]
+    assert pipe.progress(it) is None and pipe.progress(it) is None
+    # the fill runs a and b on batch 0 and a on batch 1; each progress() then runs, newest first,
+    # a on batch i+2 and b on batch i+1
+    assert log[:5] == [("a", 0), ("b", 0), ("a", 1), ("a", 2), ("b", 1)]
+    assert sorted(log) == sorted((s, i) for s in "ab" for i in range(4))
+    assert pipe.progress(iter([(9, [])])) == (9, ["a", "b"])  # a new iterator fills again
+
+
+def test_staged_flush_returns_the_batches_in_flight_then_fills_again():
+    import pipeline
+
+    log: list = []
+    ends: list = []
+    pipe = pipeline.StagedTrainPipeline(
+        [_tracing_stage("a", log), _tracing_stage("b", log)], on_flush_end=lambda: ends.append(len(log))
+    )
+    it = iter([(i, []) for i in range(6)])
+    outputs = [pipe.progress(it)[0] for _ in range(2)]
+    pipe.set_flush(True)
+    outputs += [pipe.progress(it)[0] for _ in range(2)]  # batches 2 and 3 were in flight
+    assert ("a", 4) not in log, "a flushing pipeline fetched a batch"
+    outputs += [pipe.progress(it)[0] for _ in range(2)]  # flushed: on_flush_end, then a new fill
+    assert outputs == list(range(6)) and len(ends) == 1
+    assert pipe.progress(it) is None
