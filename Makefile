@@ -64,14 +64,15 @@ BENCH_ARGS ?= --link 1gbit
 bench: setup
 	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
 
-# Tables on disk (tiered kernel, cold store, 5 % cached): plain, our three pipelines and torchrec's
-# SparseDist on the same stores; prints hit rate and store read time per variant. Stores go to
-# $(BENCH_STORE_DIR) (local disk, ~1.1 GB).
+# Tables on disk (tiered kernel, cold store; uniform ids with 5 % cached, power-law ids with 2 %):
+# plain, our three pipelines and torchrec's SparseDist on the same stores; prints hit rate and store
+# read time per variant. Stores go to $(BENCH_STORE_DIR) (local disk, ~1.1 GB). About 20 minutes.
 BENCH_STORE_DIR ?= /var/tmp/bench-tiered
-BENCH_TIERED_ARGS ?= --steps 15 --warmup 60 --auto-warmup 75 --rounds 2 --profile-steps 0
+BENCH_TIERED_ARGS ?= --steps 15 --warmup 60 --auto-warmup 75 --rounds 3 --profile-steps 0
 bench-tiered: setup
 	rm -rf $(BENCH_STORE_DIR)
-	BENCH_STORE_DIR=$(BENCH_STORE_DIR) $(BIN)/python -m benchmarks.run --configs tiered --variants plain ours-base ours-sparse-dist ours-prefetch torchrec-sparse-dist $(BENCH_TIERED_ARGS) --json out/bench/tiered.json --md out/bench/tiered.md
+	mkdir -p $(BENCH_STORE_DIR)
+	BENCH_STORE_DIR=$(BENCH_STORE_DIR) $(BIN)/python -m benchmarks.run --configs tiered tiered-skewed --variants plain ours-base ours-sparse-dist ours-prefetch torchrec-sparse-dist $(BENCH_TIERED_ARGS) --json out/bench/tiered.json --md out/bench/tiered.md
 
 # The sweep (issue 12): 14 points from network-bound (100 Mbit) to compute-bound (loopback), every
 # variant, forced schedules and the bound, paired rounds; writes $(SWEEP_OUT)/sweep.md/.json/.png.
