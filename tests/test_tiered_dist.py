@@ -173,10 +173,32 @@ def test_trained_tables_equal_torchrecs_fused_kernel(equivalence, sharding):
         assert rank_result[("fused", sharding)] < 1e-5
 
 
-def _restart(rank: int, world_size: int) -> dict:
+def _train(model, opt, batches: list) -> list:
+    """Every batch through a fresh Prefetch pipeline (prefetch on the worker thread); the outputs."""
     import torch
 
     import pipeline
+
+    pipe = pipeline.PrefetchTrainPipelineSparseDist(model, opt, torch.device("cpu"), prefetch_ahead=True)
+    it = iter(batches)
+    outputs = [pipe.progress(it) for _ in batches]
+    pipe.detach()
+    return outputs
+
+
+def _load(model, opt, buffer: io.BytesIO) -> None:
+    import torch
+
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=False)
+    model.load_state_dict(checkpoint["model"])
+    model.fused_optimizer.load_state_dict(checkpoint["fused"])
+    opt.load_state_dict(checkpoint["dense"])
+
+
+def _restart(rank: int, world_size: int) -> dict:
+    import torch
+
     from tests.models import bitwise_equal
 
     split = 6
@@ -184,19 +206,10 @@ def _restart(rank: int, world_size: int) -> dict:
     results = {}
     with tempfile.TemporaryDirectory() as d1, tempfile.TemporaryDirectory() as d2:
         whole, whole_opt = _build("table_wise", d1, adagrad=True)
-        pipe = pipeline.PrefetchTrainPipelineSparseDist(
-            whole, whole_opt, torch.device("cpu"), prefetch_ahead=True
-        )
-        it = iter(data)
-        uninterrupted = [pipe.progress(it) for _ in range(STEPS)]
+        uninterrupted = _train(whole, whole_opt, data)
 
         first, first_opt = _build("table_wise", d2, adagrad=True)
-        pipe = pipeline.PrefetchTrainPipelineSparseDist(
-            first, first_opt, torch.device("cpu"), prefetch_ahead=True
-        )
-        it = iter(data[:split])
-        for _ in range(split):
-            pipe.progress(it)
+        _train(first, first_opt, data[:split])
         buffer = io.BytesIO()
         torch.save(
             {"model": first.state_dict(), "fused": first.fused_optimizer.state_dict(),
@@ -209,34 +222,17 @@ def _restart(rank: int, world_size: int) -> dict:
         # Train `first` on other batches (its caches and write queues now hold other rows), then
         # load the checkpoint back into it: queued writes must land before the load, and cached
         # rows must be dropped after it.
-        pipe.detach()
         for batch in _batches(4, rank, start=100):
             loss, _ = first(batch)
             loss.backward()
             first_opt.step()
-        buffer.seek(0)
-        checkpoint = torch.load(buffer, weights_only=False)
-        first.load_state_dict(checkpoint["model"])
-        first.fused_optimizer.load_state_dict(checkpoint["fused"])
-        first_opt.load_state_dict(checkpoint["dense"])
-        pipe = pipeline.PrefetchTrainPipelineSparseDist(
-            first, first_opt, torch.device("cpu"), prefetch_ahead=True
-        )
-        it = iter(data[split:])
-        reloaded = [pipe.progress(it) for _ in range(STEPS - split)]
+        _load(first, first_opt, buffer)
+        reloaded = _train(first, first_opt, data[split:])
         results["reloaded_equal"] = bitwise_equal(reloaded, uninterrupted[split:])
     with tempfile.TemporaryDirectory() as d3:
         resumed, resumed_opt = _build("table_wise", d3, adagrad=True, seed=7)  # other initial weights
-        buffer.seek(0)
-        checkpoint = torch.load(buffer, weights_only=False)
-        resumed.load_state_dict(checkpoint["model"])
-        resumed.fused_optimizer.load_state_dict(checkpoint["fused"])
-        resumed_opt.load_state_dict(checkpoint["dense"])
-        pipe = pipeline.PrefetchTrainPipelineSparseDist(
-            resumed, resumed_opt, torch.device("cpu"), prefetch_ahead=True
-        )
-        it = iter(data[split:])
-        after = [pipe.progress(it) for _ in range(STEPS - split)]
+        _load(resumed, resumed_opt, buffer)
+        after = _train(resumed, resumed_opt, data[split:])
         results["resumed_equal"] = bitwise_equal(after, uninterrupted[split:])
     return results
 
