@@ -148,15 +148,19 @@ def make_runner(
 
 def _plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
     def step(batches: Iterator[Any]) -> Any:
-        batch = next(batches).to(device=device, non_blocking=True)
-        optimizer.zero_grad()
-        with record_function("bench::forward"):
-            loss, output = model(batch)
-        torch.sum(loss).backward()
-        optimizer.step()
-        return output
+        return _train_on(model, optimizer, next(batches).to(device=device, non_blocking=True))
 
     return step
+
+
+def _train_on(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> Any:
+    """The plain loop's step on one batch (already on the device); the output."""
+    optimizer.zero_grad()
+    with record_function("bench::forward"):
+        loss, output = model(batch)
+    torch.sum(loss).backward()
+    optimizer.step()
+    return output
 
 
 def _staged_step(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
@@ -172,12 +176,7 @@ def _staged_step(model: nn.Module, optimizer: torch.optim.Optimizer, device: tor
         batch = pipe.progress(batches)
         if batch is None:
             raise StopIteration
-        optimizer.zero_grad()
-        with record_function("bench::forward"):
-            loss, output = model(batch)
-        torch.sum(loss).backward()
-        optimizer.step()
-        return output
+        return _train_on(model, optimizer, batch)
 
     return step
 
