@@ -438,6 +438,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
                     pm.module.prefetch(dist_input=data, forward_stream=forward_stream, ctx=module_ctx)
                 work += time.perf_counter() - start
                 streams.produced(data)
+                streams.produced(module_ctx)
                 ctx.prefetched[pm.fqn] = (module_ctx, data)
         if self._ahead_auto:
             self._work_ms.append(work * 1e3)

@@ -17,6 +17,7 @@ waited for its producer. CI has no GPU; this is how a missing wait is caught the
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
@@ -153,10 +154,30 @@ class _WorkerStream:
         self.name = name
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pipeline-{name}")
         self._last: Future | None = None
+        self._local = threading.local()
 
     def submit(self, work: Callable[[], None]) -> Future:
-        self._last = self._executor.submit(work)
-        return self._last
+        job: Future = Future()
+
+        def run() -> None:
+            self._local.job = job
+            try:
+                work()
+            except BaseException as error:
+                job.set_exception(error)
+            else:
+                job.set_result(None)
+            finally:
+                self._local.job = None
+
+        self._executor.submit(run)
+        self._last = job
+        return job
+
+    @property
+    def job(self) -> Future | None:
+        """On the worker thread, the future of the work it is running; else None."""
+        return getattr(self._local, "job", None)
 
     def join(self) -> None:
         """Wait for everything submitted so far; re-raises the error of the last work."""
@@ -169,14 +190,16 @@ class ThreadStreams(Streams):
 
     On a CPU, a prefetch that waits (on the disk, on the all-to-all) overlaps the main thread's
     backward only if it runs on another thread; CPU-bound work moved there competes with compute.
-    A hand-off from the worker waits for the work submitted to it so far (its future), which is
-    what `wait_stream` does on CUDA; memory needs no recording on the host.
+    A hand-off of an object the worker produced waits for the work that produced it (its future;
+    other objects: for everything submitted so far), which is what `wait_stream` does on CUDA;
+    memory needs no recording on the host.
     """
 
     def __init__(self) -> None:
         self.prefetch = _WorkerStream("prefetch")
         self.threaded = True
         """False runs work submitted to the prefetch stream inline, on the calling thread."""
+        self._made_by: dict[int, Future] = {}  # id of an object the worker produced -> its job
 
     @property
     def on_worker(self) -> bool:
@@ -199,10 +222,22 @@ class ThreadStreams(Streams):
             self.prefetch.join()
         except BaseException:
             pass
+        self._made_by.clear()
+
+    def produced(self, obj: Any) -> None:
+        job = self.prefetch.job
+        if job is not None:
+            self._made_by[id(obj)] = job
 
     def handoff(self, obj: Any, producer: Any) -> None:
+        # Wait for the work that made `obj`, not for everything submitted since: the prefetch of
+        # batch i+1 may already be running when forward of i takes batch i's prefetched input.
         if isinstance(producer, _WorkerStream):
-            producer.join()
+            job = self._made_by.pop(id(obj), None)
+            if job is not None:
+                job.result()
+            else:
+                producer.join()
 
 
 def streams_for(device: torch.device, *, prefetch_thread: bool = False) -> Streams:

@@ -29,6 +29,28 @@ def test_work_runs_in_order_on_another_thread_and_handoff_waits():
     assert all(f.done() for f in futures)
 
 
+def test_handoff_of_a_produced_object_waits_for_its_own_work_only():
+    # forward of batch i takes the input that the prefetch of i made while the prefetch of i+1,
+    # submitted before forward of i, still runs: the hand-off must not wait for i+1
+    streams = ThreadStreams()
+    made, release = object(), threading.Event()
+
+    def first():
+        streams.produced(made)
+
+    def second():
+        assert release.wait(10)
+
+    streams.submit(streams.prefetch, first).result()
+    later = streams.submit(streams.prefetch, second)
+    started = time.perf_counter()
+    streams.handoff(made, streams.prefetch)
+    assert time.perf_counter() - started < 1.0 and not later.done()
+    release.set()
+    streams.handoff(object(), streams.prefetch)  # not produced there: waits for everything
+    assert later.done()
+
+
 def test_an_error_on_the_worker_surfaces_at_the_consumer_and_drain_clears_it():
     streams = ThreadStreams()
 
