@@ -164,7 +164,7 @@ def test_cache_flush_puts_evicted_and_dirty_rows_in_the_file(tmp_path):
 def test_spans_cover_every_row_once_within_their_limits():
     import numpy as np
 
-    from tiered.store import _spans
+    from tiered.pages import _spans
 
     ids = np.array([0, 1, 2, 10, 11, 40, 41, 200, 201, 202, 203, 204, 205])
     spans = _spans(ids, max_gap=8, max_rows=4)
