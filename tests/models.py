@@ -279,6 +279,27 @@ def run_to_end(pipe, it, limit: int = 1000) -> list:
         assert len(outputs) <= limit, f"no StopIteration after {limit} outputs"
 
 
+def recorded_run(make_pipe, batches, *, broken: bool) -> tuple[dict, object]:
+    """Run a pipeline to the end on `RecordingStreams` and check its hand-offs.
+
+    `make_pipe(streams)` builds the pipeline; `broken` replaces the hand-off with one that forgets
+    to wait (the checker must then catch it). Returns (outputs count, hand-offs checked, the
+    checker's error or None, the streams each stage ran on) and the streams.
+    """
+    import pipeline
+
+    streams = pipeline.RecordingStreams()
+    if broken:
+        streams.handoff = lambda obj, producer: streams.record(obj, streams.current())
+    outputs = run_to_end(make_pipe(streams), iter(batches))
+    try:
+        checked, error = streams.check(), None
+    except pipeline.HandoffError as e:
+        checked, error = 0, str(e)
+    stages = {k: sorted(v) for k, v in streams.stage_streams().items()}
+    return {"outputs": len(outputs), "checked": checked, "error": error, "stages": stages}, streams
+
+
 def outputs_then_stop(pipe, it, steps: int) -> tuple[list, bool]:
     """`steps` outputs, then whether the next `progress()` raises StopIteration."""
     outputs = [pipe.progress(it) for _ in range(steps)]

@@ -210,23 +210,16 @@ def _streams_case(rank: int, name: str, broken: bool) -> dict:
     import pipeline
     from tests import models
 
-    streams = pipeline.RecordingStreams()
-    if broken:  # a hand-off that forgets to wait: the checker must catch it
-        streams.handoff = lambda obj, producer: streams.record(obj, streams.current())
     model, opt = models.build("dlrm", "table_wise")
-    pipe = getattr(pipeline, name)(model, opt, torch.device("cpu"), streams=streams, **STREAM_PIPELINES[name])
-    outputs = models.run_to_end(pipe, iter(models.batches("dlrm", STEPS, rank, seed=9)))
-    try:
-        checked, error = streams.check(), None
-    except pipeline.HandoffError as e:
-        checked, error = 0, str(e)
-    return {
-        "outputs": len(outputs),
-        "checked": checked,
-        "error": error,
-        "stages": {k: sorted(v) for k, v in streams.stage_streams().items()},
-        "fences": sum(1 for e in streams.log if e == ("wait", "data_dist", "default")),
-    }
+    result, streams = models.recorded_run(
+        lambda streams: getattr(pipeline, name)(
+            model, opt, torch.device("cpu"), streams=streams, **STREAM_PIPELINES[name]
+        ),
+        models.batches("dlrm", STEPS, rank, seed=9),
+        broken=broken,
+    )
+    result["fences"] = sum(1 for e in streams.log if e == ("wait", "data_dist", "default"))
+    return result
 
 
 UNEVEN = {

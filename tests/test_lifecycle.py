@@ -163,22 +163,13 @@ def _streams(rank: int, pipe_name: str, broken: bool) -> dict:
     import pipeline
     from tests import models
 
-    streams = pipeline.RecordingStreams()
-    if broken:  # a hand-off that forgets to wait: the checker must catch it
-        streams.handoff = lambda obj, producer: streams.record(obj, streams.current())
     model, opt = models.build(KIND, SHARDING)
-    pipe = getattr(pipeline, pipe_name)(model, opt, torch.device("cpu"), streams=streams)
-    outputs = models.run_to_end(pipe, iter(models.batches(KIND, N, rank, seed=9)))
-    try:
-        checked, error = streams.check(), None
-    except pipeline.HandoffError as e:
-        checked, error = 0, str(e)
-    return {
-        "outputs": len(outputs),
-        "checked": checked,
-        "error": error,
-        "stages": {k: sorted(v) for k, v in streams.stage_streams().items()},
-    }
+    result, _ = models.recorded_run(
+        lambda streams: getattr(pipeline, pipe_name)(model, opt, torch.device("cpu"), streams=streams),
+        models.batches(KIND, N, rank, seed=9),
+        broken=broken,
+    )
+    return result
 
 
 def _groups(rank: int, pipe_name: str) -> dict:
