@@ -365,6 +365,16 @@ def _check_common(r: dict) -> None:
     assert r["stopped"], f"no StopIteration after {STEPS} outputs"
 
 
+def _check_trained(r: dict, rank: int, reference: str, *, twin: bool = True) -> None:
+    """Common checks, then per-step outputs and final parameters equal to `reference`, and (with
+    `twin`) a reference with one optimizer step skipped that does not match."""
+    _check_common(r)
+    assert r["outputs"], f"rank {rank}: per-step outputs differ from {reference}"
+    assert r["params"], f"rank {rank}: final parameters differ from {reference}"
+    if twin:
+        assert r["twin_differs"], "a skipped optimizer step would go unnoticed"
+
+
 @pytest.mark.parametrize(("kind", "sharding"), EVAL_CASES)
 def test_eval_pipeline_gives_the_models_outputs(results, kind, sharding):
     for rank, per_rank in enumerate(results):
@@ -380,10 +390,7 @@ def test_eval_pipeline_gives_the_models_outputs(results, kind, sharding):
 def test_fused_sparse_dist_equals_plain_loop(results, kind, sharding, option):
     for rank, per_rank in enumerate(results):
         r = per_rank["fused", kind, sharding, option]
-        _check_common(r)
-        assert r["outputs"], f"rank {rank}: per-step outputs differ from the plain loop"
-        assert r["params"], f"rank {rank}: final parameters differ from the plain loop"
-        assert r["twin_differs"], "a skipped optimizer step would go unnoticed"
+        _check_trained(r, rank, "the plain loop")
 
 
 @pytest.mark.parametrize(("kind", "sharding"), STAGED_CASES)
@@ -392,20 +399,14 @@ def test_staged_pipeline_with_user_stages_equals_plain_loop(results, kind, shard
         r = per_rank["staged", kind, sharding]
         if (kind, sharding) == ("dlrm", "column_wise"):  # the same, with a detach after 3 steps
             assert per_rank["staged_detach"] == r
-        _check_common(r)
-        assert r["outputs"], f"rank {rank}: per-step outputs differ from the plain loop"
-        assert r["params"], f"rank {rank}: final parameters differ from the plain loop"
-        assert r["twin_differs"], "a skipped optimizer step would go unnoticed"
+        _check_trained(r, rank, "the plain loop")
 
 
 @pytest.mark.parametrize(("kind", "sharding", "start_batch"), SEMI_CASES)
 def test_semi_sync_equals_the_stale_loop(results, kind, sharding, start_batch):
     for rank, per_rank in enumerate(results):
         r = per_rank["semi", kind, sharding, start_batch]
-        _check_common(r)
-        assert r["outputs"], f"rank {rank}: per-step outputs differ from the semi-sync reference"
-        assert r["params"], f"rank {rank}: final parameters differ from the semi-sync reference"
-        assert r["twin_differs"], "a skipped optimizer step would go unnoticed"
+        _check_trained(r, rank, "the semi-sync reference")
         # the documented difference: stale embeddings change the numbers after the warm-up
         assert r["equals_plain_loop"] == (start_batch >= STEPS - 1), r
 
@@ -419,9 +420,7 @@ def test_semi_sync_refuses_shared_parameters_under_strict(results):
 def test_semi_sync_with_stashed_gradients(results, kind, sharding):
     for rank, per_rank in enumerate(results):
         r = per_rank["stash", kind, sharding]
-        _check_common(r)
-        assert r["outputs"], f"rank {rank}: per-step outputs differ from the semi-sync reference"
-        assert r["params"], f"rank {rank}: final parameters differ from the semi-sync reference"
+        _check_trained(r, rank, "the semi-sync reference", twin=False)
         assert not r["equals_no_stash"], "stash_gradients made no difference"
 
 
