@@ -24,7 +24,7 @@ _EXPORTS = {
     "LookupBatchContext": "pipeline.context",
     "TrainPipelineBase": "pipeline.base",
     "TrainPipelineSparseDist": "pipeline.sparse_dist",
-    "PrefetchTrainPipelineSparseDist": "pipeline.sparse_dist",
+    "PrefetchTrainPipelineSparseDist": "pipeline.prefetch",
     "EvalPipelineSparseDist": "pipeline.evaluation",
     "TrainPipelineFusedSparseDist": "pipeline.lookup",
     "TrainPipelineSemiSync": "pipeline.semi_sync",
