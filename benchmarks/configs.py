@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from examples.dlrm.config import NUM_DENSE, NUM_SPARSE  # the DLRM example's Criteo-like inputs
 
-__all__ = ["CONFIGS", "NUM_DENSE", "NUM_SPARSE", "BenchConfig", "get_config"]
+__all__ = ["CONFIGS", "GPU_CONFIGS", "NUM_DENSE", "NUM_SPARSE", "BenchConfig", "get_config"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -114,15 +114,48 @@ CONFIGS["tiered-skewed"] = replace(
 )
 
 
+GPU_CONFIGS: dict[str, BenchConfig] = {
+    c.name: c
+    for c in (
+        BenchConfig(
+            name="gpu-large",
+            description="for a GPU (too big for the CPU runs): 26 tables of 500k rows, dim 128, 4096 "
+            "samples of ~10 ids per feature, 1024-wide MLPs",
+            batch_size=4096,
+            embedding_dim=128,
+            num_embeddings=500_000,
+            ids_per_feature=10,
+            dense_hidden=(1024, 512),
+            over_hidden=(1024, 1024, 512),
+        ),
+        BenchConfig(
+            name="gpu-uvm",
+            description="for a GPU: 8 tables of 2M rows in host memory (torchrec's UVM-caching kernel), "
+            "5 % cached in HBM, 4096 samples of ~10 ids per feature: prefetch() fills the cache",
+            batch_size=4096,
+            embedding_dim=128,
+            num_embeddings=2_000_000,
+            ids_per_feature=10,
+            num_tables=8,
+            dense_hidden=(1024, 512),
+            over_hidden=(1024, 1024, 512),
+            cache_fraction=0.05,
+        ),
+    )
+}
+"""Configs sized for a GPU (docs/gpu.md); not in `CONFIGS`, so `make bench` on a CPU skips them."""
+
+
 def get_config(name: str) -> BenchConfig:
-    """The config called `name`: one of `CONFIGS`, or a sweep point's (`benchmarks.points`).
+    """The config called `name`: one of `CONFIGS` or `GPU_CONFIGS`, or a sweep point's
+    (`benchmarks.points`).
 
     Raises:
         ValueError: no config has that name; the message lists the named ones.
     """
     from benchmarks.points import POINTS  # the sweep's configs are built from BenchConfig
 
-    known = {**CONFIGS, **{p.config.name: p.config for p in POINTS}}
+    known = {**CONFIGS, **GPU_CONFIGS, **{p.config.name: p.config for p in POINTS}}
     try:
         return known[name]
     except KeyError:

@@ -16,10 +16,12 @@ from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.datasets.utils import Batch
 from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
+from torchrec.distributed.types import CacheParams
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -51,7 +53,9 @@ def build_model(
 
     A config with `cache_fraction` puts its tables on the `tiered` kernel, table-wise round-robin
     over the ranks (torchrec's planner refuses that kernel), with stores created afresh in
-    `store_dir` from the seeded initial weights, so every variant starts from the same tables.
+    `store_dir` from the seeded initial weights, so every variant starts from the same tables. On
+    CUDA it puts them on torchrec's UVM-caching kernel instead (rows in host memory, that fraction
+    cached in HBM, filled by `prefetch()`): the GPU's counterpart of the disk and its RAM cache.
     """
     torch.manual_seed(seed)
     tables = [
@@ -72,12 +76,19 @@ def build_model(
     ebc = dlrm.model.sparse_arch.embedding_bag_collection
     apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": _LR})
     world_size = dist.get_world_size()
-    if config.cache_fraction is not None:
+    if config.cache_fraction is not None and device.type == "cpu":
         if store_dir is None:
             raise ValueError(f"{config.name} keeps its tables on disk: give store_dir")
         return _on_disk(dlrm, tables, config, store_dir=store_dir, device=device)
     sharding = _CPU_SHARDING if device.type == "cpu" else None
-    constraints = {t.name: ParameterConstraints(sharding_types=sharding) for t in tables}
+    kernels, cache = None, None
+    if config.cache_fraction is not None:
+        kernels = [EmbeddingComputeKernel.FUSED_UVM_CACHING.value]
+        cache = CacheParams(load_factor=config.cache_fraction, prefetch_pipeline=True)
+    constraints = {
+        t.name: ParameterConstraints(sharding_types=sharding, compute_kernels=kernels, cache_params=cache)
+        for t in tables
+    }
     planner = EmbeddingShardingPlanner(
         topology=TopologyFactory.create_topology(
             trainer_config=TrainerConfig(world_size=world_size, local_world_size=world_size),

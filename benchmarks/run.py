@@ -1,8 +1,9 @@
 """Entry point: `python -m benchmarks.run [--configs ...] [--link 1gbit] ...` (what `make bench` runs).
 
-Runs every variant of every config on 2 local ranks, prints the table and the issue's targets, and
-writes every run to a JSON file and the summary to a Markdown file. Exit status 2 means the
-benchmark could not start (bad flag, link emulation unavailable), 1 that a rank failed.
+Runs every variant of every config on 2 local ranks (`--world-size`; `--device cuda` puts one rank on
+each GPU), prints the table and the issue's targets, and writes every run to a JSON file and the
+summary to a Markdown file. Exit status 2 means the benchmark could not start (bad flag, link
+emulation unavailable), 1 that a rank failed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from benchmarks.configs import CONFIGS
+from benchmarks.configs import CONFIGS, GPU_CONFIGS
 from benchmarks.launch import LaunchError, launch
 from benchmarks.link import LinkUnavailable, emulated_link, parse_rate
 from benchmarks.points import POINTS
@@ -40,9 +41,14 @@ WORLD_SIZE = 2
 
 
 def run_benchmark(
-    spec: RunSpec, *, link: str | None = None, timeout: float = 3600.0, command: str = ""
+    spec: RunSpec,
+    *,
+    link: str | None = None,
+    timeout: float = 3600.0,
+    command: str = "",
+    world_size: int = WORLD_SIZE,
 ) -> dict[str, Any]:
-    """Run `spec` on 2 local ranks (behind an emulated `link` rate if given).
+    """Run `spec` on `world_size` local ranks (behind an emulated `link` rate if given).
 
     Returns:
         The JSON-ready result: `meta`, every merged `runs` record, `summary` rows and `targets`.
@@ -54,19 +60,21 @@ def run_benchmark(
     started = time.time()
     busy_before = cpu_busy()
     if link is None:
-        per_rank = launch(spec, world_size=WORLD_SIZE, timeout=timeout)
+        per_rank = launch(spec, world_size=world_size, timeout=timeout)
     else:
         with emulated_link(link) as emulated:
-            per_rank = launch(spec, world_size=WORLD_SIZE, link=emulated, timeout=timeout)
+            per_rank = launch(spec, world_size=world_size, link=emulated, timeout=timeout)
     runs = merge_ranks(per_rank)
-    rows = summarize(runs, world_size=WORLD_SIZE)
+    rows = summarize(runs, world_size=world_size)
     meta = {
         "command": command,
         "spec": json.loads(spec.to_json()),
         "link": link,
-        "world_size": WORLD_SIZE,
+        "world_size": world_size,
         "host": _host(),
-        "versions": ", ".join(f"{p} {_version(p)}" for p in ("torch", "torchrec", "fbgemm-gpu-cpu")),
+        "versions": ", ".join(
+            f"{p} {_version(p)}" for p in ("torch", "torchrec", "fbgemm-gpu-cpu", "fbgemm-gpu")
+        ),
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
         "cpu_busy_before": round(busy_before, 3),
         "duration_s": round(time.time() - started, 1),
@@ -90,7 +98,10 @@ def main(argv: list[str] | None = None) -> int:
             profile_steps=args.profile_steps,
             seed=args.seed,
             trace_dir=args.trace_dir,
+            device=args.device,
         )
+        if args.device == "cuda":
+            _check_gpus(args.world_size)
     except ValueError as e:
         print(f"bench: {e}", file=sys.stderr)
         return 2
@@ -99,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench: warning: CPUs {busy:.0%} busy before start; other work skews timings", file=sys.stderr)
     command = shlex.join(["python", "-m", "benchmarks.run", *argv])
     try:
-        result = run_benchmark(spec, link=args.link, timeout=args.timeout, command=command)
+        result = run_benchmark(
+            spec, link=args.link, timeout=args.timeout, command=command, world_size=args.world_size
+        )
     except LinkUnavailable as e:
         print(f"bench: cannot emulate the link: {e}", file=sys.stderr)
         return 2
@@ -131,7 +144,8 @@ def _report(result: dict[str, Any], *, json_path: Path, md_path: Path) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
     points = [pt.name for pt in POINTS]
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=[*CONFIGS, *points], metavar="NAME",
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=[*CONFIGS, *GPU_CONFIGS, *points],
+                   metavar="NAME",
                    help=f"configs to run (default: all of {', '.join(CONFIGS)}; also the sweep's "
                         "sweep-* points, see benchmarks/points.py)")  # fmt: skip
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=ALL_VARIANTS, metavar="NAME",
@@ -154,6 +168,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=4, help="repetitions, order rotated (default 4)")
     p.add_argument("--profile-steps", type=int, default=5,
                    help="steps of the separate profiled segment; 0 skips it (default 5)")  # fmt: skip
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (gloo, the default) or cuda (nccl, one GPU per rank)")  # fmt: skip
+    p.add_argument("--world-size", type=int, default=WORLD_SIZE, help=f"ranks (default {WORLD_SIZE})")
     p.add_argument("--link", metavar="RATE", help="emulate a link of this tc rate, e.g. 1gbit (root)")
     p.add_argument("--seed", type=int, default=0, help="seeds models and batches (default 0)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are killed")
@@ -161,6 +178,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default="out/bench/results.json", help="every run, as JSON")
     p.add_argument("--md", default="out/bench/results.md", help="the summary, as Markdown")
     return p
+
+
+def _check_gpus(world_size: int) -> None:
+    import torch
+
+    if torch.cuda.device_count() < world_size:
+        raise ValueError(
+            f"--device cuda needs a GPU per rank: {world_size} rank(s), {torch.cuda.device_count()} GPU(s) "
+            "here; pass --world-size"
+        )
 
 
 def cpu_busy(interval: float = 0.5) -> float:

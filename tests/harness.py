@@ -37,7 +37,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank: int, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+def _rank_main(fn, rank: int, world_size: int, port: int, out_dir: str, args: tuple, backend: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -46,8 +46,10 @@ def _rank_main(fn, rank: int, world_size: int, port: int, out_dir: str, args: tu
     torch.set_num_threads(1)
     out = Path(out_dir)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
@@ -68,8 +70,9 @@ def run_ranks(
     timeout: float = 120.0,
     args: Sequence[Any] = (),
     grace: float = 5.0,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks.
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks (gloo; or nccl, rank r on GPU r).
 
     Args:
         fn: module-level function; its return value must be picklable by `torch.save`.
@@ -78,6 +81,7 @@ def run_ranks(
         args: extra positional arguments passed to every rank.
         grace: seconds the other ranks get to finish after one rank failed, before they are killed
             (they are usually blocked in a collective with the failed rank).
+        backend: the process group's backend; "nccl" needs a GPU per rank.
 
     Returns:
         The per-rank return values, indexed by rank.
@@ -94,7 +98,7 @@ def run_ranks(
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, port, out_dir, tuple(args)),
+                args=(fn, rank, world_size, port, out_dir, tuple(args), backend),
                 daemon=True,
             )
             for rank in range(world_size)

@@ -19,11 +19,12 @@ from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.datasets.utils import Batch
 from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-from torchrec.distributed.types import ShardingPlan
+from torchrec.distributed.types import CacheParams, ShardingPlan
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
 from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
@@ -163,33 +164,49 @@ def unsharded(kind: str, seed: int = 0) -> nn.Module:
     return TwoTower(kind)
 
 
-def build(kind: str, sharding: str, seed: int = 0) -> tuple[DistributedModelParallel, torch.optim.Optimizer]:
-    """The model of `kind`, sharded `sharding` (one of SHARDINGS) over the world group."""
+def build(
+    kind: str,
+    sharding: str,
+    seed: int = 0,
+    *,
+    device: torch.device | None = None,
+    cache: CacheParams | None = None,
+) -> tuple[DistributedModelParallel, torch.optim.Optimizer]:
+    """The model of `kind`, sharded `sharding` (one of SHARDINGS) over the world group, on `device`
+    (the CPU by default). With `cache`, the tables use torchrec's UVM-caching kernel (CUDA only)."""
+    device = device or torch.device("cpu")
     model = unsharded(kind, seed)
     ebcs = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
     for ebc in ebcs:
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.5})
     sharders = [FeatureProcessedEmbeddingBagCollectionSharder(), EmbeddingBagCollectionSharder()]
     if sharding == "row_wise":
-        plan = _row_wise_plan(model)
+        plan = _row_wise_plan(model, device.type)
     else:
         names = [t.name for ebc in ebcs for t in ebc.embedding_bag_configs()]
         min_partition = DIM // 2 if sharding == "column_wise" else None
+        kernels = None if cache is None else [EmbeddingComputeKernel.FUSED_UVM_CACHING.value]
         constraints = {
-            n: ParameterConstraints(sharding_types=[sharding], min_partition=min_partition) for n in names
+            n: ParameterConstraints(
+                sharding_types=[sharding],
+                min_partition=min_partition,
+                compute_kernels=kernels,
+                cache_params=cache,
+            )
+            for n in names
         }
         planner = EmbeddingShardingPlanner(
-            topology=Topology(world_size=dist.get_world_size(), compute_device="cpu"),
+            topology=Topology(world_size=dist.get_world_size(), compute_device=device.type),
             constraints=constraints,
         )
         plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
     dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     opt = KeyedOptimizerWrapper(dense, lambda params: torch.optim.SGD(params, lr=0.1))
     return dmp, opt
 
 
-def _row_wise_plan(model: nn.Module) -> ShardingPlan:
+def _row_wise_plan(model: nn.Module, device_type: str) -> ShardingPlan:
     """Every table row-wise over the world, for each outermost (FP-)EBC of `model`."""
     world = dist.get_world_size()
     plan = {}
@@ -204,7 +221,7 @@ def _row_wise_plan(model: nn.Module) -> ShardingPlan:
             continue
         per_table = {t.name: row_wise() for t in configs}
         plan[fqn] = construct_module_sharding_plan(
-            module, per_table, local_size=world, world_size=world, device_type="cpu"
+            module, per_table, local_size=world, world_size=world, device_type=device_type
         )
     return ShardingPlan(plan)
 
