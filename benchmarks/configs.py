@@ -115,34 +115,27 @@ CONFIGS["tiered-skewed"] = replace(
 
 
 GPU_CONFIGS: dict[str, BenchConfig] = {
-    c.name: c
-    for c in (
-        BenchConfig(
-            name="gpu-large",
-            description="for a GPU (too big for the CPU runs): 26 tables of 500k rows, dim 128, 4096 "
-            "samples of ~10 ids per feature, 1024-wide MLPs",
-            batch_size=4096,
-            embedding_dim=128,
-            num_embeddings=500_000,
-            ids_per_feature=10,
-            dense_hidden=(1024, 512),
-            over_hidden=(1024, 1024, 512),
-        ),
-        BenchConfig(
-            name="gpu-uvm",
-            description="for a GPU: 8 tables of 2M rows in host memory (torchrec's UVM-caching kernel), "
-            "5 % cached in HBM, 4096 samples of ~10 ids per feature: prefetch() fills the cache",
-            batch_size=4096,
-            embedding_dim=128,
-            num_embeddings=2_000_000,
-            ids_per_feature=10,
-            num_tables=8,
-            dense_hidden=(1024, 512),
-            over_hidden=(1024, 1024, 512),
-            cache_fraction=0.05,
-        ),
-    )
+    "gpu-large": BenchConfig(
+        name="gpu-large",
+        description="for a GPU (too big for the CPU runs): 26 tables of 500k rows, dim 128, 4096 "
+        "samples of ~10 ids per feature, 1024-wide MLPs",
+        batch_size=4096,
+        embedding_dim=128,
+        num_embeddings=500_000,
+        ids_per_feature=10,
+        dense_hidden=(1024, 512),
+        over_hidden=(1024, 1024, 512),
+    ),
 }
+GPU_CONFIGS["gpu-uvm"] = replace(
+    GPU_CONFIGS["gpu-large"],
+    name="gpu-uvm",
+    description="for a GPU: 8 tables of 2M rows in host memory (torchrec's UVM-caching kernel), 5 % "
+    "cached in HBM, 4096 samples of ~10 ids per feature: prefetch() fills the cache",
+    num_embeddings=2_000_000,
+    num_tables=8,
+    cache_fraction=0.05,
+)
 """Configs sized for a GPU (docs/gpu.md); not in `CONFIGS`, so `make bench` on a CPU skips them."""
 
 
