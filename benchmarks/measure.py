@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import re
+import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ProfileSummary", "peak", "reset_peak", "summarize_profile", "tensor_peak_bytes"]
+__all__ = ["AgreementClock", "ProfileSummary", "peak", "reset_peak", "summarize_profile", "tensor_peak_bytes"]
 
 _STATUS = Path("/proc/self/status")
 # "pipeline::forward#12" and torchrec's "## forward 12 ##" both name stage "forward" of batch 12.
@@ -150,3 +151,45 @@ _ASSEMBLY_LABEL = "## dist_init:recat_values ##"
 
 def _is_label(name: str) -> bool:
     return name.startswith(("pipeline::", "bench::", "## "))
+
+
+class AgreementClock:
+    """Seconds this process spends on its calling thread inside the ranks' agreement
+    (`pipeline.agreement`: key check, store flags, votes), summed over every call.
+
+    The with/without A/B of `benchmarks.agreement` cannot resolve 1 % on a VM whose rounds differ by
+    10-30 %; this direct figure can. `install()` wraps the agreement's entry points once per process
+    (a wrapper costs well under a microsecond); work the agreement leaves to its own threads (the
+    store read ahead) is not counted, as it delays no step unless its result is waited for, which is
+    counted.
+    """
+
+    seconds = 0.0
+
+    @classmethod
+    def install(cls) -> None:
+        from pipeline import agreement
+
+        targets = {
+            agreement.KeyCheck: ("check",),
+            agreement.StoreFlags: ("raise_flag", "statuses", "read_ahead"),
+            agreement.Agreement: ("vote",),
+            agreement.Vote: ("wait",),
+        }
+        for owner, names in targets.items():
+            for name in names:
+                method = getattr(owner, name, None)
+                if method is not None and not getattr(method, "_clocked", False):
+                    setattr(owner, name, cls._clocked(method))
+
+    @classmethod
+    def _clocked(cls, method: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                cls.seconds += time.perf_counter() - start
+
+        timed._clocked = True  # type: ignore[attr-defined]
+        return timed

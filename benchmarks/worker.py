@@ -37,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import bound
 from benchmarks.configs import BenchConfig, get_config
-from benchmarks.measure import peak, reset_peak, summarize_profile, tensor_peak_bytes
+from benchmarks.measure import AgreementClock, peak, reset_peak, summarize_profile, tensor_peak_bytes
 from benchmarks.model import batch_nbytes, build_model, make_batches
 from benchmarks.spec import BOUND_VARIANTS, CPU_UNSUPPORTED, RunSpec, round_order
 from benchmarks.variants import Runner, make_runner, timed_input_dist
@@ -106,7 +106,7 @@ def _run_one(
     it = iter(batches)
     try:
         runner = make_runner(variant, built.model, built.optimizer, device, captured=captured)
-        times = _timed_steps(
+        times, agreement_s = _timed_steps(
             runner,
             it,
             warmup=spec.warmup_of(variant),
@@ -130,6 +130,7 @@ def _run_one(
     if caches:
         record.update(_cache_figures(caches, since=record, steps=spec.steps))
     record.update(step_times_s=times, peak_bytes=peak(device) - baseline, baseline_bytes=baseline)
+    record["agreement_ms"] = 1e3 * agreement_s / len(times)
     record["schedule"] = runner.schedule()
     tuner = runner.tuner()
     if tuner is not None:
@@ -148,17 +149,19 @@ def _run_one(
 
 def _timed_steps(
     runner: Runner, it: Iterator[Any], *, warmup: int, steps: int, on_timed: Callable[[], None] = lambda: None
-) -> list[float]:
-    """Warm-up steps, `on_timed()`, then the timed steps' durations."""
+) -> tuple[list[float], float]:
+    """Warm-up steps, `on_timed()`, then the timed steps' durations and the seconds they spent in
+    the ranks' agreement (`AgreementClock`)."""
     for _ in range(warmup):
         runner.step(it)
     on_timed()
     times = []
+    agreement_s = AgreementClock.seconds
     for _ in range(steps):
         start = time.perf_counter()
         runner.step(it)
         times.append(time.perf_counter() - start)
-    return times
+    return times, AgreementClock.seconds - agreement_s
 
 
 def _store_dir() -> str:
@@ -233,6 +236,7 @@ def main(argv: list[str]) -> int:
     _quiet()
     # Two ranks on two cores: one intra-op thread each keeps them from thrashing.
     torch.set_num_threads(1)
+    AgreementClock.install()
     rank = int(os.environ["RANK"])
     dist.init_process_group("nccl" if spec.device == "cuda" else "gloo")
     try:

@@ -11,10 +11,14 @@ learn each other's statuses before the batch enters its first collective, in one
   millisecond a step, too much for every batch.
 - Flags (`StoreFlags`), for every other batch: a rank whose status is not `HAVE` writes it into the
   default process group's store when it fetches the batch; every rank reads one counter from the
-  store (one round trip, ~50 us) before the batch's first collective, and the details only when the
+  store (one round trip, 15 us idle, 100-300 us on two busy cores) and the details only when the
   counter moved. A flag is always written in time: a rank fetches batch j before it takes part in
   the collectives of the step before j, which every other rank must complete before it reads the
-  flags for j.
+  flags for j. So the read is started as soon as this rank has completed such a collective, on a
+  background thread (`pipeline.background`), and joined just before batch j's first collective:
+  under SparseDist after the splits all-to-all of the batch before j (when it runs on a group of
+  every rank), overlapping backward and optimizer; under Base after backward, overlapping the
+  optimizer step; else at the end of the step before j.
 
 A rank whose dataloader is exhausted keeps adding placeholders (no batch) until the end is agreed, so
 every rank holds as many batches in flight and issues the same collectives in order.
@@ -31,13 +35,16 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from pipeline.background import in_background
 from rewrite import find_kjts
 
 __all__ = [
@@ -136,22 +143,43 @@ class Agreement:
 
 class StoreFlags:
     """Statuses other than `HAVE`, published in the default process group's store under `prefix`
-    (unique per pipeline and lane, the same on every rank)."""
+    (unique per pipeline and lane, the same on every rank).
+
+    Reading the flags for a batch costs one round trip to the store's host (rank 0), 80-180 us on
+    two busy cores. `read_ahead` starts that round trip on a background thread as soon as it is
+    valid, so that it overlaps the step and `statuses` finds the answer there.
+    """
 
     def __init__(self, store: Any, prefix: str) -> None:
         self.store, self._prefix = store, prefix
+        self._events = f"{prefix}/events"
         self._seen = 0
         self._flags: dict[int, tuple[int, int]] = {}
+        self._ahead: tuple[int, Future] | None = None
 
     def raise_flag(self, status: int, position: int) -> None:
         """Publish this rank's `status` for batch `position` (EXHAUSTED: from there on)."""
         rank = dist.get_rank()
         self.store.set(f"{self._prefix}/r{rank}", f"{status} {position}")
-        self.store.add(f"{self._prefix}/events", 1)  # after the set: a reader that sees it sees both
+        self.store.add(self._events, 1)  # after the set: a reader that sees it sees both
 
-    def statuses(self, position: int, world: int) -> list[int]:
-        """Every rank's status for batch `position`, from the flags raised so far."""
-        events = self.store.add(f"{self._prefix}/events", 0)
+    def read_ahead(self, token: int) -> None:
+        """Start reading the flags' counter in the background for the batch `token` names (its
+        context's index).
+
+        Call only once this rank has completed a collective that every rank issues after fetching
+        that batch: a flag raised for it is then in the store, so the read cannot miss it.
+        """
+        self._ahead = (token, in_background(lambda: self.store.add(self._events, 0)))
+
+    def statuses(self, position: int, world: int, token: int | None = None) -> list[int]:
+        """Every rank's status for batch `position`, from the flags raised so far; the counter
+        read ahead for `token` if there is one, else read now."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == token:
+            events = ahead[1].result()
+        else:
+            events = self.store.add(self._events, 0)
         if events != self._seen:
             self._seen = events
             for rank in range(world):
@@ -172,10 +200,16 @@ class KeyCheck:
     The first batch is the reference: torchrec's input_dist builds its feature order from the keys of
     the first batch it sees and does not look at them again, so a later batch with a feature renamed,
     missing or added would be embedded under the wrong tables without a word.
+
+    Walking the whole batch for KeyedJaggedTensors costs ~60 us on a busy core, most of the check;
+    so later batches are first looked up at the first batch's paths (a few us), and walked only if
+    one differs, for the error's details. A KeyedJaggedTensor at a path the first batch did not
+    have is not looked for: the model reads none there.
     """
 
     def __init__(self) -> None:
         self.expected: list[tuple[str, list[str]]] | None = None
+        self._paths: list[tuple[Any, list[str]]] = []
 
     @staticmethod
     def keys_of(batch: Any) -> list[tuple[str, list[str]]]:
@@ -183,11 +217,23 @@ class KeyCheck:
 
     def check(self, batch: Any) -> list[tuple[str, list[str]]] | None:
         """None if `batch` has the expected keys (or is the first); else the keys it has."""
-        found = self.keys_of(batch)
         if self.expected is None:
-            self.expected = found
+            found = find_kjts(batch)
+            self._paths = [(path, list(kjt.keys())) for path, kjt in found]
+            self.expected = [(str(path), keys) for path, keys in self._paths]
             return None
+        if self._paths and all(self._has_keys(batch, path, keys) for path, keys in self._paths):
+            return None
+        found = self.keys_of(batch)
         return None if found == self.expected else found
+
+    @staticmethod
+    def _has_keys(batch: Any, path: Any, keys: list[str]) -> bool:
+        try:
+            kjt = path.resolve(batch)
+        except (AttributeError, KeyError, IndexError, TypeError):
+            return False
+        return isinstance(kjt, KeyedJaggedTensor) and kjt.keys() == keys
 
 
 def keys_message(details: list[Any], expected: list[tuple[str, list[str]]] | None) -> str:

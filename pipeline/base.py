@@ -321,7 +321,7 @@ class TrainPipelineBase:
         if ctx.vote is not None:
             statuses = ctx.vote.wait()
         elif self._voting and lane.flags is not None:
-            statuses = lane.flags.statuses(ctx.position, self._failure.world)
+            statuses = lane.flags.statuses(ctx.position, self._failure.world, ctx.index)
             statuses[self._failure.rank] = ctx.status
         else:
             statuses = [ctx.status]
@@ -345,6 +345,15 @@ class TrainPipelineBase:
             self.untrained_batches.extend(untrained)
             warn_untrained(self._failure.rank, len(untrained), statuses, ctx.position)
         return False
+
+    def _read_flags_ahead(self, lane: _Lane, at: int) -> None:
+        """Start reading the flags for `lane.inflight[at]` in the background (`StoreFlags.read_ahead`),
+        so that the store's round trip overlaps the step instead of delaying its admission.
+
+        Call only once this rank has completed a collective that every rank issued after fetching
+        that batch."""
+        if lane.flags is not None and len(lane.inflight) > at and lane.inflight[at].vote is None:
+            lane.flags.read_ahead(lane.inflight[at].index)
 
     def _forward(self, ctx: BatchContext) -> tuple[Any, Any]:
         """Forward of `ctx`'s batch; returns `(losses or None, output)`."""
@@ -390,8 +399,16 @@ class TrainPipelineBase:
         self._enqueue(lane)  # copy of i+1 overlaps compute of i
         losses, output = self._forward(ctx)
         if losses is not None:
-            self._backward_and_step(ctx, losses)
+            with stage(self._streams, "backward", ctx.index):
+                torch.sum(losses).backward()
         lane.inflight.popleft()
+        # The next head was fetched before this forward, and every rank has done the collectives of
+        # forward and backward (a sharded model's all-to-alls, DDP's all-reduce): its flags are in
+        # the store. The read overlaps the optimizer step.
+        self._read_flags_ahead(lane, 0)
+        if losses is not None:
+            with stage(self._streams, "optimizer", ctx.index):
+                self._optimizer.step()
         return output
 
 

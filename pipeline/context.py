@@ -38,6 +38,9 @@ class BatchContext:
     `take_input_dist`, or by the prefetch stage."""
     started: bool = False
     """input_dist start ran (for pipelines without input_dist: never)."""
+    splits_span_world: bool = False
+    """Written by input_dist start: one of its splits all-to-alls is on a group of every rank, so
+    once it is waited, every rank has issued it (read by the flags' read-ahead)."""
     status: int = 1
     """This rank's vote for the batch (`pipeline.agreement`): 1 have it, 0 a placeholder for a
     batch this rank's dataloader does not have, 2 wrong keys. Written at fetch."""

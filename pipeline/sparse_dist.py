@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embedding_sharding import FusedKJTListSplitsAwaitable, KJTSplitsAllToAllMeta
 
@@ -194,9 +195,13 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         if nxt is not None:
             self._wait_splits(nxt)  # late splits (a no-op after early ones)
             self._after_forward(nxt)
+            if nxt.splits_span_world:  # every rank fetched the batch after nxt before these splits
+                self._read_flags_ahead(lane, 2)
         if losses is not None:
             self._backward_and_step(ctx, losses)
         lane.inflight.popleft()
+        if nxt is None or not nxt.splits_span_world:
+            self._read_flags_ahead(lane, 1)  # after this step's collectives, as TrainPipelineBase
         return output
 
     def _before_forward(self, ctx: BatchContext) -> None:
@@ -251,11 +256,11 @@ class TrainPipelineSparseDist(TrainPipelineBase):
                 requests[pm.fqn] = pm.module.input_dist(module_ctx, *args, **kwargs)
             for result in ctx.postproc_results.values():
                 streams.produced(result)
-            ctx.splits_requests = (
-                _fuse(requests, ctx.module_contexts)
-                if fused
-                else [([name], _One(request)) for name, request in requests.items()]
-            )
+            if fused:
+                ctx.splits_requests, groups = _fuse(requests, ctx.module_contexts)
+                ctx.splits_span_world = any(pg is not None and pg.size() == _world_size() for pg in groups)
+            else:
+                ctx.splits_requests = [([name], _One(request)) for name, request in requests.items()]
         ctx.started = True
 
     def _place_all_to_alls(self, rewrite: Rewrite) -> None:
@@ -291,14 +296,17 @@ class _One:
         return [self._request.wait()]
 
 
-def _fuse(requests: dict[str, Any], module_contexts: dict[str, Any]) -> list[tuple[list[str], Any]]:
-    """One splits all-to-all per process group, over every module using that group."""
+def _fuse(
+    requests: dict[str, Any], module_contexts: dict[str, Any]
+) -> tuple[list[tuple[list[str], Any]], list[Any]]:
+    """One splits all-to-all per process group, over every module using that group; and the groups
+    (None for modules without a splits all-to-all)."""
     groups: dict[int, tuple[Any, list[str]]] = {}
     for name, request in requests.items():
         metas = [a for a in getattr(request, "awaitables", []) if isinstance(a, KJTSplitsAllToAllMeta)]
         pg = metas[0].pg if metas else None
         groups.setdefault(id(pg), (pg, []))[1].append(name)
-    return [
+    fused = [
         (
             names,
             FusedKJTListSplitsAwaitable(
@@ -309,3 +317,8 @@ def _fuse(requests: dict[str, Any], module_contexts: dict[str, Any]) -> list[tup
         )
         for pg, names in groups.values()
     ]
+    return fused, [pg for pg, _ in groups.values()]
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

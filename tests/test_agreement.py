@@ -1,0 +1,71 @@
+"""The agreement's pieces in one process: the key check's fast path, the flags read ahead, the
+background thread. (The 2-rank behaviour is in test_ranks.py.)"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+from torchrec import KeyedJaggedTensor
+
+from pipeline.agreement import EXHAUSTED, HAVE, KeyCheck, StoreFlags
+from pipeline.background import in_background
+
+
+@dataclass
+class _Batch:
+    sparse: object
+    dense: torch.Tensor
+
+
+def _batch(keys: list[str]) -> _Batch:
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=keys, values=torch.arange(len(keys)), lengths=torch.ones(len(keys), dtype=torch.int32)
+    )
+    return _Batch(sparse=kjt, dense=torch.zeros(1))
+
+
+def test_key_check_passes_same_keys_and_names_renamed_or_missing_ones():
+    check = KeyCheck()
+    assert check.check(_batch(["f0", "f1"])) is None  # the reference
+    assert check.check(_batch(["f0", "f1"])) is None
+    assert check.check(_batch(["f0", "zz"])) == [("batch.sparse", ["f0", "zz"])]
+    assert check.check(_batch(["f1", "f0"])) == [("batch.sparse", ["f1", "f0"])]
+    assert check.check(_Batch(sparse=None, dense=torch.zeros(1))) == []
+
+
+def _raise(store: dist.Store, prefix: str, rank: int, status: int, position: int) -> None:
+    store.set(f"{prefix}/r{rank}", f"{status} {position}")
+    store.add(f"{prefix}/events", 1)
+
+
+def test_flags_read_ahead_see_what_was_raised_before_the_read_started():
+    store = dist.HashStore()
+    flags = StoreFlags(store, "p")
+    assert flags.statuses(3, 2) == [HAVE, HAVE]
+    _raise(store, "p", 1, EXHAUSTED, 4)
+    flags.read_ahead(token=7)
+    assert flags.statuses(4, 2, token=7) == [HAVE, EXHAUSTED]
+    assert flags.statuses(9, 2, token=7) == [HAVE, EXHAUSTED]  # no read ahead left: read now
+
+
+def test_flags_ignore_a_read_ahead_for_another_batch():
+    store = dist.HashStore()
+    flags = StoreFlags(store, "p")
+    flags.read_ahead(token=1)
+    in_background(lambda: None).result()  # the read ahead has run
+    _raise(store, "p", 0, EXHAUSTED, 2)
+    assert flags.statuses(2, 2, token=2) == [EXHAUSTED, HAVE]  # read now, not the stale count
+
+
+def test_background_calls_run_in_order_and_hand_back_errors():
+    order: list[int] = []
+    first = in_background(lambda: (time.sleep(0.05), order.append(1)))
+    second = in_background(lambda: order.append(2))
+    second.result(timeout=5)
+    assert first.done() and order == [1, 2]
+    with pytest.raises(ZeroDivisionError):
+        in_background(lambda: 1 / 0).result(timeout=5)
