@@ -17,8 +17,10 @@ learn each other's statuses before the batch enters its first collective, in one
   flags for j. So the read is started as soon as this rank has completed such a collective, on a
   background thread (`pipeline.background`), and joined just before batch j's first collective:
   under SparseDist after the splits all-to-all of the batch before j (when it runs on a group of
-  every rank), overlapping backward and optimizer; under Base after backward, overlapping the
-  optimizer step; else at the end of the step before j.
+  every rank), overlapping backward and optimizer; under Base after the forward of the step before
+  j when a sharded module in it waited for an all-to-all over every rank (`WorldCollectiveSeen`),
+  overlapping backward and optimizer, else after backward, overlapping the optimizer step; else at
+  the end of the step before j.
 
 A rank whose dataloader is exhausted keeps adding placeholders (no batch) until the end is agreed, so
 every rank holds as many batches in flight and issues the same collectives in order.
@@ -45,7 +47,7 @@ import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from pipeline.background import in_background
-from rewrite import find_kjts
+from rewrite import find_kjts, outermost_sharded
 
 __all__ = [
     "BAD_KEYS",
@@ -60,6 +62,7 @@ __all__ = [
     "StoreFlags",
     "UnevenDataError",
     "Vote",
+    "WorldCollectiveSeen",
 ]
 
 EXHAUSTED, HAVE, BAD_KEYS = 0, 1, 2
@@ -192,6 +195,41 @@ class StoreFlags:
             if (status == EXHAUSTED and at <= position) or at == position:
                 out[rank] = status
         return out
+
+
+class WorldCollectiveSeen:
+    """Whether the model's last forward waited for an all-to-all over every rank.
+
+    A forward hook on each sharded module whose process group spans the world: its forward waits for
+    its input all-to-all before it computes, so once the hook fired, every rank has issued that
+    all-to-all. `TrainPipelineBase` reads the next batch's flags from then on (overlapping backward),
+    instead of after backward, because every rank fetched that batch before this forward.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._seen = False
+        world = dist.get_world_size()
+        for module in outermost_sharded(model).values():
+            if _all_to_all_over(module, world):
+                module.register_forward_hook(self._saw)
+
+    def _saw(self, *_: Any) -> None:
+        self._seen = True
+
+    def take(self) -> bool:
+        """True once per forward that ran such a module."""
+        seen, self._seen = self._seen, False
+        return seen
+
+
+def _all_to_all_over(module: torch.nn.Module, world: int) -> bool:
+    """The sharded module's input all-to-all spans `world` ranks: its sharding's process group (a 2D
+    sharding's is `sharding_pg`) has them all, and some table is not data-parallel (whose input_dist
+    moves nothing). Unknown attributes (another kind of sharded module) answer False."""
+    env = getattr(module, "_env", None)
+    group = getattr(env, "sharding_pg", None) or getattr(env, "process_group", None)
+    kinds = getattr(module, "_sharding_types", None) or []
+    return group is not None and group.size() == world and any(k != "data_parallel" for k in kinds)
 
 
 class KeyCheck:

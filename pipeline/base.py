@@ -44,6 +44,7 @@ from pipeline.agreement import (
     PeerFailedError,
     StoreFlags,
     UnevenDataError,
+    WorldCollectiveSeen,
     keys_message,
     uneven_message,
     warn_untrained,
@@ -155,6 +156,7 @@ class TrainPipelineBase:
         self._lane_count = 0
         self._abort_on_error = abort_on_error
         self._failure = FailureSignal(grace=failure_grace)
+        self._seen: WorldCollectiveSeen | None = None
         self.untrained_batches: list[Any] = []
         """Batches this rank fetched but did not train because another rank's data ended first
         (`on_uneven="stop"`), as copied to the device, in dataloader order."""
@@ -398,18 +400,28 @@ class TrainPipelineBase:
         ctx = lane.inflight[0]
         self._enqueue(lane)  # copy of i+1 overlaps compute of i
         losses, output = self._forward(ctx)
+        # The next batch was fetched before this forward on every rank. Once every rank has done a
+        # collective since, its flags are in the store: after a sharded module's input all-to-all
+        # over every rank (the read then overlaps backward), else after backward's collectives (a
+        # sharded model's all-to-alls, DDP's all-reduce; the read overlaps the optimizer step).
+        read_early = lane.flags is not None and self._world_collective_seen().take()
+        if read_early:
+            self._read_flags_ahead(lane, 1)
         if losses is not None:
             with stage(self._streams, "backward", ctx.index):
                 torch.sum(losses).backward()
         lane.inflight.popleft()
-        # The next head was fetched before this forward, and every rank has done the collectives of
-        # forward and backward (a sharded model's all-to-alls, DDP's all-reduce): its flags are in
-        # the store. The read overlaps the optimizer step.
-        self._read_flags_ahead(lane, 0)
+        if not read_early:
+            self._read_flags_ahead(lane, 0)
         if losses is not None:
             with stage(self._streams, "optimizer", ctx.index):
                 self._optimizer.step()
         return output
+
+    def _world_collective_seen(self) -> WorldCollectiveSeen:
+        if self._seen is None:  # hooks only for pipelines that run the sharded modules' own forward
+            self._seen = WorldCollectiveSeen(self._model)
+        return self._seen
 
 
 _PIPELINE_IDS = itertools.count()

@@ -27,7 +27,7 @@ from rewrite.forwards import (
     PostprocForward,
     PrefetchPipelinedForward,
 )
-from rewrite.model import PipelinedModule, Rewrite, rewrite_model, unwrap_model
+from rewrite.model import PipelinedModule, Rewrite, outermost_sharded, rewrite_model, unwrap_model
 from rewrite.report import ModuleReport, RewriteError, RewriteReport
 from rewrite.splits import InputDistGroups
 
@@ -53,6 +53,7 @@ __all__ = [
     "RewriteError",
     "RewriteReport",
     "find_kjts",
+    "outermost_sharded",
     "parse_path",
     "rewrite_model",
     "unwrap_model",

@@ -69,3 +69,29 @@ def test_background_calls_run_in_order_and_hand_back_errors():
     assert first.done() and order == [1, 2]
     with pytest.raises(ZeroDivisionError):
         in_background(lambda: 1 / 0).result(timeout=5)
+
+
+def _forward_collectives(rank: int, world_size: int) -> dict:
+    from pipeline.agreement import WorldCollectiveSeen
+    from tests import models
+
+    seen = {}
+    for sharding in ("table_wise", "column_wise", "data_parallel"):
+        model, _ = models.build("dlrm", sharding)
+        watch = WorldCollectiveSeen(model)
+        before = watch.take()
+        model(models.batches("dlrm", 1, rank)[0])
+        seen[sharding] = (before, watch.take(), watch.take())
+    return seen
+
+
+def test_world_collective_seen_after_a_sharded_forward_only():
+    """Base reads the next batch's flags after forward only when forward waited for an all-to-all
+    over every rank: not before any forward, once per forward, never for data-parallel tables (whose
+    input_dist sends nothing)."""
+    from tests.harness import run_ranks
+
+    for seen in run_ranks(_forward_collectives, 2, timeout=120):
+        assert seen["table_wise"] == (False, True, False)
+        assert seen["column_wise"] == (False, True, False)
+        assert seen["data_parallel"] == (False, False, False)
