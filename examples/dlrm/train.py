@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         # for this rank, and torchrun stops them once this process is gone.
         os._exit(2)
     status = _publish(result.summary, args.summary_json) if rank == 0 else 0
+    # Tear down together: a rank that destroys its group while a peer's gloo threads still use the
+    # connection can abort that peer at exit ("terminate called without an active exception", seen
+    # once in CI on rank 1).
+    dist.barrier()
     dist.destroy_process_group()
     return status
 
