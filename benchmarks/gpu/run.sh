@@ -4,6 +4,7 @@
 #   smoke  one CUDA test      tests  tests/test_cuda.py (49 tests)
 #   bench  demo, input-dist-heavy, compute-heavy     uvm  tiered, tiered-skewed (UVM-caching kernel)
 #   large  gpu-large, gpu-uvm                         csan  the pipelines under PyTorch's CUDA sanitizer
+# The benchmarks run WORLD ranks (default 1), one per GPU.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
@@ -20,7 +21,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 python3 -c "import torch, fbgemm_gpu, torchrec; print(torch.__version__, fbgemm_gpu.__version__, torchrec.__version__)" 2>&1 | quiet | tee -a "$OUT/gpu.txt"
 bench() {  # name, seconds, configs...
   local name=$1 limit=$2; shift 2
-  timeout "$limit" python3 -m benchmarks.run --device cuda --world-size 1 --configs "$@" \
+  timeout "$limit" python3 -m benchmarks.run --device cuda --world-size "${WORLD:-1}" --configs "$@" \
     --variants plain ours-base ours-sparse-dist ours-prefetch torchrec-base torchrec-sparse-dist torchrec-prefetch \
     --steps 100 --warmup 30 --auto-warmup 80 --rounds 3 --profile-steps 0 \
     --json "$OUT/$name.json" --md "$OUT/$name.md" 2>&1 | quiet | tee "$OUT/$name.log"
