@@ -4,6 +4,7 @@
 #   smoke  one CUDA test      tests  tests/test_cuda.py (49 tests)
 #   bench  demo, input-dist-heavy, compute-heavy     uvm  tiered, tiered-skewed (UVM-caching kernel)
 #   large  gpu-large, gpu-uvm                         csan  the pipelines under PyTorch's CUDA sanitizer
+#   example  examples/dlrm/train.py under torchrun on one GPU, each --pipeline
 # The benchmarks run WORLD ranks (default 1), one per GPU.
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -34,6 +35,12 @@ for step in "$@"; do
     uvm) bench bench_uvm 400 tiered tiered-skewed ;;
     large) bench bench_large 450 gpu-large gpu-uvm ;;
     csan) timeout 300 python3 benchmarks/gpu/csan.py 2>&1 | quiet | grep -E "^CSAN|fbgemm::|aten::|argument" | tee "$OUT/csan.log" ;;
+    example) for p in none base sparse-dist prefetch; do  # examples/dlrm/README.md's one-GPU command
+               timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node=1 examples/dlrm/train.py \
+                 --device cuda --pipeline $p --batch-size 8192 --num-embeddings 1000000 --embedding-dim 64 \
+                 --steps 100 > "$OUT/example_$p.log" 2>&1
+               echo "--pipeline $p: exit $?"; grep -E "^(device|sharding|step_time_ms|samples_per_second|train_loss) " "$OUT/example_$p.log"
+             done | tee "$OUT/example.log" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
