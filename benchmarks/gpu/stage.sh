@@ -23,7 +23,7 @@ done
 [ -f "$work"/fbgemm_gpu-1.6.0-*.whl ] 2>/dev/null || pip_get "$work" fbgemm-gpu==1.6.0
 rm -rf "$work/unpacked" && mkdir -p "$work/unpacked" && cd "$work/unpacked"
 unzip -q "$work"/fbgemm_gpu-1.6.0-*.whl
-python3 "$root/benchmarks/gpu/prune_fatbin.py" prune 90 fbgemm_gpu/*.so fbgemm_gpu/experimental/*/*.so
+find fbgemm_gpu -name "*.so" -exec python3 "$root/benchmarks/gpu/prune_fatbin.py" prune 90 {} +
 tar -cf - fbgemm_gpu fbgemm_gpu-1.6.0.dist-info | xz -T0 -6 > "$work/fbgemm90.tar.xz"
 cd "$root"
 rm -f .fb1/part.* .fb2/part.*
