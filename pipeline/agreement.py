@@ -203,15 +203,23 @@ class WorldCollectiveSeen:
     A forward hook on each sharded module whose process group spans the world: its forward waits for
     its input all-to-all before it computes, so once the hook fired, every rank has issued that
     all-to-all. `TrainPipelineBase` reads the next batch's flags from then on (overlapping backward),
-    instead of after backward, because every rank fetched that batch before this forward.
+    instead of after backward, because every rank fetched that batch before this forward. `remove()`
+    takes the hooks off the model again.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._seen = False
         world = dist.get_world_size()
-        for module in outermost_sharded(model).values():
-            if _all_to_all_over(module, world):
-                module.register_forward_hook(self._saw)
+        self._hooks = [
+            module.register_forward_hook(self._saw)
+            for module in outermost_sharded(model).values()
+            if _all_to_all_over(module, world)
+        ]
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def _saw(self, *_: Any) -> None:
         self._seen = True

@@ -23,6 +23,7 @@ rank with the same error, and a rank that raises makes its peers stop within sec
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -421,6 +422,8 @@ class TrainPipelineBase:
     def _world_collective_seen(self) -> WorldCollectiveSeen:
         if self._seen is None:  # hooks only for pipelines that run the sharded modules' own forward
             self._seen = WorldCollectiveSeen(self._model)
+            # the model outlives the pipeline: a pipeline per epoch must not pile hooks up on it
+            weakref.finalize(self, self._seen.remove)
         return self._seen
 
 

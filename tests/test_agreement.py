@@ -82,7 +82,30 @@ def _forward_collectives(rank: int, world_size: int) -> dict:
         before = watch.take()
         model(models.batches("dlrm", 1, rank)[0])
         seen[sharding] = (before, watch.take(), watch.take())
+        if sharding == "table_wise":
+            seen["hooked"] = sum(len(m._forward_hooks) for m in model.modules())
+            watch.remove()
+            model(models.batches("dlrm", 1, rank)[0])
+            seen["hooks_left"] = sum(len(m._forward_hooks) for m in model.modules())
+            seen["after_remove"] = watch.take()
+    seen["pipeline_hooks_left"] = _hooks_left_by_a_dropped_pipeline(rank)
     return seen
+
+
+def _hooks_left_by_a_dropped_pipeline(rank: int) -> tuple[int, int]:
+    """Forward hooks on the model after a Base pipeline trained on it and was dropped."""
+    import gc
+
+    import pipeline
+    from tests import models
+
+    model, opt = models.build("dlrm", "table_wise")
+    pipe = pipeline.TrainPipelineBase(model, opt, torch.device("cpu"))
+    models.run_to_end(pipe, iter(models.batches("dlrm", 4, rank)))
+    hooked = sum(len(m._forward_hooks) for m in model.modules())
+    del pipe
+    gc.collect()
+    return hooked, sum(len(m._forward_hooks) for m in model.modules())
 
 
 def test_world_collective_seen_after_a_sharded_forward_only():
@@ -95,3 +118,5 @@ def test_world_collective_seen_after_a_sharded_forward_only():
         assert seen["table_wise"] == (False, True, False)
         assert seen["column_wise"] == (False, True, False)
         assert seen["data_parallel"] == (False, False, False)
+        assert seen["hooked"] == 1 and seen["hooks_left"] == 0 and seen["after_remove"] is False
+        assert seen["pipeline_hooks_left"] == (1, 0)  # hooked while the pipeline lived, not after
