@@ -38,7 +38,7 @@ _EXPORTS = {
     "Tuner": "pipeline.schedule",
     "UnevenDataError": "pipeline.agreement",
     "BatchKeysError": "pipeline.agreement",
-    "PeerFailedError": "pipeline.agreement",
+    "PeerFailedError": "pipeline.failure",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -25,17 +25,11 @@ learn each other's statuses before the batch enters its first collective, in one
 A rank whose dataloader is exhausted keeps adding placeholders (no batch) until the end is agreed, so
 every rank holds as many batches in flight and issues the same collectives in order.
 
-Failures. A rank that raises inside `progress()` writes what happened in the default process group's
-store and waits a grace period for the others: if every rank raised at the same step, nothing else
-is done. Otherwise it destroys its process groups: the peers' pending collectives then fail within
-about a second ("Connection closed by peer"), and they read the store to say which rank failed and
-why (`PeerFailedError`).
+A rank that fails instead is `pipeline.failure`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -47,6 +41,7 @@ import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from pipeline.background import in_background
+from pipeline.failure import rank_and_world
 from rewrite import find_kjts, outermost_sharded
 
 __all__ = [
@@ -56,9 +51,7 @@ __all__ = [
     "AgreedError",
     "Agreement",
     "BatchKeysError",
-    "FailureSignal",
     "KeyCheck",
-    "PeerFailedError",
     "StoreFlags",
     "UnevenDataError",
     "Vote",
@@ -80,10 +73,6 @@ class BatchKeysError(AgreedError, ValueError):
     """A batch's KeyedJaggedTensor keys differ from those the model was sharded for."""
 
 
-class PeerFailedError(RuntimeError):
-    """Another rank raised inside `progress()`; this rank stopped too."""
-
-
 @dataclass(eq=False)
 class Vote:
     """One batch's vote: `wait()` returns every rank's status for it, by rank."""
@@ -100,13 +89,6 @@ class Vote:
         return self.statuses
 
 
-def _world() -> tuple[int, int]:
-    """(rank, world size); (0, 1) without a process group."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 class Agreement:
     """Issues the votes on a gloo group of its own (created on first use, at the same call on every
     rank), or locally when there is no process group of more than one rank.
@@ -121,11 +103,11 @@ class Agreement:
 
     @property
     def distributed(self) -> bool:
-        return _world()[1] > 1
+        return rank_and_world()[1] > 1
 
     def vote(self, status: int) -> Vote:
         """Start this rank's vote for the next batch; every rank calls it once per batch, in order."""
-        rank, world = _world()
+        rank, world = rank_and_world()
         if world == 1:
             return Vote(None, torch.tensor([status]))
         if self._group is None:
@@ -318,76 +300,3 @@ def warn_untrained(rank: int, count: int, statuses: list[int], position: int) ->
         "`untrained_batches`.",
         stacklevel=4,
     )
-
-
-class FailureSignal:
-    """Tells the peers that this rank failed, and finds out whether they did too.
-
-    Each failure is a "generation" of keys in the default process group's store: every rank that
-    fails writes `rank<r>` (what it raised) and adds 1 to `count`. A rank that raised waits up to
-    `grace` seconds for `count` to reach the world size: if every rank raised at the same step (a
-    bad batch on all of them), the process groups are still consistent and nothing is destroyed.
-    Holds a reference to the store (taken while the group is alive), so that it can still be read
-    after the groups are destroyed.
-    """
-
-    def __init__(self, *, grace: float) -> None:
-        self.store: Any = None
-        """The default process group's store (None in a single process)."""
-        self._grace = grace
-        self._generation = 0
-        self.rank, world = _world()
-        self.world = world
-        self.distributed = world > 1
-        if self.distributed:
-            with contextlib.suppress(Exception):
-                self.store = dist.distributed_c10d._get_default_store()
-
-    def _key(self, name: str) -> str:
-        return f"trainpipeline/failure{self._generation}/{name}"
-
-    def announce(self, error: BaseException) -> None:
-        """Record this rank's failure (what it raised)."""
-        if self.store is not None:
-            with contextlib.suppress(Exception):
-                text = f"rank {self.rank} raised {type(error).__name__}: {error}"
-                self.store.set(self._key(f"rank{self.rank}"), text[:2000])
-                self.store.add(self._key("count"), 1)
-
-    def all_failed(self) -> bool:
-        """Wait up to `grace` seconds for every rank to announce a failure of this generation."""
-        if self.store is None:
-            return False
-        deadline = time.monotonic() + self._grace
-        try:
-            while self.store.add(self._key("count"), 0) < self.world:
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(0.02)
-        except Exception:  # the store's host (rank 0) is gone
-            return False
-        return True
-
-    def peer_failures(self) -> list[str]:
-        """What the peers that failed in this generation wrote (empty if none, or if the store
-        cannot be read: its host, rank 0, may be gone)."""
-        found = []
-        for rank in range(self.world):
-            if rank == self.rank or self.store is None:
-                continue
-            with contextlib.suppress(Exception):
-                key = self._key(f"rank{rank}")
-                if self.store.check([key]):
-                    found.append(self.store.get(key).decode(errors="replace"))
-        return found
-
-    def next_generation(self) -> None:
-        self._generation += 1
-
-    @staticmethod
-    def abort() -> None:
-        """Destroy every process group of this process: peers blocked in a collective with it fail
-        instead of waiting for the group's timeout."""
-        if dist.is_available() and dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()

@@ -40,9 +40,7 @@ from pipeline.agreement import (
     AgreedError,
     Agreement,
     BatchKeysError,
-    FailureSignal,
     KeyCheck,
-    PeerFailedError,
     StoreFlags,
     UnevenDataError,
     WorldCollectiveSeen,
@@ -52,6 +50,7 @@ from pipeline.agreement import (
 )
 from pipeline.batch import to_device
 from pipeline.context import BatchContext
+from pipeline.failure import FailureSignal, PeerFailedError, is_comm_error
 from pipeline.labels import stage
 from pipeline.streams import Streams, streams_for
 
@@ -231,7 +230,7 @@ class TrainPipelineBase:
         if not (self._abort_on_error and signal.distributed):
             self.reset()
             return
-        if _is_comm_error(error):
+        if is_comm_error(error):
             peers = signal.peer_failures()
             try:
                 self.reset()
@@ -429,15 +428,3 @@ class TrainPipelineBase:
 
 _PIPELINE_IDS = itertools.count()
 """Numbers pipelines in construction order, the same on every rank (names the store keys)."""
-
-
-def _is_comm_error(error: BaseException) -> bool:
-    """A collective failed (a peer closed its connection or timed out), as opposed to this rank's
-    own code raising."""
-    if isinstance(error, PeerFailedError):
-        return True
-    dist_error = getattr(torch.distributed, "DistError", ())
-    text = str(error)
-    return isinstance(error, dist_error) or any(
-        marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Timed out")
-    )

@@ -1,0 +1,116 @@
+"""A rank that fails inside `progress()`, and its peers: they end within seconds, saying which rank
+failed and why, instead of waiting for the process group's timeout.
+
+A rank that raises writes what happened in the default process group's store and waits a grace
+period for the others: if every rank raised at the same step, nothing else is done. Otherwise it
+destroys its process groups: the peers' pending collectives then fail within about a second
+("Connection closed by peer"), and they read the store to say which rank failed and why
+(`PeerFailedError`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["FailureSignal", "PeerFailedError", "is_comm_error", "rank_and_world"]
+
+
+class PeerFailedError(RuntimeError):
+    """Another rank raised inside `progress()`; this rank stopped too."""
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class FailureSignal:
+    """Tells the peers that this rank failed, and finds out whether they did too.
+
+    Each failure is a "generation" of keys in the default process group's store: every rank that
+    fails writes `rank<r>` (what it raised) and adds 1 to `count`. A rank that raised waits up to
+    `grace` seconds for `count` to reach the world size: if every rank raised at the same step (a
+    bad batch on all of them), the process groups are still consistent and nothing is destroyed.
+    Holds a reference to the store (taken while the group is alive), so that it can still be read
+    after the groups are destroyed.
+    """
+
+    def __init__(self, *, grace: float) -> None:
+        self.store: Any = None
+        """The default process group's store (None in a single process)."""
+        self._grace = grace
+        self._generation = 0
+        self.rank, world = rank_and_world()
+        self.world = world
+        self.distributed = world > 1
+        if self.distributed:
+            with contextlib.suppress(Exception):
+                self.store = dist.distributed_c10d._get_default_store()
+
+    def _key(self, name: str) -> str:
+        return f"trainpipeline/failure{self._generation}/{name}"
+
+    def announce(self, error: BaseException) -> None:
+        """Record this rank's failure (what it raised)."""
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                text = f"rank {self.rank} raised {type(error).__name__}: {error}"
+                self.store.set(self._key(f"rank{self.rank}"), text[:2000])
+                self.store.add(self._key("count"), 1)
+
+    def all_failed(self) -> bool:
+        """Wait up to `grace` seconds for every rank to announce a failure of this generation."""
+        if self.store is None:
+            return False
+        deadline = time.monotonic() + self._grace
+        try:
+            while self.store.add(self._key("count"), 0) < self.world:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.02)
+        except Exception:  # the store's host (rank 0) is gone
+            return False
+        return True
+
+    def peer_failures(self) -> list[str]:
+        """What the peers that failed in this generation wrote (empty if none, or if the store
+        cannot be read: its host, rank 0, may be gone)."""
+        found = []
+        for rank in range(self.world):
+            if rank == self.rank or self.store is None:
+                continue
+            with contextlib.suppress(Exception):
+                key = self._key(f"rank{rank}")
+                if self.store.check([key]):
+                    found.append(self.store.get(key).decode(errors="replace"))
+        return found
+
+    def next_generation(self) -> None:
+        self._generation += 1
+
+    @staticmethod
+    def abort() -> None:
+        """Destroy every process group of this process: peers blocked in a collective with it fail
+        instead of waiting for the group's timeout."""
+        if dist.is_available() and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+def is_comm_error(error: BaseException) -> bool:
+    """A collective failed (a peer closed its connection or timed out), as opposed to this rank's
+    own code raising."""
+    if isinstance(error, PeerFailedError):
+        return True
+    dist_error = getattr(torch.distributed, "DistError", ())
+    text = str(error)
+    return isinstance(error, dist_error) or any(
+        marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Timed out")
+    )
