@@ -13,7 +13,7 @@ DEV_TOOLS := pytest pytest-timeout ruff matplotlib setuptools
 STAMP := $(VENV)/.setup-$(VARIANT)
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint demo bench bench-tiered bench-sweep bench-big bench-agreement timeline clean
+.PHONY: setup test lint demo bench bench-overhead bench-tiered bench-sweep bench-big bench-agreement timeline clean
 
 setup: $(STAMP)
 
@@ -63,6 +63,15 @@ timeline: setup
 BENCH_ARGS ?= --link 1gbit
 bench: setup
 	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
+
+# What a step costs where there is nothing to hide (issue 22): per-step wall and process CPU time of
+# the plain loop and every pipeline on a tiny model at world size 1 and 2, interleaved rounds; then
+# where our SparseDist's time goes, function by function (cProfile). About 8 minutes.
+OVERHEAD_ARGS ?= --rounds 5 --steps 300
+bench-overhead: setup
+	$(BIN)/python -m benchmarks.overhead --world-size 1 $(OVERHEAD_ARGS)
+	$(BIN)/python -m benchmarks.overhead --world-size 2 $(OVERHEAD_ARGS)
+	$(BIN)/python -m benchmarks.overhead --profile ours-sparse-dist --steps 300 --top 40
 
 # Tables on disk (tiered kernel, cold store; uniform ids with 5 % cached, power-law ids with 2 %):
 # plain, our three pipelines and torchrec's SparseDist on the same stores; prints hit rate and store

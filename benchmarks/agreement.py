@@ -17,9 +17,9 @@ import statistics
 import sys
 import time
 
+from benchmarks.paired import paired, round_medians
 from benchmarks.run import cpu_busy, run_benchmark
 from benchmarks.spec import RunSpec
-from benchmarks.sweep_report import paired, round_medians
 
 PAIRS = (("ours-base", "ours-base+novote"), ("ours-sparse-dist@late", "ours-sparse-dist@late+novote"))
 CONFIGS = ("demo", "input-dist-heavy", "compute-heavy", "sweep-lo-tiny", "sweep-lo-ids100")

@@ -24,7 +24,7 @@ from typing import Any
 from benchmarks.link import Link
 from benchmarks.spec import RunSpec
 
-__all__ = ["LaunchError", "launch"]
+__all__ = ["LaunchError", "free_port", "launch"]
 
 _ROOT = Path(__file__).resolve().parent.parent
 # A fresh namespace has every port free; any fixed one will do.
@@ -58,7 +58,7 @@ def launch(
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(spec.to_json())
         outs = [Path(tmp) / f"rank{r}.json" for r in range(world_size)]
-        port = _LINK_PORT if link else _free_port()
+        port = _LINK_PORT if link else free_port()
         procs: list[subprocess.Popen] = []
         try:
             for rank in range(world_size):
@@ -119,7 +119,8 @@ def _wait(procs: list[subprocess.Popen], *, timeout: float, grace: float) -> Non
         raise LaunchError(f"rank(s) {hung} still running after {timeout:.0f}s; killed")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -14,18 +14,16 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from benchmarks.paired import Paired, paired, round_medians
 from benchmarks.spec import FORCED_VARIANTS
 
 __all__ = [
     "Check",
-    "Paired",
     "PointResult",
     "analyse",
     "checks",
     "markdown",
-    "paired",
     "plot",
-    "round_medians",
     "table",
 ]
 
@@ -34,16 +32,6 @@ SD, PF, BASE, PLAIN = "ours-sparse-dist", "ours-prefetch", "ours-base", "plain"
 TOLERANCE = 0.03
 """Ratios within this of 1.0 are "the same" (the tuner's margin): see `Check` and `auto_right`."""
 PLOTTED = (PLAIN, BASE, SD, PF, *FORCED_VARIANTS)
-
-
-@dataclass(kw_only=True, slots=True)
-class Paired:
-    """A ratio over paired rounds."""
-
-    median: float
-    low: float
-    high: float
-    rounds: int
 
 
 @dataclass(kw_only=True, slots=True)
@@ -89,23 +77,6 @@ class Check:
     point: str
     measured: str
     met: bool | None
-
-
-def round_medians(runs: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
-    """Per round, each variant's median step time in ms (runs that went wrong left out)."""
-    out: dict[int, dict[str, float]] = {}
-    for r in runs:
-        if r["status"] == "ok":
-            out.setdefault(r["round"], {})[r["variant"]] = statistics.median(r["step_times_s"]) * 1e3
-    return out
-
-
-def paired(rounds: dict[int, dict[str, float]], a: str, b: str) -> Paired | None:
-    """A/B from every round that ran both."""
-    ratios = [r[a] / r[b] for r in rounds.values() if a in r and b in r and r[b] > 0]
-    if not ratios:
-        return None
-    return Paired(median=statistics.median(ratios), low=min(ratios), high=max(ratios), rounds=len(ratios))
 
 
 def analyse(runs: list[dict[str, Any]], *, name: str, link: str | None, description: str) -> PointResult:

@@ -42,7 +42,7 @@ def _run(pipe_name: str, kind: str, sharding: str, cache) -> dict:
     ref_model, ref_opt = models.build(kind, sharding, device=device, cache=cache)
     expected = models.plain_loop(ref_model, ref_opt, [to_device(b, device, False) for b in data])
     model, opt = models.build(kind, sharding, device=device, cache=cache)
-    if pipe_name.startswith("torchrec."):  # torchrec's own, for benchmarks/gpu/csan.py
+    if pipe_name.startswith("torchrec."):  # torchrec's own, for scripts/gpu/csan.py
         from torchrec.distributed import train_pipeline
 
         pipe = getattr(train_pipeline, pipe_name.removeprefix("torchrec."))(model, opt, device)

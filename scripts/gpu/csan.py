@@ -1,7 +1,7 @@
 """The pipelines under PyTorch's CUDA sanitizer: an access on one stream to a tensor another stream
 wrote without an event between them raises. One rank (NCCL) per case; prints one line per case.
 
-    PYTHONPATH=.:$PYTHONPATH python benchmarks/gpu/csan.py
+    PYTHONPATH=.:$PYTHONPATH python scripts/gpu/csan.py
 
 Each case trains `tests/models` "dlrm" or "nested" table-wise for 20 steps next to the plain loop (as
 `tests/test_cuda.py` does) and reports the outputs' and parameters' equality, or that the sanitizer

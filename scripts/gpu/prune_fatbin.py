@@ -6,8 +6,8 @@ architecture is not kept (headers stay, so offsets and the ELF are unchanged): t
 the kept architecture's entry and never reads the others, and the zeros compress to nothing
 (`xz`: 82 MB for all of fbgemm-gpu 1.6.0 with sm_90 kept).
 
-    python benchmarks/gpu/prune_fatbin.py list 90 DIR/*.so
-    python benchmarks/gpu/prune_fatbin.py prune 90 DIR/*.so      # in place
+    python scripts/gpu/prune_fatbin.py list 90 DIR/*.so
+    python scripts/gpu/prune_fatbin.py prune 90 DIR/*.so      # in place
 
 Fatbin layout (as read from the files; NVIDIA does not document it): a container header
 (u32 magic 0xBA55ED50, u16 version, u16 header size, u64 entries' size), then entries, each a header

@@ -34,7 +34,7 @@ for step in "$@"; do
     bench) bench bench_cuda 500 demo input-dist-heavy compute-heavy ;;
     uvm) bench bench_uvm 400 tiered tiered-skewed ;;
     large) bench bench_large 450 gpu-large gpu-uvm ;;
-    csan) timeout 300 python3 benchmarks/gpu/csan.py 2>&1 | quiet | grep -E "^CSAN|fbgemm::|aten::|argument" | tee "$OUT/csan.log" ;;
+    csan) timeout 300 python3 scripts/gpu/csan.py 2>&1 | quiet | grep -E "^CSAN|fbgemm::|aten::|argument" | tee "$OUT/csan.log" ;;
     example) for p in none base sparse-dist prefetch; do  # examples/dlrm/README.md's one-GPU command
                timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node=1 examples/dlrm/train.py \
                  --device cuda --pipeline $p --batch-size 8192 --num-embeddings 1000000 --embedding-dim 64 \

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Stage the CUDA stack for a GPU machine that has torch 2.11 (cu130) but no fbgemm-gpu or torchrec,
 # and takes uploads of at most 64 MiB per call (docs/gpu.md). Run here, from the repository root:
-#   bash benchmarks/gpu/stage.sh
+#   bash scripts/gpu/stage.sh
 # Writes (all git-ignored through .git/info/exclude):
 #   .whl/  torchrec 1.6.1 and the pure-Python packages it needs (~2.6 MB)
 #   .fb1/  part.aa of fbgemm-gpu 1.6.0 with only sm_90 code, tar.xz (56 MB)
@@ -23,11 +23,11 @@ done
 [ -f "$work"/fbgemm_gpu-1.6.0-*.whl ] 2>/dev/null || pip_get "$work" fbgemm-gpu==1.6.0
 rm -rf "$work/unpacked" && mkdir -p "$work/unpacked" && cd "$work/unpacked"
 unzip -q "$work"/fbgemm_gpu-1.6.0-*.whl
-find fbgemm_gpu -name "*.so" -exec python3 "$root/benchmarks/gpu/prune_fatbin.py" prune 90 {} +
+find fbgemm_gpu -name "*.so" -exec python3 "$root/scripts/gpu/prune_fatbin.py" prune 90 {} +
 tar -cf - fbgemm_gpu fbgemm_gpu-1.6.0.dist-info | xz -T0 -6 > "$work/fbgemm90.tar.xz"
 cd "$root"
 rm -f .fb1/part.* .fb2/part.*
 split -b 56000000 "$work/fbgemm90.tar.xz" .fb1/part.
 mv .fb1/part.a[b-z] .fb2/
-cp benchmarks/gpu/run.sh .fb2/run.sh
+cp scripts/gpu/run.sh .fb2/run.sh
 ls -la .whl .fb1 .fb2
