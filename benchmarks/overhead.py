@@ -232,10 +232,10 @@ def _profile(variant: str, *, steps: int, warmup: int) -> list[tuple[str, float,
 
 
 def _short(file: str) -> str:
-    for marker in ("site-packages/", "/work/"):
-        if marker in file:
-            return file.split(marker, 1)[1]
-    return os.path.basename(file)
+    if "site-packages/" in file:
+        return file.split("site-packages/", 1)[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.relpath(file, root) if file.startswith(root) else os.path.basename(file)
 
 
 def _spawn(args: argparse.Namespace) -> list[Any]:
@@ -297,6 +297,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--profile", metavar="VARIANT", help="cProfile one variant instead (rank 0's)")
     parser.add_argument("--top", type=int, default=30, help="rows of the profile")
+    parser.add_argument("--sort", choices=("own", "cum"), default="own", help="profile rows by")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        default=[],
+        metavar="PREFIX",
+        help="profile rows of these paths only, e.g. pipeline/",
+    )
     parser.add_argument("--json", help="write the raw per-round figures here")
     args = parser.parse_args(argv)
     if "plain" not in args.variants and not args.profile:
@@ -305,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         print(f"| function | own ms/step | cum ms/step | calls/step |  ({args.profile}, rank 0)")
         print("|---|---:|---:|---:|")
-        for name, own, cum, calls in results[0][: args.top]:
+        rows = [r for r in results[0] if not args.only or any(p in r[0] for p in args.only)]
+        rows.sort(key=lambda r: -r[1 if args.sort == "own" else 2])
+        for name, own, cum, calls in rows[: args.top]:
             print(f"| {name} | {own:.4f} | {cum:.4f} | {calls} |")
         return 0
     print(

@@ -96,8 +96,8 @@ class RunSpec:
     """Untimed steps before the timed ones (first-batch rewrite, allocator warm-up)."""
     auto_warmup: int = 75
     """Untimed steps before the timed ones for `AUTO_VARIANTS`: enough to cover the tuner's first
-    decision (3 warm-up steps + 4 x 2 visits + 3 rounds x 4 schedules x 5 steps = 71 with `Tuner()`'s
-    defaults)."""
+    decision (2 warm-up steps + 4 visits + 3 rounds x 4 schedules x 4 steps = 54 at most with
+    `Tuner()`'s defaults)."""
     rounds: int = 4
     """Repetitions of every variant; the order of variants is rotated between rounds."""
     profile_steps: int = 5

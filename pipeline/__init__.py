@@ -35,7 +35,7 @@ _EXPORTS = {
     "CudaStreams": "pipeline.streams",
     "RecordingStreams": "pipeline.streams",
     "HandoffError": "pipeline.streams",
-    "Tuner": "pipeline.schedule",
+    "Tuner": "pipeline.tuner",
     "UnevenDataError": "pipeline.agreement",
     "BatchKeysError": "pipeline.agreement",
     "PeerFailedError": "pipeline.failure",

@@ -36,8 +36,9 @@ from torchrec.distributed.embedding_sharding import FusedKJTListSplitsAwaitable,
 from pipeline.base import TrainPipelineBase, _Lane
 from pipeline.context import BatchContext
 from pipeline.labels import stage
-from pipeline.schedule import OPTIONS, SCHEDULES, Tuner
+from pipeline.schedule import OPTIONS, SCHEDULES
 from pipeline.streams import Streams
+from pipeline.tuner import Tuner
 from rewrite import ContextSlot, InputDistGroups, Rewrite, RewriteReport, rewrite_model
 
 __all__ = ["TrainPipelineSparseDist"]

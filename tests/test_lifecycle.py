@@ -206,7 +206,8 @@ def _groups(rank: int, pipe_name: str) -> dict:
             "params": models.bitwise_equal(ref.state_dict(), model.state_dict()),
         }
     # "auto" switches between all four while it tunes, keeps one, re-checks it; the same on every rank
-    from pipeline.schedule import SCHEDULES, Tuner
+    from pipeline.schedule import SCHEDULES
+    from pipeline.tuner import Tuner
 
     ref, ref_opt, model, pipe = _pair(
         pipe_name, tuner=Tuner(warmup=1, block=2, rounds=1, settle=1, visit=0, recheck_after=2)

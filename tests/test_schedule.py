@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from pipeline.schedule import SCHEDULES, Tuner, decide
+from pipeline.schedule import SCHEDULES, decide
+from pipeline.tuner import Tuner
 
 FOUR = ("late", "early", "late-own", "early-shared")
 
@@ -90,7 +91,7 @@ def test_plan_is_interleaved_and_rotated():
 @pytest.mark.parametrize("faster", FOUR)
 def test_keeps_the_significantly_faster_schedule(faster):
     tuner, _, sums = _run({s: 0.010 if s == faster else 0.012 for s in FOUR})
-    assert len(sums) == 1  # one agreement, at the decision
+    assert len(sums) == 2  # two agreements: after the first round (to rule losers out), at the decision
     assert tuner.choice == faster
     assert tuner.medians_ms[faster] == pytest.approx(10.0)
     assert tuner.next_schedule() == faster  # and stays with it
@@ -103,7 +104,7 @@ def test_noise_without_a_consistent_gain_keeps_torchrecs_order():
             return 0.010
         return 0.008 if (step // 16) % 2 else 0.012
 
-    tuner, _, _ = _run(cost)
+    tuner, _, _ = _run(cost, warmup=3, block=5, settle=2, visit=2)
     assert tuner.choice == "late"
     assert tuner.reason.startswith("kept late")
 
@@ -117,7 +118,9 @@ def test_first_steps_of_each_block_and_the_visits_are_not_timed():
         slow = visiting or settling
         return 5.0 if slow and schedule == "early" else {"early": 0.010, "late": 0.020}[schedule]
 
-    tuner, schedules, _ = _run(cost, candidates=("late", "early"), warmup=0, rounds=2)
+    tuner, schedules, _ = _run(
+        cost, candidates=("late", "early"), warmup=0, rounds=2, visit=2, block=5, settle=2
+    )
     assert schedules[:4] == ["late", "late", "early", "early"]  # the visits
     assert tuner.choice == "early"
     assert tuner.medians_ms == pytest.approx({"early": 20.0 / 2, "late": 20.0})
@@ -125,7 +128,7 @@ def test_first_steps_of_each_block_and_the_visits_are_not_timed():
 
 def test_tuning_steps_are_counted():
     tuner, schedules, _ = _run({s: 0.01 for s in FOUR}, warmup=3, block=5, rounds=3)
-    assert tuner.tuning_steps == 3 + 4 * 2 + 3 * 4 * 5 == len(schedules) - 1
+    assert tuner.tuning_steps == 3 + 4 * 1 + 3 * 4 * 5 == len(schedules) - 1
 
 
 def test_recheck_switches_when_the_runner_up_becomes_faster():
@@ -139,7 +142,7 @@ def test_recheck_switches_when_the_runner_up_becomes_faster():
     first, second = tuner.decisions
     assert first[1].choice == "early" and second[1].choice == "late-own"
     assert second[0] == first[0] + 60 + 2 * 2 * 4
-    assert len(sums) == 2 and len(sums[1]) == 2 * 2  # re-check: 2 rounds x (choice, runner-up)
+    assert len(sums) == 3 and len(sums[2]) == 2 * 2  # re-check: 2 rounds x (choice, runner-up)
     assert set(schedules[first[0] : first[0] + 59]) == {"early"}
     assert schedules[-1] == "late-own"
 
@@ -183,3 +186,65 @@ def test_rejects_bad_settings():
         Tuner(candidates=("early", "sideways"))
     with pytest.raises(ValueError, match="bad tuner settings"):
         Tuner(candidates=("early",), baseline="late")
+
+
+def test_default_tuning_is_short():
+    # warm-up 2, a visit of each of 4 schedules, 3 rounds of 4-step blocks: 54 steps at most
+    tuner, schedules, _ = _run({s: 0.01 for s in FOUR})
+    assert len(schedules) - 1 == tuner.tuning_steps == 2 + 4 + 3 * 4 * 4
+
+
+def test_first_round_rules_out_a_much_slower_schedule():
+    # early-shared is 1.5x the best in the first round: it runs no more rounds, and is named
+    costs = {"late": 0.010, "early": 0.009, "late-own": 0.0105, "early-shared": 0.015}
+    tuner, schedules, _ = _run(costs)
+    assert tuner.choice == "early"
+    after_first_round = schedules[2 + 4 + 4 * 4 :]
+    assert "early-shared" not in after_first_round and "late" in after_first_round
+    assert tuner.tuning_steps == 2 + 4 + 4 * 4 + 2 * 3 * 4
+    assert "early-shared 1.67x the best" in tuner.reason
+    assert set(tuner.medians_ms) == set(FOUR)  # the ruled-out one keeps its first-round figure
+
+
+def test_baseline_is_never_ruled_out_and_alone_it_is_kept_at_once():
+    costs = {"late": 0.010, "early": 0.02, "late-own": 0.02, "early-shared": 0.02}
+    tuner, _schedules, _ = _run(costs)
+    assert tuner.choice == "late" and tuner.tuning_steps == 2 + 4 + 4 * 4
+    costs = {"late": 0.02, "early": 0.01, "late-own": 0.03, "early-shared": 0.03}
+    tuner, _, _ = _run(costs)
+    assert tuner.choice == "early"  # late (the baseline) ran every round against it
+
+
+def test_decided_tuner_reads_no_clock_until_the_recheck():
+    reads = []
+    tuner = Tuner(
+        candidates=("late", "early"), clock=lambda: reads.append(1) or len(reads) * 0.01, agree=lambda v: v
+    )
+    while tuner.choice is None:
+        tuner.next_schedule()
+    before = len(reads)
+    for _ in range(100):
+        tuner.next_schedule()
+    assert len(reads) == before
+
+
+def test_state_dict_round_trip_skips_tuning():
+    costs = {"late": 0.012, "early": 0.010, "late-own": 0.012, "early-shared": 0.012}
+    tuner, _schedules, _ = _run(costs, steps=120, recheck_after=100)
+    assert Tuner().state_dict() == {}  # nothing decided yet: nothing to keep
+    state = tuner.state_dict()
+    fresh = Tuner(clock=FakeClock(), agree=lambda v: v)
+    fresh.load_state_dict(state)
+    assert [fresh.next_schedule() for _ in range(3)] == ["early"] * 3  # no warm-up, no trials
+    assert fresh.decisions == tuner.decisions and fresh.medians_ms == tuner.medians_ms
+    assert "chose 'early'" in repr(fresh)
+    with pytest.raises(ValueError, match="sideways"):
+        fresh.load_state_dict({**state, "choice": "sideways"})
+
+
+def test_repr_says_it_is_still_tuning_and_for_how_long():
+    tuner = Tuner()
+    assert repr(tuner).startswith("Tuner(tuning late, early, late-own, early-shared: at most 54 more steps")
+    for _ in range(10):
+        tuner.next_schedule()
+    assert tuner.steps_left == 44 and "at most 44 more" in repr(tuner)
