@@ -140,6 +140,11 @@ class Tuner:
         return self.decisions[-1][1].reason if self.decisions else None
 
     @property
+    def tuning(self) -> bool:
+        """A tuning or re-check is under way: the schedule in use is one being measured."""
+        return self._phase is not None
+
+    @property
     def steps_left(self) -> int:
         """Steps until the current tuning or re-check decides (at most: a first round may stop
         losers early); 0 while none runs."""
@@ -156,7 +161,8 @@ class Tuner:
                 f"Tuner({what} {', '.join(self._phase.candidates)}: at most {self.steps_left} more "
                 f"steps; schedule so far {self.choice or self._phase.baseline!r})"
             )
-        return f"Tuner(chose {self.choice!r} at step {self.decisions[-1][0]}: {self.reason})"
+        after = f"; re-check at step {self._next_check}" if self._next_check else ""
+        return f"Tuner(chose {self.choice!r} at step {self.decisions[-1][0]}: {self.reason}{after})"
 
     def next_schedule(self) -> str:
         """Called at the start of each training step; the schedule to run it under."""

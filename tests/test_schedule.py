@@ -237,13 +237,15 @@ def test_state_dict_round_trip_skips_tuning():
     fresh.load_state_dict(state)
     assert [fresh.next_schedule() for _ in range(3)] == ["early"] * 3  # no warm-up, no trials
     assert fresh.decisions == tuner.decisions and fresh.medians_ms == tuner.medians_ms
-    assert "chose 'early'" in repr(fresh)
+    assert "chose 'early'" in repr(fresh) and not fresh.tuning
+    assert repr(fresh).endswith(f"re-check at step {state['next_check']})")
     with pytest.raises(ValueError, match="sideways"):
         fresh.load_state_dict({**state, "choice": "sideways"})
 
 
 def test_repr_says_it_is_still_tuning_and_for_how_long():
     tuner = Tuner()
+    assert tuner.tuning
     assert repr(tuner).startswith("Tuner(tuning late, early, late-own, early-shared: at most 54 more steps")
     for _ in range(10):
         tuner.next_schedule()
