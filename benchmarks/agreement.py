@@ -1,6 +1,6 @@
 """Entry point: `python -m benchmarks.agreement` (what `make bench-agreement` runs).
 
-Prices the ranks' per-batch vote and key check (`pipeline.agreement`): our Base and our SparseDist
+Prices the ranks' per-batch vote and key check (`pipeline.ranks`): our Base and our SparseDist
 (schedule forced to "late", so that tuning cannot differ between the two) with them and without
 them (`+novote`: `agreement=False, check_keys=False`), in paired rotated rounds on 2 ranks over
 loopback, where a fixed per-step cost shows most. Prints, per config, the paired ratio with/without
@@ -31,7 +31,7 @@ def key_check_us(repeats: int = 2000) -> float:
     from torchrec import KeyedJaggedTensor
     from torchrec.datasets.utils import Batch
 
-    from pipeline.agreement import KeyCheck
+    from pipeline.ranks import KeyCheck
 
     keys = [f"cat_{i}" for i in range(26)]
     kjt = KeyedJaggedTensor.from_lengths_sync(

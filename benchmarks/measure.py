@@ -155,7 +155,7 @@ def _is_label(name: str) -> bool:
 
 class AgreementClock:
     """Seconds this process spends on its calling thread inside the ranks' agreement
-    (`pipeline.agreement`: key check, store flags, votes), summed over every call.
+    (`pipeline.ranks`: key check, store flags, votes), summed over every call.
 
     The with/without A/B of `benchmarks.agreement` cannot resolve 1 % on a VM whose rounds differ by
     10-30 %; this direct figure can. `install()` wraps the agreement's entry points once per process
@@ -168,13 +168,13 @@ class AgreementClock:
 
     @classmethod
     def install(cls) -> None:
-        from pipeline import agreement
+        from pipeline import ranks
 
         targets = {
-            agreement.KeyCheck: ("check",),
-            agreement.StoreFlags: ("raise_flag", "statuses", "read_ahead"),
-            agreement.Agreement: ("vote",),
-            agreement.Vote: ("wait",),
+            ranks.KeyCheck: ("check",),
+            ranks.StoreFlags: ("raise_flag", "statuses", "read_ahead"),
+            ranks.Agreement: ("vote",),
+            ranks.Vote: ("wait",),
         }
         for owner, names in targets.items():
             for name in names:

@@ -6,8 +6,9 @@ never waits on communication. The rest of torchrec's family: `TrainPipelineFused
 embedding lookup ahead of forward), `TrainPipelineSemiSync` (the next batch's lookup before this
 batch's backward: embeddings one step stale), `EvalPipelineSparseDist` (forward only) and
 `StagedTrainPipeline` (the caller's own stages; `SparseDataDistUtil` makes the input_dist one).
-Constructors and `progress()` follow torchrec's, so a torchrec user switches by changing an import
-(docs/pipeline.md, "Which pipeline").
+Every class is a torchrec `TrainPipeline`; constructors (`pipeline.compat`: torchrec 1.8's
+parameters in its order, then our options, keyword-only) and `progress()` follow torchrec's, so a
+torchrec user switches by changing an import (docs/pipeline.md, "Which pipeline").
 
 The names are loaded on first use (PEP 562), so `python -m pipeline.timeline` does not pay for
 importing torchrec.
@@ -19,26 +20,43 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
+    "TrainPipeline": "pipeline.compat",
     "BatchContext": "pipeline.context",
     "PrefetchBatchContext": "pipeline.context",
     "LookupBatchContext": "pipeline.context",
     "TrainPipelineBase": "pipeline.base",
     "TrainPipelineSparseDist": "pipeline.sparse_dist",
-    "PrefetchTrainPipelineSparseDist": "pipeline.prefetch",
-    "EvalPipelineSparseDist": "pipeline.evaluation",
-    "TrainPipelineFusedSparseDist": "pipeline.lookup",
+    "PrefetchTrainPipelineSparseDist": "pipeline.prefetch_sparse_dist",
+    "EvalPipelineSparseDist": "pipeline.eval_sparse_dist",
+    "TrainPipelineFusedSparseDist": "pipeline.fused_sparse_dist",
     "TrainPipelineSemiSync": "pipeline.semi_sync",
     "StagedTrainPipeline": "pipeline.staged",
     "PipelineStage": "pipeline.staged",
     "SparseDataDistUtil": "pipeline.staged",
+    "InputDist": "pipeline.input_dist",
+    "InputDistGroups": "pipeline.input_dist",
     "Streams": "pipeline.streams",
     "CudaStreams": "pipeline.streams",
-    "RecordingStreams": "pipeline.streams",
-    "HandoffError": "pipeline.streams",
+    "ThreadStreams": "pipeline.streams",
+    "RecordingStreams": "pipeline.testing",
+    "HandoffError": "pipeline.testing",
     "Tuner": "pipeline.tuner",
-    "UnevenDataError": "pipeline.agreement",
-    "BatchKeysError": "pipeline.agreement",
-    "PeerFailedError": "pipeline.failure",
+    "RankOptions": "pipeline.options",
+    "RewriteOptions": "pipeline.options",
+    "InputDistOptions": "pipeline.options",
+    "PrefetchOptions": "pipeline.options",
+    "MemoryOptions": "pipeline.options",
+    "StepOptions": "pipeline.options",
+    "LookupOptions": "pipeline.options",
+    "SemiSyncOptions": "pipeline.options",
+    "PipelineOptions": "pipeline.options",
+    "Lane": "pipeline.ranks",
+    "LaneState": "pipeline.ranks",
+    "Status": "pipeline.ranks",
+    "AgreedError": "pipeline.ranks",
+    "UnevenDataError": "pipeline.ranks",
+    "BatchKeysError": "pipeline.ranks",
+    "PeerFailedError": "pipeline.ranks",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["to_device"]
+__all__ = ["to_device", "to_device_in_place"]
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
@@ -36,3 +36,32 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
         }
         return dataclasses.replace(batch, **changes)
     return batch
+
+
+def to_device_in_place(batch: Any, device: torch.device, streams: Any) -> Any:
+    """`batch` on `device`, its tensors allocated on the current stream and filled on the memcpy
+    stream (torchrec's `enable_inplace_copy_batch`), so their memory belongs to the stream that
+    uses them. Objects with their own `.to` (a KeyedJaggedTensor) are copied on memcpy as usual.
+    Without a memcpy stream (CPU) this is `to_device`."""
+    memcpy = streams.memcpy
+    if memcpy is None:
+        return to_device(batch, device, non_blocking=True)
+    current = streams.current()
+    with streams.use(memcpy):
+        # the new blocks may be memory the current stream still reads: order the fill after it
+        streams.handoff(None, current)
+    return _fill(batch, device, streams)
+
+
+def _fill(batch: Any, device: torch.device, streams: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        out = torch.empty_like(batch, device=device)
+        with streams.use(streams.memcpy):
+            out.copy_(batch, non_blocking=True)
+        return out
+    if isinstance(batch, dict):
+        return type(batch)((k, _fill(v, device, streams)) for k, v in batch.items())
+    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+        return type(batch)(_fill(v, device, streams) for v in batch)
+    with streams.use(streams.memcpy):
+        return to_device(batch, device, non_blocking=True)

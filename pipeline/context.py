@@ -12,6 +12,7 @@ from typing import Any
 
 from torch.profiler import record_function
 
+from pipeline.ranks.lane import Ticket
 from pipeline.streams import Streams
 
 __all__ = ["BatchContext", "LookupBatchContext", "PrefetchBatchContext"]
@@ -41,17 +42,9 @@ class BatchContext:
     splits_span_world: bool = False
     """Written by input_dist start: one of its splits all-to-alls is on a group of every rank, so
     once it is waited, every rank has issued it (read by the flags' read-ahead)."""
-    status: int = 1
-    """This rank's vote for the batch (`pipeline.agreement`): 1 have it, 0 a placeholder for a
-    batch this rank's dataloader does not have, 2 wrong keys. Written at fetch."""
-    vote: Any = None
-    """Written at fetch: the `Vote` of every rank on this batch; waited before its first collective."""
-    admitted: bool = False
-    """Every rank voted to have the batch (written by the vote wait)."""
-    position: int = 0
-    """Index of the batch in its dataloader (for error messages)."""
-    found_keys: Any = None
-    """Written at fetch when the key check failed: the keys the batch has."""
+    ticket: Ticket | None = None
+    """Written at fetch by the ranks' protocol (`pipeline.ranks.Ranks`): this rank's status for the
+    batch, its vote, whether every rank admitted it; read before the batch's first collective."""
 
     def take_input_dist(self, fqn: str) -> tuple[Any, Any] | None:
         """Pop module `fqn`'s input_dist result, wait for it on data_dist and hand it (and the module

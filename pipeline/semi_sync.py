@@ -3,29 +3,29 @@
 The lookup stage is `pipeline.lookup`'s; this module places it between forward and backward of
 the previous batch (from `start_batch` on) and keeps four batches in flight: batch k+1 is fetched
 before the input_dist of batch k starts, so that a rank whose data ended has written its flag in
-the store before the collective after which the other ranks read it (`pipeline.agreement`).
+the store before the collective after which the other ranks read it (`pipeline.ranks`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
-from pipeline.base import _Lane
-from pipeline.context import BatchContext
-from pipeline.lookup import _LookupPipeline
-from pipeline.schedule import SCHEDULES
+from pipeline.compat import Bound
+from pipeline.context import BatchContext, LookupBatchContext
+from pipeline.input_dist_pipeline import InputDistPipeline
+from pipeline.lookup import LookupStage
+from pipeline.ranks import Lane
+from pipeline.sparse_dist import TrainPipelineSparseDist
 
 __all__ = ["TrainPipelineSemiSync"]
 
 logger = logging.getLogger(__name__)
 
 
-class TrainPipelineSemiSync(_LookupPipeline):
+class TrainPipelineSemiSync(InputDistPipeline):
     """The embedding lookup of batch i+1 runs before backward of batch i, so it reads embeddings
     one update stale (torchrec 1.8's semi-synchronous training).
 
@@ -45,68 +45,32 @@ class TrainPipelineSemiSync(_LookupPipeline):
     position weights) are updated in place after the next batch's lookup used them, which autograd
     rejects: a warning (an error under `strict`) says so.
 
-    Args:
-        model, optimizer, device, execute_all_batches, apply_jit, pipeline_postproc,
-            custom_model_fwd: as `TrainPipelineSparseDist` (torchrec's positional order). Under
-            `execute_all_batches=False` nothing is dropped, as in torchrec's class.
-        start_batch: index of the first batch whose successor is looked up early (900, torchrec's
-            default: a synchronous warm-up).
-        stash_gradients: step the dense optimizer with the previous batch's gradients (torchrec's
-            "true" semi-sync; the step at `start_batch` is skipped).
-        strict: fail on the first batch if a sharded module cannot be pipelined or shares
-            parameters with the dense optimizer.
-        dmp_collection_sync_interval_batches, enable_inplace_copy_batch,
-            free_features_storage_early, clear_data_dist_inputs: torchrec's options for 2D
-            sharding and memory; accepted and ignored.
-        **options: the keyword options of `TrainPipelineSparseDist`.
+    Args: torchrec 1.8's, in its order (`pipeline.compat`): model, optimizer, device,
+    execute_all_batches (under False nothing is dropped, as in torchrec's class), apply_jit,
+    `start_batch` and `stash_gradients` (`SemiSyncOptions`), pipeline_postproc, custom_model_fwd,
+    strict, `dmp_collection_sync_interval_batches` and the three memory flags; then ours,
+    keyword-only: `arg_paths`, `rewrite_method`, `input_dist_schedule`, `tuner`, `streams` and
+    `RankOptions`.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        device: torch.device,
-        execute_all_batches: bool = True,
-        apply_jit: bool = False,
-        start_batch: int = 900,
-        stash_gradients: bool = False,
-        pipeline_postproc: bool = True,
-        custom_model_fwd: Callable[[Any], Any] | None = None,
-        strict: bool = False,
-        dmp_collection_sync_interval_batches: int | None = 1,
-        enable_inplace_copy_batch: bool = False,
-        free_features_storage_early: bool = False,
-        clear_data_dist_inputs: bool = False,
-        **options: Any,
-    ) -> None:
-        super().__init__(
-            model,
-            optimizer,
-            device,
-            execute_all_batches,
-            apply_jit,
-            None,
-            pipeline_postproc,
-            custom_model_fwd,
-            strict=strict,
-            **options,
-        )
-        self._start_batch = start_batch
-        self._stash = stash_gradients
+    def _compose(self, bound: Bound) -> None:
+        options = bound.options
+        self._context_type = LookupBatchContext
+        self._input_dist = self._make_input_dist(options, forward="lookup")
+        self._lookup = LookupStage(self._streams, self._input_dist, self._model, self._optimizer)
+        self._start_batch = options.semi_sync.start_batch
+        self._stash = options.semi_sync.stash_gradients
         self._stashed: dict[str, torch.Tensor] = {}
-        self._strict_sharing = strict
+        self._strict_sharing = options.rewrite.strict
         self._checked_sharing = False
 
-    def _lookahead(self, lane: _Lane) -> int:
-        return 0  # torchrec's SemiSync runs every batch under execute_all_batches=False too
-
-    def _fill(self, lane: _Lane) -> None:
+    def _fill(self, lane: Lane) -> None:
         for k in range(2):  # batches i and i+1: input_dist started, splits waited
             if not self._start(lane, k):
                 return
-            self._wait_splits(lane.inflight[k])
+            self._input_dist.wait_splits(lane.inflight[k])
 
-    def _start(self, lane: _Lane, k: int) -> bool:
+    def _start(self, lane: Lane, k: int) -> bool:
         """Start input_dist of the k-th batch in flight; False if there is none. Batch k+1 is
         fetched first, so its flag is in the store before the ranks' next collective."""
         while len(lane.inflight) < k + 2 and self._enqueue(lane):
@@ -115,44 +79,48 @@ class TrainPipelineSemiSync(_LookupPipeline):
             return False
         ctx = lane.inflight[k]
         if not ctx.started:
-            if not self._admit(lane, ctx):
+            if not self._ranks.admit(lane, ctx):
                 return False
-            self._start_input_dist(ctx)
+            self._input_dist.start(ctx)
         return True
 
-    def _step(self, lane: _Lane) -> Any:
+    def _step(self, lane: Lane) -> Any:
         ctx = lane.inflight[0]
+        input_dist, lookup = self._input_dist, self._lookup
         training = self._model.training
-        if self._tuner is not None:
-            if training:
-                self._schedule = self._tuner.next_schedule()
-            else:
-                self._tuner.interrupt()
+        input_dist.choose_schedule(training)
         semi = training and ctx.index >= self._start_batch
         self._check_sharing()
-        self._lookup(ctx)  # the first batch (later ones were looked up in the step before)
+        lookup.run(ctx)  # the first batch (later ones were looked up in the step before)
         third = lane.inflight[2] if self._start(lane, 2) else None
-        if third is not None and SCHEDULES[self._schedule].early_splits:
-            self._wait_splits(third)
-        losses, output = self._forward(ctx)
+        if third is not None and input_dist.early_splits:
+            input_dist.wait_splits(third)
+        losses, output = self._forward(ctx, train=True, slot=input_dist.slot)
         nxt = lane.inflight[1] if len(lane.inflight) > 1 else None
         if nxt is not None and semi:
-            self._lookup(nxt)  # before the embedding update of batch i: one step stale
+            lookup.run(nxt)  # before the embedding update of batch i: one step stale
         if third is not None:
-            self._wait_splits(third)
+            input_dist.wait_splits(third)
         if losses is not None:
-            self._backward_and_step(ctx, losses)
+            lookup.backward_and_step(
+                losses, lambda losses: self._backward_and_sync(ctx, losses), lambda: self._stashed_step(ctx)
+            )
         if nxt is not None and not semi:
-            self._lookup(nxt)
+            lookup.run(nxt)
         lane.inflight.popleft()
         return output
 
-    def _optimizer_step(self, ctx: BatchContext) -> None:
+    def _backward_and_sync(self, ctx: BatchContext, losses: Any) -> None:
+        self._backward(ctx, losses)
+        self._sync_replicas(ctx)
+
+    def _stashed_step(self, ctx: BatchContext) -> None:
+        """The optimizer step; with `stash_gradients`, on the previous batch's dense gradients."""
         if self._stash and ctx.index >= self._start_batch:
             self._swap_gradients()
             if ctx.index == self._start_batch:
                 return  # no stashed gradients yet
-        self._optimizer.step()
+        self._optimizer_step(ctx)
 
     def _swap_gradients(self) -> None:
         """Stash this batch's dense gradients and put the previous batch's in their place."""
@@ -164,10 +132,10 @@ class TrainPipelineSemiSync(_LookupPipeline):
             param.grad = previous
 
     def _check_sharing(self) -> None:
-        if self._checked_sharing or self._rewrite is None:
+        if self._checked_sharing or self._input_dist.rewrite is None:
             return
         self._checked_sharing = True
-        if self._shares_optimizer():
+        if self._lookup.shares_optimizer():
             message = (
                 "TrainPipelineSemiSync: a pipelined sharded module has parameters in the dense "
                 "optimizer (e.g. feature processors); they change after the next batch's lookup "
@@ -176,3 +144,8 @@ class TrainPipelineSemiSync(_LookupPipeline):
             if self._strict_sharing:
                 raise ValueError(message)
             logger.warning(message)
+
+
+# torchrec's class derives from its TrainPipelineSparseDist: `isinstance` answers as it does there,
+# without inheriting a step to override
+TrainPipelineSparseDist.register(TrainPipelineSemiSync)

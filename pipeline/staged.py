@@ -26,8 +26,10 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from pipeline import compat
 from pipeline.context import BatchContext
-from pipeline.sparse_dist import TrainPipelineSparseDist
+from pipeline.input_dist import InputDist
+from pipeline.options import InputDistOptions, MemoryOptions
 from pipeline.streams import CudaStreams, Streams
 
 __all__ = ["PipelineStage", "SparseDataDistUtil", "StagedTrainPipeline"]
@@ -58,7 +60,7 @@ def _device_stream(stream: Any) -> bool:
     return stream is not None and getattr(getattr(stream, "device", None), "type", "cpu") != "cpu"
 
 
-class StagedTrainPipeline:
+class StagedTrainPipeline(compat.TrainPipeline):
     """Runs user-defined `PipelineStage`s on the next batches while the caller trains the current one.
 
     Numerics: `progress()` returns exactly what running the stages in order on each batch would
@@ -88,6 +90,8 @@ class StagedTrainPipeline:
         self._compute_stream = compute_stream or (
             torch.get_device_module(first.device).current_stream() if first is not None else None
         )
+        self._streams = CudaStreams(first.device, prefetch=False) if first is not None else Streams()
+        """Only for hand-offs between the stages' streams (each stage brings its own stream)."""
         self._outputs: list[tuple[Any, Any, int]] = [(None, None, -1)] * len(self._stages)
         """Per batch in flight, oldest first: (output of its latest stage, its event, its index)."""
         self._initialized = False
@@ -96,6 +100,7 @@ class StagedTrainPipeline:
         self._flushing = False
         self._fetched = 0
         self.on_flush_end = on_flush_end
+        compat.TrainPipeline.__init__(self)
 
     @property
     def num_stages(self) -> int:
@@ -131,10 +136,7 @@ class StagedTrainPipeline:
         n = self.num_stages
         for index in range(n):
             self._run(index, n - 1 - index, dataloader_iter)
-        if event is not None:
-            event.wait(self._compute_stream)
-            if hasattr(out, "record_stream"):
-                out.record_stream(self._compute_stream)
+        self._streams.handoff_event(out, event, self._compute_stream)
         return out
 
     def _fill(self, dataloader_iter: Iterator[Any]) -> None:
@@ -181,10 +183,7 @@ class StagedTrainPipeline:
                 return st.runnable(value), None
         module = torch.get_device_module(st.stream.device)
         with record_function(label), module.stream(st.stream):
-            if event is not None:
-                event.wait(st.stream)
-                if hasattr(value, "record_stream"):
-                    value.record_stream(st.stream)
+            self._streams.handoff_event(value, event, st.stream)
             output = st.runnable(value)
             done = module.Event()
             done.record(st.stream)
@@ -194,54 +193,35 @@ class StagedTrainPipeline:
 class SparseDataDistUtil:
     """Makes the input_dist stage of a `StagedTrainPipeline` and hands its results to forward.
 
-    Args:
+    Args (torchrec 1.8's, in its order, then ours, keyword-only; `pipeline.compat`):
         model: the sharded model the caller runs on each batch `progress()` returns.
         data_dist_stream: the CUDA stream of the input all-to-alls; None (or a CPU stream) on CPU.
-        apply_jit: not supported (kept for torchrec's signature); must be False.
+        apply_jit: not supported; must be False.
         prefetch_stream, embedding_lookup_stream: torchrec's prefetch and lookup stages; not
             supported here, must be None (use `PrefetchTrainPipelineSparseDist` or
             `TrainPipelineFusedSparseDist`).
-        pipeline_postproc: run parameter-free modules that transform the batch ahead with
-            input_dist (see `TrainPipelineSparseDist`).
-        **options: `arg_paths`, `rewrite_method`, `strict` (see `TrainPipelineSparseDist`).
+        pipeline_postproc, arg_paths, rewrite_method, strict: `RewriteOptions`.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        data_dist_stream: Any = None,
-        apply_jit: bool = False,
-        prefetch_stream: Any = None,
-        pipeline_postproc: bool = False,
-        embedding_lookup_stream: Any = None,
-        **options: Any,
-    ) -> None:
-        if prefetch_stream is not None or embedding_lookup_stream is not None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = compat.bind(SparseDataDistUtil, args, kwargs)
+        if bound.other["prefetch_stream"] is not None or bound.other["embedding_lookup_stream"] is not None:
             raise ValueError("SparseDataDistUtil here has no prefetch or lookup stage; pass None")
+        data_dist_stream = bound.other["data_dist_stream"]
         streams: Streams = Streams()
-        device = torch.device("cpu")
         if _device_stream(data_dist_stream):
-            device = data_dist_stream.device
-            streams = CudaStreams(device, prefetch=False)
+            streams = CudaStreams(data_dist_stream.device, prefetch=False)
             streams.data_dist = data_dist_stream
-        self.model = model
+        self.model = bound.model
         self.data_dist_stream = data_dist_stream
-        # The input_dist machinery of TrainPipelineSparseDist, driven stage by stage: torchrec's
-        # order ("late" schedule, torchrec's process group), no votes (the stages fetch the data).
-        self._pipe = TrainPipelineSparseDist(
-            model,
-            None,  # type: ignore[arg-type]
-            device,
-            True,
-            apply_jit,
-            None,
-            pipeline_postproc,
-            input_dist_schedule="late",
-            streams=streams,
-            agreement=False,
-            check_keys=False,
-            abort_on_error=False,
-            **options,
+        self._streams = streams
+        # torchrec's order ("late" schedule, torchrec's process group); no votes: the stages fetch
+        self._input_dist = InputDist(
+            bound.model,
+            streams,
+            rewrite=bound.options.rewrite,
+            schedule=InputDistOptions(schedule="late"),
+            memory=MemoryOptions(),
         )
         self._contexts: deque[BatchContext] = deque()
         """Batches whose input_dist started, oldest (the next forward's) first."""
@@ -250,14 +230,13 @@ class SparseDataDistUtil:
 
     @property
     def rewrite_report(self) -> Any:
-        return self._pipe.rewrite_report
+        return self._input_dist.report
 
     def start_sparse_data_dist(self, batch: Any) -> Any:
         """The stage: start the input all-to-alls of `batch`; returns `batch` unchanged."""
-        ctx = BatchContext(index=self._next_index, streams=self._pipe._streams)
+        ctx = BatchContext(index=self._next_index, streams=self._streams, batch=batch)
         self._next_index += 1
-        ctx.batch = batch
-        self._pipe._start_input_dist(ctx)
+        self._input_dist.start(ctx)
         if not self._hooks:
             self._hooks = [
                 self.model.register_forward_pre_hook(self._before_forward),
@@ -269,20 +248,20 @@ class SparseDataDistUtil:
     def wait_sdd_fill_callback(self) -> None:
         """While filling (no forward runs), wait for the splits of the batch just started."""
         if self._contexts:
-            self._pipe._wait_splits(self._contexts[-1])
+            self._input_dist.wait_splits(self._contexts[-1])
 
     def data_exhausted_callback(self) -> None:
         """Nothing to do: the hooks stop finding batches once the last one is consumed."""
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
-        self._pipe._slot.current = self._contexts[0] if self._contexts else None
+        self._input_dist.slot.current = self._contexts[0] if self._contexts else None
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._pipe._slot.current = None
+        self._input_dist.slot.current = None
         if self._contexts:
             self._contexts.popleft()
         if self._contexts:  # the next batch's values all-to-all runs during backward
-            self._pipe._wait_splits(self._contexts[0])
+            self._input_dist.wait_splits(self._contexts[0])
 
     def detach(self) -> nn.Module:
         """Restore the model's own forwards; the next started batch re-attaches. Batches whose
@@ -290,7 +269,8 @@ class SparseDataDistUtil:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        return self._pipe.detach()
+        self._input_dist.detach()
+        return self.model
 
     def start_sparse_data_dist_stage(
         self, name: str = "start_sparse_data_dist", runnable: Callable[[Any], Any] | None = None
@@ -303,3 +283,6 @@ class SparseDataDistUtil:
             fill_callback=self.wait_sdd_fill_callback,
             data_exhausted_callback=self.data_exhausted_callback,
         )
+
+
+SparseDataDistUtil.__signature__ = compat.signature_of(SparseDataDistUtil)  # type: ignore[attr-defined]

@@ -6,12 +6,12 @@ is running on (read at each use, never a stream of our own: see meta-pytorch/tor
 object made on one stream and used on another goes through `Streams.handoff`, which orders the
 consumer after the producer and keeps the object's memory alive for the consumer.
 
-Four implementations: `Streams` (CPU, no streams: every method is a no-op), `CudaStreams` (real
-streams), `ThreadStreams` (CPU, with a worker thread playing the prefetch stream: work submitted to it
-runs in order there, and a hand-off waits for the producer's future instead of `wait_stream`), and
-`RecordingStreams`, which runs on CPU with named fake streams and logs every stage,
-wait, record and use, so that `check()` can prove that nothing was used on a stream that had not
-waited for its producer. CI has no GPU; this is how a missing wait is caught there.
+Three implementations: `Streams` (CPU, no streams: every method is a no-op), `CudaStreams` (real
+streams) and `ThreadStreams` (CPU, with a worker thread playing the prefetch stream: work submitted
+to it runs in order there, and a hand-off waits for the producer's future instead of
+`wait_stream`). The test double `pipeline.testing.RecordingStreams` logs every stage, wait, record
+and use on named fake streams, so that a missing wait is caught on CPU. Nothing outside this module
+asks which implementation it has: what differs is a method here.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ import torch
 
 __all__ = [
     "CudaStreams",
-    "HandoffError",
-    "RecordingStreams",
     "Streams",
     "ThreadStreams",
     "profiling_all_threads",
@@ -79,8 +77,30 @@ class Streams:
     def consumed(self, obj: Any) -> None:
         """`obj` is about to be read on the current stream (a checking hook; no-op here)."""
 
-    def stage(self, name: str) -> None:
+    def stage_started(self, name: str) -> None:
         """Stage `name` starts on the current stream (a checking hook; no-op here)."""
+
+    @property
+    def has_prefetch_worker(self) -> bool:
+        """Whether the prefetch stream is a worker thread (`ThreadStreams`)."""
+        return False
+
+    @property
+    def prefetch_on_worker(self) -> bool:
+        """Whether work submitted to the prefetch stream now runs on a worker thread."""
+        return False
+
+    def set_prefetch_on_worker(self, enabled: bool) -> None:
+        """Run work submitted to the prefetch stream on the worker thread (True) or inline on the
+        calling thread (False); a no-op without a worker."""
+
+    def handoff_event(self, obj: Any, event: Any, consumer: Any) -> None:
+        """Make `obj`, whose producer recorded `event` (None: none, or on the host), usable on the
+        stream `consumer`: `consumer` waits for the event, and `obj` is recorded on it."""
+        if event is None or consumer is None:
+            return
+        event.wait(consumer)
+        self.record(obj, consumer)
 
     def submit(self, stream: Any, work: Callable[[], None]) -> Future:
         """Run `work` on `stream`; the returned future's `result()` waits for it on the host.
@@ -197,20 +217,25 @@ class ThreadStreams(Streams):
 
     def __init__(self) -> None:
         self.prefetch = _WorkerStream("prefetch")
-        self.threaded = True
-        """False runs work submitted to the prefetch stream inline, on the calling thread."""
+        self._threaded = True  # False: work submitted to the prefetch stream runs inline
         self._made_by: dict[int, Future] = {}  # id of an object the worker produced -> its job
 
     @property
-    def on_worker(self) -> bool:
-        """Whether work submitted to the prefetch stream now runs on the worker thread."""
+    def has_prefetch_worker(self) -> bool:
+        return True
+
+    def set_prefetch_on_worker(self, enabled: bool) -> None:
+        self._threaded = enabled
+
+    @property
+    def prefetch_on_worker(self) -> bool:
         # torch.profiler records only the threads it was started on, unless told otherwise: while it
         # runs, work stays on the calling thread so that every stage keeps its label.
         profiled = torch.autograd.profiler._is_profiler_enabled and not _all_threads_profiled
-        return self.threaded and not profiled
+        return self._threaded and not profiled
 
     def submit(self, stream: Any, work: Callable[[], None]) -> Future:
-        if isinstance(stream, _WorkerStream) and self.on_worker:
+        if isinstance(stream, _WorkerStream) and self.prefetch_on_worker:
             return stream.submit(work)
         if isinstance(stream, _WorkerStream):
             stream.join()  # in order with what was submitted before
@@ -245,97 +270,3 @@ def streams_for(device: torch.device, *, prefetch_thread: bool = False) -> Strea
     if device.type == "cuda":
         return CudaStreams(device)
     return ThreadStreams() if prefetch_thread else Streams()
-
-
-class HandoffError(AssertionError):
-    """RecordingStreams found an object used on a stream that did not wait for its producer."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _FakeStream:
-    name: str
-    log: list = dataclasses.field(compare=False, repr=False)
-
-    def wait_stream(self, other: _FakeStream) -> None:
-        self.log.append(("wait", self.name, other.name))
-
-
-class RecordingStreams(Streams):
-    """Fake named streams on CPU that log stages, waits, records and uses, for `check()`."""
-
-    def __init__(self) -> None:
-        self.log: list[tuple] = []
-        self._keep: list[Any] = []  # keeps logged objects alive so their ids stay unique
-        self.default = _FakeStream("default", self.log)
-        self.memcpy = _FakeStream("memcpy", self.log)
-        self.data_dist = _FakeStream("data_dist", self.log)
-        self.prefetch = _FakeStream("prefetch", self.log)
-        self._stack = [self.default]
-
-    def current(self) -> _FakeStream:
-        return self._stack[-1]
-
-    @contextmanager
-    def use(self, stream: Any) -> Iterator[None]:
-        self._stack.append(stream if stream is not None else self.current())
-        try:
-            yield
-        finally:
-            self._stack.pop()
-
-    def record(self, obj: Any, stream: Any) -> None:
-        self.log.append(("record", self._id(obj), stream.name))
-
-    def produced(self, obj: Any) -> None:
-        self.log.append(("produce", self._id(obj), self.current().name))
-
-    def consumed(self, obj: Any) -> None:
-        self.log.append(("consume", self._id(obj), self.current().name))
-
-    def stage(self, name: str) -> None:
-        """Log that stage `name` runs on the current stream."""
-        self.log.append(("stage", name, self.current().name))
-
-    def _id(self, obj: Any) -> int:
-        self._keep.append(obj)
-        return id(obj)
-
-    def stage_streams(self) -> dict[str, set[str]]:
-        """Stage name -> the streams it ran on."""
-        out: dict[str, set[str]] = {}
-        for _kind, name, stream in (e for e in self.log if e[0] == "stage"):
-            out.setdefault(name, set()).add(stream)
-        return out
-
-    def check(self) -> int:
-        """Verify every use of every produced object.
-
-        A use on the producing stream is always fine. A use on another stream needs, after the
-        object was produced and before the use, a wait of the using stream on the producing one,
-        and a record of the object on the using stream.
-
-        Returns:
-            The number of cross-stream uses verified.
-
-        Raises:
-            HandoffError: listing the first offending use.
-        """
-        producer: dict[int, tuple[str, int]] = {}
-        checked = 0
-        for pos, entry in enumerate(self.log):
-            if entry[0] == "produce":
-                producer[entry[1]] = (entry[2], pos)
-            elif entry[0] == "consume":
-                _, obj, stream = entry
-                if obj not in producer:
-                    raise HandoffError(f"object {obj} used on {stream} but never produced")
-                src, at = producer[obj]
-                if src == stream:
-                    continue
-                window = self.log[at:pos]
-                if ("wait", stream, src) not in window:
-                    raise HandoffError(f"use on {stream} of an object made on {src} without a wait")
-                if ("record", obj, stream) not in window:
-                    raise HandoffError(f"use on {stream} of an object made on {src} without a record")
-                checked += 1
-        return checked

@@ -29,7 +29,7 @@ from rewrite.forwards import (
 )
 from rewrite.model import PipelinedModule, Rewrite, outermost_sharded, rewrite_model, unwrap_model
 from rewrite.report import ModuleReport, RewriteError, RewriteReport
-from rewrite.splits import InputDistGroups
+from rewrite.splits import input_dists_ready, install_fused_splits, kjt_all_to_alls
 
 __all__ = [
     "ArgInfo",
@@ -38,7 +38,6 @@ __all__ = [
     "Const",
     "ContextSlot",
     "ForwardContext",
-    "InputDistGroups",
     "Item",
     "LookupPipelinedForward",
     "ModuleReport",
@@ -53,6 +52,9 @@ __all__ = [
     "RewriteError",
     "RewriteReport",
     "find_kjts",
+    "input_dists_ready",
+    "install_fused_splits",
+    "kjt_all_to_alls",
     "outermost_sharded",
     "parse_path",
     "rewrite_model",

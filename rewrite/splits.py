@@ -5,8 +5,6 @@ torchrec's KJTAllToAll issues its splits all-to-all as soon as it is called. Rep
 can send the splits of every module on one process group in a single all-to-all
 (`FusedKJTListSplitsAwaitable`). Input dists are created lazily on a module's first input, so this is
 installed after the first batch.
-
-`InputDistGroups` moves the same all-to-alls onto process groups of their own (see its docstring).
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from torchrec.distributed.dist_data import KJTAllToAll
 from torchrec.distributed.embedding_sharding import KJTSplitsAllToAllMeta
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-__all__ = ["InputDistGroups", "input_dists_ready", "install_fused_splits", "kjt_all_to_alls"]
+__all__ = ["input_dists_ready", "install_fused_splits", "kjt_all_to_alls"]
 
 
 class _SplitsOnly:
@@ -81,47 +79,3 @@ def install_fused_splits(modules: list[nn.Module]) -> Callable[[], None]:
             vars(a2a).pop("forward", None)
 
     return undo
-
-
-class InputDistGroups:
-    """Process groups reserved for the input all-to-alls, one per group they were created on.
-
-    A process group runs its collectives in the order they were issued. The pipeline issues the
-    values all-to-all of batch i+1 before the backward of batch i, so on a shared group backward's
-    embedding all-to-all and DDP's all-reduce would queue behind it. On a group of its own it runs
-    alongside them. Each group is created once (all ranks must reach `install` at the same point of
-    the schedule, which the pipelines guarantee) and reused when the all-to-alls move again.
-
-    Only groups spanning every rank get their own: creating a copy of a subgroup would need every
-    rank to know every other rank's subgroups. Subgroups keep sharing.
-    The cost is one more communicator per group: on NCCL, its buffers on every GPU.
-    """
-
-    def __init__(self) -> None:
-        self._made: list[tuple[dist.ProcessGroup, dist.ProcessGroup]] = []
-
-    def own_group(self, pg: dist.ProcessGroup) -> dist.ProcessGroup:
-        """The group reserved for all-to-alls originally on `pg` (`pg` itself for subgroups)."""
-        for original, own in self._made:
-            if original is pg or own is pg:
-                return own
-        if pg.size() != dist.get_world_size():
-            return pg
-        own = dist.new_group(backend=dist.get_backend(pg), group_desc="pipeline_input_dist")
-        self._made.append((pg, own))
-        return own
-
-    def install(self, modules: list[nn.Module]) -> Callable[[], None]:
-        """Move the modules' KJT all-to-alls to their own groups; returns the undo function.
-
-        Collectives already issued keep the group they were issued on."""
-        moved = []
-        for a2a in (a for m in modules for a in kjt_all_to_alls(m)):
-            moved.append((a2a, a2a._pg))
-            a2a._pg = self.own_group(a2a._pg)
-
-        def undo() -> None:
-            for a2a, pg in reversed(moved):
-                a2a._pg = pg
-
-        return undo

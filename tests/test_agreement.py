@@ -11,8 +11,7 @@ import torch
 import torch.distributed as dist
 from torchrec import KeyedJaggedTensor
 
-from pipeline.agreement import EXHAUSTED, HAVE, KeyCheck, StoreFlags
-from pipeline.background import in_background
+from pipeline.ranks import KeyCheck, Status, StoreFlags, in_background
 
 
 @dataclass
@@ -45,11 +44,11 @@ def _raise(store: dist.Store, prefix: str, rank: int, status: int, position: int
 def test_flags_read_ahead_see_what_was_raised_before_the_read_started():
     store = dist.HashStore()
     flags = StoreFlags(store, "p")
-    assert flags.statuses(3, 2) == [HAVE, HAVE]
-    _raise(store, "p", 1, EXHAUSTED, 4)
+    assert flags.statuses(3, 2) == [Status.HAVE, Status.HAVE]
+    _raise(store, "p", 1, Status.EXHAUSTED, 4)
     flags.read_ahead(token=7)
-    assert flags.statuses(4, 2, token=7) == [HAVE, EXHAUSTED]
-    assert flags.statuses(9, 2, token=7) == [HAVE, EXHAUSTED]  # no read ahead left: read now
+    assert flags.statuses(4, 2, token=7) == [Status.HAVE, Status.EXHAUSTED]
+    assert flags.statuses(9, 2, token=7) == [Status.HAVE, Status.EXHAUSTED]  # no read ahead left: read now
 
 
 def test_flags_ignore_a_read_ahead_for_another_batch():
@@ -57,8 +56,8 @@ def test_flags_ignore_a_read_ahead_for_another_batch():
     flags = StoreFlags(store, "p")
     flags.read_ahead(token=1)
     in_background(lambda: None).result()  # the read ahead has run
-    _raise(store, "p", 0, EXHAUSTED, 2)
-    assert flags.statuses(2, 2, token=2) == [EXHAUSTED, HAVE]  # read now, not the stale count
+    _raise(store, "p", 0, Status.EXHAUSTED, 2)
+    assert flags.statuses(2, 2, token=2) == [Status.EXHAUSTED, Status.HAVE]  # read now, not the stale count
 
 
 def test_background_calls_run_in_order_and_hand_back_errors():
@@ -72,7 +71,7 @@ def test_background_calls_run_in_order_and_hand_back_errors():
 
 
 def _forward_collectives(rank: int, world_size: int) -> dict:
-    from pipeline.agreement import WorldCollectiveSeen
+    from pipeline.ranks import WorldCollectiveSeen
     from tests import models
 
     seen = {}

@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from pipeline.streams import RecordingStreams, Streams, ThreadStreams, streams_for
+from pipeline.streams import Streams, ThreadStreams, streams_for
+from pipeline.testing import RecordingStreams
 
 
 def test_work_runs_in_order_on_another_thread_and_handoff_waits():
@@ -100,5 +101,5 @@ def test_default_streams_per_device():
     assert type(streams_for(torch.device("cpu"))) is Streams
     assert type(streams_for(torch.device("cpu"), prefetch_thread=True)) is ThreadStreams
     recording = RecordingStreams()
-    recording.submit(recording.prefetch, lambda: recording.stage("prefetch"))
+    recording.submit(recording.prefetch, lambda: recording.stage_started("prefetch"))
     assert recording.stage_streams() == {"prefetch": {"prefetch"}}

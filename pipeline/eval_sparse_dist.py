@@ -20,15 +20,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torch import nn
-
+from pipeline.compat import Bound
+from pipeline.input_dist_pipeline import InputDistPipeline
+from pipeline.ranks import Lane
 from pipeline.sparse_dist import TrainPipelineSparseDist
 
 __all__ = ["EvalPipelineSparseDist"]
 
 
-class EvalPipelineSparseDist(TrainPipelineSparseDist):
+class EvalPipelineSparseDist(InputDistPipeline):
     """Forward-only pipeline: input_dist of batch i+1 and the copy of batch i+2 overlap forward of i.
 
     Numerics: each output is bit for bit the model's own output for that batch (`model(batch)` in
@@ -36,49 +36,36 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
     torchrec, call `model.eval()` first for eval-mode layers); forward always runs under `no_grad`
     and `progress()` returns `output` of a `(loss, output)` pair, or any other return value as it is.
 
-    Args:
-        model: usually a DistributedModelParallel.
-        optimizer: not used (kept for torchrec's signature).
-        device: where batches are copied to.
-        apply_jit: not supported (kept for torchrec's signature); must be False.
-        pipeline_postproc: run parameter-free modules that transform the batch ahead with
-            input_dist (see `TrainPipelineSparseDist`).
-        enable_inplace_copy_batch, free_features_storage_early, clear_data_dist_inputs: torchrec's
-            memory options; accepted and ignored.
-        input_dist_schedule: "early-shared" (default), "early", "late" (torchrec's order) or
-            "late-own"; "auto" is refused, since the tuner times training steps.
-        **options: the other keyword options of `TrainPipelineSparseDist` (`arg_paths`,
-            `rewrite_method`, `strict`, `streams`, `on_uneven`, `check_keys`, `agreement`, ...).
+    Args: torchrec 1.8's, in its order (`pipeline.compat`): model, optimizer (not used), device,
+    apply_jit (must be False), pipeline_postproc and the three memory flags; then ours,
+    keyword-only: `input_dist_schedule` ("early-shared" by default, "early", "late" or "late-own";
+    "auto" is refused, since the tuner times training steps), `arg_paths`, `rewrite_method`,
+    `strict`, `streams` and `RankOptions`.
     """
 
-    _trains = False
-
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        device: torch.device,
-        apply_jit: bool = False,
-        pipeline_postproc: bool = False,
-        enable_inplace_copy_batch: bool = False,
-        free_features_storage_early: bool = False,
-        clear_data_dist_inputs: bool = False,
-        *,
-        input_dist_schedule: str = "early-shared",
-        **options: Any,
-    ) -> None:
-        if input_dist_schedule == "auto":
+    def _compose(self, bound: Bound) -> None:
+        options = bound.options
+        if options.input_dist.schedule == "auto":
             raise ValueError(
                 'EvalPipelineSparseDist takes a fixed input_dist_schedule; "auto" tunes training'
             )
-        super().__init__(
-            model,
-            optimizer,  # type: ignore[arg-type]
-            device,
-            True,
-            apply_jit,
-            None,
-            pipeline_postproc,
-            input_dist_schedule=input_dist_schedule,
-            **options,
-        )
+        self._input_dist = self._make_input_dist(options, forward="input_dist")
+
+    def _fill(self, lane: Lane) -> None:
+        self._start_head(lane)
+
+    def _step(self, lane: Lane) -> Any:
+        ctx = lane.inflight[0]
+        self._input_dist.release_inputs(ctx)
+        if len(lane.inflight) < 3:
+            self._enqueue(lane)
+        nxt = self._start_next(lane)
+        _, output = self._forward(ctx, train=False, slot=self._input_dist.slot)
+        self._finish_next(lane, nxt)
+        self._retire_head(lane, nxt)
+        return output
+
+
+# torchrec's class derives from its TrainPipelineSparseDist: `isinstance` answers as it does there,
+# without inheriting a step to override
+TrainPipelineSparseDist.register(EvalPipelineSparseDist)

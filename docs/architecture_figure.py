@@ -1,0 +1,184 @@
+"""Draws docs/img/architecture.png: the modules of pipeline/ and rewrite/, and how a batch flows
+through them. Run: `python docs/architecture_figure.py` (matplotlib only; no torch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+
+BOXES = {
+    # name: (x, y, w, h, colour, lines of text)
+    "classes": (
+        0.3,
+        7.6,
+        13.4,
+        1.6,
+        "#dbe9f6",
+        (
+            "pipeline classes, one module each: write their own step",
+            "base.py  sparse_dist.py  prefetch_sparse_dist.py (+ PrefetchStage)  fused_sparse_dist.py",
+            "semi_sync.py  eval_sparse_dist.py  staged.py (StagedTrainPipeline, SparseDataDistUtil)",
+        ),
+    ),
+    "compat": (
+        0.3,
+        5.7,
+        3.6,
+        1.4,
+        "#f6e7db",
+        (
+            "compat.py",
+            "torchrec 1.8 signatures",
+            "-> options.py (PipelineOptions)",
+        ),
+    ),
+    "lanes": (
+        4.3,
+        5.7,
+        4.6,
+        1.4,
+        "#dbe9f6",
+        (
+            "lanes.py  LanePipeline",
+            "progress / drain / reset, lanes,",
+            "copy, forward, backward, optimizer",
+        ),
+    ),
+    "idp": (
+        9.3,
+        5.7,
+        4.4,
+        1.4,
+        "#dbe9f6",
+        (
+            "input_dist_pipeline.py",
+            "rewrite_report, detach, schedule;",
+            "start / finish / retire next batch",
+        ),
+    ),
+    "ranks": (
+        0.3,
+        2.9,
+        4.6,
+        2.3,
+        "#e3f2da",
+        (
+            "ranks/  (Ranks in protocol.py)",
+            "fetch -> Ticket (Status, vote or flag)",
+            "admit before the first collective",
+            "after_world_collective: THE rule",
+            "fail: failure.py, PeerFailedError",
+            "votes.py flags.py keys.py lane.py",
+        ),
+    ),
+    "input_dist": (
+        5.3,
+        2.9,
+        4.0,
+        2.3,
+        "#dbe9f6",
+        (
+            "input_dist.py  InputDist",
+            "attach / start / wait_splits /",
+            "release_inputs / detach;",
+            "InputDistGroups, fused splits",
+            "schedule.py: schedules, Tuner",
+            "memory.py: torchrec's memory flags",
+        ),
+    ),
+    "stages": (
+        9.7,
+        2.9,
+        4.0,
+        2.3,
+        "#dbe9f6",
+        (
+            "lookup.py  LookupStage",
+            "(Fused, SemiSync)",
+            "",
+            "context.py  per-batch contexts",
+            "(written by / read by each field)",
+        ),
+    ),
+    "streams": (
+        0.3,
+        0.3,
+        6.6,
+        2.0,
+        "#f2f2f2",
+        (
+            "streams.py  Streams / CudaStreams / ThreadStreams",
+            "every hand-off: handoff, handoff_event, submit",
+            "testing.py  RecordingStreams (proves hand-offs on CPU)",
+            "labels.py + stages.py  pipeline::<stage>#<batch>",
+        ),
+    ),
+    "rewrite": (
+        7.3,
+        0.3,
+        6.4,
+        2.0,
+        "#fbe3e3",
+        (
+            "rewrite/  (imports nothing of pipeline/)",
+            "rewrite_model -> Rewrite (ArgInfo: explicit, trace, direct)",
+            "hijacked forwards read a ForwardContext from a ContextSlot",
+            "splits.py: KJTAllToAll returns splits metadata (fusing)",
+        ),
+    ),
+}
+
+ARROWS = [
+    # (from, to, label): points on the boxes' edges
+    ((6.6, 7.6), (6.6, 7.15), "shared stages"),
+    ((11.5, 7.6), (11.5, 7.15), ""),
+    ((3.9, 6.4), (4.3, 6.4), "options"),
+    ((5.2, 5.7), (4.0, 5.25), "fetch, admit, fail"),
+    ((10.2, 5.7), (8.6, 5.25), "start, wait_splits"),
+    ((12.6, 5.7), (12.6, 5.25), "prefetch, lookup"),
+    ((9.3, 4.05), (9.7, 4.05), ""),
+    ((8.4, 2.9), (8.9, 2.35), "attach, detach"),
+    ((11.7, 2.9), (11.7, 2.35), "contexts feed forwards"),
+    ((6.0, 2.9), (6.0, 2.35), "hand-offs"),
+]
+
+
+def main() -> None:
+    fig, ax = plt.subplots(figsize=(14, 9.6))
+    ax.set_xlim(0, 14)
+    ax.set_ylim(0, 9.4)
+    ax.axis("off")
+    for x, y, w, h, colour, text_lines in BOXES.values():
+        text = "\n".join(text_lines)
+        ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.05", fc=colour, ec="#555"))
+        ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=8.5, family="monospace")
+    for (x0, y0), (x1, y1), label in ARROWS:
+        ax.add_patch(FancyArrowPatch((x0, y0), (x1, y1), arrowstyle="-|>", mutation_scale=14, color="#345"))
+        if label:
+            ax.text(
+                (x0 + x1) / 2,
+                (y0 + y1) / 2,
+                label,
+                fontsize=8,
+                color="#234",
+                ha="center",
+                bbox={"fc": "white", "ec": "none", "alpha": 0.8},
+            )
+    ax.set_title(
+        "torchrec-pipeline: modules and the path of one batch "
+        "(dataloader -> Ranks.fetch -> copy -> InputDist -> context -> hijacked forward)",
+        fontsize=10,
+    )
+    out = Path(__file__).parent / "img" / "architecture.png"
+    out.parent.mkdir(exist_ok=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""`InputDist`: the component that starts and waits the input all-to-alls of the pipelined sharded
+modules, and owns the process groups they run on (`InputDistGroups`).
+
+Its life: `attach` rewrites the model's sharded modules on the first batch (`rewrite.rewrite_model`);
+`start` launches each module's splits all-to-all for one batch (`input_dist::start`); `wait_splits`
+waits for them and launches the values all-to-alls (`input_dist::splits`); the hijacked forwards take
+the values through the batch's context (`input_dist::wait`); `detach` restores the model. From the
+second batch on, the splits all-to-alls of all modules on one process group are fused into one
+collective (input dists are created on the first). The schedule (`pipeline.schedule`) says whether
+the splits are waited before or after forward, and on which group the all-to-alls run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.embedding_sharding import FusedKJTListSplitsAwaitable, KJTSplitsAllToAllMeta
+
+from pipeline.context import BatchContext
+from pipeline.labels import run_stage
+from pipeline.memory import free_features_early, release_features, release_sent_inputs
+from pipeline.options import InputDistOptions, MemoryOptions, RewriteOptions
+from pipeline.schedule import SCHEDULES
+from pipeline.streams import Streams
+from pipeline.tuner import Tuner
+from rewrite import ContextSlot, PipelinedModule, Rewrite, RewriteReport, kjt_all_to_alls, rewrite_model
+
+__all__ = ["InputDist", "InputDistGroups"]
+
+
+class InputDist:
+    """Input all-to-alls of every pipelined sharded module of `model`, batch by batch.
+
+    Args:
+        model: the model the pipeline runs (its sharded modules are rewritten on `attach`).
+        streams: the pipeline's streams (the all-to-alls run on `data_dist`).
+        rewrite: how the sharded modules' inputs are found (`RewriteOptions`).
+        schedule: the input_dist schedule and its tuner (`InputDistOptions`).
+        memory: torchrec's memory flags (`pipeline.memory`).
+        forward: which hijacked forward the sharded modules get: "input_dist" (they wait for the
+            values all-to-all), "prefetch" (they take the prefetch stage's output) or "lookup"
+            (they take the lookup stage's output).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        streams: Streams,
+        *,
+        rewrite: RewriteOptions,
+        schedule: InputDistOptions,
+        memory: MemoryOptions,
+        forward: str = "input_dist",
+    ) -> None:
+        self._model, self._streams, self._options, self._memory = model, streams, rewrite, memory
+        self._forward = forward
+        self.slot = ContextSlot()
+        """Holds the context of the batch whose forward runs (the hijacked forwards read it)."""
+        self.rewrite: Rewrite | None = None
+        self.tuner = (schedule.tuner or Tuner()) if schedule.schedule == "auto" else None
+        self.schedule = "late" if schedule.schedule == "auto" else schedule.schedule
+        """The schedule in use (under "auto", changes while tuning and may change at a re-check)."""
+        self.freed_bytes = 0
+        """Bytes released by the memory flags so far."""
+        self._groups = InputDistGroups()
+        self._undo: list[Callable[[], None]] = []
+        self._undo_groups: Callable[[], None] | None = None
+
+    @property
+    def report(self) -> RewriteReport | None:
+        return self.rewrite.report if self.rewrite is not None else None
+
+    @property
+    def modules(self) -> list[PipelinedModule]:
+        """The pipelined sharded modules (none before the first batch)."""
+        return self.rewrite.modules if self.rewrite is not None else []
+
+    @property
+    def early_splits(self) -> bool:
+        """The schedule waits for the next batch's splits before forward."""
+        return SCHEDULES[self.schedule].early_splits
+
+    def choose_schedule(self, training: bool) -> None:
+        """At the start of a step: under "auto", let the tuner pick this training step's schedule
+        (an eval step is not timed)."""
+        if self.tuner is None:
+            return
+        if training:
+            self.schedule = self.tuner.next_schedule()
+        else:
+            self.tuner.interrupt()
+
+    def reset(self) -> None:
+        """The step ended abnormally: the tuner does not time across it."""
+        if self.tuner is not None:
+            self.tuner.interrupt()
+
+    def attach(self, batch: Any) -> Rewrite:
+        """Rewrite the model's sharded modules, once, with `batch` as the sample."""
+        if self.rewrite is None:
+            options = self._options
+            self.rewrite = rewrite_model(
+                self._model,
+                batch,
+                slot=self.slot,
+                prefetch=self._forward == "prefetch",
+                lookup=self._forward == "lookup",
+                method=options.method,
+                paths=options.arg_paths,
+                pipeline_postproc=options.pipeline_postproc,
+                strict=options.strict,
+            )
+            if self._memory.free_features_storage_early:
+                self._undo.append(free_features_early(pm.module for pm in self.rewrite.modules))
+        return self.rewrite
+
+    def detach(self) -> None:
+        """Restore every original forward and process group; the next `start` re-attaches."""
+        self._restore_groups()
+        while self._undo:
+            self._undo.pop()()
+        if self.rewrite is not None:
+            self.rewrite.restore()
+            self.rewrite = None
+        self.slot.current = None
+
+    def start(self, ctx: BatchContext) -> None:
+        """Launch the splits all-to-all of every pipelined module for `ctx`'s batch."""
+        if ctx.started:
+            return
+        streams = self._streams
+        rewrite = self.attach(ctx.batch)
+        fused = rewrite.fuse_splits()
+        if fused:
+            self._place_all_to_alls(rewrite)
+
+        def postproc(call: Any, batch: Any) -> Any:
+            return rewrite.run_postproc(call, batch, ctx.postproc_results)
+
+        with run_stage(streams, "input_dist::start", ctx.index, streams.data_dist):
+            streams.handoff(ctx.batch, streams.memcpy)
+            streams.consumed(ctx.batch)
+            requests = {}
+            for pm in rewrite.modules:
+                args, kwargs = pm.args.build(ctx.batch, postproc)
+                args, kwargs = pm.module.preprocess_input(args, kwargs)
+                module_ctx = ctx.module_contexts[pm.fqn] = pm.module.create_context()
+                requests[pm.fqn] = pm.module.input_dist(module_ctx, *args, **kwargs)
+            for result in ctx.postproc_results.values():
+                streams.produced(result)
+            if self._memory.free_features_storage_early:  # every module has its own permuted copy
+                self.freed_bytes += release_features(ctx.module_contexts.values())
+            if fused:
+                ctx.splits_requests, groups = _fuse(requests, ctx.module_contexts)
+                ctx.splits_span_world = any(pg is not None and pg.size() == _world_size() for pg in groups)
+            else:
+                ctx.splits_requests = [([name], _One(request)) for name, request in requests.items()]
+        ctx.started = True
+
+    def wait_splits(self, ctx: BatchContext) -> None:
+        """Wait for the splits all-to-all of `ctx` and launch its values all-to-alls (a no-op once
+        done)."""
+        with run_stage(self._streams, "input_dist::splits", ctx.index, self._streams.data_dist):
+            for names, request in ctx.splits_requests:
+                for name, values in zip(names, request.wait(), strict=True):
+                    ctx.input_dist_requests[name] = values
+            ctx.splits_requests = []
+
+    def release_inputs(self, ctx: BatchContext) -> None:
+        """`clear_data_dist_inputs`: wait for `ctx`'s values all-to-alls and free what they sent
+        (before the batch's input is taken)."""
+        if self._memory.clear_data_dist_inputs and ctx.started:
+            with self._streams.use(self._streams.data_dist):
+                self.freed_bytes += release_sent_inputs(ctx.input_dist_requests.values())
+
+    def _place_all_to_alls(self, rewrite: Rewrite) -> None:
+        """Input all-to-alls on their own groups or on torchrec's, as the schedule says."""
+        own = SCHEDULES[self.schedule].own_group
+        if own and self._undo_groups is None:
+            self._undo_groups = self._groups.install([pm.module for pm in rewrite.modules])
+        elif not own:
+            self._restore_groups()
+
+    def _restore_groups(self) -> None:
+        if self._undo_groups is not None:
+            self._undo_groups()
+            self._undo_groups = None
+
+
+class InputDistGroups:
+    """Process groups reserved for the input all-to-alls, one per group they were created on.
+
+    A process group runs its collectives in the order they were issued. The pipeline issues the
+    values all-to-all of batch i+1 before the backward of batch i, so on a shared group backward's
+    embedding all-to-all and DDP's all-reduce would queue behind it. On a group of its own it runs
+    alongside them. Each group is created once (all ranks must reach `install` at the same point of
+    the schedule, which the pipelines guarantee) and reused when the all-to-alls move again.
+
+    Only groups spanning every rank get their own: creating a copy of a subgroup would need every
+    rank to know every other rank's subgroups. Subgroups keep sharing.
+    The cost is one more communicator per group: on NCCL, its buffers on every GPU.
+    """
+
+    def __init__(self) -> None:
+        self._made: list[tuple[dist.ProcessGroup, dist.ProcessGroup]] = []
+
+    def own_group(self, pg: dist.ProcessGroup) -> dist.ProcessGroup:
+        """The group reserved for all-to-alls originally on `pg` (`pg` itself for subgroups)."""
+        for original, own in self._made:
+            if original is pg or own is pg:
+                return own
+        if pg.size() != dist.get_world_size():
+            return pg
+        own = dist.new_group(backend=dist.get_backend(pg), group_desc="pipeline_input_dist")
+        self._made.append((pg, own))
+        return own
+
+    def install(self, modules: list[nn.Module]) -> Callable[[], None]:
+        """Move the modules' KJT all-to-alls to their own groups; returns the undo function.
+
+        Collectives already issued keep the group they were issued on."""
+        moved = []
+        for a2a in (a for m in modules for a in kjt_all_to_alls(m)):
+            moved.append((a2a, a2a._pg))
+            a2a._pg = self.own_group(a2a._pg)
+
+        def undo() -> None:
+            for a2a, pg in reversed(moved):
+                a2a._pg = pg
+
+        return undo
+
+
+class _One:
+    """Makes one module's splits awaitable look like a fused one (a list of one result)."""
+
+    def __init__(self, request: Any) -> None:
+        self._request = request
+
+    def wait(self) -> list[Any]:
+        return [self._request.wait()]
+
+
+def _fuse(
+    requests: dict[str, Any], module_contexts: dict[str, Any]
+) -> tuple[list[tuple[list[str], Any]], list[Any]]:
+    """One splits all-to-all per process group, over every module using that group; and the groups
+    (None for modules without a splits all-to-all)."""
+    groups: dict[int, tuple[Any, list[str]]] = {}
+    for name, request in requests.items():
+        metas = [a for a in getattr(request, "awaitables", []) if isinstance(a, KJTSplitsAllToAllMeta)]
+        pg = metas[0].pg if metas else None
+        groups.setdefault(id(pg), (pg, []))[1].append(name)
+    fused = [
+        (
+            names,
+            FusedKJTListSplitsAwaitable(
+                requests=[requests[n] for n in names],
+                contexts=[module_contexts[n] for n in names],
+                pg=pg,
+            ),
+        )
+        for pg, names in groups.values()
+    ]
+    return fused, [pg for pg, _ in groups.values()]
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -1,0 +1,241 @@
+"""`LanePipeline`: what every pipeline class shares, and only that: the one constructor (torchrec's
+signature, bound by `pipeline.compat`), lanes of in-flight batches, and the stages every class runs
+(copy, forward, backward, optimizer). Each class composes its own components and writes its own
+step in its own module.
+
+Lanes: batches are kept per dataloader iterator (`pipeline.ranks.Lane`), so that `progress()` with
+another iterator (an eval loader) parks the batches in flight of the first one, and calling it
+again with the first resumes them: no batch is lost, repeated or run in the other loader's loop.
+Across ranks, every batch is admitted by the ranks' protocol (`pipeline.ranks.Ranks`) before its
+first collective.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+from torchrec.distributed.model_parallel import DMPCollection
+from torchrec.distributed.train_pipeline.train_pipelines import TrainPipeline
+
+from pipeline import compat
+from pipeline.batch import to_device, to_device_in_place
+from pipeline.context import BatchContext
+from pipeline.labels import run_stage
+from pipeline.options import PipelineOptions
+from pipeline.ranks import AgreedError, Lane, LaneState, Ranks
+from pipeline.streams import Streams, streams_for
+from rewrite import ContextSlot
+
+__all__ = ["LanePipeline"]
+
+
+class LanePipeline(TrainPipeline):
+    """The machinery every pipeline class shares (a torchrec `TrainPipeline`).
+
+    A class built on it implements `_compose` (its components, from the options), `_fill` (what
+    must be in flight before a step) and `_step` (one step, returning the head batch's output),
+    each once, in its own module.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # inspect.signature(cls) shows torchrec's parameters, unless a subclass has its own __init__
+        cls.__signature__ = None if "__init__" in vars(cls) else compat.signature_of(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = compat.bind(type(self), args, kwargs)
+        TrainPipeline.__init__(self)
+        options: PipelineOptions = bound.options
+        self._model: nn.Module = bound.model
+        self._optimizer = bound.optimizer
+        self._device: torch.device = bound.device
+        self._options = options
+        self._model_fwd: Callable[[Any], Any] = options.custom_model_fwd or bound.model
+        self._execute_all_batches = options.execute_all_batches
+        self._streams: Streams = options.streams if options.streams is not None else streams_for(self._device)
+        self._ranks = Ranks(options.ranks, vote_every_batch=not options.execute_all_batches)
+        self._context_type: type[BatchContext] = BatchContext
+        self._lookahead = 0
+        """Under `execute_all_batches=False`, the head batch runs only if this many batches follow
+        it in the dataloader (torchrec's rule for the class of the same name)."""
+        self._sync_interval = _sync_interval(bound.model, options.step.dmp_collection_sync_interval_batches)
+        self._on_reset: list[Callable[[], None]] = []
+        """What the components drop when the pipeline resets (besides the streams' work)."""
+        self._lanes: dict[int, Lane] = {}
+        self._next_index = 0
+        self._compose(bound)
+
+    @abc.abstractmethod
+    def _compose(self, bound: compat.Bound) -> None:
+        """Build the class's components from `bound.options` (called once, by the constructor)."""
+
+    @abc.abstractmethod
+    def _fill(self, lane: Lane) -> None:
+        """Put in flight what the next step needs (nothing once the lane ran dry)."""
+
+    @abc.abstractmethod
+    def _step(self, lane: Lane) -> Any:
+        """Run one step on the head batch of `lane`, pop it, return its output."""
+
+    @property
+    def untrained_batches(self) -> list[Any]:
+        """Batches this rank fetched but did not train because another rank's data ended first
+        (`on_uneven="stop"`), as copied to the device, in dataloader order."""
+        return self._ranks.untrained_batches
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        """Run one batch through forward (and, in training mode, backward and optimizer).
+
+        Returns:
+            The model's output for the oldest batch in flight from `dataloader_iter`.
+
+        Raises:
+            StopIteration: every batch of `dataloader_iter` has been processed.
+        """
+        lane = self._lanes.get(id(dataloader_iter))
+        if lane is None or lane.iterator is not dataloader_iter:
+            lane = self._lanes[id(dataloader_iter)] = self._ranks.open_lane(dataloader_iter)
+        try:
+            draining = lane.state is LaneState.DRAINING
+            if not (self._execute_all_batches or draining) and not self._read_ahead(lane):
+                lane.inflight.clear()  # the dataloader ended before this step's look-ahead: drop all
+            self._fill(lane)
+            if not lane.inflight:
+                del self._lanes[id(dataloader_iter)]
+                raise StopIteration
+            output = self._step(lane)
+            lane.steps += 1
+            return output
+        except StopIteration:
+            raise
+        except AgreedError:
+            self.reset()  # every rank raises it at the same step: the process group is fine
+            raise
+        except BaseException as e:
+            self._ranks.fail(e, self.reset)
+            raise
+
+    def drain(self, dataloader_iter: Iterator[Any]) -> list[Any]:
+        """Run every batch in flight from `dataloader_iter` without fetching another.
+
+        Call it on every rank at the same step before saving a checkpoint: the model, the optimizer
+        and the dataloader's state then agree (every batch fetched has been trained), so a run
+        resumed from them trains each batch exactly once. The next `progress(dataloader_iter)`
+        starts filling the pipeline again.
+
+        Returns:
+            The outputs of the batches it ran, oldest first.
+        """
+        lane = self._lanes.get(id(dataloader_iter))
+        if lane is None or lane.iterator is not dataloader_iter:
+            return []
+        lane.drain()
+        outputs = []
+        while True:
+            try:
+                outputs.append(self.progress(dataloader_iter))
+            except StopIteration:
+                return outputs
+
+    def reset(self) -> None:
+        """Drop every in-flight batch (after an exception, or to abandon an iterator)."""
+        self._streams.drain()
+        for reset in self._on_reset:
+            reset()
+        self._lanes.clear()
+
+    def _read_ahead(self, lane: Lane) -> bool:
+        """Copy batches until `_lookahead` batches follow the head; False if the dataloader ends
+        first. Only copies: nothing is started on the batches that may be dropped."""
+        while len(lane.inflight) <= self._lookahead:
+            if not self._enqueue(lane):
+                return False
+        # Across ranks this waits for the vote on the newest batch at once (this option's cost).
+        return all(self._ranks.admit(lane, c) for c in list(lane.inflight)[: self._lookahead + 1])
+
+    # -- the stages every pipeline runs -------------------------------------------------------
+
+    def _enqueue(self, lane: Lane) -> bool:
+        """Fetch the next batch (`Ranks.fetch`) and copy it to the device: the copy stage. False
+        when nothing was added."""
+        fetched = self._ranks.fetch(lane)
+        if fetched is None:
+            return False
+        batch, ticket = fetched
+        ctx = self._context_type(index=self._next_index, streams=self._streams, ticket=ticket)
+        self._next_index += 1
+        if batch is not None:
+            streams = self._streams
+            with run_stage(streams, "copy", ctx.index, streams.memcpy):
+                if self._options.memory.enable_inplace_copy_batch:
+                    ctx.batch = to_device_in_place(batch, self._device, streams)
+                else:
+                    ctx.batch = to_device(batch, self._device, non_blocking=True)
+                streams.produced(ctx.batch)
+        lane.inflight.append(ctx)
+        return True
+
+    def _forward(self, ctx: BatchContext, *, train: bool, slot: ContextSlot | None = None) -> tuple[Any, Any]:
+        """The forward stage of `ctx`'s batch, with `slot` holding `ctx` for the hijacked forwards;
+        in training, after `zero_grad`. Returns `(losses or None, output)`."""
+        streams = self._streams
+        streams.handoff(ctx.batch, streams.memcpy)
+        streams.consumed(ctx.batch)
+        training = train and self._model.training
+        if training:
+            self._optimizer.zero_grad()
+        if slot is not None:
+            slot.current = ctx
+        try:
+            with run_stage(streams, "forward", ctx.index), torch.set_grad_enabled(training):
+                result = self._model_fwd(ctx.batch)
+        finally:
+            if slot is not None:
+                slot.current = None
+        if not training:
+            # torchrec returns `output` of `(loss, output)` in eval too; any other return value
+            # (a model that returns only predictions in eval) is passed through as it is.
+            is_pair = isinstance(result, tuple) and len(result) == 2
+            return None, result[1] if is_pair else result
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise TypeError(
+                "in training mode the model (or custom_model_fwd) must return (loss, output); got "
+                f"{type(result).__name__}. Wrap the model or pass custom_model_fwd."
+            )
+        return result
+
+    def _backward(self, ctx: BatchContext, losses: Any) -> None:
+        with run_stage(self._streams, "backward", ctx.index):
+            torch.sum(losses).backward()
+
+    def _sync_replicas(self, ctx: BatchContext) -> None:
+        """After backward: a `DMPCollection` (2D sharding) syncs its replicas' embeddings and
+        optimizer states every `dmp_collection_sync_interval_batches` batches, as torchrec's."""
+        if self._sync_interval is not None and ctx.index % self._sync_interval == 0:
+            with record_function("pipeline::dmp_collection_sync"):
+                self._model.sync()
+
+    def _optimizer_step(self, ctx: BatchContext) -> None:
+        with run_stage(self._streams, "optimizer", ctx.index):
+            self._optimizer.step()
+
+
+def _sync_interval(model: nn.Module, interval: int | None) -> int | None:
+    """The replicas' sync interval for `model`: None unless it is a DMPCollection.
+
+    Raises:
+        ValueError: an interval other than torchrec's default (1) or None on any other model.
+    """
+    if isinstance(model, DMPCollection):
+        return interval
+    if interval not in (None, 1):
+        raise ValueError(
+            f"dmp_collection_sync_interval_batches={interval!r} syncs the replicas of a DMPCollection "
+            f"(2D sharding), but the model is a {type(model).__name__}; leave it at 1 or None"
+        )
+    return None

@@ -1,0 +1,59 @@
+"""What torchrec's memory flags free, as torchrec frees it (`MemoryOptions`).
+
+- `free_features_storage_early`: a sharded module that permutes its input features keeps the
+  original KeyedJaggedTensor in its context (`early_releasable_inputs`) once told to
+  (`_free_features_storage_early`); after every pipelined module's input_dist has started, the
+  storage of those originals is released. The batch's KeyedJaggedTensor is empty afterwards: only
+  the hijacked forwards, which never read it, may see it.
+- `clear_data_dist_inputs`: the tensors an input all-to-all sent are released once it completed,
+  before forward, instead of when the awaitable is collected.
+
+Both return the bytes they freed, which the pipeline adds to `InputDist.freed_bytes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+from torchrec.distributed.dist_data import KJTAllToAllTensorsAwaitable
+
+__all__ = ["free_features_early", "release_features", "release_sent_inputs"]
+
+
+def free_features_early(modules: Iterable[nn.Module]) -> Callable[[], None]:
+    """Tell each sharded module that knows the flag to keep its permuted-away input for release;
+    returns the undo function (for `detach()`)."""
+    changed = []
+    for module in modules:
+        if hasattr(module, "_free_features_storage_early") and not module._free_features_storage_early:
+            module._free_features_storage_early = True
+            changed.append(module)
+
+    def undo() -> None:
+        for module in changed:
+            module._free_features_storage_early = False
+
+    return undo
+
+
+def release_features(module_contexts: Iterable[Any]) -> int:
+    """Free the original features the modules' contexts hold for release; returns the bytes."""
+    size = 0
+    for module_ctx in module_contexts:
+        releasable = getattr(module_ctx, "early_releasable_inputs", None)
+        if releasable:
+            size += sum(kjt.clear_storage() for kjt in releasable)
+            releasable.clear()
+    return size
+
+
+def release_sent_inputs(requests: Iterable[Any]) -> int:
+    """Wait for each values all-to-all among `requests` and free what it sent; returns the bytes."""
+    size = 0
+    for request in requests:
+        for awaitable in getattr(request, "awaitables", None) or []:
+            if isinstance(awaitable, KJTAllToAllTensorsAwaitable):
+                size += awaitable.clear_inputs()
+    return size

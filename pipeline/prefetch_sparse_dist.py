@@ -1,0 +1,163 @@
+"""PrefetchTrainPipelineSparseDist: SparseDist plus a prefetch stage, so forward never waits on
+communication and each module's `prefetch()` (an embedding cache filled ahead, e.g. `tiered/`) runs
+for batch i+1 while batch i computes: on CUDA on the prefetch stream, on CPU on a worker thread.
+
+Per `progress()` call that returns batch i:
+
+| stage                                    | stream (CUDA) | batch |
+|------------------------------------------|---------------|-------|
+| copy host->device                        | memcpy        | i+2   |
+| input_dist::start, input_dist::splits    | data_dist     | i+1   |
+| prefetch (input_dist::wait + prefetch()) | prefetch      | i+1   |
+| forward                                  | current       | i     |
+| backward, optimizer                      | current       | i     |
+
+The whole step is `PrefetchTrainPipelineSparseDist._step` below; it calls the input_dist component
+(`pipeline.input_dist`), the prefetch stage (`PrefetchStage`, below) and the shared stages
+(`pipeline.lanes`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from pipeline.compat import Bound
+from pipeline.context import PrefetchBatchContext
+from pipeline.input_dist import InputDist
+from pipeline.input_dist_pipeline import InputDistPipeline
+from pipeline.labels import run_stage
+from pipeline.ranks import Lane
+from pipeline.sparse_dist import TrainPipelineSparseDist
+from pipeline.streams import Streams, streams_for
+
+__all__ = ["PrefetchStage", "PrefetchTrainPipelineSparseDist"]
+
+
+class PrefetchTrainPipelineSparseDist(InputDistPipeline):
+    """Adds a prefetch stage: the input_dist wait and each module's `prefetch()` run before
+    forward, on the prefetch stream, so forward never waits on communication.
+
+    Args: torchrec 1.8's (model, optimizer, device, execute_all_batches, apply_jit,
+    pipeline_postproc, custom_model_fwd and the three `MemoryOptions` flags), then ours, keyword-only:
+    `prefetch_ahead` (`PrefetchOptions`) and those of `TrainPipelineSparseDist`. Under
+    `execute_all_batches=False` the last two batches are dropped, as by SparseDist and by torchrec's
+    fixed class (docs/pipeline.md: torchrec 1.8.0 drops four).
+    """
+
+    def _compose(self, bound: Bound) -> None:
+        options = bound.options
+        if options.streams is None:  # on CPU, the prefetch stream is a worker thread
+            self._streams = streams_for(self._device, prefetch_thread=True)
+        self._context_type = PrefetchBatchContext
+        self._lookahead = 2  # torchrec's fixed rule (1.8.0's refill made it 4 after the first step)
+        self._input_dist = self._make_input_dist(options, forward="prefetch")
+        self._prefetch = PrefetchStage(self._streams, self._input_dist, ahead=options.prefetch.prefetch_ahead)
+
+    @property
+    def prefetch_ahead(self) -> bool:
+        """Whether the prefetch stage of batch i+1 runs ahead, during backward of i."""
+        return self._prefetch.ahead
+
+    def _fill(self, lane: Lane) -> None:
+        self._start_head(lane)
+
+    def _step(self, lane: Lane) -> Any:
+        ctx = lane.inflight[0]
+        input_dist, prefetch = self._input_dist, self._prefetch
+        input_dist.choose_schedule(self._model.training)
+        if len(lane.inflight) < 3:
+            self._enqueue(lane)
+        nxt = self._start_next(lane)
+        if nxt is not None and input_dist.early_splits:
+            # on a worker thread the prefetch of batch i+1 starts as soon as its values all-to-all
+            # is under way, and reads during forward too; the rows batch i uses are pinned
+            prefetch.submit_early(nxt)
+        prefetch.wait(ctx)  # submits it first if it did not run ahead
+        losses, output = self._forward(ctx, train=True, slot=input_dist.slot)
+        self._finish_next(lane, nxt)
+        if nxt is not None and prefetch.ahead:
+            # overlaps backward and optimizer of batch i (torchrec's GPU order); the rows it
+            # needs are pinned by the kernel, so backward of i cannot lose them
+            prefetch.submit(nxt)
+        if losses is not None:
+            self._backward(ctx, losses)
+            self._optimizer_step(ctx)
+        self._retire_head(lane, nxt)
+        return output
+
+
+class PrefetchStage:
+    """The prefetch stage of a batch: wait for its input_dist, then each module's `prefetch()`,
+    on the prefetch stream (a worker thread on CPU).
+
+    Args:
+        streams: the pipeline's streams.
+        input_dist: the pipeline's input_dist (its modules, and `clear_data_dist_inputs`).
+        ahead: `PrefetchOptions.prefetch_ahead`: True, False or "auto" (on CPU, True while the
+            modules' `prefetch()` calls take at least `AHEAD_MIN_MS` a batch, median of batches 2
+            to 9, since handing a near-empty stage to a thread costs more than it hides).
+    """
+
+    AHEAD_MIN_MS = 1.0
+    """Under "auto" on CPU, the prefetch work per batch below which the stage stays inline."""
+    _AHEAD_SAMPLES = 8
+
+    def __init__(self, streams: Streams, input_dist: InputDist, *, ahead: bool | str) -> None:
+        self._streams, self._input_dist = streams, input_dist
+        self.ahead = ahead if ahead != "auto" else True
+        self._auto = ahead == "auto" and streams.has_prefetch_worker
+        self._work_ms: list[float] = []  # prefetch() time per batch, for the "auto" choice
+        streams.set_prefetch_on_worker(self.ahead)
+
+    def submit_early(self, ctx: PrefetchBatchContext) -> None:
+        """Submit `ctx`'s prefetch before forward of the batch before it, where that runs on a
+        worker thread (under `ahead`)."""
+        if self.ahead and self._streams.prefetch_on_worker:
+            self.submit(ctx)
+
+    def submit(self, ctx: PrefetchBatchContext) -> None:
+        """Submit `ctx`'s prefetch stage (once)."""
+        if ctx.prefetch_job is None:
+            forward_stream = self._streams.current()  # the caller's stream, where forward will run
+            ctx.prefetch_job = self._streams.submit(
+                self._streams.prefetch, lambda: self._run(ctx, forward_stream)
+            )
+
+    def wait(self, ctx: PrefetchBatchContext) -> None:
+        """Before forward of `ctx`: its prefetch stage done (submitted now if it was not)."""
+        self.submit(ctx)  # not ahead, the first batch, or another lane's successor
+        ctx.prefetch_job.result()  # re-raises what went wrong on the prefetch stream
+        if self._auto and len(self._work_ms) > self._AHEAD_SAMPLES:
+            self._auto = False
+            self.ahead = statistics.median(self._work_ms[1:]) >= self.AHEAD_MIN_MS
+            self._streams.set_prefetch_on_worker(self.ahead)
+
+    def _run(self, ctx: PrefetchBatchContext, forward_stream: Any) -> None:
+        streams = self._streams
+        work = 0.0
+        self._input_dist.release_inputs(ctx)
+        with run_stage(streams, "prefetch", ctx.index), torch.no_grad():
+            for pm in self._input_dist.modules:
+                prepared = ctx.take_input_dist(pm.fqn)
+                if prepared is None:
+                    continue
+                module_ctx, data = prepared
+                start = time.perf_counter()
+                with record_function(f"pipeline::prefetch::{pm.fqn}#{ctx.index}"):
+                    pm.module.prefetch(dist_input=data, forward_stream=forward_stream, ctx=module_ctx)
+                work += time.perf_counter() - start
+                streams.produced(data)
+                streams.produced(module_ctx)
+                ctx.prefetched[pm.fqn] = (module_ctx, data)
+        if self._auto:
+            self._work_ms.append(work * 1e3)
+
+
+# torchrec's class derives from its TrainPipelineSparseDist: `isinstance` answers as it does there,
+# without inheriting a step to override
+TrainPipelineSparseDist.register(PrefetchTrainPipelineSparseDist)

@@ -1,0 +1,78 @@
+"""A lane: the batches in flight from one dataloader iterator, and where that iterator stands.
+
+Batches are kept per dataloader iterator: calling `progress()` with another iterator (an eval
+loader, say) parks the in-flight batches of the first one, and calling it again with the first
+resumes them, so no batch is lost, repeated or run in the other loader's loop. A `Ticket` is what
+the ranks' protocol records for one fetched batch.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.ranks.flags import StoreFlags
+from pipeline.ranks.status import Status
+from pipeline.ranks.votes import Vote
+
+__all__ = ["Lane", "LaneState", "Ticket"]
+
+
+class LaneState(enum.Enum):
+    """Where a lane's iterator stands; only `OPEN` and `EXHAUSTED` fetch."""
+
+    OPEN = "open"
+    """Batches are taken from the iterator."""
+    EXHAUSTED = "exhausted"
+    """This rank's iterator raised StopIteration; across ranks, placeholders (no batch) are added
+    until every rank agrees that the data ended, since other ranks may still have batches."""
+    DRAINING = "draining"
+    """`drain()`: the batches in flight run, nothing is fetched."""
+    ENDED = "ended"
+    """Every rank agreed that the data ended: nothing more is fetched."""
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """What the ranks' protocol records for one batch this rank fetched (or a placeholder)."""
+
+    position: int
+    """Index of the batch in its dataloader (the same position on every rank)."""
+    status: Status
+    """This rank's status for the batch (written at fetch)."""
+    vote: Vote | None = None
+    """Every rank's status, when this batch is voted on (else the store flags tell)."""
+    found_keys: Any = None
+    """The keys the batch has, when the key check failed."""
+    admitted: bool = False
+    """Every rank has the batch: it may enter collectives."""
+
+
+@dataclass(eq=False)
+class Lane:
+    """The batches in flight from one dataloader iterator (contexts, oldest first)."""
+
+    iterator: Iterator[Any]
+    inflight: deque[Any] = field(default_factory=deque)
+    state: LaneState = LaneState.OPEN
+    fetched: int = 0
+    """Batches taken from the iterator so far."""
+    enqueued: int = 0
+    """Contexts added so far (placeholders included): the same count on every rank."""
+    steps: int = 0
+    """Batches of this iterator run so far."""
+    flags: StoreFlags | None = None
+    """The lane's store flags (across ranks, once a status other than HAVE may be published)."""
+
+    @property
+    def fetching(self) -> bool:
+        """Whether the next enqueue takes a batch (or, once exhausted, a placeholder)."""
+        return self.state is LaneState.OPEN or self.state is LaneState.EXHAUSTED
+
+    def drain(self) -> None:
+        """Fetch nothing more; what is in flight still runs."""
+        if self.state is not LaneState.ENDED:
+            self.state = LaneState.DRAINING

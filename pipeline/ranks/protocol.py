@@ -1,0 +1,216 @@
+"""`Ranks`: the one owner of the ranks' agreement on every batch, before it enters a collective.
+
+Every rank has a status for every batch position it fetches (`Status`). The ranks learn each
+other's statuses before the batch's first collective, in one of two ways, chosen at fetch:
+
+- a vote (`pipeline.ranks.votes`), where nothing else orders the ranks: the first two batches of a
+  lane, and every batch under `execute_all_batches=False` (read ahead and admitted at once);
+- store flags (`pipeline.ranks.flags`) for every other batch: only a rank whose status is not HAVE
+  writes, and reading is valid once `after_world_collective` says so.
+
+So uneven data ends on every rank at the shortest rank's count, a batch with wrong keys stops every
+rank with the same error, and a rank that raises makes its peers stop within seconds
+(`pipeline.ranks.failure`). A rank whose dataloader is exhausted keeps adding placeholders (no
+batch) until the end is agreed, so every rank holds as many batches in flight and issues the same
+collectives in order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pipeline.options import RankOptions
+from pipeline.ranks.failure import FailureSignal, PeerFailedError, is_comm_error
+from pipeline.ranks.flags import StoreFlags
+from pipeline.ranks.keys import KeyCheck
+from pipeline.ranks.lane import Lane, LaneState, Ticket
+from pipeline.ranks.seen import WorldCollectiveSeen
+from pipeline.ranks.status import (
+    BatchKeysError,
+    Status,
+    UnevenDataError,
+    keys_message,
+    uneven_message,
+    warn_untrained,
+)
+from pipeline.ranks.votes import Agreement
+
+__all__ = ["Ranks"]
+
+_PIPELINE_IDS = itertools.count()
+"""Numbers pipelines in construction order, the same on every rank (names the store keys)."""
+
+
+class Ranks:
+    """Fetch, admission and failure across ranks, for one pipeline.
+
+    Args:
+        options: how the ranks agree (`RankOptions`).
+        vote_every_batch: vote on every batch (`execute_all_batches=False`, where batches are read
+            ahead and admitted at once, with no collective between fetch and admission).
+    """
+
+    def __init__(self, options: RankOptions, *, vote_every_batch: bool) -> None:
+        self._options = options
+        self.keys = KeyCheck() if options.check_keys else None
+        self._agreement = Agreement(timeout=options.peer_timeout)
+        self.voting = options.agreement and self._agreement.distributed
+        """Ranks agree on every batch (else a rank's own status is all it knows)."""
+        self._failure = FailureSignal(grace=options.failure_grace)
+        self._vote_every_batch = vote_every_batch
+        self._pipeline_id = next(_PIPELINE_IDS)
+        self._lane_count = 0
+        self._seen: WorldCollectiveSeen | None = None
+        self.untrained_batches: list[Any] = []
+        """Batches this rank fetched but did not train because another rank's data ended first."""
+
+    def open_lane(self, iterator: Any) -> Lane:
+        """A new lane for `iterator` (lanes are opened by lockstep `progress()` calls)."""
+        lane = Lane(iterator)
+        self._lane_count += 1
+        store = self._failure.store
+        if self.voting and store is not None:
+            lane.flags = StoreFlags(store, f"trainpipeline/p{self._pipeline_id}/lane{self._lane_count}")
+        return lane
+
+    def fetch(self, lane: Lane) -> tuple[Any, Ticket] | None:
+        """Take the next batch of `lane` and publish this rank's status for it.
+
+        Returns:
+            `(batch, ticket)`, with batch None for a placeholder (this rank's data ended, the
+            others' may not have); None when nothing is to be added.
+        """
+        if not lane.fetching:
+            return None
+        batch, status = None, Status.EXHAUSTED
+        if lane.state is LaneState.OPEN:
+            try:
+                batch, status = next(lane.iterator), Status.HAVE
+            except StopIteration:
+                lane.state = LaneState.EXHAUSTED
+        if status == Status.EXHAUSTED and not self.voting:
+            return None
+        ticket = Ticket(position=lane.fetched, status=status)
+        if status == Status.HAVE:
+            lane.fetched += 1
+            if self.keys is not None and (found := self.keys.check(batch)) is not None:
+                ticket.status, ticket.found_keys = Status.BAD_KEYS, found
+        if self.voting:
+            # a vote where no collective of this rank's comes between this fetch and the other
+            # ranks' reading of the flags (see `after_world_collective`); else a flag if not HAVE
+            if lane.flags is None or lane.enqueued < 2 or self._vote_every_batch:
+                ticket.vote = self._agreement.vote(ticket.status)
+            elif ticket.status == Status.BAD_KEYS or (
+                ticket.status == Status.EXHAUSTED and not lane.flags.end_raised
+            ):
+                lane.flags.raise_flag(ticket.status, ticket.position)
+        lane.enqueued += 1
+        return batch, ticket
+
+    def admit(self, lane: Lane, ctx: Any) -> bool:
+        """Learn every rank's status for `ctx`'s batch; call before its first collective.
+
+        Returns:
+            True: every rank has it. False: some rank's data ended there; `ctx` and everything
+            after it are dropped from the lane on every rank, and the lane is ENDED.
+
+        Raises:
+            BatchKeysError: some rank's batch has the wrong keys (on every rank).
+            UnevenDataError: the data ended unevenly and `on_uneven="error"` (on every rank).
+        """
+        ticket: Ticket = ctx.ticket
+        if ticket.admitted:
+            return True
+        statuses = self._statuses(lane, ctx)
+        if all(s == Status.HAVE for s in statuses):
+            ticket.admitted = True
+            return True
+        if Status.BAD_KEYS in statuses:
+            mine = (self._failure.rank, ticket.position, ticket.found_keys)
+            details = self._agreement.gather(mine) if self.voting else [mine]
+            raise BatchKeysError(keys_message(details, self.keys.expected if self.keys else None))
+        dropped = list(lane.inflight)[lane.inflight.index(ctx) :]
+        for _ in dropped:
+            lane.inflight.pop()
+        lane.state = LaneState.ENDED
+        if all(s == Status.EXHAUSTED for s in statuses):
+            return False  # every rank ended here: even data
+        if self._options.on_uneven == "error":
+            raise UnevenDataError(uneven_message(statuses, ticket.position))
+        untrained = [c.batch for c in dropped if c.ticket.status != Status.EXHAUSTED]
+        if untrained:
+            self.untrained_batches.extend(untrained)
+            warn_untrained(self._failure.rank, len(untrained), statuses, ticket.position)
+        return False
+
+    def _statuses(self, lane: Lane, ctx: Any) -> list[Status]:
+        ticket: Ticket = ctx.ticket
+        if ticket.vote is not None:
+            return ticket.vote.wait()
+        if self.voting and lane.flags is not None:
+            statuses = lane.flags.statuses(ticket.position, self._failure.world, ctx.index)
+            statuses[self._failure.rank] = ticket.status
+            return statuses
+        return [ticket.status]
+
+    def after_world_collective(self, lane: Lane, at: int) -> None:
+        """This rank completed a collective that every rank issued after fetching the batch
+        `lane.inflight[at]`: the peers' flags for that batch are in the store, so reading them may
+        start now, in the background, overlapping the rest of the step.
+
+        This is the one cross-rank rule of the pipelines: a rank reads another rank's flags for a
+        batch only after a collective that every rank issued after fetching that batch. A rank
+        raises its flag at fetch, before it issues that collective, and no rank completes a
+        collective before every rank issued it, so the read cannot miss the flag. Call it at such
+        a point of the step, and nowhere else; batches with a vote need no read.
+        """
+        if lane.flags is not None and len(lane.inflight) > at and lane.inflight[at].ticket.vote is None:
+            lane.flags.read_ahead(lane.inflight[at].index)
+
+    def forward_spanned_world(self, lane: Lane, model: torch.nn.Module) -> bool:
+        """Whether the forward that just ran waited for an all-to-all over every rank (a sharded
+        module's input all-to-all): a collective every rank issued after fetching the next batch,
+        when that batch was fetched before the forward (`after_world_collective`)."""
+        if lane.flags is None:
+            return False
+        if self._seen is None:  # hooks only for pipelines that run the sharded modules' own forward
+            self._seen = WorldCollectiveSeen(model)
+            # the model outlives the pipeline: a pipeline per epoch must not pile hooks up on it
+            weakref.finalize(self, self._seen.remove)
+        return self._seen.take()
+
+    def fail(self, error: BaseException, reset: Callable[[], None]) -> None:
+        """This rank raised inside `progress()`: `reset()` the batches in flight and, across ranks,
+        make sure no peer is left waiting (`abort_on_error`).
+
+        Raises:
+            PeerFailedError: the error came from a peer's failure (a collective broken by it).
+        """
+        signal = self._failure
+        if not (self._options.abort_on_error and signal.distributed):
+            reset()
+            return
+        if is_comm_error(error):
+            peers = signal.peer_failures()
+            try:
+                reset()
+            finally:
+                signal.abort()
+            cause = "; ".join(peers) or "no rank recorded an error: a peer was probably killed or exited"
+            raise PeerFailedError(
+                f"rank {signal.rank} stopped because a peer failed ({cause}). This rank's process "
+                "groups were destroyed; restart the job."
+            ) from error
+        signal.announce(error)
+        every_rank_failed = signal.all_failed()
+        signal.next_generation()
+        try:
+            reset()
+        finally:
+            if not every_rank_failed:  # a peer may be waiting in a collective for this rank
+                signal.abort()
