@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.profiler import record_function
-
+from pipeline.labels import label
 from pipeline.ranks.lane import Ticket
 from pipeline.streams import Streams
 
@@ -53,7 +52,7 @@ class BatchContext:
         if request is None:
             return None
         streams = self.streams
-        with record_function(f"pipeline::input_dist::wait#{self.index}"):
+        with label(f"pipeline::input_dist::wait#{self.index}"):
             with streams.use(streams.data_dist):
                 data = request.wait()
                 streams.produced(data)

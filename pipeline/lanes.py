@@ -18,14 +18,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 from torchrec.distributed.model_parallel import DMPCollection
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipeline
 
 from pipeline import compat
 from pipeline.batch import to_device, to_device_in_place
 from pipeline.context import BatchContext
-from pipeline.labels import run_stage
+from pipeline.labels import label, run_stage
 from pipeline.options import PipelineOptions
 from pipeline.ranks import AgreedError, Lane, LaneState, Ranks
 from pipeline.streams import Streams, streams_for
@@ -64,6 +63,8 @@ class LanePipeline(TrainPipeline):
         """Under `execute_all_batches=False`, the head batch runs only if this many batches follow
         it in the dataloader (torchrec's rule for the class of the same name)."""
         self._sync_interval = _sync_interval(bound.model, options.step.dmp_collection_sync_interval_batches)
+        self._on_host = self._device.type == "cpu"
+        """Batches stay where the dataloader made them (on the host, `.to("cpu")` moves nothing)."""
         self._on_reset: list[Callable[[], None]] = []
         """What the components drop when the pipeline resets (besides the streams' work)."""
         self._lanes: dict[int, Lane] = {}
@@ -172,7 +173,9 @@ class LanePipeline(TrainPipeline):
         if batch is not None:
             streams = self._streams
             with run_stage(streams, "copy", ctx.index, streams.memcpy):
-                if self._options.memory.enable_inplace_copy_batch:
+                if self._on_host:
+                    ctx.batch = batch  # a host batch is already where it goes: no walk, no new objects
+                elif self._options.memory.enable_inplace_copy_batch:
                     ctx.batch = to_device_in_place(batch, self._device, streams)
                 else:
                     ctx.batch = to_device(batch, self._device, non_blocking=True)
@@ -211,13 +214,15 @@ class LanePipeline(TrainPipeline):
 
     def _backward(self, ctx: BatchContext, losses: Any) -> None:
         with run_stage(self._streams, "backward", ctx.index):
-            torch.sum(losses).backward()
+            # a scalar loss needs no sum (one kernel launch less), and the gradient is the same
+            loss = losses if isinstance(losses, torch.Tensor) and losses.dim() == 0 else torch.sum(losses)
+            loss.backward()
 
     def _sync_replicas(self, ctx: BatchContext) -> None:
         """After backward: a `DMPCollection` (2D sharding) syncs its replicas' embeddings and
         optimizer states every `dmp_collection_sync_interval_batches` batches, as torchrec's."""
         if self._sync_interval is not None and ctx.index % self._sync_interval == 0:
-            with record_function("pipeline::dmp_collection_sync"):
+            with label("pipeline::dmp_collection_sync"):
                 self._model.sync()
 
     def _optimizer_step(self, ctx: BatchContext) -> None:

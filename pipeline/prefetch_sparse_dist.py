@@ -24,13 +24,12 @@ import time
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 
 from pipeline.compat import Bound
 from pipeline.context import PrefetchBatchContext
 from pipeline.input_dist import InputDist
 from pipeline.input_dist_pipeline import InputDistPipeline
-from pipeline.labels import run_stage
+from pipeline.labels import label, run_stage
 from pipeline.ranks import Lane
 from pipeline.sparse_dist import TrainPipelineSparseDist
 from pipeline.streams import Streams, streams_for
@@ -148,7 +147,7 @@ class PrefetchStage:
                     continue
                 module_ctx, data = prepared
                 start = time.perf_counter()
-                with record_function(f"pipeline::prefetch::{pm.fqn}#{ctx.index}"):
+                with label(f"pipeline::prefetch::{pm.fqn}#{ctx.index}"):
                     pm.module.prefetch(dist_input=data, forward_stream=forward_stream, ctx=module_ctx)
                 work += time.perf_counter() - start
                 streams.produced(data)

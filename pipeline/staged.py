@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from pipeline import compat
 from pipeline.context import BatchContext
 from pipeline.input_dist import InputDist
+from pipeline.labels import label
 from pipeline.options import InputDistOptions, MemoryOptions
 from pipeline.streams import CudaStreams, Streams
 
@@ -177,12 +177,12 @@ class StagedTrainPipeline(compat.TrainPipeline):
             st.fill_callback()
 
     def _run_on_stream(self, st: PipelineStage, value: Any, event: Any, batch_index: int) -> tuple[Any, Any]:
-        label = f"pipeline::staged::{st.name}#{batch_index}"
+        text = f"pipeline::staged::{st.name}#{batch_index}"
         if not _device_stream(st.stream):
-            with record_function(label):
+            with label(text):
                 return st.runnable(value), None
         module = torch.get_device_module(st.stream.device)
-        with record_function(label), module.stream(st.stream):
+        with label(text), module.stream(st.stream):
             self._streams.handoff_event(value, event, st.stream)
             output = st.runnable(value)
             done = module.Event()
