@@ -34,7 +34,7 @@ from pipeline.ranks import Lane
 from pipeline.sparse_dist import TrainPipelineSparseDist
 from pipeline.streams import Streams, streams_for
 
-__all__ = ["PrefetchStage", "PrefetchTrainPipelineSparseDist"]
+__all__ = ["PrefetchStage", "PrefetchTrainPipelineSparseDist", "prefetch_does_work"]
 
 
 class PrefetchTrainPipelineSparseDist(InputDistPipeline):
@@ -111,7 +111,24 @@ class PrefetchStage:
         self.ahead = ahead if ahead != "auto" else True
         self._auto = ahead == "auto" and streams.has_prefetch_worker
         self._work_ms: list[float] = []  # prefetch() time per batch, for the "auto" choice
+        self._working: set[str] | None = None
+        """FQNs of the modules whose `prefetch()` moves data (known at the first submission)."""
         streams.set_prefetch_on_worker(self.ahead)
+
+    def _find_work(self) -> None:
+        """Once the modules are rewritten: which `prefetch()` calls do work. With none (torchrec's
+        fused kernels), the stage only waits for input_dist, inline: no thread hand-off, no call."""
+        modules = self._input_dist.modules
+        self._working = {pm.fqn for pm in modules if prefetch_does_work(pm.module)}
+        idle = [pm.fqn for pm in modules if pm.fqn not in self._working]
+        if idle and self._input_dist.report is not None:
+            self._input_dist.report.notes.append(
+                f"prefetch() of {', '.join(idle)} moves no data (kernels without a cache to fill): "
+                "not called" + ("; the prefetch stage runs inline" if not self._working else "")
+            )
+        if not self._working and self._auto:
+            self._auto, self.ahead = False, False
+            self._streams.set_prefetch_on_worker(False)
 
     def submit_early(self, ctx: PrefetchBatchContext) -> None:
         """Submit `ctx`'s prefetch before forward of the batch before it, where that runs on a
@@ -121,6 +138,8 @@ class PrefetchStage:
 
     def submit(self, ctx: PrefetchBatchContext) -> None:
         """Submit `ctx`'s prefetch stage (once)."""
+        if self._working is None:
+            self._find_work()
         if ctx.prefetch_job is None:
             forward_stream = self._streams.current()  # the caller's stream, where forward will run
             ctx.prefetch_job = self._streams.submit(
@@ -146,6 +165,9 @@ class PrefetchStage:
                 if prepared is None:
                     continue
                 module_ctx, data = prepared
+                if pm.fqn not in self._working:
+                    ctx.prefetched[pm.fqn] = (module_ctx, data)
+                    continue
                 start = time.perf_counter()
                 with label(f"pipeline::prefetch::{pm.fqn}#{ctx.index}"):
                     pm.module.prefetch(dist_input=data, forward_stream=forward_stream, ctx=module_ctx)
@@ -155,6 +177,20 @@ class PrefetchStage:
                 ctx.prefetched[pm.fqn] = (module_ctx, data)
         if self._auto:
             self._work_ms.append(work * 1e3)
+
+
+_NO_PREFETCH = frozenset({"dense", "fused", "fused_uvm", "quant", "quant_uvm"})
+"""torchrec compute kernels whose `prefetch()` moves nothing (tables wholly in device or UVM memory)."""
+
+
+def prefetch_does_work(module: Any) -> bool:
+    """Whether `module.prefetch()` can move data: some table of it is on a kernel with a cache to
+    fill (UVM caching, key-value, SSD/DRAM virtual tables, or a custom kernel such as `tiered/`).
+    A module without a sharding plan is assumed to work."""
+    plan = getattr(module, "module_sharding_plan", None)
+    if not isinstance(plan, dict) or not plan:
+        return True
+    return any(getattr(p, "compute_kernel", None) not in _NO_PREFETCH for p in plan.values())
 
 
 # torchrec's class derives from its TrainPipelineSparseDist: `isinstance` answers as it does there,

@@ -33,6 +33,9 @@ class RewriteReport:
     modules: list[ModuleReport] = field(default_factory=list)
     trace_error: str | None = None
     """Why the fx trace failed, when direct lookup was used as the fallback."""
+    notes: list[str] = field(default_factory=list)
+    """What the pipeline decided about the rewritten modules (e.g. a prefetch stage with nothing
+    to do), one sentence each."""
 
     @property
     def pipelined(self) -> list[str]:
@@ -66,4 +69,5 @@ class RewriteReport:
         lines = ["  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3] for r in rows]
         if self.trace_error:
             lines.append(f"(fx trace failed, direct lookup used: {self.trace_error})")
+        lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
