@@ -31,7 +31,7 @@ SCHEDULE_NAMES = ("auto", "early", "late", "early-shared", "late-own")
 
 def _one_of(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
     if value not in allowed:
-        shown = ", ".join(repr(a) for a in allowed)
+        shown = ", ".join(str(a) for a in allowed)
         raise ValueError(f"{name} must be one of {shown}; got {value!r}")
 
 

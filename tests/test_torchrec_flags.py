@@ -3,7 +3,8 @@
 On 2 gloo ranks with real all-to-alls, table-wise and column-wise DLRM and distinct batches: each flag,
 on each of our classes whose torchrec counterpart takes it, gives the plain loop's per-step outputs
 and final parameters bit for bit, one output per batch and then StopIteration.
-`clear_data_dist_inputs` frees the tensors the input all-to-alls sent (counted in
+`clear_data_dist_inputs` frees the tensors the input all-to-alls sent and
+`free_features_storage_early` the features the sharded modules permuted away (both counted in
 `released_bytes`); `enable_inplace_copy_batch` only changes where a GPU allocates the copy (on CPU
 nothing is copied); `enqueue_batch_after_forward` moves the copy of batch i+2 after forward of i
 (RecordingStreams' stage log).
@@ -104,6 +105,8 @@ def test_flag_leaves_the_numbers_unchanged(results, pipe_name, flag, sharding):
         assert r["stopped"], f"rank {rank}: no StopIteration after {STEPS} outputs"
         if flag == "clear_data_dist_inputs":
             assert r["released"] > 0, "the input all-to-alls' send buffers were not freed"
+        if flag == "free_features_storage_early":
+            assert r["released"] > 0, "the batches' permuted-away features were not freed"
 
 
 @pytest.mark.parametrize("pipe_name", ["TrainPipelineSparseDist", "TrainPipelineFusedSparseDist"])
