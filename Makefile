@@ -13,7 +13,7 @@ DEV_TOOLS := pytest pytest-timeout ruff matplotlib setuptools
 STAMP := $(VENV)/.setup-$(VARIANT)
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint demo bench bench-overhead bench-tiered bench-sweep bench-big bench-agreement timeline clean
+.PHONY: setup test lint demo bench bench-overhead bench-tiered hit-rates bench-sweep bench-big bench-agreement timeline clean
 
 setup: $(STAMP)
 
@@ -73,15 +73,23 @@ bench-overhead: setup
 	$(BIN)/python -m benchmarks.overhead --world-size 2 $(OVERHEAD_ARGS)
 	$(BIN)/python -m benchmarks.overhead --profile ours-sparse-dist --steps 300 --top 40
 
-# Tables on disk (tiered kernel, cold store; uniform ids with 5 % cached, power-law ids with 2 %):
-# plain, our three pipelines and torchrec's SparseDist on the same stores; prints hit rate and store
-# read time per variant. Stores go to $(BENCH_STORE_DIR) (local disk, ~1.1 GB). About 20 minutes.
+# Tables on disk (tiered kernel, cold store; uniform ids with 5 % cached, power-law ids with 2 %, and
+# tiered-balanced, whose I/O and compute alone are within 30 % at one rank): at 1 rank (a core free
+# for the prefetch thread) and at 2, plain, our SparseDist and Prefetch, and Prefetch's bound (I/O
+# alone, compute alone with every row cached); prints hit rates, store read time and Prefetch's
+# distance to its bound. Stores go to $(BENCH_STORE_DIR) (local disk, ~1.1 GB). About 40 minutes.
 BENCH_STORE_DIR ?= /var/tmp/bench-tiered
-BENCH_TIERED_ARGS ?= --steps 15 --warmup 60 --auto-warmup 75 --rounds 3 --profile-steps 0
+BENCH_TIERED_ARGS ?= --steps 15 --warmup 110 --auto-warmup 110 --rounds 2 --profile-steps 0
+TIERED_VARIANTS ?= plain ours-sparse-dist ours-prefetch io-alone compute-alone
 bench-tiered: setup
 	rm -rf $(BENCH_STORE_DIR)
 	mkdir -p $(BENCH_STORE_DIR)
-	BENCH_STORE_DIR=$(BENCH_STORE_DIR) $(BIN)/python -m benchmarks.run --configs tiered tiered-skewed --variants plain ours-base ours-sparse-dist ours-prefetch torchrec-sparse-dist $(BENCH_TIERED_ARGS) --json out/bench/tiered.json --md out/bench/tiered.md
+	BENCH_STORE_DIR=$(BENCH_STORE_DIR) $(BIN)/python -m benchmarks.run --world-size 1 --configs tiered tiered-skewed tiered-balanced --variants $(TIERED_VARIANTS) $(BENCH_TIERED_ARGS) --json out/bench/tiered-1.json --md out/bench/tiered-1.md
+	BENCH_STORE_DIR=$(BENCH_STORE_DIR) $(BIN)/python -m benchmarks.run --world-size 2 --configs tiered tiered-skewed tiered-balanced --variants $(TIERED_VARIANTS) $(BENCH_TIERED_ARGS) --json out/bench/tiered-2.json --md out/bench/tiered-2.md
+
+# Hit rate of every cache policy on tiered-skewed's id stream against Belady's optimum (offline, no I/O).
+hit-rates: setup
+	$(BIN)/python -m benchmarks.hit_rates --fractions 0.01 0.02 0.05 $(HIT_RATES_ARGS)
 
 # The sweep (issue 12): 14 points from network-bound (100 Mbit) to compute-bound (loopback), every
 # variant, forced schedules and the bound, paired rounds; writes $(SWEEP_OUT)/sweep.md/.json/.png.

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
-__all__ = ["Captured", "capture", "comm_alone", "compute_alone"]
+__all__ = ["Captured", "capture", "comm_alone", "compute_alone", "inner_model"]
 
 _FIRST_BUCKET = 2**20  # DDP's first gradient bucket
 _BUCKET = 25 * 2**20
@@ -56,14 +56,15 @@ class Captured:
     dense_numel: int = 0
 
 
-def _inner(model: nn.Module) -> nn.Module:
+def inner_model(model: nn.Module) -> nn.Module:
     """The model below DistributedModelParallel and DDP."""
     inner = getattr(model, "_dmp_wrapped_module", model)
     return inner.module if isinstance(inner, DistributedDataParallel) else inner
 
 
 def _sharded(model: nn.Module) -> dict[str, ShardedEmbeddingBagCollection]:
-    return {n: m for n, m in _inner(model).named_modules() if isinstance(m, ShardedEmbeddingBagCollection)}
+    modules = inner_model(model).named_modules()
+    return {n: m for n, m in modules if isinstance(m, ShardedEmbeddingBagCollection)}
 
 
 def capture(model: nn.Module, optimizer: Any, batches: list[Any], device: torch.device) -> Captured:
@@ -92,7 +93,7 @@ def compute_alone(
     model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, captured: Captured
 ) -> Callable[[Iterator[Any]], Any]:
     """A step function: one training step of `model` without any collective (module docstring)."""
-    inner = _inner(model)
+    inner = inner_model(model)
     modules = _sharded(model)
     position = [0]
     for name, ebc in modules.items():

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from examples.dlrm.config import NUM_DENSE, NUM_SPARSE  # the DLRM example's Criteo-like inputs
 
-__all__ = ["CONFIGS", "GPU_CONFIGS", "NUM_DENSE", "NUM_SPARSE", "BenchConfig", "get_config"]
+__all__ = ["CONFIGS", "GPU_CONFIGS", "NUM_DENSE", "NUM_SPARSE", "SMALL_CONFIGS", "BenchConfig", "get_config"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -113,6 +113,22 @@ CONFIGS["tiered-skewed"] = replace(
     id_skew=1.05,
 )
 
+SMALL_CONFIGS: dict[str, BenchConfig] = {
+    "tiered-tiny": replace(
+        CONFIGS["tiered"],
+        name="tiered-tiny",
+        description="for tests: 2 tables of 4,000 rows on disk, 25 % cached, 16 samples",
+        batch_size=16,
+        embedding_dim=8,
+        num_embeddings=4_000,
+        num_tables=2,
+        dense_hidden=(16,),
+        over_hidden=(16,),
+        cache_fraction=0.25,
+    ),
+}
+"""Configs for the benchmark's own tests; not in `CONFIGS`, so `make bench` skips them."""
+
 
 GPU_CONFIGS: dict[str, BenchConfig] = {
     "gpu-large": BenchConfig(
@@ -148,7 +164,7 @@ def get_config(name: str) -> BenchConfig:
     """
     from benchmarks.points import POINTS  # the sweep's configs are built from BenchConfig
 
-    known = {**CONFIGS, **GPU_CONFIGS, **{p.config.name: p.config for p in POINTS}}
+    known = {**CONFIGS, **SMALL_CONFIGS, **GPU_CONFIGS, **{p.config.name: p.config for p in POINTS}}
     try:
         return known[name]
     except KeyError:

@@ -21,6 +21,7 @@ __all__ = [
     "Row",
     "Target",
     "check_targets",
+    "distance",
     "markdown",
     "merge_ranks",
     "rows_as_dicts",
@@ -39,6 +40,11 @@ _PER_RANK = (
     "labels_ms",
 )
 TARGET_CONFIG = "input-dist-heavy"
+DISTANCE_LIMIT = 1.15
+"""Tables on disk: Prefetch's step over max(I/O alone, compute alone), every config (issue 25)."""
+BALANCED_CONFIG = "tiered-balanced"
+PLAIN_LIMIT = 0.65
+"""Tables on disk: Prefetch's step over the plain loop's on `BALANCED_CONFIG` at 1 rank (issue 25)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -229,24 +235,44 @@ def check_targets(rows: list[Row], config: str = TARGET_CONFIG) -> list[Target]:
     ]
 
 
-def tiered_lines(rows: list[Row], config: str = "tiered") -> list[str]:
-    """Cache figures per variant of `config` (tables on disk) and its targets; [] if it did not run."""
-    by = {r.variant: r for r in rows if r.config == config and r.cache_hit_rate is not None}
-    if not by:
-        return []
-    lines = [f"{config} (tables on disk, cold store):"]
-    for variant, r in by.items():
-        lines.append(
-            f"  {variant}: hit rate {r.cache_hit_rate:.3f}, store read {r.store_read_ms:.1f} ms/step, "
-            f"making rows resident {r.prefetch_ms:.1f} ms/step"
-        )
-    pf, sd, plain = by.get("ours-prefetch"), by.get("ours-sparse-dist"), by.get("plain")
-    for name, base in (("SparseDist", sd), ("plain", plain)):
-        if pf and base and pf.median_step_ms and base.median_step_ms:
-            ratio = pf.median_step_ms / base.median_step_ms
-            verdict = "met" if ratio <= 0.6 else "MISSED"
-            lines.append(f"  {verdict:6} Prefetch step / {name} step: {ratio:.3f} (limit 0.6)")
+def tiered_lines(rows: list[Row]) -> list[str]:
+    """Per config with tables on disk: cache figures per variant, and Prefetch against its bound
+    (`benchmarks.disk_bound`) and the plain loop; [] if no such config ran."""
+    configs = list(dict.fromkeys(r.config for r in rows if r.cache_hit_rate is not None))
+    lines = []
+    for config in configs:
+        by = {r.variant: r for r in rows if r.config == config and r.cache_hit_rate is not None}
+        lines.append(f"{config} (tables on disk, cold store):")
+        for variant, r in by.items():
+            lines.append(
+                f"  {variant}: hit rate {r.cache_hit_rate:.3f}, store read {r.store_read_ms:.1f} ms/step, "
+                f"making rows resident {r.prefetch_ms:.1f} ms/step"
+            )
+        step = {v: r.median_step_ms for v, r in by.items()}
+        pf, io, compute = step.get("ours-prefetch"), step.get("io-alone"), step.get("compute-alone")
+        gap = distance(pf, io, compute)
+        if gap is not None:
+            lines.append(f"  bound: I/O alone {io:.1f} ms, compute alone {compute:.1f} ms")
+            lines.append(
+                f"  {_verdict(gap, DISTANCE_LIMIT)} Prefetch step / bound: {gap:.3f} (limit {DISTANCE_LIMIT})"
+            )
+        if pf and step.get("plain"):
+            limit = f"limit {PLAIN_LIMIT} at 1 rank" if config == BALANCED_CONFIG else "no limit"
+            verdict = _verdict(pf / step["plain"], PLAIN_LIMIT) if config == BALANCED_CONFIG else ""
+            lines.append(f"  {verdict:6} Prefetch step / plain step: {pf / step['plain']:.3f} ({limit})")
     return lines
+
+
+def distance(prefetch_ms: float | None, io_ms: float | None, compute_ms: float | None) -> float | None:
+    """Prefetch's step over its bound, max(I/O alone, compute alone) (`benchmarks.disk_bound`); None
+    if a figure is missing."""
+    if prefetch_ms is None or io_ms is None or compute_ms is None:
+        return None
+    return prefetch_ms / max(io_ms, compute_ms)
+
+
+def _verdict(measured: float, limit: float) -> str:
+    return f"{'met' if measured <= limit else 'MISSED':6}"
 
 
 def wait_note(rows: list[Row], config: str = TARGET_CONFIG) -> str | None:

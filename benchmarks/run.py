@@ -19,7 +19,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from benchmarks.configs import CONFIGS, GPU_CONFIGS
+from benchmarks.configs import CONFIGS, GPU_CONFIGS, SMALL_CONFIGS
 from benchmarks.launch import LaunchError, launch
 from benchmarks.link import LinkUnavailable, emulated_link, parse_rate
 from benchmarks.points import POINTS
@@ -144,8 +144,8 @@ def _report(result: dict[str, Any], *, json_path: Path, md_path: Path) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
     points = [pt.name for pt in POINTS]
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=[*CONFIGS, *GPU_CONFIGS, *points],
-                   metavar="NAME",
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), metavar="NAME",
+                   choices=[*CONFIGS, *SMALL_CONFIGS, *GPU_CONFIGS, *points],
                    help=f"configs to run (default: all of {', '.join(CONFIGS)}; also the sweep's "
                         "sweep-* points, see benchmarks/points.py)")  # fmt: skip
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=ALL_VARIANTS, metavar="NAME",

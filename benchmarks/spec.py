@@ -15,9 +15,11 @@ __all__ = [
     "ALL_VARIANTS",
     "AUTO_VARIANTS",
     "BOUND_VARIANTS",
+    "CAPTURING_VARIANTS",
     "CPU_UNSUPPORTED",
     "FAMILY_VARIANTS",
     "FORCED_VARIANTS",
+    "IO_VARIANTS",
     "NOVOTE_VARIANTS",
     "OURS_TO_TORCHREC",
     "PREFETCH_FORCED_VARIANTS",
@@ -45,6 +47,11 @@ PREFETCH_FORCED_VARIANTS = tuple(f"ours-prefetch@{name}" for name in SCHEDULE_NA
 """Our Prefetch pipeline with `input_dist_schedule` forced to one schedule."""
 BOUND_VARIANTS = ("compute-alone", "comm-alone")
 """Not training loops: the two halves of the bound (`benchmarks.bound`)."""
+IO_VARIANTS = ("io-alone",)
+"""Not a training loop: tables on disk, the prefetch of the same batches with no forward or backward
+(`benchmarks.disk_bound`); with `compute-alone` (every row cached there) the bound of Prefetch."""
+CAPTURING_VARIANTS = (*BOUND_VARIANTS, *IO_VARIANTS)
+"""Variants that replay what `benchmarks.bound.capture` recorded of each batch."""
 NOVOTE_VARIANTS = ("ours-base+novote", "ours-sparse-dist@late+novote")
 """Our pipelines with the per-batch vote and key check off (`agreement=False, check_keys=False`):
 what `benchmarks.agreement` compares with `ours-base` and `ours-sparse-dist@late` to price them."""
@@ -65,6 +72,7 @@ ALL_VARIANTS = (
     *FORCED_VARIANTS,
     *PREFETCH_FORCED_VARIANTS,
     *BOUND_VARIANTS,
+    *IO_VARIANTS,
     *NOVOTE_VARIANTS,
     *FAMILY_VARIANTS,
 )

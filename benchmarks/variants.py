@@ -29,8 +29,13 @@ from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSem
 from torchrec.distributed.types import ShardedModule
 
 import pipeline as ours
-from benchmarks import bound
-from benchmarks.spec import ALL_VARIANTS, BOUND_VARIANTS, FORCED_VARIANTS, PREFETCH_FORCED_VARIANTS
+from benchmarks import bound, disk_bound
+from benchmarks.spec import (
+    ALL_VARIANTS,
+    CAPTURING_VARIANTS,
+    FORCED_VARIANTS,
+    PREFETCH_FORCED_VARIANTS,
+)
 
 __all__ = ["INLINE_WAIT", "Runner", "make_runner", "timed_input_dist"]
 
@@ -90,8 +95,8 @@ def make_runner(
 ) -> Runner:
     """The `Runner` of `variant` over a freshly built model.
 
-    `ours-sparse-dist@<schedule>` forces `input_dist_schedule`; `compute-alone` and `comm-alone`
-    need `captured` (`benchmarks.bound.capture` on the same config and batches).
+    `ours-sparse-dist@<schedule>` forces `input_dist_schedule`; `compute-alone`, `comm-alone` and
+    `io-alone` need `captured` (`benchmarks.bound.capture` on the same config and batches).
 
     Raises:
         ValueError: unknown variant.
@@ -105,11 +110,14 @@ def make_runner(
             wait_label=INLINE_WAIT,
             inline_input_dist=True,
         )
-    if variant in BOUND_VARIANTS:
+    if variant in CAPTURING_VARIANTS:
         if captured is None:
             raise ValueError(f"{variant} needs the captured inputs of benchmarks.bound.capture")
         if variant == "compute-alone":
+            disk_bound.warm(model)  # tables on disk: every row cached (benchmarks.disk_bound)
             step = bound.compute_alone(model, optimizer, device, captured)
+        elif variant == "io-alone":
+            step = disk_bound.io_alone(model, captured)
         else:
             step = bound.comm_alone(model, device, captured)
         return Runner(step=step, forward_label="-", wait_label="-", inline_input_dist=False, profile=False)

@@ -35,11 +35,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks import bound
+from benchmarks import bound, disk_bound
 from benchmarks.configs import BenchConfig, get_config
 from benchmarks.measure import AgreementClock, peak, reset_peak, summarize_profile, tensor_peak_bytes
 from benchmarks.model import batch_nbytes, build_model, make_batches
-from benchmarks.spec import BOUND_VARIANTS, CPU_UNSUPPORTED, RunSpec, round_order
+from benchmarks.spec import CAPTURING_VARIANTS, CPU_UNSUPPORTED, RunSpec, round_order
 from benchmarks.variants import Runner, make_runner, timed_input_dist
 
 __all__ = ["run_rank"]
@@ -59,8 +59,8 @@ def run_rank(spec: RunSpec, rank: int) -> list[dict[str, Any]]:
         batches = make_batches(config, count=count, rank=rank, seed=spec.seed)
         _prime(config, batches, device, spec.seed)
         captured = None
-        if set(spec.variants) & set(BOUND_VARIANTS):
-            built = build_model(config, device=device, seed=spec.seed)
+        if set(spec.variants) & set(CAPTURING_VARIANTS):
+            built = build_model(config, device=device, seed=spec.seed, store_dir=_store_dir())
             timed = batches[: spec.warmup + spec.steps]
             captured = bound.capture(built.model, built.optimizer, timed, device)
             del built
@@ -96,7 +96,8 @@ def _run_one(
     captured: bound.Captured | None = None,
 ) -> dict:
     record: dict[str, Any] = {"config": config.name, "variant": variant, "status": "ok"}
-    built = build_model(config, device=device, seed=spec.seed, store_dir=_store_dir())
+    built = build_model(disk_bound.bound_config(config, variant), device=device, seed=spec.seed,
+                        store_dir=_store_dir())  # fmt: skip
     caches = [c for m in built.model.modules() if hasattr(m, "tiered_kernels") for k in m.tiered_kernels()
               for c in k.caches]  # fmt: skip
     for cache in caches:

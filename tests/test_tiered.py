@@ -23,7 +23,7 @@ def _store(tmp_path, state_width: int = 1) -> RowStore:
 
 def _cache(tmp_path, capacity: int, policy: str = "lru") -> RowCache:
     store = _store(tmp_path)
-    return RowCache(store, capacity, make_policy(policy, capacity), name="t")
+    return RowCache(store, capacity, make_policy(policy, capacity, ROWS), name="t")
 
 
 def test_store_round_trip_in_runs(tmp_path):
@@ -259,7 +259,7 @@ def test_a_dropped_pin_releases_its_rows(tmp_path):
     cache.acquire(torch.tensor([3, 4, 5])).release()
 
 
-@pytest.mark.parametrize(("policy", "evicted"), [("lru", 0), ("lfu", 1)])
+@pytest.mark.parametrize(("policy", "evicted"), [("lru", 0), ("lfu", 1), ("tinylfu", 1), ("second-hit", 1)])
 def test_eviction_policy_chooses_the_victim(tmp_path, policy, evicted):
     cache = _cache(tmp_path, 2, policy)
     cache.acquire(torch.tensor([0])).release()
@@ -269,6 +269,28 @@ def test_eviction_policy_chooses_the_victim(tmp_path, policy, evicted):
     cache.acquire(torch.tensor([2])).release()
     assert int(cache.slot_of_row[evicted]) == -1
     assert int(cache.slot_of_row[1 - evicted]) >= 0
+
+
+@pytest.mark.parametrize(("policy", "kept"), [("lru", False), ("lfu", False), ("tinylfu", True)])
+def test_tinylfu_remembers_a_frequent_row_across_its_eviction(tmp_path, policy, kept):
+    cache = _cache(tmp_path, 2, policy)
+    for _ in range(3):
+        cache.acquire(torch.tensor([0])).release()
+    cache.acquire(torch.tensor([1, 2])).release()  # needs both slots: row 0 is evicted
+    cache.acquire(torch.tensor([0])).release()  # reloaded
+    cache.acquire(torch.tensor([4])).release()
+    cache.acquire(torch.tensor([5])).release()  # row 0 (4 requests) against row 4 (1, more recent)
+    assert (int(cache.slot_of_row[0]) >= 0) == kept
+
+
+@pytest.mark.parametrize(("policy", "kept"), [("lru", False), ("second-hit", True)])
+def test_second_hit_keeps_a_row_requested_twice_against_rows_seen_once(tmp_path, policy, kept):
+    cache = _cache(tmp_path, 3, policy)
+    cache.acquire(torch.tensor([0])).release()
+    cache.acquire(torch.tensor([0])).release()  # second request: admitted
+    for row in range(10, 20):  # a scan of rows seen once
+        cache.acquire(torch.tensor([row])).release()
+    assert (int(cache.slot_of_row[0]) >= 0) == kept
 
 
 def test_purge_refuses_while_rows_are_pinned(tmp_path):
@@ -290,6 +312,8 @@ def test_out_of_range_ids_are_refused(tmp_path):
 def test_options_validate(tmp_path):
     with pytest.raises(ValueError, match="exactly one"):
         TieredOptions(store_dir=tmp_path)
+    with pytest.raises(ValueError, match="tinylfu"):
+        TieredOptions(store_dir=tmp_path, cache_rows=4, policy="fifo")
     with pytest.raises(ValueError, match="does not exist"):
         TieredOptions(store_dir=tmp_path / "missing", cache_rows=4)
     assert TieredOptions(store_dir=tmp_path, cache_fraction=0.1).capacity(1000) == 100

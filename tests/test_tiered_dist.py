@@ -3,6 +3,8 @@
 - Equivalence: Base, SparseDist and Prefetch on the tiered kernel, with a cache a little above the
   rows pinned in flight (so every step evicts), equal the plain loop on the same kernel bit for bit
   (table-wise and column-wise, distinct batches, one output per batch then StopIteration).
+- Every other eviction/admission policy, under the Prefetch pipeline on the same evicting cache, gives
+  the plain loop's (LRU) outputs and parameters bit for bit.
 - The trained tables equal those of torchrec's fused CPU kernel on the same batches (float tolerance).
 - state_dict holds the trained weights, and a restart from a checkpoint (model, fused and dense
   optimizer state, saved with torch.save) gives the same next outputs as an uninterrupted run.
@@ -20,11 +22,13 @@ from tests.harness import run_ranks
 
 PIPELINES = ("TrainPipelineBase", "TrainPipelineSparseDist", "PrefetchTrainPipelineSparseDist")
 SHARDINGS = ("table_wise", "column_wise")
+OTHER_POLICIES = ("lfu", "tinylfu", "second-hit")
+"""Run under the Prefetch pipeline against the plain loop under the default "lru"."""
 STEPS = 12
 ROWS, DIM, TABLES, BATCH, CACHE = 400, 8, 3, 8, 130
 
 
-def _build(sharding: str, store: str | None, *, adagrad: bool = False, seed: int = 0):
+def _build(sharding: str, store: str | None, *, adagrad: bool = False, seed: int = 0, policy: str = "lru"):
     import torch
     import torch.distributed as dist
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
@@ -53,7 +57,8 @@ def _build(sharding: str, store: str | None, *, adagrad: bool = False, seed: int
     if store is None:
         sharder, kernel = EmbeddingBagCollectionSharder(), "fused"
     else:
-        sharder = TieredEmbeddingBagCollectionSharder(TieredOptions(store_dir=store, cache_rows=CACHE))
+        options = TieredOptions(store_dir=store, cache_rows=CACHE, policy=policy)
+        sharder = TieredEmbeddingBagCollectionSharder(options)
         kernel = TIERED
     world = dist.get_world_size()
     per_table = {
@@ -142,6 +147,20 @@ def _equivalence(rank: int, world_size: int) -> dict:
                     "stopped": stopped,
                     "pinned_after": pinned,
                 }
+        for policy in OTHER_POLICIES:  # which rows stay cached must never change a result
+            with tempfile.TemporaryDirectory() as d:
+                model, opt = _build(sharding, d, policy=policy)
+                pipe = pipeline.PrefetchTrainPipelineSparseDist(
+                    model, opt, torch.device("cpu"), prefetch_ahead=True
+                )
+                outputs, stopped = outputs_then_stop(pipe, iter(data), STEPS)
+                stats = model.module.model.sparse_arch.embedding_bag_collection.tiered_stats()
+                results[(policy, sharding)] = {
+                    "outputs": bitwise_equal(outputs, expected),
+                    "params": bitwise_equal(_state(model), expected_state),
+                    "stopped": stopped,
+                    "evictions": sum(s["evictions"] for s in stats.values()),
+                }
     return results
 
 
@@ -165,6 +184,16 @@ def test_the_cache_evicts_every_run(equivalence, sharding):
     for rank_result in equivalence:
         assert rank_result[("evictions", sharding)] > STEPS
         assert rank_result[("writebacks", sharding)] > 0
+
+
+@pytest.mark.parametrize(("policy", "sharding"), list(itertools.product(OTHER_POLICIES, SHARDINGS)))
+def test_every_admission_policy_trains_bit_for_bit(equivalence, policy, sharding):
+    for rank_result in equivalence:
+        r = rank_result[(policy, sharding)]
+        assert r["outputs"], f"per-step outputs under {policy} differ from the plain loop under lru"
+        assert r["params"], f"final parameters under {policy} differ from the plain loop under lru"
+        assert r["stopped"], "no StopIteration after the last batch"
+        assert r["evictions"] > STEPS, f"{policy}: the cache did not evict"
 
 
 @pytest.mark.parametrize("sharding", SHARDINGS)

@@ -13,7 +13,7 @@ Neither `pipeline` nor `rewrite` imports this package: the pipeline only calls `
 from tiered.cache import CacheStats, CacheTooSmallError, Pin, RowCache
 from tiered.kernel import TieredEmbeddingBag
 from tiered.options import TieredOptions
-from tiered.policy import LFU, LRU, make_policy
+from tiered.policy import LFU, LRU, POLICIES, SecondHit, TinyLFU, make_policy
 from tiered.sharder import (
     TIERED,
     TieredEmbeddingBagCollectionSharder,
@@ -25,12 +25,14 @@ from tiered.store import RowStore, StoreError, StoreStats
 __all__ = [
     "LFU",
     "LRU",
+    "POLICIES",
     "TIERED",
     "CacheStats",
     "CacheTooSmallError",
     "Pin",
     "RowCache",
     "RowStore",
+    "SecondHit",
     "StoreError",
     "StoreStats",
     "TieredEmbeddingBag",
@@ -38,5 +40,6 @@ __all__ = [
     "TieredLookup",
     "TieredOptions",
     "TieredShardedEmbeddingBagCollection",
+    "TinyLFU",
     "make_policy",
 ]

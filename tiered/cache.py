@@ -19,6 +19,7 @@ import time
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tiered.policy import Policy
@@ -112,7 +113,7 @@ class RowCache:
             with self._lock:
                 unique_slots = self.slot_of_row[unique].long()
                 slots = self.slot_of_row[ids].long()
-                self.policy.touch(unique_slots)
+                self.policy.touch(unique_slots, unique)
             self.stats.hits += len(unique) - len(missing)
             self.stats.misses += len(missing)
             self.stats.prefetches += 1
@@ -128,8 +129,8 @@ class RowCache:
         self.pins[slots[resident]] += 1
         missing = unique[~resident]
         need = len(missing)
-        free = torch.nonzero(self.pins == 0).squeeze(1)
-        if len(free) < need:
+        unpinned = self.pins.numpy() == 0 if need else None  # all hits: nothing over all slots
+        if need and int(unpinned.sum()) < need:
             self.pins[slots[resident]] -= 1
             pinned_rows = int((self.pins > 0).sum())
             raise CacheTooSmallError(
@@ -138,9 +139,7 @@ class RowCache:
                 f"Give it at least {pinned_rows + need} rows (cache_rows), or keep fewer "
                 "batches in flight."
             )
-        scores = self.policy.scores()[free]
-        scores[self.row_of_slot[free] < 0] = float("-inf")  # empty slots first
-        chosen = free[torch.topk(scores, need, largest=False, sorted=False).indices] if need else free[:0]
+        chosen = self._victims(unpinned, need)
         old_rows = self.row_of_slot[chosen]
         occupied = old_rows >= 0
         dirty = occupied & self.dirty[chosen]
@@ -150,9 +149,22 @@ class RowCache:
         self.row_of_slot[chosen] = missing
         self.pins[chosen] += 1
         self.dirty[chosen] = False
-        self.policy.loaded(chosen)
+        self.policy.loaded(chosen, missing)
         self.stats.evictions += int(occupied.sum())
         return chosen, missing, evicted
+
+    def _victims(self, unpinned: np.ndarray | None, need: int) -> torch.Tensor:
+        """The `need` unpinned slots to (re)fill: empty ones first, then the policy's lowest.
+
+        One pass over the slots in numpy (no gather of the unpinned ones, a partition instead of a
+        sort): this runs once per table per batch, under the lock that backward's unpin takes."""
+        if need == 0:
+            return torch.zeros(0, dtype=torch.int64)
+        scores = np.where(unpinned, self.policy.scores().numpy(), np.inf)
+        scores[self.row_of_slot.numpy() < 0] = -np.inf  # an empty slot is never pinned
+        if need == len(scores):
+            return torch.arange(need)
+        return torch.from_numpy(np.argpartition(scores, need - 1)[:need])
 
     def _write_back(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         if len(rows):

@@ -126,7 +126,7 @@ class TieredEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
             name = f"{prefix}{table.name}.r{rank}.row{offsets[0]}.col{offsets[1]}"
             store = _open_store(options, name, table, self._rule.state_width)
             capacity = options.capacity(table.local_rows)
-            policy = make_policy(options.policy, capacity)
+            policy = make_policy(options.policy, capacity, table.local_rows)
             self.caches.append(RowCache(store, capacity, policy, name=name))
             self._feature_table += [index] * table.num_features()
             self._dims += [table.local_cols] * table.num_features()

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from tiered.policy import POLICIES
+
 __all__ = ["TieredOptions"]
 
 
@@ -19,7 +21,9 @@ class TieredOptions:
     cache_fraction: float | None = None
     """Alternatively, slots as a fraction of each shard's rows (at least 1 slot)."""
     policy: str = "lru"
-    """Eviction policy: "lru" or "lfu"."""
+    """Eviction and admission policy (`tiered.policy`): "lru", "lfu", "tinylfu" (requests counted
+    per row over a recent window, cached or not) or "second-hit" (a row admitted on its second
+    request)."""
     store_mode: str = "create"
     """"create": new stores from the initial weights (replacing same-shaped ones); "open": keep the
     rows of existing stores (e.g. to resume), which must match the table shapes."""
@@ -36,8 +40,8 @@ class TieredOptions:
             raise ValueError(f"cache_fraction must be in (0, 1]; got {self.cache_fraction}")
         if self.store_mode not in ("create", "open"):
             raise ValueError(f"store_mode must be 'create' or 'open'; got {self.store_mode!r}")
-        if self.policy not in ("lru", "lfu"):
-            raise ValueError(f"policy must be 'lru' or 'lfu'; got {self.policy!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
         directory = Path(self.store_dir)
         if not directory.is_dir():
             raise ValueError(f"embedding store directory {directory} does not exist; create it first")

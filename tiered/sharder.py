@@ -73,6 +73,20 @@ class TieredLookup(GroupedPooledEmbeddingsLookup):
             pins,
         )
 
+    def release_prefetched(self, sparse_features: KeyedJaggedTensor, *, updated: bool = False) -> None:
+        """Unpin the rows `prefetch(sparse_features)` acquired, without a forward; `updated` marks
+        them dirty first, as a training step's update would (no-op if nothing was prefetched)."""
+        entry = self._prefetched.pop(id(sparse_features), None)
+        if entry is None or entry[0]() is not sparse_features:
+            return
+        for op, pins in zip(self._emb_modules, entry[1], strict=True):
+            if pins is None:  # a table on another kernel
+                continue
+            for cache, pin in zip(op.caches, pins, strict=True):
+                if updated and not pin.released:
+                    cache.mark_dirty(pin.unique_slots)
+                pin.release()
+
     def forward(self, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
         entry = self._prefetched.pop(id(sparse_features), None)
         self._handed = entry[1] if entry is not None and entry[0]() is sparse_features else None
@@ -169,6 +183,13 @@ class TieredShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return [
             k for lookup in self._lookups if isinstance(lookup, TieredLookup) for k in lookup.tiered_kernels()
         ]
+
+    def release_prefetched(self, dist_input: list[KeyedJaggedTensor], *, updated: bool = False) -> None:
+        """Unpin the rows `prefetch(dist_input)` acquired, without a forward (`TieredLookup`); the
+        I/O of a step with no compute, for benchmarks."""
+        for features, lookup in zip(dist_input, self._lookups, strict=True):
+            if isinstance(lookup, TieredLookup):
+                lookup.release_prefetched(features, updated=updated)
 
     def tiered_stats(self) -> dict[str, dict[str, float]]:
         """Cache and store counters per table shard on this rank (`TieredEmbeddingBag.stats`)."""
