@@ -165,13 +165,11 @@ class PrefetchStage:
                 if prepared is None:
                     continue
                 module_ctx, data = prepared
-                if pm.fqn not in self._working:
-                    ctx.prefetched[pm.fqn] = (module_ctx, data)
-                    continue
-                start = time.perf_counter()
-                with label(f"pipeline::prefetch::{pm.fqn}#{ctx.index}"):
-                    pm.module.prefetch(dist_input=data, forward_stream=forward_stream, ctx=module_ctx)
-                work += time.perf_counter() - start
+                if pm.fqn in self._working:
+                    start = time.perf_counter()
+                    with label(f"pipeline::prefetch::{pm.fqn}#{ctx.index}"):
+                        pm.module.prefetch(dist_input=data, forward_stream=forward_stream, ctx=module_ctx)
+                    work += time.perf_counter() - start
                 streams.produced(data)
                 streams.produced(module_ctx)
                 ctx.prefetched[pm.fqn] = (module_ctx, data)
