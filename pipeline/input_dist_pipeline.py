@@ -57,15 +57,15 @@ class InputDistPipeline(LanePipeline):
         return self._model
 
     def attach(self, model: nn.Module | None = None, sparse_dist: bool = True) -> None:
-        """torchrec's counterpart of `detach()`: optional here, since `progress()` re-attaches.
-        `model` replaces the pipeline's model (the same model, say, after loading a checkpoint)."""
+        """torchrec's counterpart of `detach()`; optional here, since `progress()` re-attaches.
+
+        Raises:
+            ValueError: `model` is not the pipeline's model (build a new pipeline for another).
+        """
         if model is not None and model is not self._model:
-            self._input_dist.detach()
-            self._model = model
-            self._input_dist = self._make_input_dist(self._options, forward=self._input_dist_forward)
+            raise ValueError("attach(model) takes the pipeline's own model; build a new pipeline for another")
 
     def _make_input_dist(self, options: PipelineOptions, *, forward: str) -> InputDist:
-        self._input_dist_forward = forward
         input_dist = InputDist(
             self._model,
             self._streams,
