@@ -44,7 +44,7 @@ BOXES = {
         1.4,
         "#dbe9f6",
         (
-            "lanes.py  LanePipeline",
+            "lane_pipeline.py  LanePipeline",
             "progress / drain / reset, lanes,",
             "copy, forward, backward, optimizer",
         ),

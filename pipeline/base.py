@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.compat import Bound
-from pipeline.lanes import LanePipeline
+from pipeline.lane_pipeline import LanePipeline
 from pipeline.ranks import Lane
 
 __all__ = ["TrainPipelineBase"]

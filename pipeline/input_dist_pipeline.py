@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from pipeline.input_dist import InputDist
-from pipeline.lanes import LanePipeline
+from pipeline.lane_pipeline import LanePipeline
 from pipeline.options import PipelineOptions
 from pipeline.schedule import Tuner
 from rewrite import RewriteReport

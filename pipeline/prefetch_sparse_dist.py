@@ -14,7 +14,7 @@ Per `progress()` call that returns batch i:
 
 The whole step is `PrefetchTrainPipelineSparseDist._step` below; it calls the input_dist component
 (`pipeline.input_dist`), the prefetch stage (`PrefetchStage`, below) and the shared stages
-(`pipeline.lanes`).
+(`pipeline.lane_pipeline`).
 """
 
 from __future__ import annotations
