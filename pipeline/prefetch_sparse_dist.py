@@ -51,7 +51,7 @@ class PrefetchTrainPipelineSparseDist(InputDistPipeline):
 
     def _compose(self, bound: Bound) -> None:
         options = bound.options
-        if options.streams is None:  # on CPU, the prefetch stream is a worker thread
+        if options.streams is None and self._device.type != "cuda":  # CPU: the prefetch stream is a thread
             self._streams = streams_for(self._device, prefetch_thread=True)
         self._context_type = PrefetchBatchContext
         self._lookahead = 2  # torchrec's fixed rule (1.8.0's refill made it 4 after the first step)
