@@ -44,7 +44,7 @@ BOXES = {
         1.4,
         "#dbe9f6",
         (
-            "lanes.py  LanePipeline",
+            "lane_pipeline.py  LanePipeline",
             "progress / drain / reset, lanes,",
             "copy, forward, backward, optimizer",
         ),
@@ -57,8 +57,8 @@ BOXES = {
         "#dbe9f6",
         (
             "input_dist_pipeline.py",
-            "rewrite_report, detach, schedule;",
-            "start / finish / retire next batch",
+            "InputDistPipeline: rewrite_report,",
+            "detach, attach, input_dist_schedule",
         ),
     ),
     "ranks": (
@@ -84,9 +84,9 @@ BOXES = {
         "#dbe9f6",
         (
             "input_dist.py  InputDist",
-            "attach / start / wait_splits /",
-            "release_inputs / detach;",
-            "InputDistGroups, fused splits",
+            "attach / start / wait_splits / fill /",
+            "start_next / finish_next / retire_head;",
+            "release_inputs; InputDistGroups",
             "schedule.py: schedules, Tuner",
             "memory.py: torchrec's memory flags",
         ),
@@ -139,7 +139,7 @@ ARROWS = [
     ((11.5, 7.6), (11.5, 7.15), ""),
     ((3.9, 6.4), (4.3, 6.4), "options"),
     ((5.2, 5.7), (4.0, 5.25), "fetch, admit, fail"),
-    ((10.2, 5.7), (8.6, 5.25), "start, wait_splits"),
+    ((10.2, 5.7), (8.6, 5.25), "owns an InputDist"),
     ((12.6, 5.7), (12.6, 5.25), "prefetch, lookup"),
     ((9.3, 4.05), (9.7, 4.05), ""),
     ((8.4, 2.9), (8.9, 2.35), "attach, detach"),

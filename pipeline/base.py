@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.compat import Bound
-from pipeline.lanes import LanePipeline
+from pipeline.lane_pipeline import LanePipeline
 from pipeline.ranks import Lane
 
 __all__ = ["TrainPipelineBase"]
@@ -51,9 +51,8 @@ class TrainPipelineBase(LanePipeline):
         ctx = lane.inflight[0]
         self._enqueue(lane)  # copy of i+1 overlaps compute of i
         losses, output = self._forward(ctx, train=True)
-        # Batch i+1 was fetched before this forward on every rank: a sharded module's input
-        # all-to-all over every rank in it lets the read overlap backward; else the read waits
-        # for backward's collectives (a sharded model's all-to-alls, DDP's all-reduce).
+        # batch i+1 was fetched before this forward: its flags may be read from the first
+        # collective over every rank after it (`Ranks.after_world_collective`)
         read_early = self._ranks.forward_spanned_world(lane, self._model)
         if read_early:
             self._ranks.after_world_collective(lane, 1)

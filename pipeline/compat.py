@@ -157,9 +157,13 @@ class Bound:
     """A constructor call, bound: what the class needs besides its options."""
 
     model: Any
+    """The model the pipeline trains (or evaluates)."""
     optimizer: Any = None
+    """The dense optimizer (None for SparseDataDistUtil, which has none)."""
     device: Any = None
+    """Where batches are copied to (None for SparseDataDistUtil)."""
     options: PipelineOptions
+    """Every other argument, as options."""
     other: dict[str, Any]
     """torchrec's parameters that belong to no options object (SparseDataDistUtil's streams)."""
 

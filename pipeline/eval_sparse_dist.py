@@ -52,17 +52,17 @@ class EvalPipelineSparseDist(InputDistPipeline):
         self._input_dist = self._make_input_dist(options, forward="input_dist")
 
     def _fill(self, lane: Lane) -> None:
-        self._start_head(lane)
+        self._input_dist.fill(lane, self._ranks, self._enqueue)
 
     def _step(self, lane: Lane) -> Any:
-        ctx = lane.inflight[0]
-        self._input_dist.release_inputs(ctx)
+        ctx, input_dist = lane.inflight[0], self._input_dist
+        input_dist.release_inputs(ctx)
         if len(lane.inflight) < 3:
             self._enqueue(lane)
-        nxt = self._start_next(lane)
-        _, output = self._forward(ctx, train=False, slot=self._input_dist.slot)
-        self._finish_next(lane, nxt)
-        self._retire_head(lane, nxt)
+        nxt = input_dist.start_next(lane, self._ranks)
+        _, output = self._forward(ctx, train=False, slot=input_dist.slot)
+        input_dist.finish_next(lane, self._ranks, nxt, fetched_before=True)
+        input_dist.retire_head(lane, self._ranks, nxt, read_next=False)
         return output
 
 

@@ -17,16 +17,25 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.embedding_sharding import FusedKJTListSplitsAwaitable, KJTSplitsAllToAllMeta
 
 from pipeline.context import BatchContext
 from pipeline.labels import run_stage
 from pipeline.memory import free_features_early, release_features, release_sent_inputs
 from pipeline.options import InputDistOptions, MemoryOptions, RewriteOptions
+from pipeline.ranks import Lane, Ranks
 from pipeline.schedule import SCHEDULES
 from pipeline.streams import Streams
 from pipeline.tuner import Tuner
-from rewrite import ContextSlot, PipelinedModule, Rewrite, RewriteReport, kjt_all_to_alls, rewrite_model
+from rewrite import (
+    ContextSlot,
+    PipelinedModule,
+    Rewrite,
+    RewriteReport,
+    fuse_splits_requests,
+    kjt_all_to_alls,
+    one_by_one,
+    rewrite_model,
+)
 
 __all__ = ["InputDist", "InputDistGroups"]
 
@@ -154,10 +163,11 @@ class InputDist:
             if self._memory.free_features_storage_early:  # every module has its own permuted copy
                 self.freed_bytes += release_features(ctx.module_contexts.values())
             if fused:
-                ctx.splits_requests, groups = _fuse(requests, ctx.module_contexts)
-                ctx.splits_span_world = any(pg is not None and pg.size() == _world_size() for pg in groups)
+                ctx.splits_requests, groups = fuse_splits_requests(requests, ctx.module_contexts)
+                world = dist.get_world_size() if dist.is_initialized() else 1
+                ctx.splits_span_world = any(pg is not None and pg.size() == world for pg in groups)
             else:
-                ctx.splits_requests = [([name], _One(request)) for name, request in requests.items()]
+                ctx.splits_requests = one_by_one(requests)
         ctx.started = True
 
     def wait_splits(self, ctx: BatchContext) -> None:
@@ -168,6 +178,51 @@ class InputDist:
                 for name, values in zip(names, request.wait(), strict=True):
                     ctx.input_dist_requests[name] = values
             ctx.splits_requests = []
+
+    # -- the next batch, within a step (the pipelines' steps call these by name) ---------------
+
+    def fill(self, lane: Lane, ranks: Ranks, enqueue: Callable[[Lane], bool]) -> None:
+        """Before a step: the head batch admitted, its input_dist started and its splits waited;
+        the batch after it copied (`enqueue`)."""
+        if not lane.inflight:
+            enqueue(lane)
+        head = lane.inflight[0] if lane.inflight else None
+        if head is not None and not head.started and ranks.admit(lane, head):
+            self.start(head)
+            self.wait_splits(head)
+        if len(lane.inflight) < 2:
+            enqueue(lane)
+
+    def start_next(self, lane: Lane, ranks: Ranks) -> BatchContext | None:
+        """Admit batch i+1 (its input_dist is its first collective) and start its input_dist,
+        waiting for its splits now under an early schedule. None if there is no such batch."""
+        nxt = lane.inflight[1] if len(lane.inflight) > 1 else None
+        if nxt is None or not ranks.admit(lane, nxt):
+            return None
+        self.start(nxt)
+        if self.early_splits:
+            self.wait_splits(nxt)
+        return nxt
+
+    def finish_next(
+        self, lane: Lane, ranks: Ranks, nxt: BatchContext | None, *, fetched_before: bool
+    ) -> None:
+        """After forward of batch i: wait for batch i+1's splits (a no-op after early ones). When
+        every rank fetched batch i+2 before issuing them (`fetched_before`) and they span every
+        rank, the flags of batch i+2 may be read now (`Ranks.after_world_collective`)."""
+        if nxt is None:
+            return
+        self.wait_splits(nxt)
+        if nxt.splits_span_world and fetched_before:
+            ranks.after_world_collective(lane, 2)
+
+    @staticmethod
+    def retire_head(lane: Lane, ranks: Ranks, nxt: BatchContext | None, *, read_next: bool) -> None:
+        """The head batch is done: pop it. Where `finish_next` could not start the read of the
+        next batch's flags (or `read_next`), this step's collectives (backward's) let it start now."""
+        lane.inflight.popleft()
+        if read_next or nxt is None or not nxt.splits_span_world:
+            ranks.after_world_collective(lane, 1)
 
     def release_inputs(self, ctx: BatchContext) -> None:
         """`clear_data_dist_inputs`: wait for `ctx`'s values all-to-alls and free what they sent
@@ -232,41 +287,3 @@ class InputDistGroups:
                 a2a._pg = pg
 
         return undo
-
-
-class _One:
-    """Makes one module's splits awaitable look like a fused one (a list of one result)."""
-
-    def __init__(self, request: Any) -> None:
-        self._request = request
-
-    def wait(self) -> list[Any]:
-        return [self._request.wait()]
-
-
-def _fuse(
-    requests: dict[str, Any], module_contexts: dict[str, Any]
-) -> tuple[list[tuple[list[str], Any]], list[Any]]:
-    """One splits all-to-all per process group, over every module using that group; and the groups
-    (None for modules without a splits all-to-all)."""
-    groups: dict[int, tuple[Any, list[str]]] = {}
-    for name, request in requests.items():
-        metas = [a for a in getattr(request, "awaitables", []) if isinstance(a, KJTSplitsAllToAllMeta)]
-        pg = metas[0].pg if metas else None
-        groups.setdefault(id(pg), (pg, []))[1].append(name)
-    fused = [
-        (
-            names,
-            FusedKJTListSplitsAwaitable(
-                requests=[requests[n] for n in names],
-                contexts=[module_contexts[n] for n in names],
-                pg=pg,
-            ),
-        )
-        for pg, names in groups.values()
-    ]
-    return fused, [pg for pg, _ in groups.values()]
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -1,18 +1,16 @@
-"""`InputDistPipeline`: the public face and the step pieces shared by the pipelines that run
-input_dist ahead of forward (SparseDist, Prefetch, Fused, SemiSync, Eval): `rewrite_report`,
-`input_dist_schedule`, `tuner`, `detach()`/`attach()`, and the pieces of a step that start, finish
-and retire the next batch's input_dist. Each class writes its step in its own module from these.
+"""`InputDistPipeline`: the public face shared by the pipelines that run input_dist ahead of forward
+(SparseDist, Prefetch, Fused, SemiSync, Eval): `rewrite_report`, `input_dist_schedule`, `tuner`,
+`released_bytes`, `detach()`/`attach()`. Each class writes its step in its own module, calling its
+`InputDist` (`pipeline.input_dist`) by name.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from pipeline.context import BatchContext
 from pipeline.input_dist import InputDist
-from pipeline.lanes import LanePipeline
+from pipeline.lane_pipeline import LanePipeline
 from pipeline.options import PipelineOptions
-from pipeline.ranks import Lane
 from pipeline.tuner import Tuner
 from rewrite import RewriteReport
 
@@ -59,15 +57,15 @@ class InputDistPipeline(LanePipeline):
         return self._model
 
     def attach(self, model: nn.Module | None = None, sparse_dist: bool = True) -> None:
-        """torchrec's counterpart of `detach()`: optional here, since `progress()` re-attaches.
-        `model` replaces the pipeline's model (the same model, say, after loading a checkpoint)."""
+        """torchrec's counterpart of `detach()`; optional here, since `progress()` re-attaches.
+
+        Raises:
+            ValueError: `model` is not the pipeline's model (build a new pipeline for another).
+        """
         if model is not None and model is not self._model:
-            self._input_dist.detach()
-            self._model = model
-            self._input_dist = self._make_input_dist(self._options, forward=self._input_dist_forward)
+            raise ValueError("attach(model) takes the pipeline's own model; build a new pipeline for another")
 
     def _make_input_dist(self, options: PipelineOptions, *, forward: str) -> InputDist:
-        self._input_dist_forward = forward
         input_dist = InputDist(
             self._model,
             self._streams,
@@ -78,45 +76,3 @@ class InputDistPipeline(LanePipeline):
         )
         self._on_reset.append(input_dist.reset)
         return input_dist
-
-    # -- pieces of a step ---------------------------------------------------------------------
-
-    def _start_head(self, lane: Lane) -> None:
-        """Fill: the head batch admitted, its input_dist started and its splits waited; the batch
-        after it copied."""
-        if not lane.inflight:
-            self._enqueue(lane)
-        head = lane.inflight[0] if lane.inflight else None
-        if head is not None and not head.started and self._ranks.admit(lane, head):
-            self._input_dist.start(head)
-            self._input_dist.wait_splits(head)
-        if len(lane.inflight) < 2:
-            self._enqueue(lane)
-
-    def _start_next(self, lane: Lane) -> BatchContext | None:
-        """Admit batch i+1 (its input_dist is its first collective) and start its input_dist,
-        waiting for its splits now under an early schedule. None if there is no such batch."""
-        nxt = lane.inflight[1] if len(lane.inflight) > 1 else None
-        if nxt is None or not self._ranks.admit(lane, nxt):
-            return None
-        self._input_dist.start(nxt)
-        if self._input_dist.early_splits:
-            self._input_dist.wait_splits(nxt)
-        return nxt
-
-    def _finish_next(self, lane: Lane, nxt: BatchContext | None, *, fetched_before: bool = True) -> None:
-        """After forward of batch i: wait for batch i+1's splits (a no-op after early ones). Every
-        rank fetched batch i+2 before issuing those splits (`fetched_before`), so once they are
-        waited and span every rank, its flags may be read."""
-        if nxt is None:
-            return
-        self._input_dist.wait_splits(nxt)
-        if nxt.splits_span_world and fetched_before:
-            self._ranks.after_world_collective(lane, 2)
-
-    def _retire_head(self, lane: Lane, nxt: BatchContext | None, *, read_next: bool = False) -> None:
-        """The head batch is done: pop it. Where no splits all-to-all over every rank let the flags
-        of batch i+2 be read (or `read_next`), this step's collectives (backward's) have: read now."""
-        lane.inflight.popleft()
-        if read_next or nxt is None or not nxt.splits_span_world:
-            self._ranks.after_world_collective(lane, 1)

@@ -186,10 +186,18 @@ class PipelineOptions:
     streams: Any = None
     """The `pipeline.streams.Streams` to run on; None: real streams on CUDA, none on CPU."""
     ranks: RankOptions = field(default_factory=RankOptions)
+    """How the ranks agree (every class)."""
     rewrite: RewriteOptions = field(default_factory=RewriteOptions)
+    """How the sharded modules are rewritten (every class but Base)."""
     input_dist: InputDistOptions = field(default_factory=InputDistOptions)
+    """The input_dist schedule (every class but Base)."""
     prefetch: PrefetchOptions = field(default_factory=PrefetchOptions)
+    """The prefetch stage (Prefetch only)."""
     memory: MemoryOptions = field(default_factory=MemoryOptions)
+    """torchrec's memory flags (the classes whose torchrec counterpart takes them)."""
     step: StepOptions = field(default_factory=StepOptions)
+    """torchrec's ordering and 2D-sharding flags (SparseDist, Fused, SemiSync)."""
     lookup: LookupOptions = field(default_factory=LookupOptions)
+    """The lookup stage (Fused only)."""
     semi_sync: SemiSyncOptions = field(default_factory=SemiSyncOptions)
+    """The semi-synchronous schedule (SemiSync only)."""

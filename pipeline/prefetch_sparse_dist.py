@@ -14,7 +14,7 @@ Per `progress()` call that returns batch i:
 
 The whole step is `PrefetchTrainPipelineSparseDist._step` below; it calls the input_dist component
 (`pipeline.input_dist`), the prefetch stage (`PrefetchStage`, below) and the shared stages
-(`pipeline.lanes`).
+(`pipeline.lane_pipeline`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class PrefetchTrainPipelineSparseDist(InputDistPipeline):
 
     def _compose(self, bound: Bound) -> None:
         options = bound.options
-        if options.streams is None:  # on CPU, the prefetch stream is a worker thread
+        if options.streams is None and self._device.type != "cuda":  # CPU: the prefetch stream is a thread
             self._streams = streams_for(self._device, prefetch_thread=True)
         self._context_type = PrefetchBatchContext
         self._lookahead = 2  # torchrec's fixed rule (1.8.0's refill made it 4 after the first step)
@@ -63,7 +63,7 @@ class PrefetchTrainPipelineSparseDist(InputDistPipeline):
         return self._prefetch.ahead
 
     def _fill(self, lane: Lane) -> None:
-        self._start_head(lane)
+        self._input_dist.fill(lane, self._ranks, self._enqueue)
 
     def _step(self, lane: Lane) -> Any:
         ctx = lane.inflight[0]
@@ -71,14 +71,14 @@ class PrefetchTrainPipelineSparseDist(InputDistPipeline):
         input_dist.choose_schedule(self._model.training)
         if len(lane.inflight) < 3:
             self._enqueue(lane)
-        nxt = self._start_next(lane)
+        nxt = input_dist.start_next(lane, self._ranks)
         if nxt is not None and input_dist.early_splits:
             # on a worker thread the prefetch of batch i+1 starts as soon as its values all-to-all
             # is under way, and reads during forward too; the rows batch i uses are pinned
             prefetch.submit_early(nxt)
         prefetch.wait(ctx)  # submits it first if it did not run ahead
         losses, output = self._forward(ctx, train=True, slot=input_dist.slot)
-        self._finish_next(lane, nxt)
+        input_dist.finish_next(lane, self._ranks, nxt, fetched_before=True)
         if nxt is not None and prefetch.ahead:
             # overlaps backward and optimizer of batch i (torchrec's GPU order); the rows it
             # needs are pinned by the kernel, so backward of i cannot lose them
@@ -86,7 +86,7 @@ class PrefetchTrainPipelineSparseDist(InputDistPipeline):
         if losses is not None:
             self._backward(ctx, losses)
             self._optimizer_step(ctx)
-        self._retire_head(lane, nxt)
+        input_dist.retire_head(lane, self._ranks, nxt, read_next=False)
         return output
 
 

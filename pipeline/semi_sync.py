@@ -2,8 +2,8 @@
 
 The lookup stage is `pipeline.lookup`'s; this module places it between forward and backward of
 the previous batch (from `start_batch` on) and keeps four batches in flight: batch k+1 is fetched
-before the input_dist of batch k starts, so that a rank whose data ended has written its flag in
-the store before the collective after which the other ranks read it (`pipeline.ranks`).
+before the input_dist of batch k starts, so that batch k's input_dist is a collective every rank
+issued after fetching batch k+1 (the rule of `Ranks.after_world_collective`).
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ class TrainPipelineSemiSync(InputDistPipeline):
             self._input_dist.wait_splits(lane.inflight[k])
 
     def _start(self, lane: Lane, k: int) -> bool:
-        """Start input_dist of the k-th batch in flight; False if there is none. Batch k+1 is
-        fetched first, so its flag is in the store before the ranks' next collective."""
+        """Start input_dist of the k-th batch in flight (batch k+1 fetched first); False if there
+        is none."""
         while len(lane.inflight) < k + 2 and self._enqueue(lane):
             pass
         if len(lane.inflight) <= k:

@@ -57,7 +57,7 @@ class TrainPipelineSparseDist(InputDistPipeline):
         self._input_dist = self._make_input_dist(bound.options, forward="input_dist")
 
     def _fill(self, lane: Lane) -> None:
-        self._start_head(lane)
+        self._input_dist.fill(lane, self._ranks, self._enqueue)
 
     def _step(self, lane: Lane) -> Any:
         ctx = lane.inflight[0]
@@ -67,14 +67,14 @@ class TrainPipelineSparseDist(InputDistPipeline):
         copy_late = self._options.step.enqueue_batch_after_forward
         if not copy_late and len(lane.inflight) < 3:
             self._enqueue(lane)
-        nxt = self._start_next(lane)
+        nxt = input_dist.start_next(lane, self._ranks)
         losses, output = self._forward(ctx, train=True, slot=input_dist.slot)
         if copy_late and len(lane.inflight) < 3:
             self._enqueue(lane)  # after forward: on a GPU the copy does not compete with lookups
-        self._finish_next(lane, nxt, fetched_before=not copy_late)
+        input_dist.finish_next(lane, self._ranks, nxt, fetched_before=not copy_late)
         if losses is not None:
             self._backward(ctx, losses)
             self._sync_replicas(ctx)
             self._optimizer_step(ctx)
-        self._retire_head(lane, nxt, read_next=copy_late)
+        input_dist.retire_head(lane, self._ranks, nxt, read_next=copy_late)
         return output

@@ -29,7 +29,13 @@ from rewrite.forwards import (
 )
 from rewrite.model import PipelinedModule, Rewrite, outermost_sharded, rewrite_model, unwrap_model
 from rewrite.report import ModuleReport, RewriteError, RewriteReport
-from rewrite.splits import input_dists_ready, install_fused_splits, kjt_all_to_alls
+from rewrite.splits import (
+    fuse_splits_requests,
+    input_dists_ready,
+    install_fused_splits,
+    kjt_all_to_alls,
+    one_by_one,
+)
 
 __all__ = [
     "ArgInfo",
@@ -52,9 +58,11 @@ __all__ = [
     "RewriteError",
     "RewriteReport",
     "find_kjts",
+    "fuse_splits_requests",
     "input_dists_ready",
     "install_fused_splits",
     "kjt_all_to_alls",
+    "one_by_one",
     "outermost_sharded",
     "parse_path",
     "rewrite_model",

@@ -10,15 +10,22 @@ installed after the first batch.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.dist_data import KJTAllToAll
-from torchrec.distributed.embedding_sharding import KJTSplitsAllToAllMeta
+from torchrec.distributed.embedding_sharding import FusedKJTListSplitsAwaitable, KJTSplitsAllToAllMeta
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-__all__ = ["input_dists_ready", "install_fused_splits", "kjt_all_to_alls"]
+__all__ = [
+    "fuse_splits_requests",
+    "input_dists_ready",
+    "install_fused_splits",
+    "kjt_all_to_alls",
+    "one_by_one",
+]
 
 
 class _SplitsOnly:
@@ -79,3 +86,44 @@ def install_fused_splits(modules: list[nn.Module]) -> Callable[[], None]:
             vars(a2a).pop("forward", None)
 
     return undo
+
+
+class _One:
+    """Makes one module's splits awaitable look like a fused one (a list of one result)."""
+
+    def __init__(self, request: Any) -> None:
+        self._request = request
+
+    def wait(self) -> list[Any]:
+        return [self._request.wait()]
+
+
+def fuse_splits_requests(
+    requests: dict[str, Any], module_contexts: dict[str, Any]
+) -> tuple[list[tuple[list[str], Any]], list[Any]]:
+    """One splits all-to-all per process group, over every module using that group (`names, awaitable`
+    pairs whose `wait()` returns the values awaitables in `names` order); and the groups (None for
+    modules without a splits all-to-all). Before the input dists are patched (`install_fused_splits`)
+    a module's splits request is already issued: `one_by_one` wraps those instead."""
+    groups: dict[int, tuple[Any, list[str]]] = {}
+    for name, request in requests.items():
+        metas = [a for a in getattr(request, "awaitables", []) if isinstance(a, KJTSplitsAllToAllMeta)]
+        pg = metas[0].pg if metas else None
+        groups.setdefault(id(pg), (pg, []))[1].append(name)
+    fused = [
+        (
+            names,
+            FusedKJTListSplitsAwaitable(
+                requests=[requests[n] for n in names],
+                contexts=[module_contexts[n] for n in names],
+                pg=pg,
+            ),
+        )
+        for pg, names in groups.values()
+    ]
+    return fused, [pg for pg, _ in groups.values()]
+
+
+def one_by_one(requests: dict[str, Any]) -> list[tuple[list[str], Any]]:
+    """Each module's own splits request, in the shape `fuse_splits_requests` returns."""
+    return [([name], _One(request)) for name, request in requests.items()]
