@@ -9,7 +9,8 @@
 
 Table-wise and column-wise sharding, distinct batches per step and rank, one output per batch, then
 StopIteration. Every comparison also has a negative twin (a reference that is off by one step) that
-must differ, so a test that compares nothing cannot pass. All cases run in one pair of rank processes.
+must differ, so a test that compares nothing cannot pass. Each case is a scenario on the module's
+pair of ranks (tests/harness.py), asserted in its own test.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import itertools
 
 import pytest
 
-from tests.harness import run_ranks
+from tests.harness import pytest_timeout
 
 SHARDINGS = ("table_wise", "column_wise")
 STEPS = 8
@@ -34,6 +35,8 @@ START_BATCH = 3
 SEMI_CASES = [(k, s, START_BATCH) for k, s in itertools.product(("dlrm", "nested"), SHARDINGS)]
 SEMI_CASES.append(("dlrm", "table_wise", 900))  # all warm-up: the plain loop
 STASH_CASES = [("nested", "table_wise"), ("dlrm", "column_wise")]
+TIMEOUT = 150
+pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
 
 
 def _features(kind: str, root, batch) -> list:
@@ -291,7 +294,7 @@ def _switch_case(rank: int, name: str) -> dict:
     }
 
 
-def _shared_parameters_case() -> str | None:
+def _shared_parameters_case(rank: int) -> str | None:
     """SemiSync with strict=True on a model whose sharded module has parameters in the dense
     optimizer (position weights): every rank refuses it on the first step."""
     import torch
@@ -308,56 +311,47 @@ def _shared_parameters_case() -> str | None:
     return None
 
 
-def _run_all(rank: int, world_size: int) -> dict:
+def _fused(rank: int, world_size: int, kind: str, sharding: str, option: str) -> dict:
     from tests import models
 
-    out = {}
-    for kind, sharding in EVAL_CASES:
-        out["eval", kind, sharding] = _eval_case(rank, kind, sharding)
-    for kind, sharding, option in FUSED_CASES:
-        out["fused", kind, sharding, option] = _train_case(
-            rank, "TrainPipelineFusedSparseDist", kind, sharding, models.plain_loop, **FUSED_OPTIONS[option]
-        )
-    out["semi_shared"] = _shared_parameters_case()
-    for kind, sharding, start in SEMI_CASES:
-        stale = functools.partial(semi_sync_loop, kind, start_batch=start)
-        out["semi", kind, sharding, start] = _train_case(
-            rank,
-            "TrainPipelineSemiSync",
-            kind,
-            sharding,
-            stale,
-            compare={"plain_loop": models.plain_loop},
-            start_batch=start,
-        )
-    for kind, sharding in STASH_CASES:
-        stale = functools.partial(semi_sync_loop, kind, start_batch=START_BATCH, stash=True)
-        no_stash = functools.partial(semi_sync_loop, kind, start_batch=START_BATCH)
-        out["stash", kind, sharding] = _train_case(
-            rank,
-            "TrainPipelineSemiSync",
-            kind,
-            sharding,
-            stale,
-            compare={"no_stash": no_stash},
-            start_batch=START_BATCH,
-            stash_gradients=True,
-        )
-    for name, broken in itertools.product(STREAM_PIPELINES, (False, True)):
-        out["streams", name, broken] = _streams_case(rank, name, broken)
-    for name, cases in UNEVEN.items():
-        for counts in cases:
-            out["uneven", name, counts] = _uneven_case(rank, name, counts)
-        out["switch", name] = _switch_case(rank, name)
-    for kind, sharding in STAGED_CASES:
-        out["staged", kind, sharding] = _staged_case(rank, kind, sharding)
-    out["staged_detach"] = _staged_case(rank, "dlrm", "column_wise", detach_at=3)
-    return out
+    return _train_case(
+        rank, "TrainPipelineFusedSparseDist", kind, sharding, models.plain_loop, **FUSED_OPTIONS[option]
+    )
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict]:
-    return run_ranks(_run_all, 2, timeout=400)
+def _semi(rank: int, world_size: int, kind: str, sharding: str, start: int) -> dict:
+    from tests import models
+
+    stale = functools.partial(semi_sync_loop, kind, start_batch=start)
+    return _train_case(
+        rank,
+        "TrainPipelineSemiSync",
+        kind,
+        sharding,
+        stale,
+        compare={"plain_loop": models.plain_loop},
+        start_batch=start,
+    )
+
+
+def _stash(rank: int, world_size: int, kind: str, sharding: str) -> dict:
+    stale = functools.partial(semi_sync_loop, kind, start_batch=START_BATCH, stash=True)
+    no_stash = functools.partial(semi_sync_loop, kind, start_batch=START_BATCH)
+    return _train_case(
+        rank,
+        "TrainPipelineSemiSync",
+        kind,
+        sharding,
+        stale,
+        compare={"no_stash": no_stash},
+        start_batch=START_BATCH,
+        stash_gradients=True,
+    )
+
+
+def _on_ranks(rank: int, world_size: int, fn, *args):
+    """`fn(rank, *args)`: the module's cases as harness scenarios."""
+    return fn(rank, *args)
 
 
 def _check_common(r: dict) -> None:
@@ -376,9 +370,8 @@ def _check_trained(r: dict, rank: int, reference: str, *, twin: bool = True) -> 
 
 
 @pytest.mark.parametrize(("kind", "sharding"), EVAL_CASES)
-def test_eval_pipeline_gives_the_models_outputs(results, kind, sharding):
-    for rank, per_rank in enumerate(results):
-        r = per_rank["eval", kind, sharding]
+def test_eval_pipeline_gives_the_models_outputs(pool, kind, sharding):
+    for rank, r in enumerate(pool.run(_on_ranks, _eval_case, kind, sharding, timeout=TIMEOUT)):
         _check_common(r)
         assert r["outputs"], f"rank {rank}: outputs differ from model.eval() outputs"
         assert not r["shifted"], "batches are not distinct: the comparison cannot fail"
@@ -387,48 +380,46 @@ def test_eval_pipeline_gives_the_models_outputs(results, kind, sharding):
 
 
 @pytest.mark.parametrize(("kind", "sharding", "option"), FUSED_CASES)
-def test_fused_sparse_dist_equals_plain_loop(results, kind, sharding, option):
-    for rank, per_rank in enumerate(results):
-        r = per_rank["fused", kind, sharding, option]
+def test_fused_sparse_dist_equals_plain_loop(pool, kind, sharding, option):
+    for rank, r in enumerate(pool.run(_fused, kind, sharding, option, timeout=TIMEOUT)):
         _check_trained(r, rank, "the plain loop")
 
 
 @pytest.mark.parametrize(("kind", "sharding"), STAGED_CASES)
-def test_staged_pipeline_with_user_stages_equals_plain_loop(results, kind, sharding):
-    for rank, per_rank in enumerate(results):
-        r = per_rank["staged", kind, sharding]
-        if (kind, sharding) == ("dlrm", "column_wise"):  # the same, with a detach after 3 steps
-            assert per_rank["staged_detach"] == r
+def test_staged_pipeline_with_user_stages_equals_plain_loop(pool, kind, sharding):
+    for rank, r in enumerate(pool.run(_on_ranks, _staged_case, kind, sharding, timeout=TIMEOUT)):
+        _check_trained(r, rank, "the plain loop")
+
+
+def test_staged_pipeline_detached_mid_run_equals_plain_loop(pool):
+    for rank, r in enumerate(pool.run(_on_ranks, _staged_case, "dlrm", "column_wise", 3, timeout=TIMEOUT)):
         _check_trained(r, rank, "the plain loop")
 
 
 @pytest.mark.parametrize(("kind", "sharding", "start_batch"), SEMI_CASES)
-def test_semi_sync_equals_the_stale_loop(results, kind, sharding, start_batch):
-    for rank, per_rank in enumerate(results):
-        r = per_rank["semi", kind, sharding, start_batch]
+def test_semi_sync_equals_the_stale_loop(pool, kind, sharding, start_batch):
+    for rank, r in enumerate(pool.run(_semi, kind, sharding, start_batch, timeout=TIMEOUT)):
         _check_trained(r, rank, "the semi-sync reference")
         # the documented difference: stale embeddings change the numbers after the warm-up
         assert r["equals_plain_loop"] == (start_batch >= STEPS - 1), r
 
 
-def test_semi_sync_refuses_shared_parameters_under_strict(results):
-    for per_rank in results:
-        assert per_rank["semi_shared"] and "dense optimizer" in per_rank["semi_shared"]
+def test_semi_sync_refuses_shared_parameters_under_strict(pool):
+    for message in pool.run(_on_ranks, _shared_parameters_case, timeout=TIMEOUT):
+        assert message and "dense optimizer" in message
 
 
 @pytest.mark.parametrize(("kind", "sharding"), STASH_CASES)
-def test_semi_sync_with_stashed_gradients(results, kind, sharding):
-    for rank, per_rank in enumerate(results):
-        r = per_rank["stash", kind, sharding]
+def test_semi_sync_with_stashed_gradients(pool, kind, sharding):
+    for rank, r in enumerate(pool.run(_stash, kind, sharding, timeout=TIMEOUT)):
         _check_trained(r, rank, "the semi-sync reference", twin=False)
         assert not r["equals_no_stash"], "stash_gradients made no difference"
 
 
 @pytest.mark.parametrize(("name", "counts"), [(n, c) for n, cases in UNEVEN.items() for c in cases])
-def test_uneven_data_trains_the_common_count(results, name, counts):
+def test_uneven_data_trains_the_common_count(pool, name, counts):
     common = min(counts)
-    for rank, per_rank in enumerate(results):
-        r = per_rank["uneven", name, counts]
+    for rank, r in enumerate(pool.run(_on_ranks, _uneven_case, name, counts, timeout=TIMEOUT)):
         assert r["count"] == common, f"rank {rank}: {r['count']} outputs, expected {common}"
         assert r["outputs"] and r["params"], f"rank {rank}: not the reference on {common} batches"
         longer = counts[rank] > common
@@ -436,9 +427,8 @@ def test_uneven_data_trains_the_common_count(results, name, counts):
 
 
 @pytest.mark.parametrize("name", UNEVEN)
-def test_detach_and_eval_pass_mid_run(results, name):
-    for per_rank in results:
-        r = per_rank["switch", name]
+def test_detach_and_eval_pass_mid_run(pool, name):
+    for r in pool.run(_on_ranks, _switch_case, name, timeout=TIMEOUT):
         assert r["evals"] == 3
         assert r["outputs"] and r["params"], "the training batches changed"
 
@@ -454,20 +444,31 @@ EXPECTED_STAGES = {
 }
 
 
+_DIST = ("copy", "input_dist::start", "input_dist::splits")
+STAGES_OF = {
+    "TrainPipelineFusedSparseDist": (*_DIST, "lookup", "forward", "backward", "optimizer"),
+    "TrainPipelineSemiSync": (*_DIST, "lookup", "forward", "backward", "optimizer"),
+    "EvalPipelineSparseDist": (*_DIST, "forward"),
+}
+
+
 @pytest.mark.parametrize("name", STREAM_PIPELINES)
-def test_stream_hand_offs(results, name):
-    for per_rank in results:
-        r = per_rank["streams", name, False]
+def test_stream_hand_offs(pool, name):
+    correct = pool.run(_on_ranks, _streams_case, name, False, timeout=TIMEOUT)
+    broken = pool.run(_on_ranks, _streams_case, name, True, timeout=TIMEOUT)
+    for r, b in zip(correct, broken, strict=True):
         assert r["outputs"] == STEPS and r["error"] is None
         assert r["checked"] >= 2 * STEPS  # at least the batch and (or) the lookup, per batch
-        assert r["stages"] == {k: v for k, v in EXPECTED_STAGES.items() if k in r["stages"]}
-        assert ("lookup" in r["stages"]) == (name != "EvalPipelineSparseDist")
-        assert ("backward" in r["stages"]) == (name != "EvalPipelineSparseDist")
+        # every stage of the pipeline, each on its stream, once per batch: a missing stage fails
+        assert r["stages"] == {stage: EXPECTED_STAGES[stage] for stage in STAGES_OF[name]}
+        runs = r["runs"]
+        # the splits stage may run more than once for a batch (it is re-entered while waiting)
+        assert runs.pop("input_dist::splits") >= STEPS
+        assert runs == {stage: STEPS for stage in STAGES_OF[name] if stage != "input_dist::splits"}
         if name != "EvalPipelineSparseDist":
             # the lookup stream waits for the caller's after each batch's backward
             assert r["fences"] >= STEPS
-        broken = per_rank["streams", name, True]
-        assert broken["error"] and "without a wait" in broken["error"]
+        assert b["error"] and "without a wait" in b["error"]
 
 
 # -- the schedule alone (one process): which batches run, against torchrec's class of the same name
