@@ -149,6 +149,45 @@ def _exception(rank: int, pipe_name: str) -> dict:
     return {"error": error, "restored": restored, "plain_runs": bool(torch.isfinite(loss))}
 
 
+class _Counting:
+    """An iterator over a list that counts the batches taken from it."""
+
+    def __init__(self, data: list) -> None:
+        self.data, self.taken = data, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.taken >= len(self.data):
+            raise StopIteration
+        self.taken += 1
+        return self.data[self.taken - 1]
+
+
+def _reset(rank: int, pipe_name: str) -> dict:
+    """3 steps, then reset(): the batches fetched ahead are dropped, not trained; progress() on the
+    same iterator then goes on from its next batch, and on a new one starts cleanly."""
+    from tests import models
+
+    ref, ref_opt, model, pipe = _pair(pipe_name)
+    data = models.batches(KIND, N, rank, seed=13)
+    it = _Counting(data)
+    got = [pipe.progress(it) for _ in range(3)]
+    fetched = it.taken
+    pipe.reset()
+    got += models.run_to_end(pipe, it)
+    other = models.batches(KIND, 3, rank, seed=14)
+    got += models.run_to_end(pipe, iter(other))
+    expected = models.plain_loop(ref, ref_opt, data[:3] + data[fetched:] + other)
+    return {
+        "dropped": fetched - 3,
+        "count": len(got),
+        "equal": models.bitwise_equal(expected, got),
+        "params": models.bitwise_equal(ref.state_dict(), model.state_dict()),
+    }
+
+
 def _no_execute_all(rank: int, pipe_name: str) -> dict:
     from tests import models
 
@@ -270,6 +309,7 @@ SCENARIOS = {
     "groups": _groups,
     "auto": _auto,
     "streams": _streams,
+    "reset": _reset,
 }
 
 
@@ -316,6 +356,36 @@ def test_exception_propagates_and_detach_restores(pool, pipe_name):
     for r in _each(pool, "exception", pipe_name):
         assert r["error"] and "shapes cannot be multiplied" in r["error"]
         assert r["restored"] and r["plain_runs"]
+
+
+# batches in flight after 3 steps: Base copies i+1, SparseDist and Prefetch copy i+2
+AHEAD = {"TrainPipelineBase": 1, "TrainPipelineSparseDist": 2, "PrefetchTrainPipelineSparseDist": 2}
+
+
+@pytest.mark.parametrize("pipe_name", PIPELINES)
+def test_reset_drops_the_batches_in_flight(pool, pipe_name):
+    for r in _each(pool, "reset", pipe_name):
+        assert r["dropped"] == AHEAD[pipe_name], r
+        assert r["count"] == N - r["dropped"] + 3, r
+        assert r["equal"] and r["params"], "not the plain loop without the dropped batches"
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["TrainPipelineSparseDist", "PrefetchTrainPipelineSparseDist", "TrainPipelineFusedSparseDist",
+     "TrainPipelineSemiSync", "EvalPipelineSparseDist"],
+)  # fmt: skip
+def test_apply_jit_is_refused_with_what_to_do(name):
+    import torch
+
+    import pipeline
+
+    model = torch.nn.Linear(1, 1)
+    with pytest.raises(ValueError, match=r"apply_jit=True is not supported.*leave it False"):
+        getattr(pipeline, name)(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"),
+                                apply_jit=True)  # fmt: skip
+    with pytest.raises(ValueError, match=r"apply_jit=True is not supported.*leave it False"):
+        pipeline.SparseDataDistUtil(model, apply_jit=True)
 
 
 @pytest.mark.parametrize("pipe_name", PIPELINES)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import pytest_timeout, run_ranks
+from tests.harness import RankTimeout, pytest_timeout, run_ranks
 
 PIPELINES = ("TrainPipelineBase", "TrainPipelineSparseDist", "PrefetchTrainPipelineSparseDist")
 TIMEOUT = 120
@@ -110,6 +110,45 @@ def test_uneven_data_trains_the_common_count_on_every_rank(pool, pipe_name, shar
         assert (r["untrained"] > 0) == longer, r
         assert (len(r["warnings"]) == 1) == longer, r["warnings"]
         assert r["error"] is not None and f"have {common} batches" in r["error"], r["error"]
+
+
+# -- agreement=False ---------------------------------------------------------------------------
+
+
+def _no_agreement(rank: int, world_size: int, pipe_name: str, counts: tuple[int, int]) -> dict:
+    """`agreement=False`: train `counts[rank]` batches to the end."""
+    import torch
+
+    import pipeline
+    from tests import models
+
+    ref_model, ref_opt = models.build("dlrm", "table_wise")
+    expected = models.plain_loop(ref_model, ref_opt, models.batches("dlrm", counts[rank], rank))
+    model, opt = models.build("dlrm", "table_wise")
+    pipe = getattr(pipeline, pipe_name)(model, opt, torch.device("cpu"), agreement=False)
+    outputs = models.run_to_end(pipe, iter(models.batches("dlrm", counts[rank], rank)))
+    return {
+        "count": len(outputs),
+        "equal": models.bitwise_equal(expected, outputs)
+        and models.bitwise_equal(ref_model.state_dict(), model.state_dict()),
+    }
+
+
+@pytest.mark.parametrize("pipe_name", PIPELINES)
+def test_agreement_false_on_equal_data_is_the_plain_loop(pool, pipe_name):
+    for r in pool.run(_no_agreement, pipe_name, (LONG, LONG), timeout=TIMEOUT):
+        assert r["count"] == LONG and r["equal"], r
+
+
+def test_agreement_false_on_uneven_data_leaves_a_collective_unmatched():
+    """Without the vote, nothing tells the ranks that one has 2 batches less: a collective is left
+    unmatched and the ranks wait for the process group's timeout (30 minutes), as in torchrec. The
+    same run with equal data takes seconds (the test above); with the vote, it stops at 10 (the
+    uneven tests)."""
+    with pytest.raises(
+        RankTimeout, match=r"scenario _no_agreement\('TrainPipelineSparseDist', \(12, 10\)\) hung"
+    ):
+        run_ranks(_no_agreement, 2, timeout=60, args=("TrainPipelineSparseDist", (LONG, LONG - 2)))
 
 
 # -- wrong keys --------------------------------------------------------------------------------
