@@ -1,33 +1,72 @@
-"""Run a test body on N gloo ranks in spawned processes and collect every rank's result.
+"""Run test scenarios on N gloo (or NCCL) ranks in spawned processes, one scenario a test.
 
-`run_ranks(fn, world_size=2)` spawns one process per rank, joins them into a gloo process group over
-a free local port and calls `fn(rank, world_size, *args)` in each. It returns the list of per-rank
-return values. A rank that raises fails the call with that rank's own traceback; a rank that does not
-finish within `timeout` seconds fails the call instead of blocking CI. `fn` must be importable by
-name (a module-level function), since ranks are spawned, not forked.
+`RankPool(world_size)` keeps one set of rank processes, joined in a process group over a free local
+port, and runs scenarios on them one at a time: `pool.run(fn, *args)` calls `fn(rank, world_size,
+*args)` on every rank and returns the per-rank return values. Each scenario's outcome is recorded by
+each rank on its own (a result file, or its traceback), so a scenario that raises, hangs or kills a
+rank fails exactly the test that ran it, naming the scenario; the pool then stops its ranks and the
+next scenario starts fresh ones, so every later scenario still runs, on ranks in a known state.
+
+Why a pool and not a process pair per scenario: starting a pair (spawn, import torch and torchrec,
+gloo rendezvous) costs 6-10 s on two cores, and the suite has ~250 multi-rank scenarios, which would
+add half an hour to `make test`. Scenarios that pass share the ranks; only a failure pays for a
+restart. Scenarios that end a rank on purpose (a process group destroyed after a failure, a rank
+killed) are run with `run_ranks` (a pool of its own, stopped afterwards); a rank whose process group
+is gone after a scenario also ends itself, so the pool restarts.
+
+Timeouts: `pool.run(..., timeout=T)` waits at most `START_TIMEOUT` for the ranks to start and join,
+`T` for the scenario and `grace` for the peers of a failed rank, then kills them. `pytest_timeout(T)`
+is the pytest-timeout a test must have for the harness to fire first (pytest-timeout counts fixture
+setup, where a module's pool starts), so a hang fails as "scenario X hung", not as a pytest stack dump.
+
+`fn` must be importable by name (a module-level function), since ranks are spawned, not forked; its
+return value must be loadable by `torch.load(weights_only=False)`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
+import pickle
+import shutil
+import signal
 import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RankError", "RankTimeout", "free_port", "run_ranks"]
+__all__ = [
+    "START_TIMEOUT",
+    "RankError",
+    "RankPool",
+    "RankTimeout",
+    "free_port",
+    "pytest_timeout",
+    "run_ranks",
+]
+
+START_TIMEOUT = 90.0
+"""Seconds for the ranks to start: spawn, import torch and torchrec, join the process group."""
+_GRACE = 5.0
+_POLL = 0.02
 
 
 class RankError(RuntimeError):
-    """A rank raised; the message carries its traceback."""
+    """A rank raised, died or was killed during a scenario; the message carries its traceback or
+    how it ended."""
+
+    def __init__(self, message: str, results: dict[int, Any] | None = None) -> None:
+        super().__init__(message)
+        self.results = results or {}
+        """The return values of the ranks that finished the scenario, by rank."""
 
 
 class RankTimeout(RuntimeError):
-    """A rank did not finish within the harness timeout."""
+    """A rank did not finish a scenario (or start) within the harness timeout."""
 
 
 def free_port() -> int:
@@ -37,30 +76,224 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank: int, world_size: int, port: int, out_dir: str, args: tuple, backend: str) -> None:
+def pytest_timeout(timeout: float, *, grace: float = _GRACE) -> int:
+    """The pytest-timeout (seconds) for a test whose scenarios run under harness `timeout`: above
+    the harness's whole join (start, scenario, grace, kill) plus a margin, so the harness fires first."""
+    return int(START_TIMEOUT + timeout + grace + 30)
+
+
+def _scenario_name(fn: Callable[..., Any], args: tuple) -> str:
+    shown = ", ".join(repr(a) for a in args)
+    return f"{fn.__name__}({shown})" if shown else fn.__name__
+
+
+def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)  # the parent never reads a half-written file
+
+
+def _serve(rank: int, world_size: int, port: int, out_dir: str, inbox: Any, backend: str) -> None:
+    """A rank's loop: join the group, then run each request (seq, pickled (fn, args)) until None."""
     import torch
     import torch.distributed as dist
 
-    # Two ranks share two cores: one intra-op thread each keeps them from thrashing, and makes
-    # results independent of how many threads a reduction happened to use.
+    # Ranks share two cores: one intra-op thread each keeps them from thrashing, and makes results
+    # independent of how many threads a reduction happened to use.
     torch.set_num_threads(1)
     out = Path(out_dir)
+    seq = "start"
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
-        result = fn(rank, world_size, *args)
-        torch.save(result, out / f"rank{rank}.pt")
+        (out / f"start-{rank}.ok").write_text("")
+        while (request := inbox.get()) is not None:
+            seq, payload = request
+            fn, args = pickle.loads(payload)
+            result = fn(rank, world_size, *args)
+            _write_atomically(out / f"{seq}-{rank}.pt", lambda p, r=result: torch.save(r, p))
+            if not dist.is_initialized():  # the scenario destroyed the process group: the pool restarts
+                (out / f"ended-{rank}").write_text("")
+                return
     except BaseException:
-        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        _write_atomically(out / f"{seq}-{rank}.err", lambda p: p.write_text(traceback.format_exc()))
         os._exit(1)  # skip process-group teardown, which can block on peers that are gone
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _how_it_ended(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by signal {signal.Signals(-exitcode).name} (exit status {exitcode})"
+    return f"exited with status {exitcode} without a result"
+
+
+class RankPool:
+    """`world_size` rank processes in one process group that run scenarios one at a time.
+
+    Started on the first `run()`; stopped (and restarted by the next `run()`) after a scenario in
+    which a rank raised, died, hung or destroyed its process group. Use one per test module, as a
+    module-scoped fixture, and `close()` it at the end.
+
+    Args:
+        world_size: number of ranks.
+        backend: "gloo", or "nccl" (rank r on GPU r).
+        grace: seconds the other ranks get to finish after one rank failed, before they are killed
+            (they are usually blocked in a collective with the failed rank).
+    """
+
+    def __init__(self, world_size: int = 2, *, backend: str = "gloo", grace: float = _GRACE) -> None:
+        self.world_size, self.backend, self.grace = world_size, backend, grace
+        self.starts = 0
+        """How many times the ranks were started (a restart follows every failed scenario)."""
+        self._procs: list[Any] = []
+        self._inboxes: list[Any] = []
+        self._dir: Path | None = None
+        self._seq = 0
+
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, name: str | None = None
+    ) -> list:
+        """Run `fn(rank, world_size, *args)` on every rank; the per-rank return values.
+
+        Args:
+            fn: module-level function.
+            *args: extra positional arguments passed to every rank (picklable).
+            timeout: seconds for every rank to finish the scenario (start-up not included).
+            name: the scenario's name in errors; by default `fn(args)`.
+
+        Raises:
+            RankError: a rank raised, died or was killed (each failed rank's traceback or signal).
+            RankTimeout: a rank was still running after `timeout` seconds (or did not start).
+        """
+        name = name or _scenario_name(fn, args)
+        payload = pickle.dumps((fn, tuple(args)))  # an unpicklable argument fails here, not in a rank
+        self._ensure_started(name)
+        self._seq += 1
+        seq = str(self._seq)
+        for inbox in self._inboxes:
+            inbox.put((seq, payload))
+        try:
+            return self._collect(seq, name, timeout)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            if self._dir is not None and any(
+                (self._dir / f"ended-{r}").exists() or p.exitcode is not None
+                for r, p in enumerate(self._procs)
+            ):
+                self.close()
+
+    def _ensure_started(self, name: str) -> None:
+        if self._procs and all(p.is_alive() for p in self._procs):
+            return
+        self.close()
+        ctx = mp.get_context("spawn")
+        self._dir = Path(tempfile.mkdtemp(prefix="ranks-"))
+        self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
+        port = free_port()
+        self._procs = [
+            ctx.Process(
+                target=_serve,
+                args=(rank, self.world_size, port, str(self._dir), self._inboxes[rank], self.backend),
+                daemon=True,
+            )
+            for rank in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self.starts += 1
+        try:
+            self._wait(lambda rank: (self._dir / f"start-{rank}.ok").exists(), "start", START_TIMEOUT,
+                       f"starting the ranks for scenario {name}")  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+
+    def _collect(self, seq: str, name: str, timeout: float) -> list:
+        import torch
+
+        self._wait(lambda rank: (self._dir / f"{seq}-{rank}.pt").exists(), seq, timeout, f"scenario {name}")
+        return [
+            torch.load(self._dir / f"{seq}-{rank}.pt", weights_only=False) for rank in range(self.world_size)
+        ]
+
+    def _wait(self, done: Callable[[int], bool], seq: str, timeout: float, what: str) -> None:
+        """Until every rank is `done`; raises as soon as a failed rank's peers had `grace` seconds."""
+        deadline = time.monotonic() + timeout
+        failed_at: float | None = None
+        while True:
+            pending = [r for r in range(self.world_size) if not done(r)]
+            failed = [r for r in pending if self._failed(r, seq)]
+            if not pending:
+                return
+            now = time.monotonic()
+            if failed and failed_at is None:
+                failed_at = now
+            if failed_at is not None and (len(failed) == len(pending) or now - failed_at > self.grace):
+                break
+            if now > deadline:
+                break
+            time.sleep(_POLL)
+        hung = [r for r in pending if r not in failed]
+        self._stop()  # before reading the errors: a rank may be writing its own
+        errors = self._errors(seq, failed)
+        if errors:
+            still = f"\n(rank(s) {hung} still running {self.grace:.0f} s later were killed)" if hung else ""
+            raise RankError(f"{what} failed:\n" + "\n".join(errors) + still, self._finished(seq, pending))
+        raise RankTimeout(
+            f"{what} hung: rank(s) {hung} of {self.world_size} still running after {timeout:.0f} s; killed"
+        )
+
+    def _finished(self, seq: str, pending: list[int]) -> dict[int, Any]:
+        import torch
+
+        if seq == "start":
+            return {}
+        done = [r for r in range(self.world_size) if r not in pending]
+        return {r: torch.load(self._dir / f"{seq}-{r}.pt", weights_only=False) for r in done}
+
+    def _failed(self, rank: int, seq: str) -> bool:
+        return (self._dir / f"{seq}-{rank}.err").exists() or self._procs[rank].exitcode is not None
+
+    def _errors(self, seq: str, failed: list[int]) -> list[str]:
+        errors = []
+        for rank in failed:
+            err = self._dir / f"{seq}-{rank}.err"
+            if err.exists():
+                errors.append(f"--- rank {rank} raised:\n{err.read_text()}")
+            else:
+                errors.append(f"--- rank {rank} {_how_it_ended(self._procs[rank].exitcode)}")
+        return errors
+
+    def _stop(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join()
+
+    def close(self) -> None:
+        """Stop the ranks (asking first: a rank between scenarios exits on its own)."""
+        if self._procs and all(p.is_alive() for p in self._procs):
+            for inbox in self._inboxes:
+                with contextlib.suppress(Exception):
+                    inbox.put(None)
+            deadline = time.monotonic() + 10
+            while any(p.is_alive() for p in self._procs) and time.monotonic() < deadline:
+                time.sleep(_POLL)
+        self._stop()
+        for inbox in self._inboxes:
+            inbox.close()
+            inbox.cancel_join_thread()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        self._procs, self._inboxes, self._dir = [], [], None
 
 
 def run_ranks(
@@ -68,76 +301,17 @@ def run_ranks(
     world_size: int = 2,
     *,
     timeout: float = 120.0,
-    args: Sequence[Any] = (),
-    grace: float = 5.0,
+    args: tuple | list = (),
+    grace: float = _GRACE,
     backend: str = "gloo",
 ) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` ranks (gloo; or nccl, rank r on GPU r).
+    """Run one scenario `fn(rank, world_size, *args)` on fresh ranks, then stop them.
 
-    Args:
-        fn: module-level function; its return value must be picklable by `torch.save`.
-        world_size: number of ranks.
-        timeout: seconds for all ranks to finish, from spawn.
-        args: extra positional arguments passed to every rank.
-        grace: seconds the other ranks get to finish after one rank failed, before they are killed
-            (they are usually blocked in a collective with the failed rank).
-        backend: the process group's backend; "nccl" needs a GPU per rank.
-
-    Returns:
-        The per-rank return values, indexed by rank.
-
-    Raises:
-        RankError: a rank raised or died; the message holds every failed rank's traceback.
-        RankTimeout: some rank was still running after `timeout` seconds.
+    For scenarios that end a rank or its process group on purpose; `RankPool.run` for the rest.
+    Same arguments, return value and errors as `RankPool.run`.
     """
-    import torch
-
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="ranks-") as out_dir:
-        port = free_port()
-        procs = [
-            ctx.Process(
-                target=_rank_main,
-                args=(fn, rank, world_size, port, out_dir, tuple(args), backend),
-                daemon=True,
-            )
-            for rank in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        failed_at: float | None = None
-        try:
-            while any(p.is_alive() for p in procs):
-                now = time.monotonic()
-                if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-                    failed_at = now
-                if now > deadline or (failed_at is not None and now - failed_at > grace):
-                    break
-                time.sleep(0.05)
-        finally:
-            hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join()
-        errors = _collect_errors(Path(out_dir), procs)
-        if errors:
-            raise RankError("\n".join(errors))
-        if hung:
-            raise RankTimeout(
-                f"rank(s) {hung} of {world_size} still running after {timeout:.0f}s "
-                f"running {fn.__name__}; killed"
-            )
-        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
-
-
-def _collect_errors(out: Path, procs: list) -> list[str]:
-    errors = []
-    for rank, p in enumerate(procs):
-        err = out / f"rank{rank}.err"
-        if err.exists():
-            errors.append(f"--- rank {rank} raised:\n{err.read_text()}")
-        elif p.exitcode not in (0, None, -9):
-            errors.append(f"--- rank {rank} died with exit code {p.exitcode}")
-    return errors
+    pool = RankPool(world_size, backend=backend, grace=grace)
+    try:
+        return pool.run(fn, *args, timeout=timeout)
+    finally:
+        pool.close()

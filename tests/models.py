@@ -301,7 +301,8 @@ def recorded_run(make_pipe, batches, *, broken: bool) -> tuple[dict, object]:
 
     `make_pipe(streams)` builds the pipeline; `broken` replaces the hand-off with one that forgets
     to wait (the checker must then catch it). Returns (outputs count, hand-offs checked, the
-    checker's error or None, the streams each stage ran on) and the streams.
+    checker's error or None, the streams each stage ran on, how many times each stage ran) and the
+    streams.
     """
     import pipeline
 
@@ -314,7 +315,12 @@ def recorded_run(make_pipe, batches, *, broken: bool) -> tuple[dict, object]:
     except pipeline.HandoffError as e:
         checked, error = 0, str(e)
     stages = {k: sorted(v) for k, v in streams.stage_streams().items()}
-    return {"outputs": len(outputs), "checked": checked, "error": error, "stages": stages}, streams
+    runs: dict[str, int] = {}
+    for entry in streams.log:
+        if entry[0] == "stage":
+            runs[entry[1]] = runs.get(entry[1], 0) + 1
+    result = {"outputs": len(outputs), "checked": checked, "error": error, "stages": stages, "runs": runs}
+    return result, streams
 
 
 def outputs_then_stop(pipe, it, steps: int) -> tuple[list, bool]:

@@ -17,16 +17,16 @@ import itertools
 import pytest
 import torch
 
-from tests.harness import run_ranks
+from tests.harness import RankPool, pytest_timeout
 from tests.models import KINDS, SHARDINGS
 
+TIMEOUT = 120
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none: docs/gpu.md)"),
-    pytest.mark.timeout(900),  # the module's fixtures build 66 sharded models in the first tests
+    pytest.mark.timeout(pytest_timeout(TIMEOUT)),
 ]
 
 PIPELINES = ("TrainPipelineBase", "TrainPipelineSparseDist", "PrefetchTrainPipelineSparseDist")
-FAMILY = ("TrainPipelineFusedSparseDist", "TrainPipelineSemiSync")
 HBM_CASES = list(itertools.product(PIPELINES, KINDS, SHARDINGS))
 CACHE_CASES = list(itertools.product(PIPELINES, ("dlrm", "nested"), ("table_wise", "column_wise")))
 STEPS = 20
@@ -60,21 +60,32 @@ def _run(pipe_name: str, kind: str, sharding: str, cache) -> dict:
     }
 
 
-def _hbm_cases(rank: int, world_size: int) -> dict:
-    return {case: _run(*case, cache=None) for case in HBM_CASES}
-
-
-def _cache_cases(rank: int, world_size: int) -> dict:
+def _case(rank: int, world_size: int, pipe_name: str, kind: str, sharding: str, cached: bool) -> dict:
     from torchrec.distributed.types import CacheParams
 
     # 3 tables of 40 rows share one cache of 32 slots (the kernel's smallest: one set of 32 ways),
     # and a batch touches up to 54 ids: rows are evicted and written back every step.
-    cache = CacheParams(load_factor=0.2, prefetch_pipeline=True)
-    return {case: _run(*case, cache=cache) for case in CACHE_CASES}
+    cache = CacheParams(load_factor=0.2, prefetch_pipeline=True) if cached else None
+    return _run(pipe_name, kind, sharding, cache=cache)
 
 
-def _family_cases(rank: int, world_size: int) -> dict:
-    return {name: _run(name, "dlrm", "table_wise", cache=None) for name in FAMILY}
+def _semi_sync_against_torchrec(rank: int, world_size: int) -> dict:
+    """Our TrainPipelineSemiSync and torchrec's, from the same model and batches, bit for bit."""
+    from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSemiSync as Theirs
+
+    import pipeline
+    from tests import models
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    runs = []
+    for cls in (pipeline.TrainPipelineSemiSync, Theirs):
+        model, opt = models.build("dlrm", "table_wise", device=device)
+        pipe = cls(model, opt, device, start_batch=3)
+        outputs = models.run_to_end(pipe, iter(models.batches("dlrm", STEPS, rank=0)))
+        torch.cuda.synchronize()
+        runs.append((len(outputs), outputs, model.state_dict()))
+    (n_ours, *ours), (n_theirs, *theirs) = runs
+    return {"counts": (n_ours, n_theirs), "equal": models.bitwise_equal(ours, theirs)}
 
 
 def _check(r: dict, pipe_name: str) -> None:
@@ -87,28 +98,32 @@ def _check(r: dict, pipe_name: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def hbm() -> dict:
-    return run_ranks(_hbm_cases, 1, timeout=900, backend="nccl")[0]
-
-
-@pytest.fixture(scope="module")
-def cached() -> dict:
-    return run_ranks(_cache_cases, 1, timeout=600, backend="nccl")[0]
+def gpu():
+    """One rank on the GPU (NCCL), for the module's scenarios one at a time."""
+    ranks = RankPool(1, backend="nccl")
+    yield ranks
+    ranks.close()
 
 
 @pytest.mark.parametrize(("pipe_name", "kind", "sharding"), HBM_CASES)
-def test_hbm_kernel_bitwise_equal(hbm, pipe_name, kind, sharding):
-    _check(hbm[(pipe_name, kind, sharding)], pipe_name)
+def test_hbm_kernel_bitwise_equal(gpu, pipe_name, kind, sharding):
+    _check(gpu.run(_case, pipe_name, kind, sharding, False, timeout=TIMEOUT)[0], pipe_name)
 
 
 @pytest.mark.parametrize(("pipe_name", "kind", "sharding"), CACHE_CASES)
-def test_uvm_cache_kernel_bitwise_equal(cached, pipe_name, kind, sharding):
-    _check(cached[(pipe_name, kind, sharding)], pipe_name)
+def test_uvm_cache_kernel_bitwise_equal(gpu, pipe_name, kind, sharding):
+    _check(gpu.run(_case, pipe_name, kind, sharding, True, timeout=TIMEOUT)[0], pipe_name)
 
 
-def test_family_fused_lookup_bitwise_equal():
-    """The Fused pipeline (lookup on the data_dist stream) equals the plain loop; SemiSync trains on
-    stale embeddings by design, so it only has to run to the end."""
-    r = run_ranks(_family_cases, 1, timeout=600, backend="nccl")[0]
-    _check(r["TrainPipelineFusedSparseDist"], "TrainPipelineFusedSparseDist")
-    assert r["TrainPipelineSemiSync"]["stopped"] and r["TrainPipelineSemiSync"]["on_device"]
+def test_fused_lookup_pipeline_bitwise_equal(gpu):
+    """The Fused pipeline (lookup on the data_dist stream) equals the plain loop."""
+    name = "TrainPipelineFusedSparseDist"
+    _check(gpu.run(_case, name, "dlrm", "table_wise", False, timeout=TIMEOUT)[0], name)
+
+
+def test_semi_sync_equals_torchrecs_own_class(gpu):
+    """SemiSync trains on stale embeddings by design: it must be torchrec's class, bit for bit (on
+    CPU, tests/test_family.py compares it with a reference derived from torchrec's semantics)."""
+    r = gpu.run(_semi_sync_against_torchrec, timeout=TIMEOUT)[0]
+    assert r["counts"] == (STEPS, STEPS), r
+    assert r["equal"], "not torchrec's TrainPipelineSemiSync, bit for bit"

@@ -1,18 +1,20 @@
 """Pipeline lifecycle on 2 gloo ranks: exhaustion, epochs, eval switches, detach, exceptions,
 execute_all_batches=False, the stream checker and the profiler labels.
 
-Every scenario is compared with a plain-loop reference doing the same sequence of operations. All
-scenarios run in one pair of rank processes; each test asserts one scenario's results.
+Every scenario is compared with a plain-loop reference doing the same sequence of operations. Each
+scenario runs on the module's pair of ranks (tests/harness.py) and is asserted in its own test.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.harness import run_ranks
+from tests.harness import pytest_timeout
 
 PIPELINES = ("TrainPipelineBase", "TrainPipelineSparseDist", "PrefetchTrainPipelineSparseDist")
 KIND, SHARDING, N = "nested", "column_wise", 8
+TIMEOUT = 150
+pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
 
 
 def _pair(pipe_name: str, **options):
@@ -147,6 +149,45 @@ def _exception(rank: int, pipe_name: str) -> dict:
     return {"error": error, "restored": restored, "plain_runs": bool(torch.isfinite(loss))}
 
 
+class _Counting:
+    """An iterator over a list that counts the batches taken from it."""
+
+    def __init__(self, data: list) -> None:
+        self.data, self.taken = data, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.taken >= len(self.data):
+            raise StopIteration
+        self.taken += 1
+        return self.data[self.taken - 1]
+
+
+def _reset(rank: int, pipe_name: str) -> dict:
+    """3 steps, then reset(): the batches fetched ahead are dropped, not trained; progress() on the
+    same iterator then goes on from its next batch, and on a new one starts cleanly."""
+    from tests import models
+
+    ref, ref_opt, model, pipe = _pair(pipe_name)
+    data = models.batches(KIND, N, rank, seed=13)
+    it = _Counting(data)
+    got = [pipe.progress(it) for _ in range(3)]
+    fetched = it.taken
+    pipe.reset()
+    got += models.run_to_end(pipe, it)
+    other = models.batches(KIND, 3, rank, seed=14)
+    got += models.run_to_end(pipe, iter(other))
+    expected = models.plain_loop(ref, ref_opt, data[:3] + data[fetched:] + other)
+    return {
+        "dropped": fetched - 3,
+        "count": len(got),
+        "equal": models.bitwise_equal(expected, got),
+        "params": models.bitwise_equal(ref.state_dict(), model.state_dict()),
+    }
+
+
 def _no_execute_all(rank: int, pipe_name: str) -> dict:
     from tests import models
 
@@ -205,9 +246,21 @@ def _groups(rank: int, pipe_name: str) -> dict:
             "equal": len(got) == N and models.bitwise_equal(expected, got),
             "params": models.bitwise_equal(ref.state_dict(), model.state_dict()),
         }
-    # "auto" switches between all four while it tunes, keeps one, re-checks it; the same on every rank
+    return out
+
+
+def _auto(rank: int, pipe_name: str) -> dict:
+    """The "auto" schedule switches between all four while it tunes, keeps one, re-checks it; the
+    same on every rank."""
+    import torch.distributed as dist
+
     from pipeline.schedule import SCHEDULES
     from pipeline.tuner import Tuner
+    from rewrite.splits import kjt_all_to_alls
+    from tests import models
+
+    def pgs(model):
+        return [a2a._pg for a2a in kjt_all_to_alls(model)]
 
     ref, ref_opt, model, pipe = _pair(
         pipe_name, tuner=Tuner(warmup=1, block=2, rounds=1, settle=1, visit=0, recheck_after=2)
@@ -222,7 +275,7 @@ def _groups(rank: int, pipe_name: str) -> dict:
         except StopIteration:
             break
         seen.add(pipe.input_dist_schedule)
-    out["auto"] = {
+    return {
         "seen": sorted(seen),
         "choice": pipe.tuner.choice,
         "medians": pipe.tuner.medians_ms,
@@ -233,7 +286,6 @@ def _groups(rank: int, pipe_name: str) -> dict:
         "equal": len(got) == 3 * N and models.bitwise_equal(expected, got),
         "params": models.bitwise_equal(ref.state_dict(), model.state_dict()),
     }
-    return out
 
 
 def _labels(rank: int, pipe_name: str) -> list[str]:
@@ -256,40 +308,31 @@ SCENARIOS = {
     "no_execute_all": _no_execute_all,
     "labels": _labels,
     "groups": _groups,
+    "auto": _auto,
+    "streams": _streams,
+    "reset": _reset,
 }
 
 
-def _run_all(rank: int, world_size: int) -> dict:
-    out = {}
-    for pipe_name in PIPELINES:
-        for name, fn in SCENARIOS.items():
-            if name in ("detach", "groups") and pipe_name == "TrainPipelineBase":
-                continue
-            out[(name, pipe_name)] = fn(rank, pipe_name)
-        for broken in (False, True):
-            out[("streams", pipe_name, broken)] = _streams(rank, pipe_name, broken)
-    return out
+def _scenario(rank: int, world_size: int, name: str, pipe_name: str, *args) -> object:
+    return SCENARIOS[name](rank, pipe_name, *args)
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict]:
-    return run_ranks(_run_all, 2, timeout=600)
-
-
-def _each(results, *key):
-    return [per_rank[key] for per_rank in results]
+def _each(pool, name: str, pipe_name: str, *args) -> list:
+    """The scenario's result on each rank."""
+    return pool.run(_scenario, name, pipe_name, *args, timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("pipe_name", PIPELINES)
-def test_exhaustion_and_next_epoch(results, pipe_name):
-    for r in _each(results, "epochs", pipe_name):
+def test_exhaustion_and_next_epoch(pool, pipe_name):
+    for r in _each(pool, "epochs", pipe_name):
         assert r["counts"] == (N + 5, 0)
         assert r["equal"] and r["params"]
 
 
 @pytest.mark.parametrize("pipe_name", PIPELINES)
-def test_eval_switch_keeps_batches_apart(results, pipe_name):
-    for r in _each(results, "eval_switch", pipe_name):
+def test_eval_switch_keeps_batches_apart(pool, pipe_name):
+    for r in _each(pool, "eval_switch", pipe_name):
         assert r["counts"] == (N, 4)
         assert r["equal"], "training batches changed by the eval pass in between"
         assert r["eval_equal"] and r["eval_is_tensor"]
@@ -298,30 +341,60 @@ def test_eval_switch_keeps_batches_apart(results, pipe_name):
 
 
 @pytest.mark.parametrize("pipe_name", PIPELINES)
-def test_eval_returns_output_of_loss_output_pair(results, pipe_name):
-    assert all(_each(results, "eval_pair", pipe_name))
+def test_eval_returns_output_of_loss_output_pair(pool, pipe_name):
+    assert all(_each(pool, "eval_pair", pipe_name))
 
 
 @pytest.mark.parametrize("pipe_name", PIPELINES[1:])
-def test_detach_mid_run_then_reattach(results, pipe_name):
-    for r in _each(results, "detach", pipe_name):
+def test_detach_mid_run_then_reattach(pool, pipe_name):
+    for r in _each(pool, "detach", pipe_name):
         assert r["restored"] and r["probe_equal"]
         assert r["equal"] and r["params"]
 
 
 @pytest.mark.parametrize("pipe_name", PIPELINES)
-def test_exception_propagates_and_detach_restores(results, pipe_name):
-    for r in _each(results, "exception", pipe_name):
+def test_exception_propagates_and_detach_restores(pool, pipe_name):
+    for r in _each(pool, "exception", pipe_name):
         assert r["error"] and "shapes cannot be multiplied" in r["error"]
         assert r["restored"] and r["plain_runs"]
 
 
+# batches in flight after 3 steps: Base copies i+1, SparseDist and Prefetch copy i+2
+AHEAD = {"TrainPipelineBase": 1, "TrainPipelineSparseDist": 2, "PrefetchTrainPipelineSparseDist": 2}
+
+
 @pytest.mark.parametrize("pipe_name", PIPELINES)
-def test_execute_all_batches_false_drops_the_tail(results, pipe_name):
+def test_reset_drops_the_batches_in_flight(pool, pipe_name):
+    for r in _each(pool, "reset", pipe_name):
+        assert r["dropped"] == AHEAD[pipe_name], r
+        assert r["count"] == N - r["dropped"] + 3, r
+        assert r["equal"] and r["params"], "not the plain loop without the dropped batches"
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["TrainPipelineSparseDist", "PrefetchTrainPipelineSparseDist", "TrainPipelineFusedSparseDist",
+     "TrainPipelineSemiSync", "EvalPipelineSparseDist"],
+)  # fmt: skip
+def test_apply_jit_is_refused_with_what_to_do(name):
+    import torch
+
+    import pipeline
+
+    model = torch.nn.Linear(1, 1)
+    with pytest.raises(ValueError, match=r"apply_jit=True is not supported.*leave it False"):
+        getattr(pipeline, name)(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"),
+                                apply_jit=True)  # fmt: skip
+    with pytest.raises(ValueError, match=r"apply_jit=True is not supported.*leave it False"):
+        pipeline.SparseDataDistUtil(model, apply_jit=True)
+
+
+@pytest.mark.parametrize("pipe_name", PIPELINES)
+def test_execute_all_batches_false_drops_the_tail(pool, pipe_name):
     # as torchrec's: Base runs all, SparseDist drops the last 2, Prefetch too (torchrec's fixed rule,
     # not 1.8.0's 4; test_torchrec_parity.py checks every length against torchrec's classes)
     dropped = {"TrainPipelineBase": 0, "TrainPipelineSparseDist": 2, "PrefetchTrainPipelineSparseDist": 2}
-    for r in _each(results, "no_execute_all", pipe_name):
+    for r in _each(pool, "no_execute_all", pipe_name):
         assert r["count"] == N - dropped[pipe_name]
         assert r["equal"]
 
@@ -337,38 +410,50 @@ EXPECTED_STAGES = {
 }
 
 
+_DIST = ("input_dist::start", "input_dist::splits")
+STAGES_OF = {
+    "TrainPipelineBase": ("copy", "forward", "backward", "optimizer"),
+    "TrainPipelineSparseDist": ("copy", *_DIST, "forward", "backward", "optimizer"),
+    "PrefetchTrainPipelineSparseDist": ("copy", *_DIST, "prefetch", "forward", "backward", "optimizer"),
+}
+
+
 @pytest.mark.parametrize("pipe_name", PIPELINES)
-def test_stream_checker_passes_on_every_pipeline(results, pipe_name):
-    for r in _each(results, "streams", pipe_name, False):
+def test_stream_checker_passes_on_every_pipeline(pool, pipe_name):
+    for r in _each(pool, "streams", pipe_name, False):
         assert r["outputs"] == N and r["error"] is None
-        assert r["checked"] >= N  # at least the batch hand-off to forward, once per batch
-        for name, streams in r["stages"].items():
-            assert streams == EXPECTED_STAGES[name], name
-        assert ("prefetch" in r["stages"]) == (pipe_name == "PrefetchTrainPipelineSparseDist")
+        # every stage of the pipeline, each on its stream, once per batch: a missing stage fails
+        assert r["stages"] == {name: EXPECTED_STAGES[name] for name in STAGES_OF[pipe_name]}
+        runs = r["runs"]
+        # the splits stage may run more than once for a batch (it is re-entered while waiting)
+        assert runs.pop("input_dist::splits", N) >= N
+        assert runs == {name: N for name in STAGES_OF[pipe_name] if name != "input_dist::splits"}
+        # each batch crosses from memcpy to the stream of its next stage once per consumer
+        assert r["checked"] >= N
 
 
 @pytest.mark.parametrize("pipe_name", PIPELINES)
-def test_stream_checker_catches_a_missing_wait(results, pipe_name):
-    for r in _each(results, "streams", pipe_name, True):
+def test_stream_checker_catches_a_missing_wait(pool, pipe_name):
+    for r in _each(pool, "streams", pipe_name, True):
         assert r["error"] and "without a wait" in r["error"]
 
 
 @pytest.mark.parametrize("pipe_name", PIPELINES)
-def test_profiler_labels(results, pipe_name):
+def test_profiler_labels(pool, pipe_name):
     stages = {"copy", "forward", "backward", "optimizer"}
     if pipe_name != "TrainPipelineBase":
         stages |= {"input_dist::start", "input_dist::splits", "input_dist::wait"}
     if pipe_name == "PrefetchTrainPipelineSparseDist":
         stages |= {"prefetch"}
-    for labels in _each(results, "labels", pipe_name):
+    for labels in _each(pool, "labels", pipe_name):
         found = {name.removeprefix("pipeline::").split("#")[0] for name in labels}
         found = {s for s in found if "::" not in s or s.startswith("input_dist")}
         assert found == stages
 
 
 @pytest.mark.parametrize("pipe_name", PIPELINES[1:])
-def test_input_all_to_alls_get_their_own_group(results, pipe_name):
-    for r in _each(results, "groups", pipe_name):
+def test_input_all_to_alls_get_their_own_group(pool, pipe_name):
+    for r in _each(pool, "groups", pipe_name):
         own, shared = r["early"], r["late"]
         assert own["a2as"] > 0 and own["original_is_world"]
         assert own["moved"] and own["one_own_group"], "input all-to-alls still on the shared group"
@@ -380,10 +465,9 @@ def test_input_all_to_alls_get_their_own_group(results, pipe_name):
 
 
 @pytest.mark.parametrize("pipe_name", PIPELINES[1:])
-def test_auto_schedule_tries_all_and_ranks_agree(results, pipe_name):
-    ranks = _each(results, "groups", pipe_name)
-    for r in ranks:
-        auto = r["auto"]
+def test_auto_schedule_tries_all_and_ranks_agree(pool, pipe_name):
+    ranks = _each(pool, "auto", pipe_name)
+    for auto in ranks:
         assert auto["seen"] == ["early", "early-shared", "late", "late-own"]
         assert set(auto["medians"]) == set(auto["seen"])
         # 24 steps: tuning (1 + 1 round x 4 blocks x 2 = 9 steps), decision at step 10, a re-check
@@ -391,8 +475,8 @@ def test_auto_schedule_tries_all_and_ranks_agree(results, pipe_name):
         assert auto["decisions"] == 2 and auto["tuning_steps"] == 9 + 8 + 1
         assert auto["on_own_group"] == auto["own_expected"]
         assert auto["equal"] and auto["params"]
-    assert len({r["auto"]["choice"] for r in ranks}) == 1
-    assert ranks[0]["auto"]["medians"] == ranks[1]["auto"]["medians"]  # summed over ranks
+    assert len({r["choice"] for r in ranks}) == 1
+    assert ranks[0]["medians"] == ranks[1]["medians"]  # summed over ranks
 
 
 def test_input_dist_schedule_rejects_unknown_values():

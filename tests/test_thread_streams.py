@@ -64,6 +64,33 @@ def test_an_error_on_the_worker_surfaces_at_the_consumer_and_drain_clears_it():
     with pytest.raises(ValueError, match="bad batch"):
         streams.handoff(object(), streams.prefetch)
     streams.drain()  # a reset drops the error instead of raising it again
+    # the stream takes new work after it, and a hand-off waits for that work only
+    ran = []
+    streams.submit(streams.prefetch, lambda: ran.append(1))
+    streams.handoff(object(), streams.prefetch)
+    assert ran == [1]
+
+
+def test_drain_waits_for_running_work():
+    streams = ThreadStreams()
+    release, done = threading.Event(), []
+    streams.submit(streams.prefetch, lambda: done.append(release.wait(10)))
+    threading.Timer(0.2, release.set).start()
+    streams.drain()
+    assert done == [True], "drain() returned before the work it must wait for"
+
+
+def test_drain_drops_the_error_for_a_later_handoff():
+    """`drain()`: "wait for all submitted work and drop its errors". A hand-off right after it,
+    before any new work, must not raise the dropped error again."""
+    streams = ThreadStreams()
+
+    def fail():
+        raise ValueError("bad batch")
+
+    streams.submit(streams.prefetch, fail)
+    streams.drain()
+    streams.handoff(object(), streams.prefetch)
 
 
 def test_under_the_profiler_work_stays_on_the_calling_thread():

@@ -9,7 +9,8 @@
    SparseDist and Base also run on the sharded model over gloo.
 2. Postprocs called with lists, tuples and dicts of batch values (`pipeline_postproc=True`).
 
-Both on 2 gloo ranks against the plain loop, bit for bit; the schedule table also in one process.
+Both on 2 gloo ranks against the plain loop, bit for bit, one scenario a test on the module's ranks;
+the schedule table also in one process.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from torchrec.streamable import Pipelineable
 
 import pipeline
 from tests import models
-from tests.harness import run_ranks
+from tests.harness import pytest_timeout
 
 PIPELINES = ("TrainPipelineBase", "TrainPipelineSparseDist", "PrefetchTrainPipelineSparseDist")
 LENGTHS = (0, 1, 2, 3, 4, 5, 9)
+TIMEOUT = 120
+pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
 
 
 # -- the schedule alone: a model without sharded modules ---------------------------------------
@@ -119,79 +122,63 @@ def _reference(kind: str, sharding: str, data: list) -> tuple[list, list]:
     return outputs, states
 
 
-def _lengths(rank: int) -> dict:
+def _lengths(rank: int, world_size: int, name: str) -> dict:
+    """Ours and (but for Prefetch, which needs CUDA) torchrec's `name` on every length."""
     from tests import models
 
     kind, sharding = "dlrm", "table_wise"
     out = {}
     for n in LENGTHS:
         expected, states = _reference(kind, sharding, models.batches(kind, n, rank, seed=20 + n))
-        runs = {("ours", name): getattr(pipeline, name) for name in PIPELINES}
-        runs["torchrec", "TrainPipelineSparseDist"] = torchrec_pipelines.TrainPipelineSparseDist
-        runs["torchrec", "TrainPipelineBase"] = torchrec_pipelines.TrainPipelineBase
-        for (who, name), cls in runs.items():
+        runs = {"ours": getattr(pipeline, name)}
+        if name != "PrefetchTrainPipelineSparseDist":
+            runs["torchrec"] = getattr(torchrec_pipelines, name)
+        for who, cls in runs.items():
             model, opt = models.build(kind, sharding)
             no_option = (who, name) == ("torchrec", "TrainPipelineBase")
             options = {} if no_option else {"execute_all_batches": False}
             pipe = cls(model, opt, torch.device("cpu"), **options)
             got = models.run_to_end(pipe, iter(models.batches(kind, n, rank, seed=20 + n)))
-            out[who, name, n] = {
+            out[who, n] = {
                 "count": len(got),
                 "outputs": models.bitwise_equal(expected[: len(got)], got),
                 "params": models.bitwise_equal(states[len(got)], _state(model)),
             }
-        out["torchrec", "PrefetchTrainPipelineSparseDist", n] = {
-            "count": len(_oracle("PrefetchTrainPipelineSparseDist", n, False))
-        }
+        if name == "PrefetchTrainPipelineSparseDist":  # torchrec's fixed rule (see `_oracle`)
+            out["torchrec", n] = {"count": len(_oracle(name, n, False))}
     return out
 
 
-def _collections(rank: int) -> dict:
+def _collections(rank: int, world_size: int, name: str, sharding: str) -> dict:
     from tests import models
 
-    out = {}
-    for sharding in ("table_wise", "row_wise"):
-        expected, states = _reference("postproc", sharding, models.batches("postproc", 12, rank))
-        for name in PIPELINES[1:]:
-            model, opt = models.build("postproc", sharding)
-            pipe = getattr(pipeline, name)(model, opt, torch.device("cpu"), pipeline_postproc=True)
-            got = models.run_to_end(pipe, iter(models.batches("postproc", 12, rank)))
-            out[name, sharding] = {
-                "outputs": len(got) == 12 and models.bitwise_equal(expected, got),
-                "params": models.bitwise_equal(states[-1], _state(model)),
-                "paths": {m.fqn: m.path for m in pipe.rewrite_report.modules},
-                "not_pipelined": [m.fqn for m in pipe.rewrite_report.not_pipelined],
-            }
-    return out
-
-
-def _run_all(rank: int, world_size: int) -> dict:
-    return {"lengths": _lengths(rank), "collections": _collections(rank)}
-
-
-@pytest.fixture(scope="module")
-def results() -> list[dict]:
-    return run_ranks(_run_all, 2, timeout=240)
+    expected, states = _reference("postproc", sharding, models.batches("postproc", 12, rank))
+    model, opt = models.build("postproc", sharding)
+    pipe = getattr(pipeline, name)(model, opt, torch.device("cpu"), pipeline_postproc=True)
+    got = models.run_to_end(pipe, iter(models.batches("postproc", 12, rank)))
+    return {
+        "outputs": len(got) == 12 and models.bitwise_equal(expected, got),
+        "params": models.bitwise_equal(states[-1], _state(model)),
+        "paths": {m.fqn: m.path for m in pipe.rewrite_report.modules},
+        "not_pipelined": [m.fqn for m in pipe.rewrite_report.not_pipelined],
+    }
 
 
 @pytest.mark.parametrize("name", PIPELINES)
-def test_execute_all_batches_false_drops_what_torchrec_drops(results, name):
-    for per_rank in results:
-        r = per_rank["lengths"]
+def test_execute_all_batches_false_drops_what_torchrec_drops(pool, name):
+    for r in pool.run(_lengths, name, timeout=TIMEOUT):
         for n in LENGTHS:
-            ours = r["ours", name, n]
-            assert ours["count"] == r["torchrec", name, n]["count"], f"{n} batches"
+            ours = r["ours", n]
+            assert ours["count"] == r["torchrec", n]["count"], f"{n} batches"
             assert ours["outputs"] and ours["params"], f"{n} batches: not the plain loop's first steps"
-        if name != "PrefetchTrainPipelineSparseDist":  # torchrec's ran here too: the same steps
-            theirs = [r["torchrec", name, n] for n in LENGTHS]
-            assert all(t["outputs"] and t["params"] for t in theirs)
+            if name != "PrefetchTrainPipelineSparseDist":  # torchrec's ran here too: the same steps
+                assert r["torchrec", n]["outputs"] and r["torchrec", n]["params"], f"{n} batches"
 
 
 @pytest.mark.parametrize("name", PIPELINES[1:])
 @pytest.mark.parametrize("sharding", ["table_wise", "row_wise"])
-def test_postprocs_called_with_collections(results, name, sharding):
-    for per_rank in results:
-        r = per_rank["collections"][name, sharding]
+def test_postprocs_called_with_collections(pool, name, sharding):
+    for r in pool.run(_collections, name, sharding, timeout=TIMEOUT):
         assert r["not_pipelined"] == []
         assert r["paths"] == {
             "user_ebc": "shift([batch.features.user, batch.dense], {'by': 1})",

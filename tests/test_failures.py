@@ -1,0 +1,174 @@
+"""A rank that fails, and what its peers do, per option (docs/pipeline.md, "When a rank fails").
+
+- Every rank raising at the same step: each re-raises its own error and the process group stays
+  usable, as long as the others raise within `failure_grace`; later than that, the first rank takes
+  it for an asymmetric failure and destroys its groups.
+- `abort_on_error=False`: the failed rank leaves its groups alone; its peer waits until the groups
+  close (here: until the failed rank closes them itself, seconds later).
+- `peer_timeout`: a vote waits that long for a peer that neither votes nor fails, then fails.
+- A peer killed outright (SIGKILL): the other rank still stops, saying no rank recorded an error.
+
+2 gloo ranks, TrainPipelineSparseDist on the DLRM test model; every scenario that breaks a process
+group runs on ranks of its own (`run_ranks`). "A third rank follows" is in tests/test_ranks.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from tests.harness import RankError, pytest_timeout, run_ranks
+
+PIPE = "TrainPipelineSparseDist"
+TIMEOUT = 90
+FAIL_AT = 6  # the forward call that fails (batch 5)
+pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+
+
+def _train_until_error(rank: int, fail, **options) -> dict:
+    """Train 20 batches; at forward call FAIL_AT, `fail(rank)` runs first. What ended the rank."""
+    import torch
+
+    import pipeline
+    from tests import models
+
+    model, opt = models.build("dlrm", "table_wise")
+    calls = 0
+
+    def forward(batch):
+        nonlocal calls
+        calls += 1
+        if calls == FAIL_AT:
+            fail(rank)
+        return model(batch)
+
+    pipe = getattr(pipeline, PIPE)(model, opt, torch.device("cpu"), custom_model_fwd=forward, **options)
+    it = iter(models.batches("dlrm", 20, rank))
+    try:
+        while True:
+            pipe.progress(it)
+    except StopIteration:
+        return {"error": None, "at": time.time()}
+    except Exception as e:  # whichever error ends the rank is the result
+        return {"error": f"{type(e).__name__}: {e}", "at": time.time()}
+
+
+def _raise_after(delays: tuple[float, ...]):
+    def fail(rank: int) -> None:
+        time.sleep(delays[rank])
+        raise ValueError(f"bad batch on rank {rank}")
+
+    return fail
+
+
+def _every_rank_raises(rank: int, world_size: int, delays: tuple[float, ...], grace: float) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    result = _train_until_error(rank, _raise_after(delays), failure_grace=grace)
+    result["group_alive"] = dist.is_initialized()
+    if result["group_alive"] and grace > max(delays):
+        t = torch.ones(1)
+        dist.all_reduce(t)  # the job may go on: the group still works
+        result["all_reduce"] = t.item()
+    return result
+
+
+def test_every_rank_raising_within_the_grace_keeps_the_process_group():
+    # rank 1 raises 1 s after rank 0: within the 4 s grace, so nothing is destroyed
+    results = run_ranks(_every_rank_raises, 2, timeout=TIMEOUT, args=((0.0, 1.0), 4.0))
+    for rank, r in enumerate(results):
+        assert r["error"] == f"ValueError: bad batch on rank {rank}", r
+        assert r["group_alive"] and r["all_reduce"] == 2, r
+
+
+def test_a_rank_raising_after_the_grace_is_taken_for_an_asymmetric_failure():
+    # rank 1 raises 3 s after rank 0, whose grace is 0.5 s: rank 0 destroys its groups
+    r0, r1 = run_ranks(_every_rank_raises, 2, timeout=TIMEOUT, args=((0.0, 3.0), 0.5))
+    assert r0["error"] == "ValueError: bad batch on rank 0" and not r0["group_alive"], r0
+    assert r1["error"] == "ValueError: bad batch on rank 1", r1
+
+
+HOLD = 5.0  # seconds the failed rank keeps its groups open under abort_on_error=False
+
+
+def _rank1_raises(rank: int) -> None:
+    if rank == 1:
+        raise ValueError("bad batch on purpose")
+
+
+def _abort_off(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    start = time.time()
+    result = _train_until_error(rank, _rank1_raises, abort_on_error=False)
+    result["group_alive"] = dist.is_initialized()
+    if rank == 1:
+        result["raised_at"] = result["at"]
+        time.sleep(HOLD)  # the peer must still be waiting: nothing told it
+        dist.destroy_process_group()
+    result["start"] = start
+    return result
+
+
+def test_abort_on_error_false_leaves_the_groups_and_the_peer_waits():
+    r0, r1 = run_ranks(_abort_off, 2, timeout=TIMEOUT)
+    assert r1["error"] == "ValueError: bad batch on purpose" and r1["group_alive"], r1
+    assert r0["error"] is not None and not r0["error"].startswith("PeerFailedError"), r0
+    waited = r0["at"] - r1["raised_at"]
+    assert waited >= HOLD - 0.5, f"rank 0 stopped {waited:.1f} s after the failure, before its peer let go"
+
+
+def _peer_timeout(rank: int, world_size: int, seconds: float) -> dict:
+    import torch
+
+    import pipeline
+    from tests import models
+
+    model, opt = models.build("dlrm", "table_wise")
+    pipe = getattr(pipeline, PIPE)(model, opt, torch.device("cpu"), peer_timeout=timedelta(seconds=seconds))
+    first = models.run_to_end(pipe, iter(models.batches("dlrm", 3, rank)))  # the vote group exists
+    if rank == 1:
+        time.sleep(3 * seconds + 6)  # neither votes on the next iterator nor fails
+        return {"first": len(first)}
+    start = time.monotonic()
+    try:
+        pipe.progress(iter(models.batches("dlrm", 3, rank, seed=2)))
+        error = None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    return {"first": len(first), "error": error, "waited": time.monotonic() - start}
+
+
+def test_peer_timeout_bounds_the_wait_for_a_silent_peer():
+    r0, r1 = run_ranks(_peer_timeout, 2, timeout=TIMEOUT, args=(2.0,))
+    assert r0["first"] == r1["first"] == 3
+    assert r0["error"] and r0["error"].startswith("PeerFailedError"), r0
+    assert "no rank recorded an error" in r0["error"], r0
+    # failed by its own timeout (2 s), well before the silent peer woke up (12 s)
+    assert 2.0 <= r0["waited"] < 8.0, r0
+
+
+def _killed(rank: int, world_size: int, stamp: str) -> dict:
+    def kill(rank: int) -> None:
+        if rank == 1:
+            Path(stamp).write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return _train_until_error(rank, kill)
+
+
+def test_a_peer_killed_outright_stops_the_other_rank(tmp_path):
+    stamp = tmp_path / "killed_at"
+    with pytest.raises(RankError, match=r"rank 1 was killed by signal SIGKILL") as info:
+        run_ranks(_killed, 2, timeout=TIMEOUT, args=(str(stamp),), grace=30)
+    r0 = info.value.results[0]
+    assert r0["error"] and r0["error"].startswith("PeerFailedError"), r0
+    assert "no rank recorded an error: a peer was probably killed or exited" in r0["error"], r0
+    waited = r0["at"] - float(stamp.read_text())
+    assert waited < 5.0, f"rank 0 stopped {waited:.1f} s after its peer was killed"
