@@ -31,13 +31,14 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from benchmarks.launch import free_port  # the one launcher's port picker, shared with the benchmarks
 
 __all__ = [
     "START_TIMEOUT",
@@ -67,13 +68,6 @@ class RankError(RuntimeError):
 
 class RankTimeout(RuntimeError):
     """A rank did not finish a scenario (or start) within the harness timeout."""
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pytest_timeout(timeout: float, *, grace: float = _GRACE) -> int:
