@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -204,6 +204,13 @@ class _WorkerStream:
         if self._last is not None:
             self._last.result()
 
+    def drain(self) -> None:
+        """Wait for everything submitted so far and forget its errors: a later `join` raises only
+        what fails after this."""
+        last, self._last = self._last, None
+        if last is not None:
+            wait([last])
+
 
 class ThreadStreams(Streams):
     """CPU streams where the prefetch stage runs on a worker thread.
@@ -243,10 +250,7 @@ class ThreadStreams(Streams):
         return super().submit(stream, work)
 
     def drain(self) -> None:
-        try:
-            self.prefetch.join()
-        except BaseException:
-            pass
+        self.prefetch.drain()
         self._made_by.clear()
 
     def produced(self, obj: Any) -> None:
