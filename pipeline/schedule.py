@@ -141,8 +141,7 @@ class _Phase:
         for k in range(rounds):
             shift = k % len(candidates)
             for name in candidates[shift:] + candidates[:shift]:  # rotated: no schedule always first
-                # the first `settle` steps carry the switch (batches in flight started under the
-                # previous schedule) and are not timed
+                # untimed: the first `settle` steps carry batches started under the previous schedule
                 phase.plan += [(name, k, i >= settle) for i in range(block)]
         return phase
 
@@ -161,10 +160,10 @@ class Tuner:
     Tuning: `warmup` steps under `baseline`, `visit` untimed steps under each candidate (first-use
     costs), then `rounds` rounds in each of which every candidate runs a block of `block`
     consecutive steps (the order rotated between rounds; the first `settle` steps of a block carry
-    the switch and are not timed). A step's time is from the start of one `progress()` to the start
-    of the next, so what the caller does between steps counts as in real training. `decide` then
-    keeps the baseline unless another schedule is significantly faster. The ranks agree by summing
-    their per-block medians with one all_reduce, so all of them switch at the same step.
+    the switch and are not timed). A step is timed from one `progress()` start to the next, so what
+    the caller does between steps counts as in real training. `decide` then keeps the baseline
+    unless another is significantly faster; the ranks sum their per-block medians with one
+    all_reduce, so all of them switch at the same step.
 
     Re-check: `recheck_after` steps after a decision, the choice and the runner-up run `recheck_rounds`
     paired rounds; the runner-up replaces the choice only if it wins by the same rule. The interval
@@ -174,8 +173,7 @@ class Tuner:
         candidates: schedules to compare (names from `SCHEDULES`).
         baseline: kept unless another is significantly faster; torchrec's order by default.
         warmup: steps before timing starts (first-batch costs: input dist creation, fx trace).
-        block: consecutive steps under one schedule.
-        settle: untimed steps at the start of each block.
+        block, settle: consecutive steps under one schedule, the first `settle` of them untimed.
         visit: untimed steps under each candidate before the first round.
         rounds: blocks per schedule in the first tuning.
         margin: relative gain a switch needs (see `decide`).
@@ -206,14 +204,11 @@ class Tuner:
             raise ValueError(f"bad tuner settings: candidates {candidates}, baseline {baseline!r}")
         self._block, self._margin, self._settle = block, margin, settle
         self._recheck_rounds, self._interval = recheck_rounds, recheck_after
-        self._clock = clock
-        self._agree = agree or _all_reduce_sum
+        self._clock, self._agree = clock, agree or _all_reduce_sum
         self._phase: _Phase | None = _Phase.build(
             list(candidates), baseline, warmup=warmup, block=block, rounds=rounds, settle=settle, visit=visit
         )
-        self._rounds = rounds
-        self._pos = 0
-        self._steps = 0
+        self._rounds, self._pos, self._steps = rounds, 0, 0
         self._next_check: int | None = None
         self._last: tuple[float, int, str] | None = None
         self.choice: str | None = None
@@ -232,6 +227,23 @@ class Tuner:
     def reason(self) -> str | None:
         """Why the current choice was made (the last decision's reason)."""
         return self.decisions[-1][1].reason if self.decisions else None
+
+    @property
+    def tuning(self) -> bool:
+        """A tuning or re-check phase is under way: the schedule in use is one being measured."""
+        return self._phase is not None
+
+    @property
+    def steps_left(self) -> int:
+        """Steps left in the tuning or re-check under way (0 if none); it decides at the next."""
+        return len(self._phase.plan) - self._pos if self._phase is not None else 0
+
+    def __repr__(self) -> str:
+        if self._phase is not None:
+            what = f"re-checking {self.choice}" if self.choice else "tuning"
+            return f"Tuner({what}: {self.steps_left} more steps over {', '.join(self._phase.candidates)})"
+        after = f"; re-check at step {self._next_check}" if self._next_check else ""
+        return f"Tuner(chose {self.choice} at step {self.decisions[-1][0]}: {self.reason}{after})"
 
     def next_schedule(self) -> str:
         """Called at the start of each training step; the schedule to run it under."""
@@ -302,8 +314,7 @@ class Tuner:
 def _all_reduce_sum(values: list[float]) -> list[float]:
     if not (dist.is_available() and dist.is_initialized()):
         return values
-    backend = dist.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor)
     return tensor.tolist()

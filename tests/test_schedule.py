@@ -183,3 +183,25 @@ def test_rejects_bad_settings():
         Tuner(candidates=("early", "sideways"))
     with pytest.raises(ValueError, match="bad tuner settings"):
         Tuner(candidates=("early",), baseline="late")
+
+
+def test_tuner_says_while_tuning_how_many_steps_are_left_and_what_it_chose():
+    cost = {"late": 0.010, "early": 0.008, "late-own": 0.010, "early-shared": 0.010}
+    clock = FakeClock()
+    tuner = Tuner(clock=clock, agree=lambda v: v, recheck_after=50)
+    total = 3 + 2 * 4 + 3 * 4 * 5  # warm-up, visits, rounds of blocks
+    assert tuner.tuning and tuner.steps_left == total
+    assert repr(tuner) == f"Tuner(tuning: {total} more steps over late, early, late-own, early-shared)"
+    for step in range(1, total + 1):
+        clock.now += cost[tuner.next_schedule()]
+        assert tuner.tuning and tuner.steps_left == total - step and tuner.choice is None
+    clock.now += cost[tuner.next_schedule()]  # the step after the plan decides
+    assert not tuner.tuning and tuner.steps_left == 0
+    assert tuner.choice == "early"
+    assert (
+        repr(tuner)
+        == f"Tuner(chose early at step {total + 1}: {tuner.reason}; re-check at step {total + 51})"
+    )
+    while not tuner.tuning:
+        clock.now += cost[tuner.next_schedule()]
+    assert repr(tuner).startswith("Tuner(re-checking early: ") and tuner.steps_left > 0
