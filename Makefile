@@ -32,8 +32,8 @@ test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: setup
-	$(BIN)/ruff check pipeline rewrite tiered tests examples benchmarks
-	$(BIN)/ruff format --check pipeline rewrite tiered tests examples benchmarks
+	$(BIN)/ruff check pipeline rewrite tiered timeline tests examples benchmarks
+	$(BIN)/ruff format --check pipeline rewrite tiered timeline tests examples benchmarks
 
 # DLRM on 2 local ranks (gloo on CPU, NCCL on GPUs) with the prefetch pipeline: synthetic Criteo-like
 # data, loss/AUC/throughput as it trains, then the summary (also in $(DEMO_OUT)/summary.json).
@@ -57,7 +57,7 @@ timeline: setup
 	mkdir -p $(TIMELINE_STORE)
 	$(BIN)/torchrun --standalone --nproc_per_node=2 examples/dlrm/train.py --pipeline base $(TIMELINE_TRAIN_ARGS) --profile $(TIMELINE_OUT)/base
 	$(BIN)/torchrun --standalone --nproc_per_node=2 examples/dlrm/train.py --pipeline prefetch $(TIMELINE_TRAIN_ARGS) --profile $(TIMELINE_OUT)/prefetch
-	$(BIN)/python -m pipeline.timeline compare $(TIMELINE_OUT)/base/rank0.json $(TIMELINE_OUT)/prefetch/rank0.json -o $(TIMELINE_OUT) --labels base,prefetch $(TIMELINE_ARGS)
+	$(BIN)/python -m timeline compare $(TIMELINE_OUT)/base/rank0.json $(TIMELINE_OUT)/prefetch/rank0.json -o $(TIMELINE_OUT) --labels base,prefetch $(TIMELINE_ARGS)
 
 # `make bench BENCH_ARGS=` runs over loopback, without root; see docs/benchmarks.md for the flags.
 BENCH_ARGS ?= --link 1gbit

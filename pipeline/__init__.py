@@ -9,8 +9,8 @@ batch's backward: embeddings one step stale), `EvalPipelineSparseDist` (forward 
 Constructors and `progress()` follow torchrec's, so a torchrec user switches by changing an import
 (docs/pipeline.md, "Which pipeline").
 
-The names are loaded on first use (PEP 562), so `python -m pipeline.timeline` does not pay for
-importing torchrec.
+The names are loaded on first use (PEP 562), so the timeline tool (`python -m timeline`), which reads
+`pipeline.stages`, does not pay for importing torchrec.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Profiler labels of the pipeline's stages.
 
 Every stage runs under `record_function("pipeline::<stage>#<batch index>")`, e.g.
-`pipeline::forward#12`. The timeline tool (`python -m pipeline.timeline`) reads these names.
+`pipeline::forward#12`. The timeline tool (`python -m timeline`) reads these names.
 """
 
 from __future__ import annotations
