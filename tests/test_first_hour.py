@@ -88,6 +88,19 @@ def test_bad_value_on_one_rank_is_one_error_and_status_2(tmp_path, pipeline, bad
     assert 2 in statuses and not set(statuses) - {2, -15}, proc.stderr
 
 
+def test_bad_line_every_rank_reads_is_one_error_from_rank_0(tmp_path):
+    # Every rank checks every line's column count: both fail at the same step, rank 0 alone says so.
+    lines = FIXTURE.read_text().splitlines(keepends=True)
+    lines[5] = "\t".join(lines[5].split("\t")[:30]) + "\n"
+    data = tmp_path / "short.tsv"
+    data.write_text("".join(lines))
+    proc = _torchrun("--pipeline", "prefetch", "--data", str(data), "--steps", "0", *SMALL)
+    error = _one_error(proc)
+    assert error.endswith("short.tsv:6: expected 40 tab-separated columns (label, 13 integer and 26 "
+                          "categorical features), found 30"), error  # fmt: skip
+    assert 2 in _worker_statuses(proc) and not set(_worker_statuses(proc)) - {2, -15}
+
+
 def test_flag_typo_under_torchrun_is_one_line(tmp_path):
     proc = _torchrun("--pipeline", "prefetc")
     error = _one_error(proc)

@@ -19,6 +19,8 @@ from examples.dlrm.config import InputError, TrainConfig
 
 __all__ = ["exit_now", "train_or_exit"]
 
+_LET_THE_MESSAGE_OUT = 2.0  # seconds a silent rank waits before leaving: see train_or_exit
+
 
 def train_or_exit(config: TrainConfig, *, rank: int, world_size: int, device: Any) -> Any:
     """`loop.train(...)`'s result; on bad input, ends this process with status 2 after printing one
@@ -40,6 +42,8 @@ def train_or_exit(config: TrainConfig, *, rank: int, world_size: int, device: An
             # Rank 0's progress bar shares this stderr and its line has no end yet: start a new one.
             lead = "\n" if rank != 0 and config.show_progress else ""
             print(f"{lead}train.py: error: {e}{where}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(_LET_THE_MESSAGE_OUT)  # torchrun stops rank 0 as soon as this rank is gone
         exit_now(2)
     except Exception as e:
         if not _stopped_by_peer_input_error(e, config.pipeline):
@@ -47,7 +51,7 @@ def train_or_exit(config: TrainConfig, *, rank: int, world_size: int, device: An
         # The rank that read the bad input prints it and exits, and torchrun then stops this one:
         # leave it the time to (it prints right after breaking the collectives that stopped this
         # rank), so that its message is the one the user sees.
-        time.sleep(2)
+        time.sleep(_LET_THE_MESSAGE_OUT)
         exit_now(2)
 
 

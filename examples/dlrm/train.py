@@ -48,8 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             check_comparable(config)
     except InputError as e:
         # Every rank fails these alike, before any collective: one message is enough.
-        if rank == 0:
-            print(f"train.py: error: {e}", file=sys.stderr)
+        _rank_0_says(f"train.py: error: {e}")
         return 2
     _quiet_known_warnings()
     import torch.distributed as dist
@@ -207,10 +206,24 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line (no usage block), printed by rank 0 only: under torchrun
     every rank parses the same flags."""
 
-    def error(self, message: str) -> NoReturn:
+    def print_help(self, file: Any = None) -> None:
         if os.environ.get("RANK", "0") == "0":
-            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+            super().print_help(file)
+
+    def error(self, message: str) -> NoReturn:
+        _rank_0_says(f"{self.prog}: error: {message} (see --help)")
         sys.exit(2)
+
+
+def _rank_0_says(message: str) -> None:
+    """Print `message` on rank 0; the other ranks, which fail alike, print nothing and wait a little:
+    torchrun stops every worker as soon as one has exited, and rank 0 might not have printed yet."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+    else:
+        import time
+
+        time.sleep(2)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
