@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -209,7 +210,7 @@ class _OrderedEnumerator(EmbeddingEnumerator):
     """torchrec's enumerator, with each table's options in the order of `preferred` sharding types
     (torchrec's own order depends on the string-hash seed; see the module docstring)."""
 
-    def __init__(self, preferred: tuple[str, ...], **kwargs) -> None:
+    def __init__(self, preferred: tuple[str, ...], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._preferred = preferred
 
