@@ -116,7 +116,7 @@ class RunSpec:
     """`cpu` (gloo) or `cuda` (nccl, one GPU per rank)."""
     trace_dir: str | None = None
     """Write each profiled segment's chrome trace here (`<config>_<variant>_r<round>_rank<r>.json`,
-    readable by `python -m pipeline.timeline`); None writes none."""
+    readable by `python -m timeline`); None writes none."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.rounds < 1 or min(self.warmup, self.auto_warmup, self.profile_steps) < 0:

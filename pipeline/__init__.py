@@ -10,8 +10,8 @@ Every class is a torchrec `TrainPipeline`; constructors (`pipeline.compat`: torc
 parameters in its order, then our options, keyword-only) and `progress()` follow torchrec's, so a
 torchrec user switches by changing an import (docs/pipeline.md, "Which pipeline").
 
-The names are loaded on first use (PEP 562), so `python -m pipeline.timeline` does not pay for
-importing torchrec.
+The names are loaded on first use (PEP 562), so the timeline tool (`python -m timeline`), which reads
+`pipeline.stages`, does not pay for importing torchrec.
 """
 
 from __future__ import annotations

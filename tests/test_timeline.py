@@ -1,4 +1,4 @@
-"""Tests of the timeline tool (pipeline/timeline): numbers computed by hand, picture, errors.
+"""Tests of the timeline tool (timeline/, `python -m timeline`): numbers computed by hand, picture, errors.
 
 The fixture tests/fixtures/timeline_small.json is a SparseDist-style CPU trace of 7 batches with
 round microsecond times. With w = [300, 250, 50, 150, 100, 100, 100] (the input_dist::wait of each
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.timeline import (
+from timeline import (
     NoPipelineLabelsError,
     TraceError,
     analyse,
@@ -37,7 +37,7 @@ from pipeline.timeline import (
     load_trace,
     main,
 )
-from pipeline.timeline.trace import parse_label
+from timeline.trace import parse_label
 
 FIXTURE = Path(__file__).parent / "fixtures" / "timeline_small.json"
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,7 +183,7 @@ def test_cli_exits_nonzero_with_one_line_and_no_traceback(tmp_path: Path) -> Non
     bad = tmp_path / "notes.txt"
     bad.write_text("random text, not a trace\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.timeline", "compare", str(bad), str(FIXTURE), "-o", str(tmp_path)],
+        [sys.executable, "-m", "timeline", "compare", str(bad), str(FIXTURE), "-o", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -195,20 +195,17 @@ def test_cli_exits_nonzero_with_one_line_and_no_traceback(tmp_path: Path) -> Non
 
 
 def test_timeline_package_imports_neither_torch_nor_torchrec() -> None:
-    """The analyser stays fast: its own modules must not pull torch or torchrec in.
-
-    The parent package `pipeline` is replaced by an empty one so that only pipeline/timeline is
-    judged (running `python -m pipeline.timeline` also imports pipeline/__init__.py).
-    """
+    """The analyser stays fast: neither its modules nor what they import of the library
+    (`pipeline.stages`, through the lazy `pipeline/__init__.py`) may pull torch or torchrec in."""
     code = (
-        "import sys, types; pkg = types.ModuleType('pipeline'); pkg.__path__ = ['pipeline'];"
-        "sys.modules['pipeline'] = pkg; import pipeline.timeline, pipeline.timeline.plot;"
+        "import sys; import timeline, timeline.plot;"
         "print(sorted(m for m in ('torch', 'torchrec') if m in sys.modules))"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
-    for source in (ROOT / "pipeline" / "timeline").glob("*.py"):
+    assert not (ROOT / "pipeline" / "timeline").exists(), "the tool lives in timeline/, not in the library"
+    for source in (ROOT / "timeline").glob("*.py"):
         for node in ast.walk(ast.parse(source.read_text())):
             if isinstance(node, ast.Import | ast.ImportFrom):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]

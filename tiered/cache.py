@@ -25,11 +25,33 @@ import torch
 from tiered.policy import Policy
 from tiered.store import RowStore
 
-__all__ = ["CacheStats", "CacheTooSmallError", "Pin", "RowCache"]
+__all__ = ["CacheStats", "CacheTooSmallError", "Pin", "RowCache", "rows_needed"]
 
 
 class CacheTooSmallError(RuntimeError):
-    """The rows a batch needs do not fit beside the rows pinned by the batches in flight."""
+    """The rows a batch needs do not fit beside the rows pinned by the batches in flight.
+
+    `distinct_rows` is how many distinct rows of the shard this batch asked for.
+    """
+
+    def __init__(self, message: str, *, distinct_rows: int = 0) -> None:
+        super().__init__(message)
+        self.distinct_rows = distinct_rows
+
+
+def rows_needed(*, distinct_rows_per_batch: int, batches_in_flight: int, shard_rows: int) -> int:
+    """The cache size that never raises CacheTooSmallError for one table shard.
+
+    Each batch pins its distinct rows from its prefetch until its update, so at most
+    `batches_in_flight` batches' rows are pinned at once, and never more rows than the shard has.
+
+    Args:
+        distinct_rows_per_batch: the most distinct rows of this shard one batch can ask for.
+        batches_in_flight: the most batches holding pins at once (1 for a plain loop, where forward
+            prefetches inline; more when a pipeline prefetches ahead).
+        shard_rows: rows of the table shard.
+    """
+    return min(shard_rows, distinct_rows_per_batch * batches_in_flight)
 
 
 @dataclass(slots=True)
@@ -135,9 +157,10 @@ class RowCache:
             pinned_rows = int((self.pins > 0).sum())
             raise CacheTooSmallError(
                 f"cache of {self.name or 'a table'} has {self.capacity} rows; {pinned_rows} are pinned by "
-                f"batches in flight, and this batch needs {need} more ({len(unique)} distinct rows). "
-                f"Give it at least {pinned_rows + need} rows (cache_rows), or keep fewer "
-                "batches in flight."
+                f"batches in flight, and this batch needs {need} more ({len(unique)} distinct rows): "
+                f"at least {pinned_rows + need} rows now, and `rows_needed()` (the most distinct rows "
+                "a batch can have times the batches in flight) for every batch (cache_rows).",
+                distinct_rows=len(unique),
             )
         chosen = self._victims(unpinned, need)
         old_rows = self.row_of_slot[chosen]

@@ -16,7 +16,17 @@ NUM_SPARSE = 26
 
 
 class InputError(Exception):
-    """Bad user input: a flag value, a data file that cannot be read, or a malformed line."""
+    """Bad user input: a flag value, a data file that cannot be read, or a malformed line.
+
+    Args:
+        message: what is wrong and how to fix it, one paragraph.
+        every_rank: every rank raises this same error at the same point (a flag, a column count
+            that every rank checks): one rank's message is enough.
+    """
+
+    def __init__(self, message: str, *, every_rank: bool = False) -> None:
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,7 +83,7 @@ class TrainConfig:
     None keeps the tables in RAM (torchrec's fused kernel)."""
     cache_rows: int | None = None
     """RAM rows cached per table shard with `embedding_store`: at least the distinct rows of the
-    batches in flight (about 3 batches under the pipelines)."""
+    batches in flight (`examples.dlrm.store.cache_rows_needed`, checked before the first step)."""
     cold_store: bool = False
     """With `embedding_store`: drop rows from the OS page cache after reading them, so every cache
     miss reads the disk (what a table larger than RAM does; for benchmarks and the timeline)."""

@@ -103,13 +103,15 @@ def _lines(paths: list[Path]) -> Iterator[tuple[Path, int, list[str]]]:
                         raise InputError(
                             f"{path}:{lineno}: expected {_COLUMNS} tab-separated columns (label, "
                             f"{NUM_DENSE} integer and {NUM_SPARSE} categorical features), "
-                            f"found {len(fields)}"
+                            f"found {len(fields)}",
+                            every_rank=True,
                         )
                     yield path, lineno, fields
         except OSError as e:
-            raise InputError(f"cannot read data file {str(path)!r}: {e.strerror}") from e
+            raise InputError(f"cannot read data file {str(path)!r}: {e.strerror}", every_rank=True) from e
         except UnicodeDecodeError as e:
-            raise InputError(f"{path}: not UTF-8 text ({e.reason}); is it compressed?") from e
+            message = f"{path}: not UTF-8 text ({e.reason}); is it compressed?"
+            raise InputError(message, every_rank=True) from e
 
 
 def _parse(fields: list[str], path: Path, lineno: int, table_sizes: tuple[int, ...]) -> _Row:

@@ -23,7 +23,7 @@ from examples.dlrm.data import DataSources, make_sources
 from examples.dlrm.model import build_model
 from examples.dlrm.profiling import step_profiler
 from examples.dlrm.report import Reporter
-from examples.dlrm.runners import Runner, make_runner
+from examples.dlrm.runners import Runner, describe_pipeline, make_runner
 from examples.dlrm.store import cache_summary, guard_cache
 
 __all__ = ["TrainResult", "train"]
@@ -78,12 +78,17 @@ def train(
         skip=config.warmup_steps,
         active=config.profile_steps,
     ) as profiler_step:
-        _run_epochs(config, runner, sharded.model, sources, reporter, profiler_step)
+        try:
+            _run_epochs(config, runner, sharded.model, sources, reporter, profiler_step)
+        except BaseException:
+            reporter.close()  # an error message must not be glued to the progress bar
+            raise
     summary: dict[str, Any] = {
         "pipeline": config.pipeline,
         "device": device.type,
         "world_size": world_size,
         "sharding": sharded.plan,
+        **describe_pipeline(runner),
         **reporter.finish(),
         **(cache_summary(sharded.model, device) if config.embedding_store is not None else {}),
         "total_seconds": round(time.perf_counter() - started, 3),
@@ -126,7 +131,8 @@ def _run_epochs(
         if step == epoch_start:
             raise InputError(
                 f"epoch {epoch} has no complete batch: the training data must hold at least "
-                f"--batch-size ({config.batch_size}) lines"
+                f"--batch-size ({config.batch_size}) lines",
+                every_rank=True,
             )
     if sources.eval and evaluated_at != step:
         _evaluate(runner, model, sources.eval(), reporter)
@@ -145,7 +151,9 @@ def _evaluate(runner: Runner, model: nn.Module, eval_iter: Iterator[Batch], repo
         finally:
             model.train()
     if not outputs:
-        raise InputError("the eval data has no complete batch: it must hold at least --batch-size lines")
+        raise InputError(
+            "the eval data has no complete batch: it must hold at least --batch-size lines", every_rank=True
+        )
     reporter.eval_pass(outputs)
 
 

@@ -5,12 +5,20 @@ Embedding tables use the fused kernel: their row-wise Adagrad runs inside the ba
 (DDP) and stepped by a plain Adagrad wrapped as a keyed optimizer, which is what the pipelines step.
 On CPU the planner may only shard table-wise or column-wise: torchrec has no row-wise sharding
 over gloo.
+
+torchrec's planner breaks ties between equally good sharding types in the order of a Python `set`,
+which changes with the interpreter's string-hash seed: the same flags gave `column_wise` on one run
+and `table_wise` on the next. `_OrderedEnumerator` hands the planner each table's options in the
+order of `--sharding-types` instead, so the same flags on the same world size give the same plan,
+and `plan` (printed in the summary) names it with a digest that two runs can compare.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,14 +27,16 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 from torchrec.distributed.planner.types import (
     KernelConfig,
     PlannerError,
+    ShardingOption,
     TopologyFactory,
     TrainerConfig,
 )
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -54,7 +64,8 @@ class ShardedDLRM:
     optimizer: torch.optim.Optimizer
     """Steps the dense parameters; the embeddings step themselves during backward."""
     plan: str
-    """One line saying how the tables were sharded."""
+    """One line saying how the tables were sharded, with a digest of the whole plan (table, sharding
+    type, kernel, ranks): two runs with the same digest sharded alike."""
 
 
 def build_model(
@@ -134,9 +145,14 @@ def _shard(
         trainer_config=TrainerConfig(world_size=world_size, local_world_size=local_world_size),
         kernel_config=KernelConfig(compute_device=device.type),
     )
+    batch_size = config.local_batch_size(world_size)
+    enumerator = _OrderedEnumerator(
+        sharding, topology=topology, batch_size=batch_size, constraints=constraints
+    )
     planner = EmbeddingShardingPlanner(
         topology=topology,
-        batch_size=config.local_batch_size(world_size),
+        batch_size=batch_size,
+        enumerator=enumerator,
         constraints=constraints,
         storage_reservation=FixedPercentageStorageReservation(0.15),
         debug=False,
@@ -145,7 +161,8 @@ def _shard(
     try:
         plan = planner.collective_plan(dlrm, sharders, pg)
     except PlannerError as e:
-        raise InputError(f"the sharding planner found no plan for these tables: {e}") from e
+        message = f"the sharding planner found no plan for these tables: {e}"
+        raise InputError(message, every_rank=True) from e
     model = DistributedModelParallel(
         dlrm, env=ShardingEnv.from_process_group(pg), device=device, plan=plan, sharders=sharders
     )
@@ -162,7 +179,7 @@ def _shard_on_disk(
 ) -> tuple[DistributedModelParallel, ShardingPlan]:
     """Every table on the tiered kernel, with a hand-built plan (see `examples.dlrm.store`)."""
     if device.type != "cpu":
-        raise InputError("--embedding-store runs on CPU only; add --device cpu")
+        raise InputError("--embedding-store runs on CPU only; add --device cpu", every_rank=True)
     ebc = dlrm.model.sparse_arch.embedding_bag_collection
     fqn = "model.sparse_arch.embedding_bag_collection"
     plan, sharder = tiered_plan(ebc, fqn, config, world_size=world_size, sharding=sharding)
@@ -183,14 +200,46 @@ def _sharding_types(requested: tuple[str, ...] | None, device: torch.device) -> 
     if unknown:
         raise InputError(
             f"--sharding-types {','.join(unknown)} cannot be used on {device.type}; "
-            f"choose from {','.join(allowed)}"
+            f"choose from {','.join(allowed)}",
+            every_rank=True,
         )
     return requested or allowed
 
 
+class _OrderedEnumerator(EmbeddingEnumerator):
+    """torchrec's enumerator, with each table's options in the order of `preferred` sharding types
+    (torchrec's own order depends on the string-hash seed; see the module docstring)."""
+
+    def __init__(self, preferred: tuple[str, ...], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._preferred = preferred
+
+    def enumerate(self, module: nn.Module, sharders: list[ModuleSharder]) -> list[ShardingOption]:
+        options = super().enumerate(module, sharders)
+        first_seen: dict[str, int] = {}
+        for option in options:
+            first_seen.setdefault(option.fqn, len(first_seen))
+        rank = {name: i for i, name in enumerate(self._preferred)}
+
+        def key(item: tuple[int, ShardingOption]) -> tuple:
+            index, option = item
+            kind = rank.get(option.sharding_type, len(rank))
+            return (first_seen[option.fqn], kind, option.compute_kernel, index)
+
+        return [option for _, option in sorted(enumerate(options), key=key)]
+
+
 def _describe(plan: ShardingPlan) -> str:
     kinds: Counter[str] = Counter()
-    for module_plan in plan.plan.values():
-        for sharding in module_plan.values():  # type: ignore[attr-defined]
+    per_rank: Counter[int] = Counter()
+    entries = []
+    for module_fqn, module_plan in sorted(plan.plan.items()):
+        for table, sharding in sorted(module_plan.items()):  # type: ignore[attr-defined]
             kinds[f"{sharding.sharding_type}/{sharding.compute_kernel}"] += 1
-    return ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())) + " tables"
+            ranks = sharding.ranks or []
+            per_rank.update(ranks)
+            entries.append(f"{module_fqn}.{table}:{sharding.sharding_type}:{sharding.compute_kernel}:{ranks}")
+    digest = hashlib.sha1("\n".join(entries).encode()).hexdigest()[:10]
+    shards = ", ".join(f"{n} on rank {r}" for r, n in sorted(per_rank.items()))
+    counts = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+    return f"{counts} tables (shards: {shards}; plan {digest})"

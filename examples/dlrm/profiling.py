@@ -6,6 +6,7 @@ pipelines' `pipeline::...` record_function labels show which stage ran when.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,6 +37,10 @@ def step_profiler(
         return
     path = Path(trace_dir) / f"rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    # Kineto prints a `USDT: ... profiler_start` line (and more) at every start and stop; its levels
+    # end at USDT = 5, so 6 silences it. This hides kineto's own error lines too: set
+    # KINETO_LOG_LEVEL yourself to see them.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)

@@ -8,6 +8,7 @@ that training does not wait for the device once per step.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -61,6 +62,11 @@ class Reporter:
         self._interval_start = self._started
         self._measure_start: float | None = None  # end of warm-up
         self._paused_seconds = 0.0  # paused since warm-up, left out of throughput
+        self._step_end: float | None = None  # end of the previous step, once timing has begun
+        self._paused_in_step = 0.0  # paused since then: an eval pass is not part of a step
+        self.step_seconds: list[float] = []
+        """Wall time of each timed step (after the warm-up): from the end of the previous step to the
+        end of this one, eval passes left out. Its median is the summary's `step_time_ms`."""
         self._last: dict[str, float] = {}
 
     def train_step(self, output: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
@@ -71,9 +77,17 @@ class Reporter:
         self._step += 1
         self._since_report += 1
         self._bar.update(1)
+        if self._step >= self._config.warmup_steps:
+            # No device sync per step (it would stall the pipeline's queue on GPU): a host-side
+            # period, which the device's bounds once the host waits on it.
+            if self._step == self._config.warmup_steps:
+                _sync(self._device)
+            now = time.perf_counter()
+            if self._step_end is not None:
+                self.step_seconds.append(now - self._step_end - self._paused_in_step)
+            self._step_end, self._paused_in_step = now, 0.0
         if self._step == self._config.warmup_steps:
-            _sync(self._device)
-            self._measure_start = time.perf_counter()
+            self._measure_start = self._step_end
         if self._since_report == self._config.log_every:
             self._report()
 
@@ -98,6 +112,7 @@ class Reporter:
         _sync(self._device)
         gap = time.perf_counter() - started
         self._interval_start += gap
+        self._paused_in_step += gap
         if self._measure_start is not None:
             self._paused_seconds += gap
 
@@ -113,12 +128,13 @@ class Reporter:
         if self._measure_start is not None:
             measured -= self._config.warmup_steps
         seconds = _global_max(end - start - self._paused_seconds, self._device)
+        median = _global_max(statistics.median(self.step_seconds) if self.step_seconds else 0.0, self._device)
         summary: dict[str, Any] = {
             "steps": self._step,
             "global_batch_size": self._config.batch_size,
             "train_seconds": round(_global_max(end - self._started, self._device), 3),
             "timed_steps": measured,
-            "step_time_ms": round(1000 * seconds / measured, 3) if measured else None,
+            "step_time_ms": round(1000 * median, 3) if self.step_seconds else None,
             "samples_per_second": round(measured * self._config.batch_size / seconds, 1)
             if measured
             else None,
@@ -126,6 +142,10 @@ class Reporter:
         summary.update({k: round(v, 5) for k, v in self._last.items()})
         summary["eval_passes"] = len(self.eval_losses)
         return summary
+
+    def close(self) -> None:
+        """Close the progress bar (its line ends), e.g. before an error is printed."""
+        self._bar.close()
 
     def _report(self) -> None:
         recent = torch.stack(self.losses[-self._since_report :]).sum().item()

@@ -16,7 +16,7 @@ from torchrec.datasets.utils import Batch
 
 from examples.dlrm.config import InputError
 
-__all__ = ["PIPELINE_CLASSES", "PlainLoop", "Runner", "make_runner"]
+__all__ = ["PIPELINE_CLASSES", "PlainLoop", "Runner", "describe_pipeline", "make_runner"]
 
 PIPELINE_CLASSES = {
     "base": "TrainPipelineBase",
@@ -88,3 +88,33 @@ def make_runner(
             f"package does not provide (yet); use --pipeline none"
         )
     return cls(model, optimizer, device)
+
+
+def describe_pipeline(runner: Runner) -> dict[str, str]:
+    """What the pipeline behind `runner` chose, for the summary: `input_dist_schedule` (under "auto",
+    with the tuner's state: still tuning and for how many steps, or what it kept and why) and
+    `rewrite` (which sharded modules are pipelined). Empty for the plain loop."""
+    pipe = getattr(runner, "runner", runner)  # unwrap examples.dlrm.store's cache guard
+    found: dict[str, str] = {}
+    schedule = getattr(pipe, "input_dist_schedule", None)
+    if schedule is not None:
+        tuner = getattr(pipe, "tuner", None)
+        if tuner is None:
+            found["input_dist_schedule"] = f"{schedule} (forced)"
+        elif tuner.tuning:
+            found["input_dist_schedule"] = (
+                f"{schedule} (auto, still tuning: decides after {tuner.steps_left} more steps)"
+            )
+        else:
+            found["input_dist_schedule"] = f"{schedule} (auto, {tuner.reason})"
+    report = getattr(pipe, "rewrite_report", None)
+    if report is not None:
+        done = [f"{m.fqn} ({m.method}: {m.path})" for m in report.modules if m.pipelined]
+        left = [f"{m.fqn} ({m.reason})" for m in report.not_pipelined]
+        found["rewrite"] = "; ".join(
+            [
+                f"pipelined {', '.join(done) or 'nothing'}",
+                *([f"not pipelined {', '.join(left)}"] if left else []),
+            ]
+        )
+    return found

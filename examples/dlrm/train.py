@@ -5,7 +5,11 @@
 torchrun provides RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous; run without it, this trains as a
 single process. The backend is NCCL with device cuda:LOCAL_RANK when CUDA is available, gloo on CPU
 otherwise. See README.md for the data options, the flags and multi-node runs.
-Exit status: 0 on success, 2 for bad input (flags, data files, malformed lines).
+Exit status: 0 on success, 2 for bad input (flags, data files, malformed lines): one paragraph
+starting `train.py: error:` from the rank that found it, and nothing else from the others.
+
+torch, torchrec and the training modules are imported only after the flags are parsed, so that
+`--help` and a mistyped flag answer at once.
 """
 
 from __future__ import annotations
@@ -20,19 +24,11 @@ if __package__ in (None, ""):
 
 import argparse
 import json
-import logging
 import os
 import socket
-import warnings
-
-import torch
-import torch.distributed as dist
+from typing import Any, NoReturn
 
 from examples.dlrm.config import PIPELINES, InputError, TrainConfig
-from examples.dlrm.criteo_tsv import resolve_paths
-from examples.dlrm.loop import train
-from examples.dlrm.store import check_store_dir
-from examples.dlrm.synthetic import SyntheticSpec, write_tsv
 
 __all__ = ["format_summary", "main"]
 
@@ -40,34 +36,33 @@ __all__ = ["format_summary", "main"]
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, train on this rank, print the summary on rank 0; returns the exit status."""
     args = _parser().parse_args(argv)
-    _quiet_known_warnings()
     rank = int(os.environ.get("RANK", "0"))
     try:
         config = _config(args)
         if args.write_tsv:
             return _write_tsv(args, config)
-        _preflight(config)
+        _preflight(config, args.device)
+        if args.compare:
+            from examples.dlrm.compare import check_comparable
+
+            check_comparable(config)
     except InputError as e:
         # Every rank fails these alike, before any collective: one message is enough.
-        if rank == 0:
-            print(f"train.py: error: {e}", file=sys.stderr)
+        _rank_0_says(f"train.py: error: {e}")
         return 2
+    _quiet_known_warnings()
+    import torch.distributed as dist
+
+    from examples.dlrm.errors import train_or_exit
+
     device = _init_distributed(args.device)
-    try:
-        result = train(
-            config,
-            rank=rank,
-            world_size=dist.get_world_size(),
-            device=device,
-            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-        )
-    except InputError as e:
-        where = f" (rank {rank})" if dist.get_world_size() > 1 else ""
-        print(f"train.py: error{where}: {e}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        # Skip process-group teardown: it can block on peers that are waiting in a collective
-        # for this rank, and torchrun stops them once this process is gone.
-        os._exit(2)
+    world_size = dist.get_world_size()
+    result = train_or_exit(config, rank=rank, world_size=world_size, device=device)
+    if args.compare:
+        from examples.dlrm.compare import comparison, plain_config
+
+        plain = train_or_exit(plain_config(config), rank=rank, world_size=world_size, device=device)
+        result.summary.update(comparison(result.summary, plain.summary))
     status = _publish(result.summary, args.summary_json) if rank == 0 else 0
     # Tear down together: a rank that destroys its group while a peer's gloo threads still use the
     # connection can abort that peer at exit ("terminate called without an active exception", seen
@@ -85,16 +80,34 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def _preflight(config: TrainConfig) -> None:
-    config.local_batch_size(int(os.environ.get("WORLD_SIZE", "1")))
+def _preflight(config: TrainConfig, device: str) -> None:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    config.local_batch_size(world_size)
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InputError(
+                "--device cuda: no CUDA device is usable here (torch.cuda.is_available() is False); "
+                "use --device cpu, or auto to take a GPU when there is one"
+            )
     for pattern in (config.data, config.eval_data):
         if pattern:
+            from examples.dlrm.criteo_tsv import resolve_paths
+
             resolve_paths(pattern)
     if config.embedding_store is not None:
+        from examples.dlrm.store import check_cache_rows, check_store_dir, check_store_world
+
         check_store_dir(config.embedding_store)
+        check_cache_rows(config)
+        if config.store_mode == "open":
+            check_store_world(config, world_size=world_size)
 
 
 def _write_tsv(args: argparse.Namespace, config: TrainConfig) -> int:
+    from examples.dlrm.synthetic import SyntheticSpec, write_tsv
+
     spec = SyntheticSpec(table_sizes=config.table_sizes, missing_rate=args.missing_rate, seed=config.seed)
     try:
         write_tsv(args.write_tsv, spec, args.lines)
@@ -105,7 +118,12 @@ def _write_tsv(args: argparse.Namespace, config: TrainConfig) -> int:
 
 
 def _publish(summary: dict, json_path: str | None) -> int:
+    from examples.dlrm.compare import verdict
+
     print(format_summary(summary), flush=True)
+    line = verdict(summary)
+    if line:
+        print(line, flush=True)
     if json_path is None:
         return 0
     try:
@@ -118,7 +136,10 @@ def _publish(summary: dict, json_path: str | None) -> int:
     return 0
 
 
-def _init_distributed(choice: str) -> torch.device:
+def _init_distributed(choice: str) -> Any:
+    import torch
+    import torch.distributed as dist
+
     use_cuda = choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
     if "RANK" not in os.environ:  # not under torchrun: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
@@ -181,38 +202,74 @@ def _name_list(text: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (no usage block), printed by rank 0 only: under torchrun
+    every rank parses the same flags."""
+
+    def print_help(self, file: Any = None) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            super().print_help(file)
+
+    def error(self, message: str) -> NoReturn:
+        _rank_0_says(f"{self.prog}: error: {message} (see --help)")
+        sys.exit(2)
+
+
+def _rank_0_says(message: str) -> None:
+    """Print `message` on rank 0; the other ranks, which fail alike, print nothing and wait a little:
+    torchrun stops every worker as soon as one has exited, and rank 0 might not have printed yet."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+    else:
+        import time
+
+        time.sleep(2)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default only where there is one to show (not None, not an off switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     d = TrainConfig()
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = _Parser(prog="train.py", description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
     add = p.add_argument
+
+    def widths(values: tuple[int, ...]) -> str:  # argparse passes a str default through `type`
+        return ",".join(map(str, values))
+
     add("--pipeline", choices=PIPELINES, default=d.pipeline, help="training loop")
     add("--steps", type=int, default=d.steps, help="batches per epoch (with --data: cap; 0: all)")
-    add("--epochs", type=int, default=d.epochs)
+    add("--epochs", type=int, default=d.epochs, help="passes over the data")
     add("--batch-size", type=int, default=d.batch_size, help="global; divisible by world size")
-    add("--embedding-dim", type=int, default=d.embedding_dim)
-    add("--num-embeddings", type=_int_list, default=d.num_embeddings, help="one or 26 sizes")
+    add("--embedding-dim", type=int, default=d.embedding_dim, help="width of every table")
+    add("--num-embeddings", type=_int_list, default=widths(d.num_embeddings), help="one or 26 sizes")
     add("--pooling", type=int, default=d.pooling, help="mean ids per synthetic feature")
-    add("--dense-hidden", type=_int_list, default=d.dense_hidden, help="bottom MLP widths")
-    add("--over-hidden", type=_int_list, default=d.over_hidden, help="top MLP widths")
-    add("--lr", type=float, default=d.lr)
-    add("--seed", type=int, default=d.seed)
+    add("--dense-hidden", type=_int_list, default=widths(d.dense_hidden), help="bottom MLP widths")
+    add("--over-hidden", type=_int_list, default=widths(d.over_hidden), help="top MLP widths")
+    add("--lr", type=float, default=d.lr, help="learning rate of both Adagrads")
+    add("--seed", type=int, default=d.seed, help="initial weights and synthetic data")
     add("--data", help="Criteo TSV file or glob (default: synthetic data)")
     add("--eval-data", help="Criteo TSV file or glob for eval")
     add("--eval-every", type=int, default=d.eval_every, help="steps between evals; 0: none")
-    add("--eval-batches", type=int, default=d.eval_batches)
-    add("--log-every", type=int, default=d.log_every)
-    add("--warmup-steps", type=int, default=d.warmup_steps, help="left out of throughput")
+    add("--eval-batches", type=int, default=d.eval_batches, help="batches per eval pass")
+    add("--log-every", type=int, default=d.log_every, help="steps between reports")
+    add("--warmup-steps", type=int, default=d.warmup_steps, help="left out of throughput and step time")
     add("--profile", metavar="DIR", help="write DIR/rank{r}.json chrome traces")
-    add("--profile-steps", type=int, default=d.profile_steps)
+    add("--profile-steps", type=int, default=d.profile_steps, help="steps recorded by --profile")
     add("--sharding-types", type=_name_list, help="e.g. table_wise,column_wise (default by device)")
     add("--embedding-store", metavar="DIR", help="tables on disk in DIR (tiered kernel, CPU)")
     add("--cache-rows", type=int, metavar="N", help="with --embedding-store: RAM rows per table shard")
     add("--store-mode", choices=("create", "open"), default=d.store_mode,
         help="with --embedding-store: new stores from initial weights, or reuse existing ones")  # fmt: skip
     add("--cold-store", action="store_true", help="with --embedding-store: every miss reads the disk")
-    add("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    add("--compare", choices=("plain",), help="then train the plain loop alike and compare step times")
+    add("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if available")
     add("--summary-json", metavar="PATH", help="also write the summary here")
     add("--no-progress", action="store_true", help="no progress bar or periodic reports")
     add("--write-tsv", metavar="PATH", help="write synthetic rows as Criteo TSV and exit")
@@ -222,6 +279,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _quiet_known_warnings() -> None:
+    import logging
+    import warnings
+
     # Deprecation notices from inside torch/torchrec that a user of this example cannot act on.
     warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)

@@ -1,4 +1,4 @@
-"""``python -m pipeline.timeline compare BASE PREFETCH -o OUT``: picture and tables of two runs.
+"""``python -m timeline compare BASE PREFETCH -o OUT``: picture and tables of two runs.
 
 Writes ``OUT/timeline.png``, ``OUT/timeline.md`` and ``OUT/timeline.json`` and prints the tables.
 A file that is not a usable trace ends the command with one ``error:`` line and exit status 1.
@@ -13,16 +13,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.timeline.lanes import Timeline, build_timeline
-from pipeline.timeline.report import (
+from timeline.lanes import Timeline, build_timeline
+from timeline.report import (
     Comparison,
     compare_stats,
     comparison_markdown,
     run_markdown,
     to_json,
 )
-from pipeline.timeline.stats import RunStats, StepSelection, run_stats, select_steps
-from pipeline.timeline.trace import TraceError, load_trace
+from timeline.stats import RunStats, StepSelection, run_stats, select_steps
+from timeline.trace import TraceError, load_trace
 
 __all__ = ["CompareResult", "RunAnalysis", "analyse", "compare_traces", "main"]
 
@@ -112,7 +112,7 @@ def _title(run: RunAnalysis) -> str:
 
 def _render(runs: Sequence[RunAnalysis], path: Path, titles: list[str]) -> Path:
     # matplotlib is imported only here: the tables must not wait for it.
-    from pipeline.timeline.plot import render_png
+    from timeline.plot import render_png
 
     return render_png([(r.timeline, r.selection) for r in runs], path, titles=titles)
 
@@ -138,7 +138,7 @@ def _count(minimum: int) -> Callable[[str], int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.timeline", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m timeline", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     compare = commands.add_parser("compare", help="picture and tables of two traces")
     compare.add_argument("base", help="trace of the first run (drawn on top)")

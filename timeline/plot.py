@@ -18,8 +18,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from pipeline.timeline.lanes import Box, Timeline
-from pipeline.timeline.stats import StepSelection
+from timeline.lanes import Box, Timeline
+from timeline.stats import StepSelection
 
 __all__ = ["STAGE_COLORS", "render_png"]
 

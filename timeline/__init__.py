@@ -1,6 +1,6 @@
 """Timeline of a pipelined run from its torch.profiler trace: which batch is where, and when.
 
-``python -m pipeline.timeline compare BASE_TRACE PREFETCH_TRACE -o OUT_DIR`` reads two chrome
+``python -m timeline compare BASE_TRACE PREFETCH_TRACE -o OUT_DIR`` reads two chrome
 traces (``prof.export_chrome_trace()``), finds the pipeline's ``pipeline::<stage>#<batch>`` labels
 (and, on GPU, the kernels per CUDA stream), draws a few steady-state steps of both runs on one time
 axis and writes tables of step time, busy time per lane and hidden communication. See
@@ -11,11 +11,11 @@ Modules: ``trace`` reads the file, ``lanes`` builds the rows of the picture, ``s
 ``report`` formats the tables, ``plot`` draws, ``cli`` ties them together.
 """
 
-from pipeline.timeline.cli import CompareResult, RunAnalysis, analyse, compare_traces, main
-from pipeline.timeline.lanes import Box, Lane, Timeline, build_timeline
-from pipeline.timeline.report import Comparison, Row, compare_stats
-from pipeline.timeline.stats import CommStats, RunStats, StepSelection, run_stats, select_steps
-from pipeline.timeline.trace import (
+from timeline.cli import CompareResult, RunAnalysis, analyse, compare_traces, main
+from timeline.lanes import Box, Lane, Timeline, build_timeline
+from timeline.report import Comparison, Row, compare_stats
+from timeline.stats import CommStats, RunStats, StepSelection, run_stats, select_steps
+from timeline.trace import (
     Kernel,
     NoPipelineLabelsError,
     Span,

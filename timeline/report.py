@@ -11,8 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.timeline.lanes import CPU_LANE_ORDER, GPU_LANE_ORDER
-from pipeline.timeline.stats import RunStats, StepSelection
+from timeline.lanes import CPU_LANE_ORDER, GPU_LANE_ORDER
+from timeline.stats import RunStats, StepSelection
 
 __all__ = ["Comparison", "Row", "compare_stats", "comparison_markdown", "run_markdown", "to_json"]
 

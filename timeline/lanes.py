@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.timeline.trace import Span, Trace
+from timeline.trace import Span, Trace
 
 __all__ = [
     "IN_FLIGHT",

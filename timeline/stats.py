@@ -22,8 +22,8 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
-from pipeline.timeline.lanes import Timeline, collective_lifetimes, union_length
-from pipeline.timeline.trace import Span, TraceError
+from timeline.lanes import Timeline, collective_lifetimes, union_length
+from timeline.trace import Span, TraceError
 
 __all__ = ["CommStats", "RunStats", "StepSelection", "run_stats", "select_steps"]
 

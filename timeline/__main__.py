@@ -1,0 +1,5 @@
+"""Entry point of ``python -m timeline``."""
+
+from timeline.cli import main
+
+raise SystemExit(main())
