@@ -103,7 +103,7 @@ def describe_pipeline(runner: Runner) -> dict[str, str]:
             found["input_dist_schedule"] = f"{schedule} (forced)"
         elif tuner.tuning:
             found["input_dist_schedule"] = (
-                f"{schedule} (auto, still tuning: decides after {tuner.steps_left} more steps)"
+                f"{schedule} (auto, still tuning: decides within {tuner.steps_left} more steps)"
             )
         else:
             found["input_dist_schedule"] = f"{schedule} (auto, {tuner.reason})"
