@@ -52,6 +52,7 @@ from pipeline.batch import to_device
 from pipeline.context import BatchContext
 from pipeline.failure import FailureSignal, PeerFailedError, is_comm_error
 from pipeline.labels import stage
+from pipeline.loader_state import capture, resume_state
 from pipeline.streams import Streams, streams_for
 
 __all__ = ["TrainPipelineBase"]
@@ -222,6 +223,22 @@ class TrainPipelineBase:
             except StopIteration:
                 return outputs
 
+    def dataloader_state(self, dataloader_iter: Iterator[Any]) -> Any:
+        """The state of `dataloader_iter` (which must have `state_dict()`) as of the oldest batch
+        fetched from it and not yet trained.
+
+        Call it between two `progress()` calls and save it with the model and optimizer: a run
+        restored from the three (the dataloader by `load_state_dict` of this state) trains every
+        batch exactly once, bit-for-bit as an uninterrupted run, with no `drain()` and no pipeline
+        fill (docs/pipeline.md, "Checkpointing").
+
+        Raises:
+            TypeError: `dataloader_iter` has no `state_dict()` (use `drain()` instead).
+        """
+        lane = self._lanes.get(id(dataloader_iter))
+        inflight = lane.inflight if lane is not None and lane.iterator is dataloader_iter else ()
+        return resume_state(dataloader_iter, inflight)
+
     def _fail(self, error: BaseException) -> None:
         """This rank raised inside `progress()`: drop the batches in flight and, across ranks, make
         sure no peer is left waiting (`abort_on_error`). A failure that comes from a peer's (a
@@ -282,6 +299,7 @@ class TrainPipelineBase:
         if lane.ended or lane.draining:
             return False
         batch, status = None, EXHAUSTED
+        loader_state = capture(lane.iterator)
         if not lane.exhausted:
             try:
                 batch, status = next(lane.iterator), HAVE
@@ -297,6 +315,7 @@ class TrainPipelineBase:
             if self._keys is not None and (found := self._keys.check(batch)) is not None:
                 status, ctx.found_keys = BAD_KEYS, found
         ctx.status = status
+        ctx.loader_state = loader_state
         if self._voting:
             # a vote where no collective of this rank's comes between this fetch and the other
             # ranks' reading of the flags: the lane's first two batches (the second is fetched

@@ -52,6 +52,9 @@ class BatchContext:
     """Index of the batch in its dataloader (for error messages)."""
     found_keys: Any = None
     """Written at fetch when the key check failed: the keys the batch has."""
+    loader_state: Any = None
+    """Written at fetch: the dataloader's `state_dict()` from before this batch was fetched (None
+    without one); read by `dataloader_state()` (`pipeline.loader_state`)."""
 
     def take_input_dist(self, fqn: str) -> tuple[Any, Any] | None:
         """Pop module `fqn`'s input_dist result, wait for it on data_dist and hand it (and the module

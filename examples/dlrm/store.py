@@ -106,6 +106,9 @@ class _GuardedRunner:
                 "Raise --cache-rows or lower --batch-size."
             ) from e
 
+    def dataloader_state(self, dataloader_iter: Iterator[Any]) -> Any:
+        return self._runner.dataloader_state(dataloader_iter)
+
 
 def guard_cache(runner: Runner, config: TrainConfig) -> Runner:
     """`runner`, translating the kernel's CacheTooSmallError (first batch) into an `InputError`."""
