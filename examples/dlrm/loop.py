@@ -125,7 +125,12 @@ def _resume(config: TrainConfig, sharded: ShardedDLRM, *, rank: int) -> _Resume:
     if config.checkpoint_dir is None:
         return _Resume(Position(), None, log)
     saves = Checkpoints(config, model=sharded.model, optimizer=sharded.optimizer, plan=sharded.plan, log=log)
-    return _Resume(saves.resume(), saves, log)
+    if log is not None:
+        log.event("built", 0)  # model sharded, checkpoint not yet read
+    start = saves.resume()
+    if log is not None:
+        log.event("resumed", start.step)
+    return _Resume(start, saves, log)
 
 
 def _run_epochs(

@@ -69,6 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         # Skip process-group teardown: it can block on peers that are waiting in a collective
         # for this rank, and torchrun stops them once this process is gone.
         os._exit(2)
+    except Exception as e:
+        if not _peer_failed(e):
+            raise
+        # Another rank died or failed: one line, not a traceback; torchrun restarts the group
+        # (--max-restarts) or reports the rank that failed first.
+        print(f"train.py: rank {rank} stopped: {e}", file=sys.stderr, flush=True)
+        os._exit(1)
     status = _publish(result.summary, args.summary_json) if rank == 0 else 0
     # Tear down together: a rank that destroys its group while a peer's gloo threads still use the
     # connection can abort that peer at exit ("terminate called without an active exception", seen
@@ -76,6 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return status
+
+
+def _peer_failed(error: BaseException) -> bool:
+    try:
+        from pipeline import PeerFailedError
+    except ImportError:
+        return False
+    return isinstance(error, PeerFailedError)
 
 
 def format_summary(summary: dict) -> str:
