@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -247,7 +248,9 @@ def _read_meta(path: Path) -> Any:
 def _progress(path: Path) -> dict[str, Any]:
     """The `progress` entry of a checkpoint, read on this rank alone."""
     holder: dict[str, Any] = {"progress": ""}
-    dcp.load(holder, checkpoint_id=path, no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(holder, checkpoint_id=path, no_dist=True)
     return json.loads(holder["progress"])
 
 
