@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
     stats = [s for m in model.modules() if hasattr(m, "tiered_stats") for s in m.tiered_stats().values()]
     hits, misses = sum(s["hits"] for s in stats), sum(s["misses"] for s in stats)
     if args.checkpoint_dir:
+        print(f"peak RSS before the checkpoint {peak_rss_bytes() / 2**20:.0f} MiB", flush=True)
         _checkpoint(model, optimizer, Path(args.checkpoint_dir))
     peak = peak_rss_bytes()
     print(f"total_gb_on_disk {on_disk / 2**30:.2f}")

@@ -245,3 +245,28 @@ def test_resume_onto_one_rank(tmp_path, reference):
             assert status != 0
             assert "train.py: error: " in output and "resume only onto the same world size" in output
             assert f'File "{ROOT / "examples"}' not in output, output[-4000:]  # no traceback of ours
+
+
+# -- the example's data position ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("data", [None, str(ROOT / "tests" / "fixtures" / "criteo_tiny.tsv")])
+def test_data_position_resumes_the_same_batches(data):
+    import torch
+
+    from examples.dlrm.config import TrainConfig
+    from examples.dlrm.data import make_sources
+
+    config = TrainConfig(steps=5, batch_size=8, num_embeddings=(10_000,), data=data)
+    sources = make_sources(config, rank=1, world_size=2)
+    whole = sources.train(0, 0)
+    first = [next(whole) for _ in range(2)]
+    state = whole.state_dict()
+    assert state == {"epoch": 0, "batch": 2} and len(first) == 2
+    rest, resumed = list(whole), sources.train(state["epoch"], state["batch"])
+    again = list(resumed)
+    assert len(rest) == len(again) == 3
+    for a, b in zip(rest, again, strict=True):
+        assert torch.equal(a.dense_features, b.dense_features)
+        assert torch.equal(a.sparse_features.values(), b.sparse_features.values())
+    assert resumed.state_dict() == {"epoch": 0, "batch": 5}
