@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # Another rank died or failed: one line, not a traceback; torchrun restarts the group
         # (--max-restarts) or reports the rank that failed first.
-        print(f"train.py: rank {rank} stopped: {e}", file=sys.stderr, flush=True)
+        print(f"train.py: {e}", file=sys.stderr, flush=True)
         os._exit(1)
     status = _publish(result.summary, args.summary_json) if rank == 0 else 0
     # Tear down together: a rank that destroys its group while a peer's gloo threads still use the
