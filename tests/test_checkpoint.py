@@ -270,3 +270,12 @@ def test_data_position_resumes_the_same_batches(data):
         assert torch.equal(a.dense_features, b.dense_features)
         assert torch.equal(a.sparse_features.values(), b.sparse_features.values())
     assert resumed.state_dict() == {"epoch": 0, "batch": 5}
+
+
+def test_async_checkpoints_are_committed_and_change_nothing(tmp_path, reference):
+    ckpt = tmp_path / "ckpt"
+    flags = ("--pipeline", "prefetch", "--checkpoint-dir", str(ckpt), "--checkpoint-async")
+    status, summary, _, output = _torchrun(tmp_path, "run", *flags, "--checkpoint-every", str(EVERY))
+    assert status == 0, output[-4000:]
+    assert summary["state_digest"] == reference["fused"]["summary"]["state_digest"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [f"step-{2 * EVERY:09d}", f"step-{TOTAL:09d}"]

@@ -23,6 +23,7 @@ import re
 import shutil
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
 from examples.dlrm.config import InputError, TrainConfig
 from examples.dlrm.faults import KillPlan, LossLog
@@ -103,6 +105,9 @@ class Checkpoints:
         self._kill = KillPlan.parse(config.inject_kill) if config.inject_kill else None
         self._log = log
         self._saved_at = -1
+        self._group = dist.new_group(backend="gloo") if config.checkpoint_async else None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._pending: tuple[Any, Path, Path] | None = None
 
     # -- resume -------------------------------------------------------------------------------
 
@@ -165,38 +170,66 @@ class Checkpoints:
         trained (`dataloader_state`; no drain)."""
         if self._kill is not None:
             self._kill.maybe_kill(rank=self._rank, step=step, in_save=False, log=self._log)
+        self.poll()
         if not (self.every and step % self.every == 0):
             return
         data = runner.dataloader_state(train_iter)
         self.save(Position(step=step, epoch=data["epoch"], batch=data["batch"]))
 
     def save(self, position: Position) -> Path:
-        """Write a checkpoint of the current state as of `position`, then commit it; a collective.
-        Does nothing if the step was just saved."""
+        """Write a checkpoint of the current state as of `position` and commit it once every rank
+        has written its part (with `checkpoint_async`, the write runs behind training and rank 0
+        commits it when it is done); a collective. Does nothing if the step was just saved."""
         if position.step == self._saved_at:
             return _final(self.directory, position.step)
         started = time.perf_counter()
+        self.wait()
         tmp, final = self.directory / f".step-{position.step:09d}.tmp", _final(self.directory, position.step)
         if self._rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was cut off
             self.directory.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        dcp.save(self._state(position), checkpoint_id=tmp)
-        if self._tiered:
+        if self._tiered:  # the stores first: an async write's commit needs them in place
             from tiered.snapshot import save_stores
 
             save_stores(tiered_kernels(self._model), tmp / "stores")
-        if self._kill is not None:
-            self._kill.maybe_kill(rank=self._rank, step=position.step, in_save=True, log=self._log)
-        dist.barrier()  # every rank's part is on disk
+        if self._group is not None:
+            # A copy (training goes on changing the tensors), written on a thread with its
+            # collectives on a group of their own, never interleaved with training's. DCP's
+            # async_save would stage it too, but its stager cannot copy ShardedTensors.
+            state = _copy(self._state(position))
+            future = self._writer.submit(dcp.save, state, checkpoint_id=tmp, process_group=self._group)
+            self._pending = (future, tmp, final)
+        else:
+            dcp.save(self._state(position), checkpoint_id=tmp)
+            if self._kill is not None:
+                self._kill.maybe_kill(rank=self._rank, step=position.step, in_save=True, log=self._log)
+            dist.barrier()  # every rank's part is on disk
+            self._commit(tmp, final)
+        self._saved_at = position.step
+        self.save_seconds.append(time.perf_counter() - started)
+        return final
+
+    def poll(self) -> None:
+        """Commit an async save that has finished (rank 0), without waiting."""
+        if self._pending is not None and self._pending[0].done() and self._rank == 0:
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the async save in flight, if any, and commit it (rank 0)."""
+        if self._pending is None:
+            return
+        future, tmp, final = self._pending
+        self._pending = None
+        future.result()  # on rank 0, done means every rank's part and the metadata are written
+        self._commit(tmp, final)
+
+    def _commit(self, tmp: Path, final: Path) -> None:
         if self._rank == 0:
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)
             _fsync_dir(self.directory)
             _prune(self.directory, keep=_KEEP)
-        self._saved_at = position.step
-        self.save_seconds.append(time.perf_counter() - started)
-        return final
 
     def _state(self, position: Position, keys: Any = None) -> dict[str, Any]:
         state = model_state(self._model, self._optimizer, tiered=self._tiered)
@@ -207,6 +240,20 @@ class Checkpoints:
         if keys is None or rng_key in keys:  # at resume onto more ranks, the new ones have none
             state[rng_key] = torch.get_rng_state()
         return state
+
+
+def _copy(state: Any) -> Any:
+    """A deep copy of a state dict's tensors, ShardedTensors included (their local shards)."""
+    if isinstance(state, dict):
+        return {k: _copy(v) for k, v in state.items()}
+    if isinstance(state, ShardedTensor):
+        shards = [Shard(s.tensor.detach().clone(), s.metadata) for s in state.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, sharded_tensor_metadata=state.metadata(), process_group=state._process_group
+        )
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    return state
 
 
 def latest(directory: Path) -> Path | None:

@@ -87,6 +87,9 @@ class TrainConfig:
     checkpoint_every: int = 0
     """With `checkpoint_dir`: save every this many steps and after the last one (0: after the last
     one only)."""
+    checkpoint_async: bool = False
+    """With `checkpoint_dir`: write checkpoints behind training (DCP's `async_save`: the state is
+    copied, then written on a thread); each is committed once written."""
     inject_kill: str | None = None
     """`RANK:step:N` or `RANK:save:N`: SIGKILL that rank after step N, or while it saves the
     checkpoint of step N, in the first attempt of a torchrun job only (demos and tests)."""
@@ -123,6 +126,8 @@ class TrainConfig:
             raise InputError(f"--store-mode must be create or open, got {self.store_mode!r}")
         if self.checkpoint_every < 0 or (self.checkpoint_every and self.checkpoint_dir is None):
             raise InputError("--checkpoint-every N needs --checkpoint-dir DIR and N >= 0")
+        if self.checkpoint_async and self.checkpoint_dir is None:
+            raise InputError("--checkpoint-async needs --checkpoint-dir DIR")
         if self.inject_kill is not None:
             from examples.dlrm.faults import KillPlan
 

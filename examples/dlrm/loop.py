@@ -169,6 +169,7 @@ def _run_epochs(
             )
     if resume.saves is not None:
         resume.saves.save(Position(step=step, epoch=config.epochs))
+        resume.saves.wait()
     if sources.eval and evaluated_at != step:
         _evaluate(runner, model, sources.eval(), reporter)
 

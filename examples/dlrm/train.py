@@ -189,6 +189,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         cold_store=args.cold_store,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
+        checkpoint_async=args.checkpoint_async,
         inject_kill=args.inject_kill,
         loss_log=args.loss_log,
     )
@@ -239,6 +240,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--checkpoint-dir", metavar="DIR", help="save sharded checkpoints here; resume from the newest")
     add("--checkpoint-every", type=int, metavar="N", default=d.checkpoint_every,
         help="with --checkpoint-dir: steps between checkpoints (0: after the last step only)")  # fmt: skip
+    add("--checkpoint-async", action="store_true", help="write checkpoints behind training")
     add("--inject-kill", metavar="RANK:step|save:N", help="SIGKILL a rank once, for demos and tests")
     add("--loss-log", metavar="PATH", help="append every step's exact loss on every rank here")
     add("--device", choices=("auto", "cpu", "cuda"), default="auto")
