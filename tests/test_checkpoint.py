@@ -9,7 +9,7 @@ Part 2 (torchrun, 2 CPU ranks, `--max-restarts=1`): rank 1 is SIGKILLed at a ste
 between two checkpoints (the seed is in the failure message); the job finishes, with the
 uninterrupted plain loop's state digest (every parameter and optimizer state) and its losses at
 every step after the resume point. Also: a kill in the middle of a save (resume loads the one
-before), and a resume onto one rank (resharded; with tables on disk, a clear error).
+before), a resume onto one rank (resharded; with tables on disk, a clear error), and async saves.
 """
 
 from __future__ import annotations
