@@ -9,11 +9,11 @@ FBGEMM_cpu := fbgemm-gpu-cpu==1.8.0
 FBGEMM_cuda := fbgemm-gpu==1.8.0
 TORCHREC_PIN := torchrec==1.8.0
 TORCHREC_NEEDS := tensordict torchmetrics==1.0.3 tqdm pyre-extensions numpy
-DEV_TOOLS := pytest pytest-timeout ruff matplotlib setuptools
+DEV_TOOLS := pytest pytest-timeout ruff matplotlib setuptools torchdata
 STAMP := $(VENV)/.setup-$(VARIANT)
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint demo bench bench-overhead bench-tiered hit-rates bench-sweep bench-big bench-agreement timeline clean
+.PHONY: setup test lint demo demo-faults bench bench-overhead bench-tiered hit-rates bench-sweep bench-big bench-agreement timeline clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,19 @@ DEMO_ARGS ?= --steps 300 --log-every 50 --eval-every 100
 
 demo: setup
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 examples/dlrm/train.py --pipeline prefetch $(DEMO_ARGS) --compare plain --summary-json $(DEMO_OUT)/summary.json
+
+# The same DLRM on 2 ranks, checkpointed every 50 steps, with rank 1 SIGKILLed after step 120:
+# torchrun stops rank 0 and restarts both (--max-restarts=1), they resume from step 100 and finish.
+# Then an uninterrupted run of the same steps: the two state digests (every parameter and optimizer
+# state) must be equal.
+FAULTS_OUT ?= out/demo-faults
+FAULTS_ARGS ?= --pipeline prefetch --steps 300 --log-every 50 --no-progress
+
+demo-faults: setup
+	rm -rf $(FAULTS_OUT)
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 --max-restarts=1 examples/dlrm/train.py $(FAULTS_ARGS) --checkpoint-dir $(FAULTS_OUT)/ckpt --checkpoint-every 50 --inject-kill 1:step:120 --summary-json $(FAULTS_OUT)/killed.json
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 examples/dlrm/train.py $(FAULTS_ARGS) --summary-json $(FAULTS_OUT)/uninterrupted.json > $(FAULTS_OUT)/uninterrupted.txt
+	$(BIN)/python -c "import json, sys; a, b = (json.load(open('$(FAULTS_OUT)/' + n + '.json'))['state_digest'] for n in ('killed', 'uninterrupted')); print('state_digest killed and resumed:', a); print('state_digest uninterrupted:     ', b); sys.exit(a != b)"
 
 # Base and prefetch pipelines on DLRM (2 local ranks) with every table on disk (tiered kernel, cold
 # store, a cache far smaller than the tables, so most of each batch misses), traced with

@@ -101,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
     steps_per_s = args.steps / (time.perf_counter() - timed_from)
     stats = [s for m in model.modules() if hasattr(m, "tiered_stats") for s in m.tiered_stats().values()]
     hits, misses = sum(s["hits"] for s in stats), sum(s["misses"] for s in stats)
+    if args.checkpoint_dir:
+        print(f"peak RSS before the checkpoint {peak_rss_bytes() / 2**20:.0f} MiB", flush=True)
+        _checkpoint(model, optimizer, Path(args.checkpoint_dir))
     peak = peak_rss_bytes()
     print(f"total_gb_on_disk {on_disk / 2**30:.2f}")
     print(f"create_seconds {created_s:.1f}")
@@ -108,6 +111,33 @@ def run(args: argparse.Namespace) -> int:
     print(f"cache_hit_rate {hits / max(hits + misses, 1):.4f}")
     print(f"peak_rss_mib {peak / 2**20:.0f}  (limit {args.rss_limit_gb * 1024:.0f})")
     return 0 if peak <= args.rss_limit_gb * 2**30 else 1
+
+
+def _checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    """Save a checkpoint as the DLRM example does (DCP for the dense part, the store files streamed
+    into it), load it back, and print the times and the peak RSS after each."""
+    import torch.distributed.checkpoint as dcp
+
+    from examples.dlrm.checkpoint import model_state, tiered_kernels
+    from tiered.snapshot import load_stores, save_stores
+
+    shutil.rmtree(directory, ignore_errors=True)
+    started = time.perf_counter()
+    dcp.save(model_state(model, optimizer, tiered=True), checkpoint_id=directory)
+    save_stores(tiered_kernels(model), directory / "stores")
+    saved_s = time.perf_counter() - started
+    size = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+    print(f"checkpoint_save_seconds {saved_s:.1f}  ({size / 2**30:.2f} GiB; peak RSS so far "
+          f"{peak_rss_bytes() / 2**20:.0f} MiB)", flush=True)  # fmt: skip
+    started = time.perf_counter()
+    state = model_state(model, optimizer, tiered=True)
+    dcp.load(state, checkpoint_id=directory)
+    model.load_state_dict(state["model"], strict=False)
+    optimizer.load_state_dict(state["dense_optimizer"])
+    load_stores(tiered_kernels(model), directory / "stores")
+    print(f"checkpoint_load_seconds {time.perf_counter() - started:.1f}  (peak RSS so far "
+          f"{peak_rss_bytes() / 2**20:.0f} MiB)", flush=True)  # fmt: skip
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,12 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rss-limit-gb", type=float, default=2.0)
     p.add_argument("--keep", action="store_true", help="keep the store files")
+    p.add_argument("--checkpoint-dir", help="after training, save a checkpoint here and load it back")
     args = p.parse_args(argv)
     free = shutil.disk_usage(
         Path(args.store_dir).parent if not Path(args.store_dir).exists() else args.store_dir
     )
-    if free.free < args.total_gb * 2**30 * 1.05:
-        print(f"big_tables: {free.free / 2**30:.1f} GiB free, {args.total_gb} needed", file=sys.stderr)
+    needed = args.total_gb * (2 if args.checkpoint_dir else 1) * 1.05
+    if free.free < needed * 2**30:
+        print(f"big_tables: {free.free / 2**30:.1f} GiB free, {needed:.1f} needed", file=sys.stderr)
         return 2
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")

@@ -44,6 +44,9 @@ class BatchContext:
     ticket: Ticket | None = None
     """Written at fetch by the ranks' protocol (`pipeline.ranks.Ranks`): this rank's status for the
     batch, its vote, whether every rank admitted it; read before the batch's first collective."""
+    loader_state: Any = None
+    """Written at fetch: the dataloader's `state_dict()` from before this batch was fetched (None
+    without one); read by `dataloader_state()` (`pipeline.loader_state`)."""
 
     def take_input_dist(self, fqn: str) -> tuple[Any, Any] | None:
         """Pop module `fqn`'s input_dist result, wait for it on data_dist and hand it (and the module

@@ -25,6 +25,7 @@ from pipeline import compat
 from pipeline.batch import to_device, to_device_in_place
 from pipeline.context import BatchContext
 from pipeline.labels import label, run_stage
+from pipeline.loader_state import capture, resume_state
 from pipeline.options import PipelineOptions
 from pipeline.ranks import AgreedError, Lane, LaneState, Ranks
 from pipeline.streams import Streams, streams_for
@@ -143,6 +144,22 @@ class LanePipeline(TrainPipeline):
             except StopIteration:
                 return outputs
 
+    def dataloader_state(self, dataloader_iter: Iterator[Any]) -> Any:
+        """The state of `dataloader_iter` (which must have `state_dict()`) as of the oldest batch
+        fetched from it and not yet trained.
+
+        Call it between two `progress()` calls and save it with the model and optimizer: a run
+        restored from the three (the dataloader by `load_state_dict` of this state) trains every
+        batch exactly once, bit-for-bit as an uninterrupted run, with no `drain()` and no pipeline
+        fill (docs/pipeline.md, "Checkpointing").
+
+        Raises:
+            TypeError: `dataloader_iter` has no `state_dict()` (use `drain()` instead).
+        """
+        lane = self._lanes.get(id(dataloader_iter))
+        inflight = lane.inflight if lane is not None and lane.iterator is dataloader_iter else ()
+        return resume_state(dataloader_iter, inflight)
+
     def reset(self) -> None:
         """Drop every in-flight batch (after an exception, or to abandon an iterator)."""
         self._streams.drain()
@@ -164,11 +181,13 @@ class LanePipeline(TrainPipeline):
     def _enqueue(self, lane: Lane) -> bool:
         """Fetch the next batch (`Ranks.fetch`) and copy it to the device: the copy stage. False
         when nothing was added."""
+        loader_state = capture(lane.iterator)  # a no-drain checkpoint resumes from here
         fetched = self._ranks.fetch(lane)
         if fetched is None:
             return False
         batch, ticket = fetched
         ctx = self._context_type(index=self._next_index, streams=self._streams, ticket=ticket)
+        ctx.loader_state = loader_state
         self._next_index += 1
         if batch is not None:
             streams = self._streams

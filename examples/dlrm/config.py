@@ -91,6 +91,21 @@ class TrainConfig:
     """With `embedding_store`: `create` writes new stores from the initial weights (replacing
     same-shaped ones), `open` trains on the rows of existing ones (which must match the tables)."""
 
+    checkpoint_dir: str | None = None
+    """Save sharded checkpoints here (torch.distributed.checkpoint), and resume from the newest
+    complete one at start; None: no checkpoints."""
+    checkpoint_every: int = 0
+    """With `checkpoint_dir`: save every this many steps and after the last one (0: after the last
+    one only)."""
+    checkpoint_async: bool = False
+    """With `checkpoint_dir`: write checkpoints behind training (DCP's `async_save`: the state is
+    copied, then written on a thread); each is committed once written."""
+    inject_kill: str | None = None
+    """`RANK:step:N` or `RANK:save:N`: SIGKILL that rank after step N, or while it saves the
+    checkpoint of step N, in the first attempt of a torchrun job only (demos and tests)."""
+    loss_log: str | None = None
+    """Append every step's loss on every rank here, exactly (`examples.dlrm.faults.LossLog`)."""
+
     def __post_init__(self) -> None:
         if self.pipeline not in PIPELINES:
             raise InputError(f"unknown pipeline {self.pipeline!r}; choose one of {PIPELINES}")
@@ -119,6 +134,16 @@ class TrainConfig:
             _positive(cache_rows=self.cache_rows)
         if self.store_mode not in ("create", "open"):
             raise InputError(f"--store-mode must be create or open, got {self.store_mode!r}")
+        if self.checkpoint_every < 0 or (self.checkpoint_every and self.checkpoint_dir is None):
+            raise InputError("--checkpoint-every N needs --checkpoint-dir DIR and N >= 0")
+        if self.checkpoint_async and self.checkpoint_dir is None:
+            raise InputError("--checkpoint-async needs --checkpoint-dir DIR")
+        if self.inject_kill is not None:
+            from examples.dlrm.faults import KillPlan
+
+            kill = KillPlan.parse(self.inject_kill)
+            if kill.during_save and self.checkpoint_dir is None:
+                raise InputError("--inject-kill RANK:save:N needs --checkpoint-dir")
         if self.eval_every and self.data is not None and self.eval_data is None:
             raise InputError("--eval-every with --data needs --eval-data (a held-out TSV)")
 

@@ -6,8 +6,10 @@ same number of batches: the collectives of each step need all ranks to take it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from torchrec.datasets.utils import Batch
 
@@ -15,15 +17,15 @@ from examples.dlrm.config import TrainConfig
 from examples.dlrm.criteo_tsv import resolve_paths, tsv_batches
 from examples.dlrm.synthetic import SyntheticSpec, synthetic_batches
 
-__all__ = ["DataSources", "make_sources"]
+__all__ = ["DataSources", "Positioned", "make_sources"]
 
 
 @dataclass(kw_only=True, slots=True)
 class DataSources:
     """Fresh iterators over this rank's share of the data."""
 
-    train: Callable[[int], Iterator[Batch]]
-    """`train(epoch)`: the batches of one epoch."""
+    train: Callable[[int, int], Positioned]
+    """`train(epoch, start)`: the batches of one epoch from its batch `start` on."""
     eval: Callable[[], Iterator[Batch]] | None
     """`eval()`: the batches of one eval pass, the same every pass; None when eval is off."""
     steps_per_epoch: int | None
@@ -41,16 +43,19 @@ def make_sources(config: TrainConfig, *, rank: int, world_size: int) -> DataSour
     spec = SyntheticSpec(table_sizes=config.table_sizes, pooling=config.pooling, seed=config.seed)
     if config.data is None:
 
-        def train(epoch: int) -> Iterator[Batch]:
+        def train(epoch: int, start: int = 0) -> Positioned:
             # Every epoch is the same data, as with files.
-            return synthetic_batches(spec, batch_size=batch_size, num_batches=config.steps, rank=rank)
+            batches = synthetic_batches(
+                spec, batch_size=batch_size, num_batches=config.steps, rank=rank, start=start
+            )
+            return Positioned(batches, epoch=epoch, batch=start)
 
         steps: int | None = config.steps
     else:
         paths = resolve_paths(config.data)
 
-        def train(epoch: int) -> Iterator[Batch]:
-            return tsv_batches(
+        def train(epoch: int, start: int = 0) -> Positioned:
+            batches = tsv_batches(
                 paths,
                 table_sizes=config.table_sizes,
                 batch_size=batch_size,
@@ -58,6 +63,8 @@ def make_sources(config: TrainConfig, *, rank: int, world_size: int) -> DataSour
                 world_size=world_size,
                 max_batches=config.steps,
             )
+            # Reads (and checks) the lines of the batches skipped: resuming costs one pass over them.
+            return Positioned(itertools.islice(batches, start, None), epoch=epoch, batch=start)
 
         steps = config.steps or None
 
@@ -78,3 +85,25 @@ def make_sources(config: TrainConfig, *, rank: int, world_size: int) -> DataSour
         )
 
     return DataSources(train=train, eval=evaluate if config.eval_every else None, steps_per_epoch=steps)
+
+
+class Positioned:
+    """An iterator over one epoch's batches whose `state_dict()` is its position, `{"epoch": e,
+    "batch": b}` with `b` the index of the next batch of the epoch (a stateful dataloader's
+    contract, which the pipelines' `dataloader_state()` reads). The position counts global batches,
+    so it means the same at any world size."""
+
+    def __init__(self, batches: Iterator[Batch], *, epoch: int, batch: int) -> None:
+        self._batches = batches
+        self._epoch, self._batch = epoch, batch
+
+    def __iter__(self) -> Positioned:
+        return self
+
+    def __next__(self) -> Batch:
+        item = next(self._batches)
+        self._batch += 1
+        return item
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "batch": self._batch}

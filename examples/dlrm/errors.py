@@ -46,6 +46,11 @@ def train_or_exit(config: TrainConfig, *, rank: int, world_size: int, device: An
             time.sleep(_LET_THE_MESSAGE_OUT)  # torchrun stops rank 0 as soon as this rank is gone
         exit_now(2)
     except Exception as e:
+        if _stopped_by_peer_failure(e) and not _stopped_by_peer_input_error(e, config.pipeline):
+            # Another rank died or failed: one line, not a traceback; torchrun restarts the group
+            # (--max-restarts) or reports the rank that failed first.
+            print(f"train.py: {e}", file=sys.stderr, flush=True)
+            exit_now(1)
         if not _stopped_by_peer_input_error(e, config.pipeline):
             raise
         # The rank that read the bad input prints it and exits, and torchrun then stops this one:
@@ -64,6 +69,12 @@ def exit_now(status: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def _stopped_by_peer_failure(error: Exception) -> bool:
+    from pipeline import PeerFailedError
+
+    return isinstance(error, PeerFailedError)
 
 
 def _stopped_by_peer_input_error(error: Exception, pipeline_name: str) -> bool:

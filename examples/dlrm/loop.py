@@ -18,9 +18,12 @@ import torch
 from torch import nn
 from torchrec.datasets.utils import Batch
 
+from examples.dlrm.checkpoint import Checkpoints, Position
 from examples.dlrm.config import InputError, TrainConfig
 from examples.dlrm.data import DataSources, make_sources
-from examples.dlrm.model import build_model
+from examples.dlrm.digest import state_digest
+from examples.dlrm.faults import LossLog
+from examples.dlrm.model import ShardedDLRM, build_model
 from examples.dlrm.profiling import step_profiler
 from examples.dlrm.report import Reporter
 from examples.dlrm.runners import Runner, describe_pipeline, make_runner
@@ -71,6 +74,10 @@ def train(
         total_steps=per_epoch * config.epochs if per_epoch else None,
     )
     reporter.write(f"dlrm: {world_size} rank(s) on {device.type}, {sharded.plan}")
+    resume = _resume(config, sharded, rank=rank)
+    start, saves = resume.start, resume.saves
+    if start.path is not None:
+        reporter.write(f"dlrm: resumed from {start.path} (step {start.step})")
     with step_profiler(
         config.profile_dir,
         rank=rank,
@@ -79,10 +86,11 @@ def train(
         active=config.profile_steps,
     ) as profiler_step:
         try:
-            _run_epochs(config, runner, sharded.model, sources, reporter, profiler_step)
+            _run_epochs(config, runner, sharded.model, sources, reporter, profiler_step, resume)
         except BaseException:
             reporter.close()  # an error message must not be glued to the progress bar
             raise
+    tiered = config.embedding_store is not None
     summary: dict[str, Any] = {
         "pipeline": config.pipeline,
         "device": device.type,
@@ -90,7 +98,9 @@ def train(
         "sharding": sharded.plan,
         **describe_pipeline(runner),
         **reporter.finish(),
-        **(cache_summary(sharded.model, device) if config.embedding_store is not None else {}),
+        **(cache_summary(sharded.model, device) if tiered else {}),
+        **(_checkpoint_summary(start, saves) if saves is not None else {}),
+        "state_digest": state_digest(sharded.model, sharded.optimizer, tiered=tiered),
         "total_seconds": round(time.perf_counter() - started, 3),
     }
     if config.profile_dir is not None:
@@ -99,10 +109,33 @@ def train(
             str(trace) if trace.exists() else f"no trace: the run ended before step {config.warmup_steps + 2}"
         )
     return TrainResult(
-        losses=[float(x) for x in torch.stack(reporter.losses).tolist()],
+        losses=[float(x) for x in torch.stack(reporter.losses).tolist()] if reporter.losses else [],
         eval_losses=reporter.eval_losses,
         summary=summary,
     )
+
+
+@dataclass(slots=True)
+class _Resume:
+    """Where the run starts, and what saves and logs its steps (`--checkpoint-dir`, `--loss-log`)."""
+
+    start: Position
+    saves: Checkpoints | None
+    log: LossLog | None
+
+
+def _resume(config: TrainConfig, sharded: ShardedDLRM, *, rank: int) -> _Resume:
+    """Load the newest checkpoint (with `checkpoint_dir`); a collective."""
+    log = LossLog(config.loss_log, rank=rank) if config.loss_log else None
+    if config.checkpoint_dir is None:
+        return _Resume(Position(), None, log)
+    saves = Checkpoints(config, model=sharded.model, optimizer=sharded.optimizer, plan=sharded.plan, log=log)
+    if log is not None:
+        log.event("built", 0)  # model sharded, checkpoint not yet read
+    start = saves.resume()
+    if log is not None:
+        log.event("resumed", start.step)
+    return _Resume(start, saves, log)
 
 
 def _run_epochs(
@@ -112,11 +145,13 @@ def _run_epochs(
     sources: DataSources,
     reporter: Reporter,
     profiler_step: Callable[[], None],
+    resume: _Resume,
 ) -> None:
-    step = evaluated_at = 0
-    for epoch in range(config.epochs):
+    step = evaluated_at = resume.start.step
+    for epoch in range(resume.start.epoch, config.epochs):
         epoch_start = step
-        train_iter = sources.train(epoch)
+        first = resume.start.batch if epoch == resume.start.epoch else 0
+        train_iter = sources.train(epoch, first)
         while True:
             try:
                 output = runner.progress(train_iter)
@@ -124,18 +159,34 @@ def _run_epochs(
                 break
             step += 1
             reporter.train_step(output)
+            if resume.log is not None:
+                resume.log.step(step, output[0].item())
             profiler_step()
+            if resume.saves is not None:
+                resume.saves.after_step(step, runner, train_iter)
             if sources.eval and step % config.eval_every == 0:
                 _evaluate(runner, model, sources.eval(), reporter)
                 evaluated_at = step
-        if step == epoch_start:
+        if step == epoch_start and first == 0:
             raise InputError(
                 f"epoch {epoch} has no complete batch: the training data must hold at least "
                 f"--batch-size ({config.batch_size}) lines",
                 every_rank=True,
             )
+    if resume.saves is not None:
+        resume.saves.save(Position(step=step, epoch=config.epochs))
+        resume.saves.wait()
     if sources.eval and evaluated_at != step:
         _evaluate(runner, model, sources.eval(), reporter)
+
+
+def _checkpoint_summary(start: Position, saves: Checkpoints) -> dict[str, Any]:
+    seconds = saves.save_seconds
+    return {
+        "resumed_from_step": start.step,
+        "checkpoints_saved": len(seconds),
+        "checkpoint_save_ms": round(1000 * sum(seconds) / len(seconds), 1) if seconds else None,
+    }
 
 
 def _evaluate(runner: Runner, model: nn.Module, eval_iter: Iterator[Batch], reporter: Reporter) -> None:

@@ -36,6 +36,10 @@ class Runner(Protocol):
         """
         ...
 
+    def dataloader_state(self, dataloader_iter: Iterator[Batch]) -> Any:
+        """`dataloader_iter.state_dict()` as of the oldest batch fetched and not yet trained."""
+        ...
+
 
 class PlainLoop:
     """The reference loop: `loss, out = model(batch); loss.backward(); opt.step(); opt.zero_grad()`.
@@ -59,6 +63,10 @@ class PlainLoop:
         self._optimizer.step()
         self._optimizer.zero_grad()
         return out
+
+    def dataloader_state(self, dataloader_iter: Any) -> Any:
+        """The iterator's own state: this loop fetches nothing ahead."""
+        return dataloader_iter.state_dict()
 
 
 def make_runner(

@@ -50,10 +50,16 @@ class SyntheticSpec:
 
 
 def synthetic_batches(
-    spec: SyntheticSpec, *, batch_size: int, num_batches: int, rank: int, stream: str = "train"
+    spec: SyntheticSpec,
+    *,
+    batch_size: int,
+    num_batches: int,
+    rank: int,
+    stream: str = "train",
+    start: int = 0,
 ) -> Iterator[Batch]:
-    """Yield `num_batches` batches of `batch_size` samples for `rank` on `stream`."""
-    for index in range(num_batches):
+    """Yield batches `start` to `num_batches - 1` of `batch_size` samples for `rank` on `stream`."""
+    for index in range(start, num_batches):
         gen = torch.Generator().manual_seed(_batch_seed(spec.seed, stream, rank, index))
         yield make_batch(*_sample_rows(spec, gen, batch_size))
 

@@ -145,13 +145,19 @@ def _init_distributed(choice: str) -> Any:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    from examples.dlrm.elastic import attempt_store
+
+    # Under torchrun, a store of this attempt's own (examples/dlrm/elastic.py); else env://.
+    store = attempt_store()
+    where = {} if store is None else {"store": store, "rank": int(os.environ["RANK"]),
+                                      "world_size": int(os.environ["WORLD_SIZE"])}  # fmt: skip
     if use_cuda:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, **where)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", **where)
     return device
 
 
@@ -188,6 +194,11 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         cache_rows=args.cache_rows,
         store_mode=args.store_mode,
         cold_store=args.cold_store,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_async=args.checkpoint_async,
+        inject_kill=args.inject_kill,
+        loss_log=args.loss_log,
     )
 
 
@@ -269,6 +280,12 @@ def _parser() -> argparse.ArgumentParser:
         help="with --embedding-store: new stores from initial weights, or reuse existing ones")  # fmt: skip
     add("--cold-store", action="store_true", help="with --embedding-store: every miss reads the disk")
     add("--compare", choices=("plain",), help="then train the plain loop alike and compare step times")
+    add("--checkpoint-dir", metavar="DIR", help="save sharded checkpoints here; resume from the newest")
+    add("--checkpoint-every", type=int, metavar="N", default=d.checkpoint_every,
+        help="with --checkpoint-dir: steps between checkpoints (0: after the last step only)")  # fmt: skip
+    add("--checkpoint-async", action="store_true", help="write checkpoints behind training")
+    add("--inject-kill", metavar="RANK:step|save:N", help="SIGKILL a rank once, for demos and tests")
+    add("--loss-log", metavar="PATH", help="append every step's exact loss on every rank here")
     add("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if available")
     add("--summary-json", metavar="PATH", help="also write the summary here")
     add("--no-progress", action="store_true", help="no progress bar or periodic reports")
