@@ -209,7 +209,7 @@ class _GuardedRunner:
             raise InputError(f"{_cache_advice(self._config)} (The kernel said: {e})") from e
 
     def dataloader_state(self, dataloader_iter: Iterator[Any]) -> Any:
-        return self._runner.dataloader_state(dataloader_iter)
+        return self.runner.dataloader_state(dataloader_iter)
 
 
 def guard_cache(runner: Runner, config: TrainConfig) -> Runner:
