@@ -163,7 +163,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=55,
         help="untimed steps for our SparseDist and Prefetch, whose input_dist_schedule='auto' tunes "
-        "during its first steps, at most 54 (default 75)",
+        "during its first steps, at most 54 (default 55)",
     )
     p.add_argument("--rounds", type=int, default=4, help="repetitions, order rotated (default 4)")
     p.add_argument("--profile-steps", type=int, default=5,
