@@ -62,8 +62,8 @@ class Tuner:
     runs a block of `block` consecutive steps, the order rotated between rounds; the first `settle`
     steps of a block carry the switch and are not timed. After the first round the ranks agree on its
     block medians, and candidates slower than `drop_above` times that round's best stop there (the
-    baseline always stays). After `rounds` rounds, `decide` keeps the baseline unless another schedule
-    is significantly faster. A step's time runs from the start of one `progress()` to the start of the
+    baseline too: that round's best then takes its place). After `rounds` rounds, `decide` keeps the
+    baseline unless another schedule is significantly faster. A step's time runs from the start of one `progress()` to the start of the
     next, so what the caller does between steps counts, as in real training. The ranks agree by
     summing their block medians with an all_reduce, so all of them switch at the same step.
 
@@ -260,11 +260,14 @@ class Tuner:
     def _drop_losers(self, phase: _Phase) -> None:
         first = phase.agreed[0]
         best = min((v for v in first.values() if math.isfinite(v)), default=math.inf)
+        if not (math.isfinite(best) and best > 0):
+            return
         for s in list(phase.candidates):
-            ratio = first[s] / best if math.isfinite(best) and best > 0 else 1.0
-            if s != phase.baseline and ratio > self._drop:
+            if first[s] / best > self._drop:
                 phase.candidates.remove(s)
-                phase.dropped[s] = ratio
+                phase.dropped[s] = first[s] / best
+        if phase.baseline in phase.dropped:  # the round's best is kept without further evidence
+            phase.baseline = min(phase.candidates, key=first.__getitem__)
 
     def _conclude(self, phase: _Phase) -> None:
         per_round = [{s: phase.agreed[k][s] for s in phase.candidates} for k in sorted(phase.agreed)]

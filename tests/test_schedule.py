@@ -206,13 +206,25 @@ def test_first_round_rules_out_a_much_slower_schedule():
     assert set(tuner.medians_ms) == set(FOUR)  # the ruled-out one keeps its first-round figure
 
 
-def test_baseline_is_never_ruled_out_and_alone_it_is_kept_at_once():
+def test_a_baseline_alone_after_the_first_round_is_kept_at_once():
     costs = {"late": 0.010, "early": 0.02, "late-own": 0.02, "early-shared": 0.02}
     tuner, _schedules, _ = _run(costs)
     assert tuner.choice == "late" and tuner.tuning_steps == 2 + 4 + 4 * 4
-    costs = {"late": 0.02, "early": 0.01, "late-own": 0.03, "early-shared": 0.03}
-    tuner, _, _ = _run(costs)
-    assert tuner.choice == "early"  # late (the baseline) ran every round against it
+
+
+def test_a_much_slower_baseline_is_ruled_out_and_the_rounds_best_takes_its_place():
+    # late (torchrec's order, the baseline) is 1.4x early in the first round: it runs no more
+    # rounds, and early is compared with late-own in the next two
+    costs = {"late": 0.014, "early": 0.010, "late-own": 0.0105, "early-shared": 0.02}
+    tuner, schedules, _ = _run(costs)
+    assert tuner.choice == "early"
+    after_first_round = schedules[2 + 4 + 4 * 4 : -1]
+    assert set(after_first_round) == {"early", "late-own"}
+    assert tuner.tuning_steps == 2 + 4 + 4 * 4 + 2 * 2 * 4
+    assert "late 1.40x the best" in tuner.reason and tuner.decisions[-1][1].baseline == "early"
+    # the slower baseline may still win when it is not ruled out: 1.2x is under drop_above
+    tuner, _, _ = _run({"late": 0.012, "early": 0.010, "late-own": 0.02, "early-shared": 0.02})
+    assert tuner.choice == "early" and tuner.decisions[-1][1].baseline == "late"
 
 
 def test_decided_tuner_reads_no_clock_until_the_recheck():
