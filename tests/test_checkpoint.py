@@ -279,3 +279,17 @@ def test_async_checkpoints_are_committed_and_change_nothing(tmp_path, reference)
     assert status == 0, output[-4000:]
     assert summary["state_digest"] == reference["fused"]["summary"]["state_digest"]
     assert sorted(p.name for p in ckpt.iterdir()) == [f"step-{2 * EVERY:09d}", f"step-{TOTAL:09d}"]
+
+
+def test_a_resumed_run_takes_the_saved_tuner_decision_instead_of_tuning_again(tmp_path):
+    # the tuner decides within 54 steps; the checkpoint of step 60 carries its decision
+    ckpt = tmp_path / "ckpt"
+    flags = ("--pipeline", "sparse-dist", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "60")
+    status, first, _, output = _torchrun(tmp_path, "first", *flags, "--steps", "60")
+    assert status == 0, output[-4000:]
+    assert "still tuning" not in first["input_dist_schedule"], first["input_dist_schedule"]
+    status, resumed, _, output = _torchrun(tmp_path, "resumed", *flags, "--steps", "64")
+    assert status == 0, output[-4000:]
+    assert resumed["resumed_from_step"] == 60 and resumed["steps"] == 4
+    # 4 steps could not have tuned: the decision and its reason are the saved ones
+    assert resumed["input_dist_schedule"] == first["input_dist_schedule"]

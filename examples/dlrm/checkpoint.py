@@ -83,6 +83,8 @@ class Checkpoints:
         optimizer: the dense optimizer (the embeddings' fused one is `model.fused_optimizer`).
         plan: the sharding plan's description, saved and compared at resume.
         log: where kill events are logged (`--loss-log`), or None.
+        tuner: the pipeline's input_dist `Tuner` ("auto"), or None: its decision is saved, and a
+            resumed run takes it instead of tuning again.
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class Checkpoints:
         optimizer: torch.optim.Optimizer,
         plan: str,
         log: LossLog | None = None,
+        tuner: Any = None,
     ) -> None:
         assert config.checkpoint_dir is not None
         self.directory = Path(config.checkpoint_dir)
@@ -104,6 +107,7 @@ class Checkpoints:
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
         self._kill = KillPlan.parse(config.inject_kill) if config.inject_kill else None
         self._log = log
+        self._tuner = tuner
         self._saved_at = -1
         self._group = dist.new_group(backend="gloo") if config.checkpoint_async else None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
@@ -146,6 +150,8 @@ class Checkpoints:
         if rng is not None:
             torch.set_rng_state(rng)
         saved = json.loads(state["progress"])
+        if self._tuner is not None:  # empty if saved while it tuned; absent in older checkpoints
+            self._tuner.load_state_dict(saved.get("tuner", {}))
         return Position(step=saved["step"], epoch=saved["epoch"], batch=saved["batch"], path=str(path))
 
     def _check_fits(self, path: Path) -> None:
@@ -235,7 +241,9 @@ class Checkpoints:
         state = model_state(self._model, self._optimizer, tiered=self._tiered)
         values = (position.step, position.epoch, position.batch, self._world, self._plan, self._tiered)
         # One JSON string: DCP flattens a dict of plain values differently when saving and loading.
-        state["progress"] = json.dumps(dict(zip(_PROGRESS_KEYS, values, strict=True)))
+        progress = dict(zip(_PROGRESS_KEYS, values, strict=True))
+        progress["tuner"] = self._tuner.state_dict() if self._tuner is not None else {}
+        state["progress"] = json.dumps(progress)
         rng_key = f"rng/rank{self._rank}"
         if keys is None or rng_key in keys:  # at resume onto more ranks, the new ones have none
             state[rng_key] = torch.get_rng_state()

@@ -16,7 +16,7 @@ from torchrec.datasets.utils import Batch
 
 from examples.dlrm.config import InputError
 
-__all__ = ["PIPELINE_CLASSES", "PlainLoop", "Runner", "describe_pipeline", "make_runner"]
+__all__ = ["PIPELINE_CLASSES", "PlainLoop", "Runner", "describe_pipeline", "make_runner", "unwrap"]
 
 PIPELINE_CLASSES = {
     "base": "TrainPipelineBase",
@@ -98,11 +98,16 @@ def make_runner(
     return cls(model, optimizer, device)
 
 
+def unwrap(runner: Runner) -> Any:
+    """The pipeline (or plain loop) behind `runner` (`examples.dlrm.store`'s cache guard wraps it)."""
+    return getattr(runner, "runner", runner)
+
+
 def describe_pipeline(runner: Runner) -> dict[str, str]:
     """What the pipeline behind `runner` chose, for the summary: `input_dist_schedule` (under "auto",
     with the tuner's state: still tuning and for how many steps, or what it kept and why) and
     `rewrite` (which sharded modules are pipelined). Empty for the plain loop."""
-    pipe = getattr(runner, "runner", runner)  # unwrap examples.dlrm.store's cache guard
+    pipe = unwrap(runner)
     found: dict[str, str] = {}
     schedule = getattr(pipe, "input_dist_schedule", None)
     if schedule is not None:
