@@ -57,6 +57,8 @@ _EXPORTS = {
     "UnevenDataError": "pipeline.ranks",
     "BatchKeysError": "pipeline.ranks",
     "PeerFailedError": "pipeline.ranks",
+    "GradientAccumulationConfig": "pipeline.gradient_accumulation",
+    "GradientAccumulationWrapper": "pipeline.gradient_accumulation",
 }
 
 __all__ = sorted(_EXPORTS)
