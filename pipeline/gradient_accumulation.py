@@ -161,6 +161,18 @@ class GradientAccumulationWrapper(Generic[In, Out]):
             self._flush()
         return output
 
+    def drain(self, dataloader_iter: Iterator[In]) -> list[Out]:
+        """Refused: the pipeline's `drain()` would run batches past the accumulation's count.
+
+        Raises:
+            TypeError: always; checkpoint at a group's boundary (`current_step % num_steps == 0`)
+                with the pipeline's `dataloader_state()` instead, and save `current_step`.
+        """
+        raise TypeError(
+            "GradientAccumulationWrapper.drain() is not supported: checkpoint when current_step is a "
+            "multiple of num_steps, with dataloader_state() (no drain), and restore with set_step()"
+        )
+
     def reset(self) -> None:
         """Start counting from 0 with cleared gradients, and reset the pipeline."""
         self._optimizer.current_step = 0

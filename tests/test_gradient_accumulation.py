@@ -208,3 +208,16 @@ def test_config_follows_torchrecs_rules():
         pipeline.GradientAccumulationConfig(num_steps=0)
     with pytest.raises(ValueError, match="num_warmup_steps"):
         pipeline.GradientAccumulationConfig(num_steps=2, num_warmup_steps=0)
+
+
+def test_drain_is_refused_with_what_to_do_instead():
+    import pipeline
+
+    class Pipe:
+        optimizer = property(lambda self: None, lambda self, value: None)
+
+    wrapped = pipeline.GradientAccumulationWrapper(
+        Pipe(), None, None, pipeline.GradientAccumulationConfig(num_steps=2)
+    )
+    with pytest.raises(TypeError, match="dataloader_state"):
+        wrapped.drain(iter([]))
