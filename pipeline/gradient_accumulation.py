@@ -193,8 +193,10 @@ class GradientAccumulationWrapper(Generic[In, Out]):
         if done % self._config.num_steps == 0:
             return
         if not self._synced_last:
+            # DDP only: FSDP's gradients are sharded (it then steps unsynced there, as torchrec's)
             for ddp in self._ddp_modules():
-                _average_gradients(ddp)
+                if isinstance(ddp, DistributedDataParallel):
+                    _average_gradients(ddp)
             self._synced_last = True
         self._optimizer.flush()
         # unlike torchrec 1.8, the next epoch's first batch starts a group instead of ending one
