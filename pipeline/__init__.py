@@ -10,6 +10,12 @@ Every class is a torchrec `TrainPipeline`; constructors (`pipeline.compat`: torc
 parameters in its order, then our options, keyword-only) and `progress()` follow torchrec's, so a
 torchrec user switches by changing an import (docs/pipeline.md, "Which pipeline").
 
+Every other public name of torchrec 1.8's `train_pipeline` package is here too: gradient
+accumulation (`GradientAccumulationConfig`, `GradientAccumulationWrapper`), `DataLoadingThread` (a
+thread that loads and copies the next batch), torchrec's ArgInfo API (`ArgInfo`, `CallArgs`,
+`ArgInfoStepFactory`), its fx `Tracer`, `TrainPipelineContext` (our `BatchContext`) and its type
+variables `In`, `Out`, `StageOut` (docs/pipeline.md, "torchrec's other names").
+
 The names are loaded on first use (PEP 562), so the timeline tool (`python -m timeline`), which reads
 `pipeline.stages`, does not pay for importing torchrec.
 """
@@ -57,6 +63,17 @@ _EXPORTS = {
     "UnevenDataError": "pipeline.ranks",
     "BatchKeysError": "pipeline.ranks",
     "PeerFailedError": "pipeline.ranks",
+    "GradientAccumulationConfig": "pipeline.gradient_accumulation",
+    "GradientAccumulationWrapper": "pipeline.gradient_accumulation",
+    "TrainPipelineContext": "pipeline.context",
+    "DataLoadingThread": "pipeline.data_loading",
+    "ArgInfo": "rewrite.torchrec_args",
+    "CallArgs": "rewrite.torchrec_args",
+    "ArgInfoStepFactory": "rewrite.torchrec_args",
+    "Tracer": "rewrite.trace",
+    "In": "pipeline.compat",
+    "Out": "pipeline.compat",
+    "StageOut": "pipeline.compat",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -7,6 +7,10 @@ against the table), and `inspect.signature(cls)` shows the class's own.
 
 A parameter that only torchrec has, and that means nothing here, is checked, not silently dropped:
 `apply_jit=True` is refused, `context_type` is accepted and unused (contexts are internal).
+
+`In`, `Out` (a pipeline's batch and output types) and `StageOut` (a `PipelineStage`'s) are
+torchrec's own type variables, re-exported: our classes are generic over them through torchrec's
+`TrainPipeline`.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from torchrec.distributed.train_pipeline.pipeline_context import In, Out
+from torchrec.distributed.train_pipeline.pipeline_stage import StageOut
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipeline
 
 from pipeline.options import (
@@ -30,7 +36,16 @@ from pipeline.options import (
     StepOptions,
 )
 
-__all__ = ["SIGNATURES", "Bound", "TrainPipeline", "bind", "signature_of"]
+__all__ = [
+    "SIGNATURES",
+    "Bound",
+    "In",
+    "Out",
+    "StageOut",
+    "TrainPipeline",
+    "bind",
+    "signature_of",
+]
 
 _REQUIRED = inspect.Parameter.empty
 _MODEL = (("model", _REQUIRED), ("optimizer", _REQUIRED), ("device", _REQUIRED))

@@ -14,7 +14,7 @@ from pipeline.labels import label
 from pipeline.ranks.lane import Ticket
 from pipeline.streams import Streams
 
-__all__ = ["BatchContext", "LookupBatchContext", "PrefetchBatchContext"]
+__all__ = ["BatchContext", "LookupBatchContext", "PrefetchBatchContext", "TrainPipelineContext"]
 
 
 @dataclass(kw_only=True, slots=True, eq=False)
@@ -77,6 +77,11 @@ class BatchContext:
             self.streams.handoff(result, self.streams.data_dist)
             self.streams.consumed(result)
         return result
+
+
+TrainPipelineContext = BatchContext
+"""torchrec's name for the per-batch context, here `BatchContext`: its fields are ours (each with its
+writer and reader), since contexts are internal to the pipelines; `context_type=` is accepted."""
 
 
 @dataclass(kw_only=True, slots=True, eq=False)

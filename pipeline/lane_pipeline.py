@@ -85,6 +85,16 @@ class LanePipeline(TrainPipeline):
         """Run one step on the head batch of `lane`, pop it, return its output."""
 
     @property
+    def optimizer(self) -> Any:
+        """The optimizer stepped after each training batch's backward (settable: a
+        `GradientAccumulationWrapper` puts its accumulating optimizer here)."""
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: Any) -> None:
+        self._optimizer = optimizer
+
+    @property
     def untrained_batches(self) -> list[Any]:
         """Batches this rank fetched but did not train because another rank's data ended first
         (`on_uneven="stop"`), as copied to the device, in dataloader order."""

@@ -74,9 +74,10 @@ class RewriteOptions:
     method: str = "auto"
     """"auto" (explicit paths, then fx trace, then direct lookup), "explicit", "trace" or
     "direct"."""
-    arg_paths: dict[str, str] | None = None
+    arg_paths: dict[str, Any] | None = None
     """Explicit `{sharded_module_fqn: path}`, e.g. `{"sparse_arch.ebc": "sparse"}`; FQNs are
-    relative to the unwrapped model (see `rewrite_report`)."""
+    relative to the unwrapped model (see `rewrite_report`). A path may also be a torchrec-style
+    `pipeline.ArgInfo` of attribute and item steps."""
     strict: bool = False
     """Fail on the first batch if any sharded module cannot be pipelined."""
     pipeline_postproc: bool = False

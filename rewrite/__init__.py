@@ -36,6 +36,7 @@ from rewrite.splits import (
     kjt_all_to_alls,
     one_by_one,
 )
+from rewrite.trace import Tracer
 
 __all__ = [
     "ArgInfo",
@@ -57,6 +58,7 @@ __all__ = [
     "Rewrite",
     "RewriteError",
     "RewriteReport",
+    "Tracer",
     "find_kjts",
     "fuse_splits_requests",
     "input_dists_ready",

@@ -39,6 +39,10 @@ class Attr:
     def apply(self, value: Any) -> Any:
         return getattr(value, self.name)
 
+    def process(self, value: Any) -> Any:
+        """torchrec's name for `apply` (its `ArgInfoStep.process`)."""
+        return self.apply(value)
+
     def __str__(self) -> str:
         return f".{self.name}"
 
@@ -52,6 +56,10 @@ class Item:
     def apply(self, value: Any) -> Any:
         return value[self.key]
 
+    def process(self, value: Any) -> Any:
+        """torchrec's name for `apply` (its `ArgInfoStep.process`)."""
+        return self.apply(value)
+
     def __str__(self) -> str:
         return f"[{self.key!r}]"
 
@@ -64,6 +72,10 @@ class Const:
 
     def apply(self, value: Any) -> Any:
         return self.value
+
+    def process(self, value: Any) -> Any:
+        """torchrec's name for `apply` (its `ArgInfoStep.process`)."""
+        return self.apply(value)
 
     def __str__(self) -> str:
         return f"<const {self.value!r}>"

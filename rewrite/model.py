@@ -222,7 +222,7 @@ def _find_arg_infos(
     return found, report
 
 
-def _explicit(paths: dict[str, str], sharded: dict[str, nn.Module], batch: Any) -> dict:
+def _explicit(paths: dict[str, Any], sharded: dict[str, nn.Module], batch: Any) -> dict:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     out = {}
@@ -232,7 +232,8 @@ def _explicit(paths: dict[str, str], sharded: dict[str, nn.Module], batch: Any) 
                 f"explicit path given for {fqn!r}, which is not a sharded module; sharded modules "
                 f"(names relative to the unwrapped model): {sorted(sharded)}"
             )
-        info = parse_path(text)
+        # a torchrec-style ArgInfo (rewrite.torchrec_args) gives its own path
+        info = text.to_path() if hasattr(text, "to_path") else parse_path(text)
         try:
             value = info.resolve(batch)
         except Exception as e:

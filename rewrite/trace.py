@@ -23,7 +23,7 @@ from torch import fx, nn
 
 from rewrite.arginfo import ArgInfo, Attr, CallArgs, Const, Item, Pack, PostprocCall, Step
 
-__all__ = ["TraceResult", "trace_arg_infos"]
+__all__ = ["TraceResult", "Tracer", "trace_arg_infos"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -38,6 +38,32 @@ class TraceResult:
 
 class _Reject(Exception):
     pass
+
+
+class Tracer(fx.Tracer):
+    """torchrec's tracer, by its signature: sharded modules (and FSDP ones) are leaves, and so are
+    the modules named in `leaf_modules` (with `extend_leaf_fqn`, their submodules too); any other
+    module is traced through, as fx does. Buffers are not proxied (models that write to their
+    buffers in forward stay traceable). `rewrite_model` traces with its own leaves: every module
+    without a sharded descendant too."""
+
+    proxy_buffer_attributes = False
+
+    def __init__(self, leaf_modules: list[str] | None = None, extend_leaf_fqn: bool = False) -> None:
+        super().__init__()
+        self._leaves = set(leaf_modules or ())
+        self._extend = extend_leaf_fqn
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+        from torchrec.distributed.types import ShardedModule
+
+        name = module_qualified_name
+        if isinstance(m, ShardedModule | FullyShardedDataParallel | FSDPModule) or name in self._leaves:
+            return True
+        if self._extend and any(name.startswith(leaf + ".") for leaf in self._leaves):
+            return True
+        return super().is_leaf_module(m, name)
 
 
 class _LeafTracer(fx.Tracer):

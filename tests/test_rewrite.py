@@ -217,6 +217,20 @@ def test_explicit_only_leaves_the_rest_unpipelined():
     assert "no explicit path" in rw.report.not_pipelined[0].reason
 
 
+def test_explicit_path_may_be_a_torchrec_style_arginfo():
+    from rewrite.torchrec_args import ArgInfo as TorchrecArgInfo
+    from rewrite.torchrec_args import ArgInfoStepFactory as steps
+
+    model, batch = Model(), outer_batch()
+    info = TorchrecArgInfo([steps.noop(), steps.get_attr("inner"), steps.get_attr("kjt")])
+    rw = rewrite_model(model, batch, slot=ContextSlot(), method="explicit", paths={"a": info})
+    assert rw.report.pipelined == ["a"]
+    assert [m.path for m in rw.report.modules if m.fqn == "a"] == ["batch.inner.kjt"]
+    rw.restore()
+    with pytest.raises(PathError, match="not a path"):
+        rewrite_model(model, batch, slot=ContextSlot(), paths={"a": TorchrecArgInfo([steps.from_scalar(1)])})
+
+
 class Untraceable(Model):
     def forward(self, batch):
         if batch.dense.sum() > 0:  # data-dependent control flow: fx cannot trace this
