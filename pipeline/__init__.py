@@ -6,6 +6,8 @@ never waits on communication. The rest of torchrec's family: `TrainPipelineFused
 embedding lookup ahead of forward), `TrainPipelineSemiSync` (the next batch's lookup before this
 batch's backward: embeddings one step stale), `EvalPipelineSparseDist` (forward only) and
 `StagedTrainPipeline` (the caller's own stages; `SparseDataDistUtil` makes the input_dist one).
+`TrainPipelinePT2` (the model torch.compile'd after its first steps) and
+`TrainPipelineSparseDistCompAutograd` (the backward under compiled autograd) are in `pipeline.pt2`.
 Every class is a torchrec `TrainPipeline`; constructors (`pipeline.compat`: torchrec 1.8's
 parameters in its order, then our options, keyword-only) and `progress()` follow torchrec's, so a
 torchrec user switches by changing an import (docs/pipeline.md, "Which pipeline").
@@ -37,6 +39,9 @@ _EXPORTS = {
     "TrainPipelineFusedSparseDist": "pipeline.fused_sparse_dist",
     "TrainPipelineSemiSync": "pipeline.semi_sync",
     "StagedTrainPipeline": "pipeline.staged",
+    "TrainPipelinePT2": "pipeline.pt2",
+    "TrainPipelineSparseDistCompAutograd": "pipeline.pt2",
+    "TorchCompileConfig": "pipeline.options",
     "PipelineStage": "pipeline.staged",
     "SparseDataDistUtil": "pipeline.staged",
     "InputDist": "pipeline.input_dist",
@@ -55,6 +60,7 @@ _EXPORTS = {
     "StepOptions": "pipeline.options",
     "LookupOptions": "pipeline.options",
     "SemiSyncOptions": "pipeline.options",
+    "CompileOptions": "pipeline.options",
     "PipelineOptions": "pipeline.options",
     "Lane": "pipeline.ranks",
     "LaneState": "pipeline.ranks",

@@ -25,6 +25,7 @@ from torchrec.distributed.train_pipeline.pipeline_stage import StageOut
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipeline
 
 from pipeline.options import (
+    CompileOptions,
     InputDistOptions,
     LookupOptions,
     MemoryOptions,
@@ -132,6 +133,29 @@ SIGNATURES: dict[str, tuple[tuple[tuple[str, Any], ...], tuple[tuple[str, Any], 
         (*_MODEL, ("apply_jit", False), ("pipeline_postproc", False), *_MEMORY),
         (*_REWRITE, ("strict", False), ("input_dist_schedule", "early-shared"), *_RANKS),
     ),
+    "TrainPipelinePT2": (
+        (
+            *_MODEL,
+            ("compile_configs", None),
+            ("pre_compile_fn", None),
+            ("post_compile_fn", None),
+            ("input_transformer", None),
+        ),
+        _RANKS,
+    ),
+    "TrainPipelineSparseDistCompAutograd": (
+        (
+            *_MODEL,
+            ("execute_all_batches", True),
+            ("apply_jit", False),
+            ("context_type", None),
+            ("pipeline_postproc", False),
+            ("custom_model_fwd", None),
+            ("free_features_storage_early", False),
+            ("clear_data_dist_inputs", False),
+        ),
+        (("compiled_autograd_options", None), *_REWRITE, ("strict", False), *_SCHEDULE, *_RANKS),
+    ),
     "SparseDataDistUtil": (
         (
             ("model", _REQUIRED),
@@ -162,6 +186,11 @@ _GROUPS = {
     ),
     "lookup": (LookupOptions, {n: n for n in ("emb_lookup_stream", "embedding_lookup_after_data_dist")}),
     "semi_sync": (SemiSyncOptions, {n: n for n in ("start_batch", "stash_gradients")}),
+    "compile": (
+        CompileOptions,
+        {n: n for n in ("compile_configs", "pre_compile_fn", "post_compile_fn", "input_transformer")}
+        | {"compiled_autograd_options": "compiled_autograd_options"},
+    ),
 }
 _TOP = ("execute_all_batches", "custom_model_fwd", "streams")
 _CALL = ("model", "optimizer", "device", "apply_jit", "context_type")

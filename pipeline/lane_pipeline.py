@@ -13,6 +13,7 @@ first collective.
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -66,6 +67,8 @@ class LanePipeline(TrainPipeline):
         self._sync_interval = _sync_interval(bound.model, options.step.dmp_collection_sync_interval_batches)
         self._on_host = self._device.type == "cpu"
         """Batches stay where the dataloader made them (on the host, `.to("cpu")` moves nothing)."""
+        self._step_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+        """What each step runs inside, made by `_compose` (compiled autograd: `pipeline.pt2`)."""
         self._on_reset: list[Callable[[], None]] = []
         """What the components drop when the pipeline resets (besides the streams' work)."""
         self._lanes: dict[int, Lane] = {}
@@ -120,7 +123,11 @@ class LanePipeline(TrainPipeline):
             if not lane.inflight:
                 del self._lanes[id(dataloader_iter)]
                 raise StopIteration
-            output = self._step(lane)
+            if self._step_context is None:
+                output = self._step(lane)
+            else:
+                with self._step_context():
+                    output = self._step(lane)
             lane.steps += 1
             return output
         except StopIteration:

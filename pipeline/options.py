@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import Any
 
 __all__ = [
+    "CompileOptions",
     "InputDistOptions",
     "LookupOptions",
     "MemoryOptions",
@@ -23,6 +24,7 @@ __all__ = [
     "RewriteOptions",
     "SemiSyncOptions",
     "StepOptions",
+    "TorchCompileConfig",
 ]
 
 SCHEDULE_NAMES = ("auto", "early", "late", "early-shared", "late-own")
@@ -175,6 +177,64 @@ class SemiSyncOptions:
             raise ValueError(f"start_batch must be an int >= 0; got {self.start_batch!r}")
 
 
+# Positional like torchrec's (`TorchCompileConfig(True)` is fullgraph there too): not kw_only.
+@dataclass(slots=True)
+class TorchCompileConfig:
+    """torch.compile settings of `TrainPipelinePT2` (torchrec 1.8's fields, order and defaults)."""
+
+    fullgraph: bool = False
+    """Refuse graph breaks. A DistributedModelParallel always has some (DDP's logger, and on CPU
+    fbgemm's table-batched ops, which register no fake kernels there), so True fails on it."""
+    dynamic: bool | None = None
+    """torch.compile's `dynamic`: None lets dynamo mark sizes dynamic when they change."""
+    backend: Any = "inductor"
+    """torch.compile's backend: "inductor" (C++ kernels built with the machine's compiler on
+    CPU), "aot_eager", or a callable."""
+    compile_on_iter: int = 3
+    """`progress()` calls that run the model un-compiled before it is compiled (so that the first
+    steps can be profiled eagerly)."""
+
+    def __post_init__(self) -> None:
+        _one_of("dynamic", self.dynamic, (None, True, False))
+        if not (isinstance(self.backend, str) or callable(self.backend)):
+            raise ValueError(f"backend must be a backend name or a callable; got {self.backend!r}")
+        if not isinstance(self.compile_on_iter, int) or self.compile_on_iter < 0:
+            raise ValueError(f"compile_on_iter must be an int >= 0; got {self.compile_on_iter!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class CompileOptions:
+    """torch.compile of the model (`TrainPipelinePT2`) and compiled autograd
+    (`TrainPipelineSparseDistCompAutograd`); docs/pipeline.md, "PT2"."""
+
+    compile_configs: Any = None
+    """A `TorchCompileConfig` (ours or torchrec's, read field by field); None: the defaults."""
+    pre_compile_fn: Callable[[Any], None] | None = None
+    """Called with the model just before it is compiled."""
+    post_compile_fn: Callable[[Any], None] | None = None
+    """Called with the model just after it is compiled."""
+    input_transformer: Callable[[Any], Any] | None = None
+    """Applied to each batch, on the device, right before forward. None: every KeyedJaggedTensor
+    in the batch is rebuilt for tracing (`pipeline.pt2.pt2_input_transformer`), wherever it is."""
+    compiled_autograd_options: dict[str, Any] | None = None
+    """torch.compile's arguments for the backward under compiled autograd. None: the model's
+    `_compiled_autograd_options` attribute as in torchrec, else torchrec's defaults (on CPU with
+    fullgraph=False: fbgemm's CPU kernels cannot be traced)."""
+
+    def __post_init__(self) -> None:
+        config = self.compile_configs
+        if config is None:
+            self.compile_configs = TorchCompileConfig()
+        elif not isinstance(config, TorchCompileConfig):
+            fields = ("fullgraph", "dynamic", "backend", "compile_on_iter")
+            self.compile_configs = TorchCompileConfig(**{f: getattr(config, f) for f in fields})
+        options = self.compiled_autograd_options
+        if options is not None and not isinstance(options, dict):
+            raise ValueError(
+                f"compiled_autograd_options must be a dict of torch.compile arguments; got {options!r}"
+            )
+
+
 @dataclass(kw_only=True, slots=True)
 class PipelineOptions:
     """Everything a pipeline is built from besides the model, optimizer and device."""
@@ -202,3 +262,5 @@ class PipelineOptions:
     """The lookup stage (Fused only)."""
     semi_sync: SemiSyncOptions = field(default_factory=SemiSyncOptions)
     """The semi-synchronous schedule (SemiSync only)."""
+    compile: CompileOptions = field(default_factory=CompileOptions)
+    """torch.compile and compiled autograd (PT2 and CompAutograd only)."""
