@@ -63,8 +63,9 @@ class Tuner:
     steps of a block carry the switch and are not timed. After the first round the ranks agree on its
     block medians, and candidates slower than `drop_above` times that round's best stop there (the
     baseline too: that round's best then takes its place). After `rounds` rounds, `decide` keeps the
-    baseline unless another schedule is significantly faster. A step's time runs from the start of one `progress()` to the start of the
-    next, so what the caller does between steps counts, as in real training. The ranks agree by
+    baseline unless another schedule is significantly faster. A step's time runs from the start of
+    one `progress()` to the start of the next, so what the caller does between steps counts, as in
+    real training. The ranks agree by
     summing their block medians with an all_reduce, so all of them switch at the same step.
 
     Re-check: `recheck_after` steps after a decision, the choice and the runner-up run `recheck_rounds`
