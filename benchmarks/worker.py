@@ -107,7 +107,7 @@ def _run_one(
     it = iter(batches)
     try:
         runner = make_runner(variant, built.model, built.optimizer, device, captured=captured)
-        times, agreement_s = _timed_steps(
+        timed = _timed_steps(
             runner,
             it,
             warmup=spec.warmup_of(variant),
@@ -130,8 +130,10 @@ def _run_one(
         return record
     if caches:
         record.update(_cache_figures(caches, since=record, steps=spec.steps))
+    times = timed.step_times_s
     record.update(step_times_s=times, peak_bytes=peak(device) - baseline, baseline_bytes=baseline)
-    record["agreement_ms"] = 1e3 * agreement_s / len(times)
+    record["agreement_ms"] = 1e3 * timed.agreement_s / len(times)
+    record["cpu_ms"] = 1e3 * timed.cpu_s / len(times)
     record["schedule"] = runner.schedule()
     tuner = runner.tuner()
     if tuner is not None:
@@ -148,21 +150,31 @@ def _run_one(
     return record
 
 
+@dataclasses.dataclass(slots=True)
+class _Timed:
+    step_times_s: list[float]
+    agreement_s: float
+    """Seconds the timed steps spent in the ranks' agreement (`AgreementClock`)."""
+    cpu_s: float
+    """Process CPU time (every thread: the prefetch worker's and the store writer's too) over the
+    timed steps."""
+
+
 def _timed_steps(
     runner: Runner, it: Iterator[Any], *, warmup: int, steps: int, on_timed: Callable[[], None] = lambda: None
-) -> tuple[list[float], float]:
-    """Warm-up steps, `on_timed()`, then the timed steps' durations and the seconds they spent in
-    the ranks' agreement (`AgreementClock`)."""
+) -> _Timed:
+    """Warm-up steps, `on_timed()`, then the timed steps' durations, agreement and CPU time."""
     for _ in range(warmup):
         runner.step(it)
     on_timed()
     times = []
     agreement_s = AgreementClock.seconds
+    cpu_started = time.process_time()
     for _ in range(steps):
         start = time.perf_counter()
         runner.step(it)
         times.append(time.perf_counter() - start)
-    return times, AgreementClock.seconds - agreement_s
+    return _Timed(times, AgreementClock.seconds - agreement_s, time.process_time() - cpu_started)
 
 
 def _store_dir() -> str:
