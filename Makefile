@@ -99,8 +99,9 @@ bench-overhead: setup
 # Tables on disk (tiered kernel, cold store; uniform ids with 5 % cached, power-law ids with 2 %, and
 # tiered-balanced, whose I/O and compute alone are within 30 % at one rank): at 1 rank (a core free
 # for the prefetch thread) and at 2, plain, our SparseDist and Prefetch, and Prefetch's bound (I/O
-# alone, compute alone with every row cached); prints hit rates, store read time and Prefetch's
-# distance to its bound. Stores go to $(BENCH_STORE_DIR) (local disk, ~1.1 GB). About 40 minutes.
+# alone, compute alone with every row cached); prints hit rates, store read time, process CPU time
+# per step and Prefetch's distance to its bound. Stores go to $(BENCH_STORE_DIR) (local disk, a
+# folder per config, ~1.1 GB at most). About 19 minutes (9-10 per world size).
 BENCH_STORE_DIR ?= /var/tmp/bench-tiered
 BENCH_TIERED_ARGS ?= --steps 15 --warmup 110 --auto-warmup 110 --rounds 2 --profile-steps 0
 TIERED_VARIANTS ?= plain ours-sparse-dist ours-prefetch io-alone compute-alone
