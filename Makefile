@@ -58,20 +58,26 @@ demo-faults: setup
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 examples/dlrm/train.py $(FAULTS_ARGS) --summary-json $(FAULTS_OUT)/uninterrupted.json > $(FAULTS_OUT)/uninterrupted.txt
 	$(BIN)/python -c "import json, sys; a, b = (json.load(open('$(FAULTS_OUT)/' + n + '.json'))['state_digest'] for n in ('killed', 'uninterrupted')); print('state_digest killed and resumed:', a); print('state_digest uninterrupted:     ', b); sys.exit(a != b)"
 
-# Base and prefetch pipelines on DLRM (2 local ranks) with every table on disk (tiered kernel, cold
-# store, a cache far smaller than the tables, so most of each batch misses), traced with
-# torch.profiler; then the PNG and tables in $(TIMELINE_OUT) (timeline.png/.md/.json), and the
-# tables' store ($(TIMELINE_STORE), about 320 MB) is removed. docs/timeline.md explains how to read them.
+# Base and prefetch pipelines on DLRM at TIMELINE_NPROC ranks (1: a core free for the prefetch thread)
+# with tables on disk, shaped like benchmarks/configs.py's tiered-balanced (the rows' I/O and the
+# compute of a step of similar size): 12 tables of 500k rows x 32 on disk behind 25,000 cached rows
+# each, cold store, 1 id per feature, 256 samples, MLPs 1024-1024 / 2048-1024 (the example has 26
+# tables: the other 14 have 1,000 rows, all cached). Traced with torch.profiler after 110 steps (the
+# caches full, each miss evicting a dirty row); then the PNG and tables in $(TIMELINE_OUT)
+# (timeline.png/.md/.json), and the tables' store ($(TIMELINE_STORE), about 800 MB) is removed.
+# docs/timeline.md explains how to read them.
 TIMELINE_OUT ?= out/timeline
 TIMELINE_STORE ?= /var/tmp/timeline-store
-TIMELINE_TRAIN_ARGS ?= --steps 32 --warmup-steps 4 --profile-steps 16 --no-progress --num-embeddings 200000 --pooling 4 --embedding-store $(TIMELINE_STORE) --cache-rows 20000 --cold-store
+TIMELINE_NPROC ?= 1
+TIMELINE_TABLES ?= 500000$(shell printf ",500000%.0s" $$(seq 11))$(shell printf ",1000%.0s" $$(seq 14))
+TIMELINE_TRAIN_ARGS ?= --steps 134 --warmup-steps 110 --profile-steps 16 --no-progress --batch-size 256 --embedding-dim 32 --num-embeddings $(TIMELINE_TABLES) --pooling 1 --dense-hidden 1024,1024 --over-hidden 2048,1024 --embedding-store $(TIMELINE_STORE) --cache-rows 25000 --cold-store
 TIMELINE_ARGS ?= --steps 3 --warmup 2
 
 timeline: setup
 	rm -rf $(TIMELINE_OUT)/base $(TIMELINE_OUT)/prefetch $(TIMELINE_STORE)
 	mkdir -p $(TIMELINE_STORE)
-	$(BIN)/torchrun --standalone --nproc_per_node=2 examples/dlrm/train.py --pipeline base $(TIMELINE_TRAIN_ARGS) --profile $(TIMELINE_OUT)/base
-	$(BIN)/torchrun --standalone --nproc_per_node=2 examples/dlrm/train.py --pipeline prefetch $(TIMELINE_TRAIN_ARGS) --profile $(TIMELINE_OUT)/prefetch
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$(TIMELINE_NPROC) examples/dlrm/train.py --pipeline base $(TIMELINE_TRAIN_ARGS) --profile $(TIMELINE_OUT)/base
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$(TIMELINE_NPROC) examples/dlrm/train.py --pipeline prefetch $(TIMELINE_TRAIN_ARGS) --profile $(TIMELINE_OUT)/prefetch
 	rm -rf $(TIMELINE_STORE)
 	@echo "removed the tables' store $(TIMELINE_STORE)"
 	$(BIN)/python -m timeline compare $(TIMELINE_OUT)/base/rank0.json $(TIMELINE_OUT)/prefetch/rank0.json -o $(TIMELINE_OUT) --labels base,prefetch $(TIMELINE_ARGS)
@@ -93,8 +99,9 @@ bench-overhead: setup
 # Tables on disk (tiered kernel, cold store; uniform ids with 5 % cached, power-law ids with 2 %, and
 # tiered-balanced, whose I/O and compute alone are within 30 % at one rank): at 1 rank (a core free
 # for the prefetch thread) and at 2, plain, our SparseDist and Prefetch, and Prefetch's bound (I/O
-# alone, compute alone with every row cached); prints hit rates, store read time and Prefetch's
-# distance to its bound. Stores go to $(BENCH_STORE_DIR) (local disk, ~1.1 GB). About 40 minutes.
+# alone, compute alone with every row cached); prints hit rates, store read time, process CPU time
+# per step and Prefetch's distance to its bound. Stores go to $(BENCH_STORE_DIR) (local disk, a
+# folder per config, ~1.1 GB at most). About 19 minutes (9-10 per world size).
 BENCH_STORE_DIR ?= /var/tmp/bench-tiered
 BENCH_TIERED_ARGS ?= --steps 15 --warmup 110 --auto-warmup 110 --rounds 2 --profile-steps 0
 TIERED_VARIANTS ?= plain ours-sparse-dist ours-prefetch io-alone compute-alone

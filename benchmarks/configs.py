@@ -112,6 +112,16 @@ CONFIGS["tiered-skewed"] = replace(
     cache_fraction=0.02,
     id_skew=1.05,
 )
+CONFIGS["tiered-balanced"] = replace(
+    CONFIGS["tiered"],
+    name="tiered-balanced",
+    description="8 tables of 500k rows on disk, 5 % cached, cold store, 1 id per feature, MLPs "
+    "1024-1024 / 2048-1024: at 1 rank, I/O alone and compute alone within 30 % of each other",
+    num_embeddings=500_000,
+    ids_per_feature=1,
+    dense_hidden=(1024, 1024),
+    over_hidden=(2048, 1024),
+)
 
 SMALL_CONFIGS: dict[str, BenchConfig] = {
     "tiered-tiny": replace(

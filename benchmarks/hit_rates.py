@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         result[f"{fraction:g}"] = column
     print(_markdown(config.name, result, args))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "hit_rate": result}, indent=1))
     return 0
 

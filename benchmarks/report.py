@@ -91,6 +91,9 @@ class Row:
     prefetch_ms: float | None = None
     """Tables on disk: time making a batch's rows resident per step, slowest rank, on whichever
     thread ran it (median of rounds)."""
+    cpu_ms: float | None = None
+    """Process CPU time per timed step (all threads), the busiest rank (median of rounds): steadier
+    than wall time on a shared machine, and what a prefetch thread costs beside compute."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -120,7 +123,8 @@ def merge_ranks(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             merged.append(run)
             continue
         run["step_times_s"] = [max(ts) for ts in zip(*(r["step_times_s"] for r in records), strict=True)]
-        for key in ("peak_bytes", "tensor_peak_bytes", "wait_in_forward_ms", "forward_ms", "agreement_ms"):
+        for key in ("peak_bytes", "tensor_peak_bytes", "wait_in_forward_ms", "forward_ms", "agreement_ms",
+                    "cpu_ms"):  # fmt: skip
             if key in first:
                 run[key] = max(r[key] for r in records)
         if "cache_hit_rate" in first:  # tables on disk: mean hit rate, slowest rank's I/O
@@ -168,6 +172,7 @@ def summarize(runs: list[dict[str, Any]], *, world_size: int) -> list[Row]:
             cache_hit_rate=_median_of(ok, "cache_hit_rate"),
             store_read_ms=_median_of(ok, "store_read_ms"),
             prefetch_ms=_median_of(ok, "prefetch_ms"),
+            cpu_ms=_median_of(ok, "cpu_ms"),
         )
     for (config, variant), row in rows.items():
         plain = rows.get((config, "plain"))
@@ -244,9 +249,10 @@ def tiered_lines(rows: list[Row]) -> list[str]:
         by = {r.variant: r for r in rows if r.config == config and r.cache_hit_rate is not None}
         lines.append(f"{config} (tables on disk, cold store):")
         for variant, r in by.items():
+            cpu = "" if r.cpu_ms is None else f", process CPU {r.cpu_ms:.1f} ms/step"
             lines.append(
-                f"  {variant}: hit rate {r.cache_hit_rate:.3f}, store read {r.store_read_ms:.1f} ms/step, "
-                f"making rows resident {r.prefetch_ms:.1f} ms/step"
+                f"  {variant}: step {r.median_step_ms:.1f} ms, hit rate {r.cache_hit_rate:.3f}, store read "
+                f"{r.store_read_ms:.1f} ms/step, making rows resident {r.prefetch_ms:.1f} ms/step{cpu}"
             )
         step = {v: r.median_step_ms for v, r in by.items()}
         pf, io, compute = step.get("ours-prefetch"), step.get("io-alone"), step.get("compute-alone")

@@ -9,9 +9,10 @@ tracker, `warmup` untimed steps, `steps` steps timed one by one with `perf_count
 profiled segment of `profile_steps` steps (so profiler overhead never reaches the step times), then
 drain the batches still in flight. Every variant trains the same pre-generated batches.
 
-Configs with tables on disk (`cache_fraction`) create their stores afresh for every run in
-`$BENCH_STORE_DIR` (default: a folder in the temp directory), drop them from the page cache before
-the warm-up, and record the cache's hit rate and the store's read time over the timed steps.
+Configs with tables on disk (`cache_fraction`) create their stores afresh for every run in a folder
+of the config's name in `$BENCH_STORE_DIR` (default: a folder in the temp directory), drop them from
+the page cache before the warm-up, and record the cache's hit rate and the store's read time over
+the timed steps.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def run_rank(spec: RunSpec, rank: int) -> list[dict[str, Any]]:
         _prime(config, batches, device, spec.seed)
         captured = None
         if set(spec.variants) & set(CAPTURING_VARIANTS):
-            built = build_model(config, device=device, seed=spec.seed, store_dir=_store_dir())
+            built = build_model(config, device=device, seed=spec.seed, store_dir=_store_dir(config.name))
             timed = batches[: spec.warmup + spec.steps]
             captured = bound.capture(built.model, built.optimizer, timed, device)
             del built
@@ -81,7 +82,7 @@ def _prime(config: BenchConfig, batches: list, device: torch.device, seed: int) 
     """A few untimed steps of the plain loop and both SparseDist pipelines, so that one-time costs
     of the process (thread pools, allocator arenas, first fx trace) land on no measured run."""
     for variant in _PRIMERS:
-        built = build_model(config, device=device, seed=seed, store_dir=_store_dir())
+        built = build_model(config, device=device, seed=seed, store_dir=_store_dir(config.name))
         _drain(make_runner(variant, built.model, built.optimizer, device), iter(batches[:4]))
         dist.barrier()
 
@@ -97,7 +98,7 @@ def _run_one(
 ) -> dict:
     record: dict[str, Any] = {"config": config.name, "variant": variant, "status": "ok"}
     built = build_model(disk_bound.bound_config(config, variant), device=device, seed=spec.seed,
-                        store_dir=_store_dir())  # fmt: skip
+                        store_dir=_store_dir(config.name))  # fmt: skip
     caches = [c for m in built.model.modules() if hasattr(m, "tiered_kernels") for k in m.tiered_kernels()
               for c in k.caches]  # fmt: skip
     for cache in caches:
@@ -107,7 +108,7 @@ def _run_one(
     it = iter(batches)
     try:
         runner = make_runner(variant, built.model, built.optimizer, device, captured=captured)
-        times, agreement_s = _timed_steps(
+        timed = _timed_steps(
             runner,
             it,
             warmup=spec.warmup_of(variant),
@@ -130,8 +131,10 @@ def _run_one(
         return record
     if caches:
         record.update(_cache_figures(caches, since=record, steps=spec.steps))
+    times = timed.step_times_s
     record.update(step_times_s=times, peak_bytes=peak(device) - baseline, baseline_bytes=baseline)
-    record["agreement_ms"] = 1e3 * agreement_s / len(times)
+    record["agreement_ms"] = 1e3 * timed.agreement_s / len(times)
+    record["cpu_ms"] = 1e3 * timed.cpu_s / len(times)
     record["schedule"] = runner.schedule()
     tuner = runner.tuner()
     if tuner is not None:
@@ -148,25 +151,36 @@ def _run_one(
     return record
 
 
+@dataclasses.dataclass(slots=True)
+class _Timed:
+    step_times_s: list[float]
+    agreement_s: float
+    """Seconds the timed steps spent in the ranks' agreement (`AgreementClock`)."""
+    cpu_s: float
+    """Process CPU time (every thread: the prefetch worker's and the store writer's too) over the
+    timed steps."""
+
+
 def _timed_steps(
     runner: Runner, it: Iterator[Any], *, warmup: int, steps: int, on_timed: Callable[[], None] = lambda: None
-) -> tuple[list[float], float]:
-    """Warm-up steps, `on_timed()`, then the timed steps' durations and the seconds they spent in
-    the ranks' agreement (`AgreementClock`)."""
+) -> _Timed:
+    """Warm-up steps, `on_timed()`, then the timed steps' durations, agreement and CPU time."""
     for _ in range(warmup):
         runner.step(it)
     on_timed()
     times = []
     agreement_s = AgreementClock.seconds
+    cpu_started = time.process_time()
     for _ in range(steps):
         start = time.perf_counter()
         runner.step(it)
         times.append(time.perf_counter() - start)
-    return times, AgreementClock.seconds - agreement_s
+    return _Timed(times, AgreementClock.seconds - agreement_s, time.process_time() - cpu_started)
 
 
-def _store_dir() -> str:
-    path = Path(os.environ.get("BENCH_STORE_DIR") or Path(tempfile.gettempdir()) / "bench-tiered")
+def _store_dir(config: str) -> str:
+    """A folder per config: configs of different table shapes name their store files alike."""
+    path = Path(os.environ.get("BENCH_STORE_DIR") or Path(tempfile.gettempdir()) / "bench-tiered") / config
     path.mkdir(parents=True, exist_ok=True)
     return str(path)
 

@@ -12,8 +12,10 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import link as link_mod
+from benchmarks.configs import CONFIGS
 from benchmarks.link import LinkUnavailable, check_available, emulated_link, parse_rate
 from benchmarks.measure import summarize_profile
+from benchmarks.report import BALANCED_CONFIG, distance
 from benchmarks.run import main
 from benchmarks.spec import CPU_UNSUPPORTED, FAMILY_VARIANTS, VARIANTS, RunSpec, round_order
 
@@ -54,6 +56,31 @@ def test_tiny_run_of_the_family(tmp_path):
         assert row["status"] == "ok", row
         assert row["median_step_ms"] > 0 and row["samples_per_s"] > 0
     assert rows["ours-eval"]["vs_torchrec"] is not None
+
+
+def test_tables_on_disk_against_their_bound_at_one_rank(tmp_path, monkeypatch):
+    """Issue 25: at world size 1, io-alone and compute-alone run beside Prefetch, and the report
+    gives Prefetch's distance to max(io-alone, compute-alone) and every run's process CPU time."""
+    monkeypatch.setenv("BENCH_STORE_DIR", str(tmp_path / "stores"))
+    out = tmp_path / "r.json"
+    argv = ["--world-size", "1", "--configs", "tiered-tiny", "--steps", "3", "--warmup", "3"]
+    argv += ["--auto-warmup", "3", "--rounds", "1", "--profile-steps", "0"]
+    argv += ["--variants", "plain", "ours-prefetch", "io-alone", "compute-alone"]
+    assert main([*argv, "--json", str(out), "--md", str(tmp_path / "r.md")]) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["summary"]}
+    assert all(r["status"] == "ok" and r["cpu_ms"] > 0 for r in rows.values()), rows
+    assert rows["compute-alone"]["cache_hit_rate"] == 1.0  # every row cached: no step reads the disk
+    assert rows["io-alone"]["store_read_ms"] > 0 and rows["io-alone"]["cache_hit_rate"] < 0.5
+    bound = max(rows["io-alone"]["median_step_ms"], rows["compute-alone"]["median_step_ms"])
+    line = f"Prefetch step / bound: {rows['ours-prefetch']['median_step_ms'] / bound:.3f}"
+    assert line in (tmp_path / "r.md").read_text()
+
+
+def test_distance_is_prefetch_over_the_larger_half():
+    assert distance(90.0, 60.0, 75.0) == pytest.approx(1.2)
+    assert distance(90.0, 80.0, 40.0) == pytest.approx(1.125)
+    assert distance(90.0, None, 40.0) is None
+    assert BALANCED_CONFIG in CONFIGS and CONFIGS[BALANCED_CONFIG].cache_fraction is not None
 
 
 def _event(name: str, start: float, end: float, thread: int = 1) -> SimpleNamespace:

@@ -12,7 +12,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from torch.profiler import profile
+from torch._C._profiler import _ExperimentalConfig
+from torch.profiler import ProfilerActivity, profile
 
 from pipeline import labels
 from pipeline.prefetch_sparse_dist import prefetch_does_work
@@ -33,6 +34,16 @@ def test_stage_labels_only_while_a_profiler_records(monkeypatch):
     assert made == ["pipeline::forward#4", "pipeline::x#4"]
     names = {e.name for e in prof.events()}
     assert {"pipeline::forward#4", "pipeline::x#4"} <= names
+
+
+def test_stage_labels_under_a_profiler_of_every_thread():
+    """The timeline's profiler (`profile_all_threads=True`), under which torch 2.13's C-side check
+    says no profiler is enabled: the labels must still be made."""
+    config = _ExperimentalConfig(profile_all_threads=True)
+    with profile(activities=[ProfilerActivity.CPU], experimental_config=config) as prof:
+        with labels.run_stage(Streams(), "forward", 5):
+            torch.ones(1).add_(1)
+    assert "pipeline::forward#5" in {e.name for e in prof.events()}
 
 
 def _plan(*kernels: str) -> SimpleNamespace:

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec.distributed.embedding_kernel import BaseEmbedding, get_state_dict
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
@@ -27,52 +26,12 @@ from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tiered.cache import Pin, RowCache
+from tiered.optim import TieredOptimizer, UpdateRule
 from tiered.options import TieredOptions
 from tiered.policy import make_policy
 from tiered.store import RowStore
 
 __all__ = ["TieredEmbeddingBag"]
-
-_STATE_WIDTH = {EmbOptimType.EXACT_SGD: 0, EmbOptimType.EXACT_ROWWISE_ADAGRAD: 1}
-_ALIASES = {
-    EmbOptimType.SGD: EmbOptimType.EXACT_SGD,
-    EmbOptimType.ROWWISE_ADAGRAD: EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-}
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class _Rule:
-    """The fused optimizer of a kernel, read from torchrec's fused params."""
-
-    kind: EmbOptimType
-    lr: float
-    eps: float
-
-    @classmethod
-    def from_fused_params(cls, params: dict[str, Any] | None) -> _Rule:
-        params = params or {}
-        kind = params.get("optimizer", EmbOptimType.EXACT_SGD)
-        kind = _ALIASES.get(kind, kind)
-        if kind not in _STATE_WIDTH:
-            raise ValueError(
-                f"the tiered kernel supports SGD and row-wise Adagrad as fused optimizers; got {kind}. "
-                "Use torch.optim.SGD or torchrec.optim.RowWiseAdagrad with apply_optimizer_in_backward."
-            )
-        if params.get("weight_decay", 0.0):
-            raise ValueError("the tiered kernel does not support weight_decay; leave it 0")
-        return cls(kind=kind, lr=float(params.get("learning_rate", 0.01)), eps=float(params.get("eps", 1e-8)))
-
-    @property
-    def state_width(self) -> int:
-        return _STATE_WIDTH[self.kind]
-
-    def apply(self, weights: torch.Tensor, state: torch.Tensor, grad: torch.Tensor) -> None:
-        """Update rows `weights`/`state` (gathered copies, written back by the caller) in place."""
-        if self.kind == EmbOptimType.EXACT_ROWWISE_ADAGRAD:
-            state += grad.square().mean(dim=1, keepdim=True)
-            weights -= grad * (self.lr / (state.sqrt() + self.eps))
-        else:
-            weights -= self.lr * grad
 
 
 @dataclass(eq=False)
@@ -109,7 +68,7 @@ class TieredEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         super().__init__()
         self._config = config
         self._pg = pg
-        self._rule = _Rule.from_fused_params(config.fused_params)
+        self._rule = UpdateRule.from_fused_params(config.fused_params)
         self._mean = config.pooling == PoolingType.MEAN
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.caches: list[RowCache] = []
@@ -136,7 +95,13 @@ class TieredEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
             t.name: nn.Parameter(c.store.weights(), requires_grad=False)
             for t, c in zip(config.embedding_tables, self.caches, strict=True)
         }
-        self._optim = _TieredOptimizer(self)
+        self._optim = TieredOptimizer(
+            {f"{name}.weight": p for name, p in self._params.items()},
+            self.caches,
+            self._rule,
+            flush=self.flush,
+            purge=self.purge,
+        )
         for param in self._params.values():
             param._in_backward_optimizers = [self._optim]
 
@@ -295,38 +260,6 @@ class _PooledLookup(torch.autograd.Function):
         psw_grad = ctx.kernel._update(ctx.batch, grad_output.contiguous())
         ctx.batch = None
         return None, psw_grad, None, None
-
-
-class _TieredOptimizer(FusedOptimizer):
-    """The kernel's fused optimizer: its state (row-wise Adagrad's accumulator) lives in the
-    stores; `state_dict()` flushes the caches first, `load_state_dict()` writes the stores and
-    drops the caches. `step()` does nothing: the update ran in backward."""
-
-    def __init__(self, kernel: TieredEmbeddingBag) -> None:
-        self._kernel = kernel
-        params = {f"{name}.weight": p for name, p in kernel._params.items()}
-        state: dict[Any, Any] = {}
-        if kernel._rule.state_width:
-            state = {
-                p: {"momentum1": c.store.state()} for p, c in zip(params.values(), kernel.caches, strict=True)
-            }
-        group = {"params": list(params.values()), "lr": kernel._rule.lr}
-        super().__init__(params, state, [group])
-
-    def step(self, closure: Any = None) -> None:
-        pass
-
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, Any]:
-        self._kernel.flush()
-        return super().state_dict()
-
-    def load_state_dict(self, state_dict: Any) -> None:
-        self._kernel.flush()
-        super().load_state_dict(state_dict)
-        self._kernel.purge()
 
 
 def _segments(features: KeyedJaggedTensor, n: int) -> list[torch.Tensor]:
