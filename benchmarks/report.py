@@ -16,18 +16,17 @@ from typing import Any
 
 from benchmarks.configs import get_config
 from benchmarks.spec import ALL_VARIANTS, OURS_TO_TORCHREC
+from benchmarks.tiered_report import tiered_lines
 
 __all__ = [
     "Row",
     "Target",
     "check_targets",
-    "distance",
     "markdown",
     "merge_ranks",
     "rows_as_dicts",
     "summarize",
     "table",
-    "tiered_lines",
 ]
 
 _MIB = 2**20
@@ -40,11 +39,6 @@ _PER_RANK = (
     "labels_ms",
 )
 TARGET_CONFIG = "input-dist-heavy"
-DISTANCE_LIMIT = 1.15
-"""Tables on disk: Prefetch's step over max(I/O alone, compute alone), every config (issue 25)."""
-BALANCED_CONFIG = "tiered-balanced"
-PLAIN_LIMIT = 0.65
-"""Tables on disk: Prefetch's step over the plain loop's on `BALANCED_CONFIG` at 1 rank (issue 25)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -240,47 +234,6 @@ def check_targets(rows: list[Row], config: str = TARGET_CONFIG) -> list[Target]:
     ]
 
 
-def tiered_lines(rows: list[Row]) -> list[str]:
-    """Per config with tables on disk: cache figures per variant, and Prefetch against its bound
-    (`benchmarks.disk_bound`) and the plain loop; [] if no such config ran."""
-    configs = list(dict.fromkeys(r.config for r in rows if r.cache_hit_rate is not None))
-    lines = []
-    for config in configs:
-        by = {r.variant: r for r in rows if r.config == config and r.cache_hit_rate is not None}
-        lines.append(f"{config} (tables on disk, cold store):")
-        for variant, r in by.items():
-            cpu = "" if r.cpu_ms is None else f", process CPU {r.cpu_ms:.1f} ms/step"
-            lines.append(
-                f"  {variant}: step {r.median_step_ms:.1f} ms, hit rate {r.cache_hit_rate:.3f}, store read "
-                f"{r.store_read_ms:.1f} ms/step, making rows resident {r.prefetch_ms:.1f} ms/step{cpu}"
-            )
-        step = {v: r.median_step_ms for v, r in by.items()}
-        pf, io, compute = step.get("ours-prefetch"), step.get("io-alone"), step.get("compute-alone")
-        gap = distance(pf, io, compute)
-        if gap is not None:
-            lines.append(f"  bound: I/O alone {io:.1f} ms, compute alone {compute:.1f} ms")
-            lines.append(
-                f"  {_verdict(gap, DISTANCE_LIMIT)} Prefetch step / bound: {gap:.3f} (limit {DISTANCE_LIMIT})"
-            )
-        if pf and step.get("plain"):
-            limit = f"limit {PLAIN_LIMIT} at 1 rank" if config == BALANCED_CONFIG else "no limit"
-            verdict = _verdict(pf / step["plain"], PLAIN_LIMIT) if config == BALANCED_CONFIG else ""
-            lines.append(f"  {verdict:6} Prefetch step / plain step: {pf / step['plain']:.3f} ({limit})")
-    return lines
-
-
-def distance(prefetch_ms: float | None, io_ms: float | None, compute_ms: float | None) -> float | None:
-    """Prefetch's step over its bound, max(I/O alone, compute alone) (`benchmarks.disk_bound`); None
-    if a figure is missing."""
-    if prefetch_ms is None or io_ms is None or compute_ms is None:
-        return None
-    return prefetch_ms / max(io_ms, compute_ms)
-
-
-def _verdict(measured: float, limit: float) -> str:
-    return f"{'met' if measured <= limit else 'MISSED':6}"
-
-
 def wait_note(rows: list[Row], config: str = TARGET_CONFIG) -> str | None:
     """How much of SparseDist's wait in forward is torchrec's KJT assembly (not a target: context)."""
     by = {r.variant: r for r in rows if r.config == config}
@@ -328,7 +281,7 @@ def _cells(row: Row) -> list[str]:
     ]
 
 
-def table(rows: list[Row], targets: list[Target]) -> str:
+def table(rows: list[Row], targets: list[Target], *, world_size: int) -> str:
     """The terminal table, then the targets."""
     lines = [list(_HEADER), *(_cells(r) for r in rows if r.status == "ok")]
     widths = [max(len(line[i]) for line in lines) for i in range(len(_HEADER))]
@@ -348,7 +301,7 @@ def table(rows: list[Row], targets: list[Target]) -> str:
     note = wait_note(rows)
     if note:
         out.append(f"  note   {note}")
-    tiered = tiered_lines(rows)
+    tiered = tiered_lines(rows, world_size=world_size)
     return "\n".join([*out, *([""] if tiered else []), *tiered])
 
 
@@ -378,7 +331,10 @@ def markdown(rows: list[Row], targets: list[Target], meta: dict[str, Any]) -> st
         *(f"- {_target_line(t).strip()}" for t in targets),
         *([f"- note: {note}"] if (note := wait_note(rows)) else []),
         "",
-        *(f"- {line.strip()}" if i else line for i, line in enumerate(tiered_lines(rows))),
+        *(
+            f"- {line.strip()}" if i else line
+            for i, line in enumerate(tiered_lines(rows, world_size=meta["world_size"]))
+        ),
         "",
     ]
     return "\n".join(lines)

@@ -131,7 +131,7 @@ def _report(result: dict[str, Any], *, json_path: Path, md_path: Path) -> None:
     rows = [Row(**r) for r in result["summary"]]
     targets = [Target(**t) for t in result["targets"]]
     print(f"\n{result['meta']['command']}  (link: {result['meta']['link'] or 'loopback'})\n")
-    print(table(rows, targets))
+    print(table(rows, targets, world_size=result["meta"]["world_size"]))
     for path, text in (
         (json_path, json.dumps(result, indent=1)),
         (md_path, markdown(rows, targets, result["meta"])),

@@ -15,9 +15,9 @@ from benchmarks import link as link_mod
 from benchmarks.configs import CONFIGS
 from benchmarks.link import LinkUnavailable, check_available, emulated_link, parse_rate
 from benchmarks.measure import summarize_profile
-from benchmarks.report import BALANCED_CONFIG, distance
 from benchmarks.run import main
 from benchmarks.spec import CPU_UNSUPPORTED, FAMILY_VARIANTS, VARIANTS, RunSpec, round_order
+from benchmarks.tiered_report import BALANCED_CONFIG, distance
 
 
 def test_tiny_run_reports_every_variant(tmp_path):
