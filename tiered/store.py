@@ -9,12 +9,10 @@ row that is a few microseconds of CPU, so a prefetch on a worker thread spends i
 the disk, which is what lets it overlap compute on cores that are already busy. Nothing is mapped
 during training, so resident memory stays bounded by the cache however large the table.
 
-Writes are written behind: `write()` queues the rows (a copy) and returns; the store's writer thread
-writes the queue in order (read the runs of pages, change the rows, write the runs back whole), and
-`read()` of a row still queued returns the queued values, so a prefetch never waits for a
-write-back. Up to `WRITE_BEHIND` writes are queued per store; one more waits for the oldest.
-`sync()` waits for every queued write; `weights()`/`state()` map the regions as tensors for
-checkpoints (after a `sync()`).
+Writes are written behind: `write()` queues a copy of the rows (at most `WRITE_BEHIND` writes, then
+it waits for the oldest) and a writer thread writes them in order, whole pages; `read()` of a row
+still queued returns the queued values, so a prefetch never waits for a write-back. `sync()` waits
+for them all; `weights()`/`state()` map the regions as tensors for checkpoints (after a `sync()`).
 """
 
 from __future__ import annotations
