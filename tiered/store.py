@@ -17,6 +17,7 @@ for them all; `weights()`/`state()` map the regions as tensors for checkpoints (
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -293,10 +294,8 @@ class RowStore:
             self._fd = -1
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
 
 def _check_directory(directory: Path) -> None:
