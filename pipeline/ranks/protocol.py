@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from pipeline.options import RankOptions
 from pipeline.ranks.failure import FailureSignal, PeerFailedError, is_comm_error
@@ -44,6 +45,8 @@ __all__ = ["Ranks"]
 
 _PIPELINE_IDS = itertools.count()
 """Numbers pipelines in construction order, the same on every rank (names the store keys)."""
+_GROUP_IDS = itertools.count()
+"""Numbers the process groups the pipelines create, in order (the same order on every rank)."""
 
 
 class Ranks:
@@ -58,7 +61,7 @@ class Ranks:
     def __init__(self, options: RankOptions, *, vote_every_batch: bool) -> None:
         self._options = options
         self.keys = KeyCheck() if options.check_keys else None
-        self._agreement = Agreement(timeout=options.peer_timeout)
+        self._agreement = Agreement(timeout=options.peer_timeout, new_group=self.new_group)
         self.voting = options.agreement and self._agreement.distributed
         """Ranks agree on every batch (else a rank's own status is all it knows)."""
         self._failure = FailureSignal(grace=options.failure_grace)
@@ -68,6 +71,21 @@ class Ranks:
         self._seen: WorldCollectiveSeen | None = None
         self.untrained_batches: list[Any] = []
         """Batches this rank fetched but did not train because another rank's data ended first."""
+
+    def new_group(self, **kwargs: Any) -> dist.ProcessGroup:
+        """`dist.new_group(**kwargs)`, entered only once every rank reached it.
+
+        Every rank must create the pipeline's process groups at the same point, but a rank whose
+        dataloader raised never gets there, and `dist.new_group` would wait for it for the store's
+        timeout (300 s). A rendezvous in the store first, which stops at a peer's failure
+        (`FailureSignal.rendezvous`), keeps that wait to a few milliseconds.
+
+        Raises:
+            PeerFailedError: a peer failed before reaching it (or none came within `peer_timeout`).
+        """
+        timeout = self._options.peer_timeout.total_seconds()
+        self._failure.rendezvous(f"group{next(_GROUP_IDS)}", timeout)
+        return dist.new_group(**kwargs)
 
     def open_lane(self, iterator: Any) -> Lane:
         """A new lane for `iterator` (lanes are opened by lockstep `progress()` calls)."""
