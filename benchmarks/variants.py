@@ -124,7 +124,7 @@ def make_runner(
     options: dict[str, Any] = {}
     if variant.endswith("+novote"):
         variant = variant.removesuffix("+novote")
-        options.update(agreement=False, check_keys=False)
+        options.update(agreement=False, check_keys=False, check_kjts=False)
     if variant in FORCED_VARIANTS or variant in PREFETCH_FORCED_VARIANTS:
         variant, options["input_dist_schedule"] = variant.split("@")
     if variant == "ours-staged":

@@ -56,6 +56,7 @@ _EXPORTS = {
     "AgreedError": "pipeline.ranks",
     "UnevenDataError": "pipeline.ranks",
     "BatchKeysError": "pipeline.ranks",
+    "MalformedBatchError": "pipeline.ranks",
     "PeerFailedError": "pipeline.ranks",
 }
 
