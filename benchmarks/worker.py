@@ -105,6 +105,7 @@ def _run_one(
     dist.barrier()
     baseline = reset_peak(device)
     it = iter(batches)
+    kjt_before = (AgreementClock.kjt_seconds, AgreementClock.kjt_calls)
     try:
         runner = make_runner(variant, built.model, built.optimizer, device, captured=captured)
         times, agreement_s = _timed_steps(
@@ -132,6 +133,8 @@ def _run_one(
         record.update(_cache_figures(caches, since=record, steps=spec.steps))
     record.update(step_times_s=times, peak_bytes=peak(device) - baseline, baseline_bytes=baseline)
     record["agreement_ms"] = 1e3 * agreement_s / len(times)
+    if (checked := AgreementClock.kjt_calls - kjt_before[1]) > 0:  # every batch fetched so far
+        record["kjt_check_us"] = 1e6 * (AgreementClock.kjt_seconds - kjt_before[0]) / checked
     record["schedule"] = runner.schedule()
     tuner = runner.tuner()
     if tuner is not None:
