@@ -135,15 +135,10 @@ class KJTCheck:
         weights = kjt.weights_or_none()
         if weights is not None and weights.numel() != n:
             return f"keys {keys}: {weights.numel()} weights for {n} values"
-        return self._range_problem(kjt, keys, values, lengths, strides) if n else None
+        return self._range_problem(keys, values, lengths, strides) if n else None
 
     def _range_problem(
-        self,
-        kjt: KeyedJaggedTensor,
-        keys: list[str],
-        values: torch.Tensor,
-        lengths: torch.Tensor,
-        strides: list[int],
+        self, keys: list[str], values: torch.Tensor, lengths: torch.Tensor, strides: list[int]
     ) -> str | None:
         limits, uniform = self._limits_of(keys)
         if uniform is not None:  # every key's table has the same rows: one pass over the values
