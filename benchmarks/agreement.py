@@ -1,12 +1,13 @@
 """Entry point: `python -m benchmarks.agreement` (what `make bench-agreement` runs).
 
-Prices the ranks' per-batch vote and key check (`pipeline.ranks`): our Base and our SparseDist
-(schedule forced to "late", so that tuning cannot differ between the two) with them and without
-them (`+novote`: `agreement=False, check_keys=False`), in paired rotated rounds on 2 ranks over
-loopback, where a fixed per-step cost shows most. Prints, per config, the paired ratio with/without
-(median over rounds, lowest and highest round); the direct cost: time the agreement's calls take on
-the training thread per step (`benchmarks.measure.AgreementClock`, slowest rank), as a fraction of
-the step; and the key check alone in microseconds per batch.
+Prices the ranks' per-batch vote, key check and KJT check (`pipeline.ranks`): our Base and our
+SparseDist (schedule forced to "late", so that tuning cannot differ between the two) with them and
+without them (`+novote`: `agreement=False, check_keys=False, check_kjts=False`), in paired rotated
+rounds on 2 ranks over loopback, where a fixed per-step cost shows most. Prints, per config, the
+paired ratio with/without (median over rounds, lowest and highest round); the direct cost: time the
+agreement's calls take on the training thread per step (`benchmarks.measure.AgreementClock`, slowest
+rank), as a fraction of the step; and the key check and the KJT check alone in microseconds per
+batch.
 """
 
 from __future__ import annotations
@@ -46,6 +47,52 @@ def key_check_us(repeats: int = 2000) -> float:
         check.check(batch)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e6
+
+
+def kjt_check_us(config_name: str = "demo", count: int = 200, repeats: int = 5) -> float:
+    """Median microseconds of one `KJTCheck.check` on `config_name`'s batches (its 26 tables'
+    rows, read from the unsharded DLRM: the same configs a sharded one holds)."""
+    import torch
+    from torchrec import EmbeddingBagConfig
+
+    from benchmarks.configs import get_config
+    from benchmarks.model import make_batches
+    from examples.dlrm.model import unsharded_dlrm
+    from pipeline.ranks import KJTCheck
+
+    torch.set_num_threads(1)
+    config = get_config(config_name)
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=config.embedding_dim,
+            num_embeddings=config.num_embeddings,
+            feature_names=[f"f{i}"],
+        )
+        for i in range(config.num_tables)
+    ]
+    model = unsharded_dlrm(tables, embedding_dim=config.embedding_dim, dense_hidden=(8,), over_hidden=(8,))
+    batches = make_batches(config, count=count, rank=0)
+    check = KJTCheck(model)
+    assert check.check(batches[0]) is None
+    times = []
+    for _ in range(repeats):
+        for batch in batches:
+            start = time.perf_counter()
+            check.check(batch)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def kjt_in_run(runs: list[dict], variant: str) -> tuple[float, float]:
+    """Median over rounds of the KJT check's microseconds per batch in the run (slowest rank), and
+    of that over the median step."""
+    ok = [r for r in runs if r["variant"] == variant and r["status"] == "ok" and "kjt_check_us" in r]
+    if not ok:
+        return float("nan"), float("nan")
+    us = statistics.median(r["kjt_check_us"] for r in ok)
+    fraction = statistics.median(r["kjt_check_us"] / (statistics.median(r["step_times_s"]) * 1e6) for r in ok)
+    return us, fraction
 
 
 def direct_fraction(runs: list[dict], variant: str) -> float:
@@ -94,11 +141,15 @@ def main(argv: list[str] | None = None) -> int:
             without_ms = statistics.median(r[off] for r in rounds.values())
             direct = direct_fraction(runs, on)
             worst_direct = max(worst_direct, direct)
+            kjt_us, kjt_fraction = kjt_in_run(runs, on)
             print(
                 f"{config:18} {on:24} {with_ms:8.2f} {without_ms:10.2f} {direct:7.2%}  "
-                f"{ratio.median:.3f} [{ratio.low:.3f}, {ratio.high:.3f}]"
+                f"{ratio.median:.3f} [{ratio.low:.3f}, {ratio.high:.3f}]  "
+                f"KJT check {kjt_us:.1f} us/batch = {kjt_fraction:.2%} of a step"
             )
     print(f"\nkey check alone: {key_check_us():.1f} us per batch (26 features)")
+    for config in args.configs:
+        print(f"KJT check alone: {kjt_check_us(config):.1f} us per batch of {config}")
     print(f"largest median ratio: {worst:.3f} (target <= 1.01)")
     print(f"largest direct cost: {worst_direct:.2%} of a step (target <= 1 %)")
     return 0

@@ -155,7 +155,7 @@ def _is_label(name: str) -> bool:
 
 class AgreementClock:
     """Seconds this process spends on its calling thread inside the ranks' agreement
-    (`pipeline.ranks`: key check, store flags, votes), summed over every call.
+    (`pipeline.ranks`: key and KJT checks, store flags, votes), summed over every call.
 
     The with/without A/B of `benchmarks.agreement` cannot resolve 1 % on a VM whose rounds differ by
     10-30 %; this direct figure can. `install()` wraps the agreement's entry points once per process
@@ -165,6 +165,10 @@ class AgreementClock:
     """
 
     seconds = 0.0
+    kjt_seconds = 0.0
+    """Of `seconds`, those in the KJT check (`KJTCheck.check`)..."""
+    kjt_calls = 0
+    """... and how many batches it checked."""
 
     @classmethod
     def install(cls) -> None:
@@ -172,6 +176,7 @@ class AgreementClock:
 
         targets = {
             ranks.KeyCheck: ("check",),
+            ranks.KJTCheck: ("check",),
             ranks.StoreFlags: ("raise_flag", "statuses", "read_ahead"),
             ranks.Agreement: ("vote",),
             ranks.Vote: ("wait",),
@@ -184,12 +189,18 @@ class AgreementClock:
 
     @classmethod
     def _clocked(cls, method: Any) -> Any:
+        kjt = method.__qualname__ == "KJTCheck.check"
+
         def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
                 return method(*args, **kwargs)
             finally:
-                cls.seconds += time.perf_counter() - start
+                took = time.perf_counter() - start
+                cls.seconds += took
+                if kjt:
+                    cls.kjt_seconds += took
+                    cls.kjt_calls += 1
 
         timed._clocked = True  # type: ignore[attr-defined]
         return timed

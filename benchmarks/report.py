@@ -117,8 +117,8 @@ def merge_ranks(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             merged.append(run)
             continue
         run["step_times_s"] = [max(ts) for ts in zip(*(r["step_times_s"] for r in records), strict=True)]
-        for key in ("peak_bytes", "tensor_peak_bytes", "wait_in_forward_ms", "forward_ms", "agreement_ms",
-                    "cpu_ms"):  # fmt: skip
+        keys = ("peak_bytes", "tensor_peak_bytes", "wait_in_forward_ms", "forward_ms", "agreement_ms")
+        for key in (*keys, "cpu_ms", "kjt_check_us"):
             if key in first:
                 run[key] = max(r[key] for r in records)
         if "cache_hit_rate" in first:  # tables on disk: mean hit rate, slowest rank's I/O

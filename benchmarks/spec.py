@@ -20,6 +20,8 @@ __all__ = [
     "FAMILY_VARIANTS",
     "FORCED_VARIANTS",
     "IO_VARIANTS",
+    "MEMORY_FLAGS",
+    "MEMORY_VARIANTS",
     "NOVOTE_VARIANTS",
     "OURS_TO_TORCHREC",
     "PREFETCH_FORCED_VARIANTS",
@@ -53,8 +55,18 @@ IO_VARIANTS = ("io-alone",)
 CAPTURING_VARIANTS = (*BOUND_VARIANTS, *IO_VARIANTS)
 """Variants that replay what `benchmarks.bound.capture` recorded of each batch."""
 NOVOTE_VARIANTS = ("ours-base+novote", "ours-sparse-dist@late+novote")
-"""Our pipelines with the per-batch vote and key check off (`agreement=False, check_keys=False`):
+"""Our pipelines with the per-batch vote and checks off (`agreement=False, check_keys=False, ...`):
 what `benchmarks.agreement` compares with `ours-base` and `ours-sparse-dist@late` to price them."""
+MEMORY_FLAGS = {
+    "+inplace-copy": "enable_inplace_copy_batch",
+    "+free-features": "free_features_storage_early",
+    "+clear-inputs": "clear_data_dist_inputs",
+    "+copy-after-forward": "enqueue_batch_after_forward",
+}
+"""Variant suffixes that turn one of torchrec's memory (and ordering) flags on."""
+MEMORY_VARIANTS = tuple(f"ours-sparse-dist@late{suffix}" for suffix in MEMORY_FLAGS)
+"""Our SparseDist (schedule forced to "late") with each flag on: what `benchmarks.memory_flags`
+compares with `ours-sparse-dist@late` to measure what each flag frees."""
 FAMILY_VARIANTS = (
     "ours-fused-sparse-dist",
     "torchrec-fused-sparse-dist",
@@ -74,6 +86,7 @@ ALL_VARIANTS = (
     *BOUND_VARIANTS,
     *IO_VARIANTS,
     *NOVOTE_VARIANTS,
+    *MEMORY_VARIANTS,
     *FAMILY_VARIANTS,
 )
 AUTO_VARIANTS = ("ours-sparse-dist", "ours-prefetch")

@@ -34,6 +34,7 @@ from benchmarks.spec import (
     ALL_VARIANTS,
     CAPTURING_VARIANTS,
     FORCED_VARIANTS,
+    MEMORY_FLAGS,
     PREFETCH_FORCED_VARIANTS,
 )
 
@@ -124,7 +125,11 @@ def make_runner(
     options: dict[str, Any] = {}
     if variant.endswith("+novote"):
         variant = variant.removesuffix("+novote")
-        options.update(agreement=False, check_keys=False)
+        options.update(agreement=False, check_keys=False, check_kjts=False)
+    for suffix, flag in MEMORY_FLAGS.items():
+        if variant.endswith(suffix):
+            variant = variant.removesuffix(suffix)
+            options[flag] = True
     if variant in FORCED_VARIANTS or variant in PREFETCH_FORCED_VARIANTS:
         variant, options["input_dist_schedule"] = variant.split("@")
     if variant == "ours-staged":

@@ -17,6 +17,7 @@ the timed steps.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import json
@@ -103,9 +104,19 @@ def _run_one(
               for c in k.caches]  # fmt: skip
     for cache in caches:
         cache.store.drop_page_cache()  # cold: the run's first reads of every row go to the disk
+    if variant.endswith("+free-features"):
+        # the flag frees the features of the batches it trains (on CPU, these very objects): keep
+        # the shared ones for the variants after it (the copy is in the baseline, not the peak)
+        batches = copy.deepcopy(batches)
     dist.barrier()
     baseline = reset_peak(device)
     it = iter(batches)
+    kjt_before: list[tuple[float, int]] = []  # the KJT check's clock when the timed steps start
+
+    def on_timed() -> None:
+        record.update(_cache_figures(caches))
+        kjt_before.append((AgreementClock.kjt_seconds, AgreementClock.kjt_calls))
+
     try:
         runner = make_runner(variant, built.model, built.optimizer, device, captured=captured)
         timed = _timed_steps(
@@ -113,7 +124,7 @@ def _run_one(
             it,
             warmup=spec.warmup_of(variant),
             steps=spec.steps,
-            on_timed=lambda: record.update(_cache_figures(caches)),
+            on_timed=on_timed,
         )
     except Exception as e:
         if variant not in CPU_UNSUPPORTED or device.type != "cpu":
@@ -135,6 +146,8 @@ def _run_one(
     record.update(step_times_s=times, peak_bytes=peak(device) - baseline, baseline_bytes=baseline)
     record["agreement_ms"] = 1e3 * timed.agreement_s / len(times)
     record["cpu_ms"] = 1e3 * timed.cpu_s / len(times)
+    if kjt_before and (checked := AgreementClock.kjt_calls - kjt_before[0][1]) > 0:
+        record["kjt_check_us"] = 1e6 * (AgreementClock.kjt_seconds - kjt_before[0][0]) / checked
     record["schedule"] = runner.schedule()
     tuner = runner.tuner()
     if tuner is not None:

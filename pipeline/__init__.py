@@ -68,6 +68,7 @@ _EXPORTS = {
     "AgreedError": "pipeline.ranks",
     "UnevenDataError": "pipeline.ranks",
     "BatchKeysError": "pipeline.ranks",
+    "MalformedBatchError": "pipeline.ranks",
     "PeerFailedError": "pipeline.ranks",
     "GradientAccumulationConfig": "pipeline.gradient_accumulation",
     "GradientAccumulationWrapper": "pipeline.gradient_accumulation",

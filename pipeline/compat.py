@@ -59,6 +59,7 @@ _RANKS = (
     ("streams", None),
     ("on_uneven", "stop"),
     ("check_keys", True),
+    ("check_kjts", True),
     ("agreement", True),
     ("abort_on_error", True),
     ("failure_grace", 2.0),

@@ -52,6 +52,8 @@ class InputDist:
         forward: which hijacked forward the sharded modules get: "input_dist" (they wait for the
             values all-to-all), "prefetch" (they take the prefetch stage's output) or "lookup"
             (they take the lookup stage's output).
+        new_group: creates the all-to-alls' own process groups (`Ranks.new_group` in the
+            pipelines: it does not wait for a peer that failed).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class InputDist:
         schedule: InputDistOptions,
         memory: MemoryOptions,
         forward: str = "input_dist",
+        new_group: Callable[..., Any] = dist.new_group,
     ) -> None:
         self._model, self._streams, self._options, self._memory = model, streams, rewrite, memory
         self._forward = forward
@@ -74,7 +77,7 @@ class InputDist:
         """The schedule in use (under "auto", changes while tuning and may change at a re-check)."""
         self.freed_bytes = 0
         """Bytes released by the memory flags so far."""
-        self._groups = InputDistGroups()
+        self._groups = InputDistGroups(new_group)
         self._undo: list[Callable[[], None]] = []
         self._undo_groups: Callable[[], None] | None = None
 
@@ -259,7 +262,8 @@ class InputDistGroups:
     The cost is one more communicator per group: on NCCL, its buffers on every GPU.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, new_group: Callable[..., Any] = dist.new_group) -> None:
+        self._new_group = new_group
         self._made: list[tuple[dist.ProcessGroup, dist.ProcessGroup]] = []
 
     def own_group(self, pg: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -269,7 +273,7 @@ class InputDistGroups:
                 return own
         if pg.size() != dist.get_world_size():
             return pg
-        own = dist.new_group(backend=dist.get_backend(pg), group_desc="pipeline_input_dist")
+        own = self._new_group(backend=dist.get_backend(pg), group_desc="pipeline_input_dist")
         self._made.append((pg, own))
         return own
 

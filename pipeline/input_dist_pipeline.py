@@ -73,6 +73,7 @@ class InputDistPipeline(LanePipeline):
             schedule=options.input_dist,
             memory=options.memory,
             forward=forward,
+            new_group=self._ranks.new_group,
         )
         self._on_reset.append(input_dist.reset)
         return input_dist

@@ -59,7 +59,9 @@ class LanePipeline(TrainPipeline):
         self._model_fwd: Callable[[Any], Any] = options.custom_model_fwd or bound.model
         self._execute_all_batches = options.execute_all_batches
         self._streams: Streams = options.streams if options.streams is not None else streams_for(self._device)
-        self._ranks = Ranks(options.ranks, vote_every_batch=not options.execute_all_batches)
+        self._ranks = Ranks(
+            options.ranks, vote_every_batch=not options.execute_all_batches, model=bound.model
+        )
         self._context_type: type[BatchContext] = BatchContext
         self._lookahead = 0
         """Under `execute_all_batches=False`, the head batch runs only if this many batches follow

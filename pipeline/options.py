@@ -49,6 +49,10 @@ class RankOptions:
     check_keys: bool = True
     """Compare each batch's KeyedJaggedTensor keys with the first batch's and raise
     `BatchKeysError` on every rank, before the batch enters a collective, if they differ."""
+    check_kjts: bool = True
+    """Check every batch's KeyedJaggedTensors (lengths summing to the values, no negative length,
+    every id within its table's rows) and raise `MalformedBatchError` on every rank, before the
+    batch enters a collective, naming the batch, the key and the problem."""
     agreement: bool = True
     """Vote on every batch across ranks. False only when every rank is known to have the same
     batches: uneven data then leaves a collective unmatched, as in torchrec."""

@@ -2,18 +2,19 @@
 other rank has it (uneven data, wrong keys) and whether a peer failed.
 
 `Ranks` (`protocol.py`) is its one owner; the pieces are one concept a module: `status.py` (the
-statuses and the errors raised on every rank), `votes.py`, `flags.py`, `keys.py`, `failure.py`,
-`background.py` (the thread that reads the store ahead), `seen.py` and `lane.py`.
+statuses and the errors raised on every rank), `votes.py`, `flags.py`, `keys.py`, `kjt_check.py`,
+`failure.py`, `background.py` (the thread that reads the store ahead), `seen.py` and `lane.py`.
 """
 
 from pipeline.ranks.background import in_background
 from pipeline.ranks.failure import FailureSignal, PeerFailedError, is_comm_error, rank_and_world
 from pipeline.ranks.flags import StoreFlags
 from pipeline.ranks.keys import KeyCheck
+from pipeline.ranks.kjt_check import KJTCheck
 from pipeline.ranks.lane import Lane, LaneState, Ticket
 from pipeline.ranks.protocol import Ranks
 from pipeline.ranks.seen import WorldCollectiveSeen
-from pipeline.ranks.status import AgreedError, BatchKeysError, Status, UnevenDataError
+from pipeline.ranks.status import AgreedError, BatchKeysError, MalformedBatchError, Status, UnevenDataError
 from pipeline.ranks.votes import Agreement, Vote
 
 __all__ = [
@@ -21,9 +22,11 @@ __all__ = [
     "Agreement",
     "BatchKeysError",
     "FailureSignal",
+    "KJTCheck",
     "KeyCheck",
     "Lane",
     "LaneState",
+    "MalformedBatchError",
     "PeerFailedError",
     "Ranks",
     "Status",

@@ -92,6 +92,37 @@ class FailureSignal:
                     found.append(self.store.get(key).decode(errors="replace"))
         return found
 
+    def rendezvous(self, name: str, timeout: float) -> None:
+        """Wait until every rank reached `name` (once per name, the same names in the same order
+        on every rank), polling the store, so that a blocking rendezvous after it (a new process
+        group's) is entered by every rank or by none.
+
+        A peer that failed before reaching it never will, and `dist.new_group` would wait for it
+        for the store's timeout (300 s): this raises as soon as a peer announced a failure.
+
+        Raises:
+            PeerFailedError: a peer announced a failure (its text in the message), the store's host
+                is gone, or `timeout` seconds passed.
+        """
+        if self.store is None:
+            return
+        key = f"trainpipeline/rendezvous/{name}"
+        deadline = time.monotonic() + timeout
+        try:
+            arrived = self.store.add(key, 1)
+            while arrived < self.world:
+                if self.store.add(self._key("count"), 0) > 0:
+                    failed = "; ".join(self.peer_failures()) or "a peer announced a failure"
+                    raise PeerFailedError(f"rank {self.rank} stopped at {name}: {failed}")
+                if time.monotonic() > deadline:
+                    raise PeerFailedError(f"rank {self.rank}: no peer reached {name} in {timeout:.0f} s")
+                time.sleep(0.005)
+                arrived = self.store.add(key, 0)
+        except PeerFailedError:
+            raise
+        except Exception as e:  # the store's host (rank 0) is gone
+            raise PeerFailedError(f"rank {self.rank} lost the store at {name}: {e}") from e
+
     def next_generation(self) -> None:
         self._generation += 1
 

@@ -47,6 +47,8 @@ class Ticket:
     """Every rank's status, when this batch is voted on (else the store flags tell)."""
     found_keys: Any = None
     """The keys the batch has, when the key check failed."""
+    problem: str | None = None
+    """What is wrong with the batch's KeyedJaggedTensors, when that check failed."""
     admitted: bool = False
     """Every rank has the batch: it may enter collectives."""
 

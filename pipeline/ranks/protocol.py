@@ -8,11 +8,11 @@ other's statuses before the batch's first collective, in one of two ways, chosen
 - store flags (`pipeline.ranks.flags`) for every other batch: only a rank whose status is not HAVE
   writes, and reading is valid once `after_world_collective` says so.
 
-So uneven data ends on every rank at the shortest rank's count, a batch with wrong keys stops every
-rank with the same error, and a rank that raises makes its peers stop within seconds
-(`pipeline.ranks.failure`). A rank whose dataloader is exhausted keeps adding placeholders (no
-batch) until the end is agreed, so every rank holds as many batches in flight and issues the same
-collectives in order.
+So uneven data ends on every rank at the shortest rank's count, a batch with wrong keys or a
+malformed KeyedJaggedTensor stops every rank with the same error, and a rank that raises makes its
+peers stop within seconds (`pipeline.ranks.failure`). A rank whose dataloader is exhausted keeps
+adding placeholders (no batch) until the end is agreed, so every rank holds as many batches in
+flight and issues the same collectives in order.
 """
 
 from __future__ import annotations
@@ -23,18 +23,22 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from pipeline.options import RankOptions
 from pipeline.ranks.failure import FailureSignal, PeerFailedError, is_comm_error
 from pipeline.ranks.flags import StoreFlags
 from pipeline.ranks.keys import KeyCheck
+from pipeline.ranks.kjt_check import KJTCheck
 from pipeline.ranks.lane import Lane, LaneState, Ticket
 from pipeline.ranks.seen import WorldCollectiveSeen
 from pipeline.ranks.status import (
     BatchKeysError,
+    MalformedBatchError,
     Status,
     UnevenDataError,
     keys_message,
+    malformed_message,
     uneven_message,
     warn_untrained,
 )
@@ -44,6 +48,8 @@ __all__ = ["Ranks"]
 
 _PIPELINE_IDS = itertools.count()
 """Numbers pipelines in construction order, the same on every rank (names the store keys)."""
+_GROUP_IDS = itertools.count()
+"""Numbers the process groups the pipelines create, in order (the same order on every rank)."""
 
 
 class Ranks:
@@ -53,12 +59,16 @@ class Ranks:
         options: how the ranks agree (`RankOptions`).
         vote_every_batch: vote on every batch (`execute_all_batches=False`, where batches are read
             ahead and admitted at once, with no collective between fetch and admission).
+        model: the model trained (its embedding tables bound the ids `check_kjts` accepts).
     """
 
-    def __init__(self, options: RankOptions, *, vote_every_batch: bool) -> None:
+    def __init__(
+        self, options: RankOptions, *, vote_every_batch: bool, model: torch.nn.Module | None = None
+    ) -> None:
         self._options = options
         self.keys = KeyCheck() if options.check_keys else None
-        self._agreement = Agreement(timeout=options.peer_timeout)
+        self.kjts = KJTCheck(model) if options.check_kjts else None
+        self._agreement = Agreement(timeout=options.peer_timeout, new_group=self.new_group)
         self.voting = options.agreement and self._agreement.distributed
         """Ranks agree on every batch (else a rank's own status is all it knows)."""
         self._failure = FailureSignal(grace=options.failure_grace)
@@ -68,6 +78,21 @@ class Ranks:
         self._seen: WorldCollectiveSeen | None = None
         self.untrained_batches: list[Any] = []
         """Batches this rank fetched but did not train because another rank's data ended first."""
+
+    def new_group(self, **kwargs: Any) -> dist.ProcessGroup:
+        """`dist.new_group(**kwargs)`, entered only once every rank reached it.
+
+        Every rank must create the pipeline's process groups at the same point, but a rank whose
+        dataloader raised never gets there, and `dist.new_group` would wait for it for the store's
+        timeout (300 s). A rendezvous in the store first, which stops at a peer's failure
+        (`FailureSignal.rendezvous`), keeps that wait to a few milliseconds.
+
+        Raises:
+            PeerFailedError: a peer failed before reaching it (or none came within `peer_timeout`).
+        """
+        timeout = self._options.peer_timeout.total_seconds()
+        self._failure.rendezvous(f"group{next(_GROUP_IDS)}", timeout)
+        return dist.new_group(**kwargs)
 
     def open_lane(self, iterator: Any) -> Lane:
         """A new lane for `iterator` (lanes are opened by lockstep `progress()` calls)."""
@@ -100,12 +125,14 @@ class Ranks:
             lane.fetched += 1
             if self.keys is not None and (found := self.keys.check(batch)) is not None:
                 ticket.status, ticket.found_keys = Status.BAD_KEYS, found
+            elif self.kjts is not None and (problem := self.kjts.check(batch)) is not None:
+                ticket.status, ticket.problem = Status.MALFORMED, problem
         if self.voting:
             # a vote where no collective of this rank's comes between this fetch and the other
             # ranks' reading of the flags (see `after_world_collective`); else a flag if not HAVE
             if lane.flags is None or lane.enqueued < 2 or self._vote_every_batch:
                 ticket.vote = self._agreement.vote(ticket.status)
-            elif ticket.status == Status.BAD_KEYS or (
+            elif ticket.status in (Status.BAD_KEYS, Status.MALFORMED) or (
                 ticket.status == Status.EXHAUSTED and not lane.flags.end_raised
             ):
                 lane.flags.raise_flag(ticket.status, ticket.position)
@@ -121,6 +148,7 @@ class Ranks:
 
         Raises:
             BatchKeysError: some rank's batch has the wrong keys (on every rank).
+            MalformedBatchError: some rank's batch has a malformed KeyedJaggedTensor (on every rank).
             UnevenDataError: the data ended unevenly and `on_uneven="error"` (on every rank).
         """
         ticket: Ticket = ctx.ticket
@@ -130,10 +158,12 @@ class Ranks:
         if all(s == Status.HAVE for s in statuses):
             ticket.admitted = True
             return True
-        if Status.BAD_KEYS in statuses:
-            mine = (self._failure.rank, ticket.position, ticket.found_keys)
+        if Status.BAD_KEYS in statuses or Status.MALFORMED in statuses:
+            mine = (self._failure.rank, ticket.position, ticket.found_keys, ticket.problem)
             details = self._agreement.gather(mine) if self.voting else [mine]
-            raise BatchKeysError(keys_message(details, self.keys.expected if self.keys else None))
+            if Status.BAD_KEYS in statuses:
+                raise BatchKeysError(keys_message(details, self.keys.expected if self.keys else None))
+            raise MalformedBatchError(malformed_message(details))
         dropped = list(lane.inflight)[lane.inflight.index(ctx) :]
         for _ in dropped:
             lane.inflight.pop()

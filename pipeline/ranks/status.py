@@ -2,9 +2,9 @@
 their messages.
 
 A status is published for every batch a rank fetches (`pipeline.ranks.protocol`): `HAVE`, `EXHAUSTED`
-(this rank's dataloader ran dry there) or `BAD_KEYS` (the batch's KeyedJaggedTensor keys differ from
-the first batch's). The errors here are raised on every rank at the same step, so the process
-group stays usable after them.
+(this rank's dataloader ran dry there), `BAD_KEYS` (the batch's KeyedJaggedTensor keys differ from
+the first batch's) or `MALFORMED` (a KeyedJaggedTensor of the batch is not well formed). The
+errors here are raised on every rank at the same step, so the process group stays usable after them.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ from typing import Any
 __all__ = [
     "AgreedError",
     "BatchKeysError",
+    "MalformedBatchError",
     "Status",
     "UnevenDataError",
     "keys_message",
+    "malformed_message",
     "uneven_message",
     "warn_untrained",
 ]
@@ -33,6 +35,9 @@ class Status(enum.IntEnum):
     """This rank has the batch."""
     BAD_KEYS = 2
     """This rank has the batch, but its KeyedJaggedTensor keys differ from the first batch's."""
+    MALFORMED = 3
+    """This rank has the batch, but one of its KeyedJaggedTensors is malformed (lengths that do not
+    sum to the values, a negative length, an id outside its table's rows)."""
 
 
 class AgreedError(RuntimeError):
@@ -47,17 +52,34 @@ class BatchKeysError(AgreedError, ValueError):
     """A batch's KeyedJaggedTensor keys differ from those the model was sharded for."""
 
 
+class MalformedBatchError(AgreedError, ValueError):
+    """A batch's KeyedJaggedTensor is malformed (`pipeline.ranks.kjt_check`)."""
+
+
 def keys_message(details: list[Any], expected: list[tuple[str, list[str]]] | None) -> str:
-    """The key error's text, from every rank's `(rank, position, found keys or None)`."""
+    """The key error's text, from every rank's `(rank, position, found keys or None, ...)`."""
     bad = [d for d in details if d is not None and d[2] is not None]
     parts = [
         f"batch {position} of rank {rank}'s dataloader has keys {_show(found)}"
-        for rank, position, found in bad
+        for rank, position, found, *_ in bad
     ]
     return (
         f"{'; '.join(parts)}, but the model was sharded for {_show(expected or [])} (the keys of the "
         "first batch). Every rank stopped before that batch. Fix the dataset (a feature renamed, "
         "missing or added), or pass check_keys=False if the keys legitimately vary."
+    )
+
+
+def malformed_message(details: list[Any]) -> str:
+    """The malformed-batch error's text, from every rank's `(rank, position, _, problem or None)`."""
+    parts = [
+        f"batch {position} of rank {rank}'s dataloader: {problem}"
+        for rank, position, _, problem in (d for d in details if d is not None)
+        if problem is not None
+    ]
+    return (
+        f"{'; '.join(parts)}. Every rank stopped before that batch entered a collective. Fix the "
+        "dataset or its collate function, or pass check_kjts=False to skip the check."
     )
 
 

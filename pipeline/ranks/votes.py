@@ -9,6 +9,7 @@ collective. On two shared cores its threads cost about a millisecond a step, so 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -44,10 +45,13 @@ class Agreement:
 
     Args:
         timeout: how long a vote may wait for a peer before failing (a peer that hangs).
+        new_group: creates the group (`dist.new_group`'s keywords; `Ranks.new_group`, which does
+            not wait for a peer that failed).
     """
 
-    def __init__(self, *, timeout: timedelta) -> None:
+    def __init__(self, *, timeout: timedelta, new_group: Callable[..., Any] = dist.new_group) -> None:
         self._timeout = timeout
+        self._new_group = new_group
         self._group: Any = None
 
     @property
@@ -60,7 +64,7 @@ class Agreement:
         if world == 1:
             return Vote(None, torch.tensor([int(status)]))
         if self._group is None:
-            self._group = dist.new_group(backend="gloo", timeout=self._timeout)
+            self._group = self._new_group(backend="gloo", timeout=self._timeout)
         tensor = torch.zeros(world, dtype=torch.int64)
         tensor[rank] = int(status)
         return Vote(dist.all_reduce(tensor, group=self._group, async_op=True), tensor)

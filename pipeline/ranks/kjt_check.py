@@ -1,0 +1,213 @@
+"""The KeyedJaggedTensor check: each batch's KJTs are well formed, before they enter a collective.
+
+torchrec validates the first batch a sharded module sees and no other. A later batch whose lengths
+do not add up to its values, with a negative length, or with an id past its table's last row
+fails deep inside input_dist or the lookup kernel (or reads rows it should not), on one rank, while
+the others wait for it in a collective. Here every batch is checked at fetch, with a few
+reductions over its tensors (no Python loop over values or samples), and a bad one gets the status
+`MALFORMED`: every rank stops before it with the same `MalformedBatchError` naming the batch, the
+key and the problem. The loops below run only once a problem was found, to name it.
+
+The tensors are read where the dataloader made them: on the host this costs microseconds; a batch
+already on a GPU would cost a synchronization per reduction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from rewrite import find_kjts
+
+__all__ = ["KJTCheck", "Table", "tables_of"]
+
+_NO_LIMIT = torch.iinfo(torch.int64).max
+
+
+@dataclass(frozen=True, slots=True)
+class Table:
+    """The table a feature's ids index."""
+
+    name: str
+    rows: int
+
+
+def tables_of(model: nn.Module) -> dict[str, Table]:
+    """The table each feature of `model`'s embedding modules (sharded or not) looks up.
+
+    A feature that feeds several tables of one module gets the smallest (an id must fit all of
+    them); one named by several modules gets the largest, since which KeyedJaggedTensor of the
+    batch feeds which module is not known here (no false alarm, at the price of a missed one).
+    Features of managed-collision modules (raw ids, remapped before the lookup) and of virtual
+    tables (hashed ids of any size) are left out.
+    """
+    remapped = [name for name, m in model.named_modules() if "ManagedCollision" in type(m).__name__]
+    found: dict[str, Table] = {}
+    for name, module in model.named_modules():
+        if any(name == r or name.startswith(f"{r}.") for r in remapped):
+            continue
+        per_module: dict[str, Table] = {}
+        for config in _configs(module):
+            if getattr(config, "use_virtual_table", False):
+                continue
+            table = Table(config.name, int(config.num_embeddings))
+            for feature in config.feature_names:
+                if feature not in per_module or table.rows < per_module[feature].rows:
+                    per_module[feature] = table
+        for feature, table in per_module.items():
+            if feature not in found or table.rows > found[feature].rows:
+                found[feature] = table
+    return found
+
+
+def _configs(module: nn.Module) -> list[Any]:
+    # torchrec's sharded modules keep their tables' configs only under these (private) names; the
+    # unsharded ones have public accessors
+    for attr in ("_embedding_bag_configs", "_embedding_configs"):
+        configs = getattr(module, attr, None)
+        if isinstance(configs, list):
+            return configs
+    for method in ("embedding_bag_configs", "embedding_configs"):
+        if callable(accessor := getattr(module, method, None)):
+            return list(accessor())
+    return []
+
+
+class KJTCheck:
+    """Checks every KeyedJaggedTensor of a batch: lengths, values, weights and ids.
+
+    The tables are read from `model` at the first batch, and the KJTs are found at the first
+    batch's paths (a walk of the whole batch costs ~60 us; a look-up at known paths a few).
+
+    Args:
+        model: the model the pipeline trains (its embedding modules' configs give the tables).
+    """
+
+    def __init__(self, model: nn.Module | None) -> None:
+        self._model = model
+        self._tables: dict[str, Table] | None = None
+        self._paths: list[Any] | None = None
+        self._limits: dict[tuple[str, ...], tuple[torch.Tensor, int | None]] = {}
+
+    def check(self, batch: Any) -> str | None:
+        """None if every KeyedJaggedTensor of `batch` is well formed; else what is wrong with the
+        first bad one (its path, key and problem)."""
+        if self._tables is None:
+            self._tables = tables_of(self._model) if self._model is not None else {}
+        for path, kjt in self._kjts(batch):
+            problem = self.check_kjt(kjt)
+            if problem is not None:
+                return f"the KeyedJaggedTensor at {path or 'the batch'}, {problem}"
+        return None
+
+    def _kjts(self, batch: Any) -> list[tuple[str, KeyedJaggedTensor]]:
+        if self._paths is None:
+            self._paths = [path for path, _ in find_kjts(batch)]
+        found = []
+        for path in self._paths:
+            try:
+                kjt = path.resolve(batch)
+            except (AttributeError, KeyError, IndexError, TypeError):
+                continue  # the key check reports a batch of another shape
+            if isinstance(kjt, KeyedJaggedTensor):
+                found.append((str(path), kjt))
+        return found
+
+    def check_kjt(self, kjt: KeyedJaggedTensor) -> str | None:
+        """None if `kjt` is well formed; else its bad key and what is wrong."""
+        keys, values, lengths = kjt.keys(), kjt.values(), kjt.lengths()
+        strides = kjt.stride_per_key()
+        n = values.numel()
+        if lengths.numel() != sum(strides):
+            split = f"{len(keys)} keys of {strides} samples"
+            return f"keys {keys}: {lengths.numel()} lengths do not split into {split}"
+        if lengths.numel() and int(lengths.min()) < 0:
+            at = int((lengths < 0).nonzero()[0])
+            key, sample = _locate(keys, strides, at)
+            return f"key {key!r}: negative length {int(lengths[at])} at sample {sample}"
+        total = int(lengths.sum())
+        if total != n:
+            return _sum_problem(keys, _per_key(lengths, strides), n)
+        weights = kjt.weights_or_none()
+        if weights is not None and weights.numel() != n:
+            return f"keys {keys}: {weights.numel()} weights for {n} values"
+        return self._range_problem(keys, values, lengths, strides) if n else None
+
+    def _range_problem(
+        self, keys: list[str], values: torch.Tensor, lengths: torch.Tensor, strides: list[int]
+    ) -> str | None:
+        limits, uniform = self._limits_of(keys)
+        if uniform is not None:  # every key's table has the same rows: one pass over the values
+            low, high = torch.aminmax(values)
+            if int(low) >= 0 and int(high) < uniform:
+                return None
+            per_value = torch.full_like(values, uniform, dtype=torch.int64)
+        else:
+            per_key = _per_key(lengths, strides)
+            per_value = torch.repeat_interleave(limits, torch.tensor(per_key), output_size=values.numel())
+        bad = (values < 0) | (values >= per_value)
+        if not bool(bad.any()):
+            return None
+        at = int(bad.nonzero()[0])
+        key_index, sample = _value_owner(lengths, strides, at)
+        table = self._tables.get(keys[key_index]) if self._tables else None
+        where = f"the {table.rows} rows of table {table.name!r}" if table else "every table's rows (below 0)"
+        return f"key {keys[key_index]!r}: id {int(values[at])} at sample {sample} is outside {where}"
+
+    def _limits_of(self, keys: list[str]) -> tuple[torch.Tensor, int | None]:
+        """Per key, the rows of its table (no limit for a key with no table); the common value if
+        every key has a table of the same rows."""
+        cached = self._limits.get(tuple(keys))
+        if cached is None:
+            rows = [self._tables[k].rows if self._tables and k in self._tables else _NO_LIMIT for k in keys]
+            uniform = rows[0] if rows and len(set(rows)) == 1 and rows[0] != _NO_LIMIT else None
+            cached = self._limits[tuple(keys)] = (torch.tensor(rows, dtype=torch.int64), uniform)
+        return cached
+
+
+def _per_key(lengths: torch.Tensor, strides: list[int]) -> list[int]:
+    """The number of values of each key."""
+    if len(set(strides)) > 1:  # variable batch per key
+        return [int(part.sum()) for part in torch.split(lengths, strides)]
+    return _sums(lengths, strides)
+
+
+def _sums(lengths: torch.Tensor, strides: list[int]) -> list[int]:
+    if not strides:
+        return []
+    return lengths.view(len(strides), strides[0]).sum(1).tolist() if strides[0] else [0] * len(strides)
+
+
+def _locate(keys: list[str], strides: list[int], at: int) -> tuple[str, int]:
+    """The key and sample of entry `at` of the lengths."""
+    for key, stride in zip(keys, strides, strict=True):
+        if at < stride:
+            return key, at
+        at -= stride
+    raise IndexError(at)
+
+
+def _value_owner(lengths: torch.Tensor, strides: list[int], at: int) -> tuple[int, int]:
+    """(key index, sample) of value `at` (lengths known non-negative and summing to the values)."""
+    entry = int(torch.searchsorted(torch.cumsum(lengths, 0), at, right=True))
+    for index, stride in enumerate(strides):
+        if entry < stride:
+            return index, entry
+        entry -= stride
+    raise IndexError(at)
+
+
+def _sum_problem(keys: list[str], per_key: list[int], n: int) -> str:
+    end = 0
+    for key, count in zip(keys, per_key, strict=True):
+        start, end = end, end + count
+        if end > n:
+            return f"key {key!r}: its lengths ask for values {start} to {end - 1}, but there are {n} values"
+    last = keys[-1]
+    return (
+        f"key {last!r}: the lengths end at value {end}, but there are {n} values (the rest belong to no key)"
+    )
