@@ -35,6 +35,9 @@ from benchmarks.tiny_model import Feed, build
 
 __all__ = ["VARIANTS", "main", "report"]
 
+_OPTIONAL = tuple(
+    f"ours-{kind}+{opt}" for kind in ("base", "sparse-dist", "prefetch") for opt in ("nocheck", "novote")
+)
 VARIANTS = (
     "plain",
     "ours-base",
@@ -74,7 +77,9 @@ def _runner(variant: str) -> Callable[[], Any]:
         "torchrec-sparse-dist": torchrec_pipelines.TrainPipelineSparseDist,
         "torchrec-prefetch": torchrec_pipelines.PrefetchTrainPipelineSparseDist,
     }
-    pipe = classes[variant](model, opt, cpu)
+    name, _, option = variant.partition("+")
+    extra = {"nocheck": {"check_kjts": False}, "novote": {"agreement": False, "check_keys": False}}
+    pipe = classes[name](model, opt, cpu, **extra.get(option, {}))
     return lambda: pipe.progress(feed)
 
 
@@ -204,7 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=300, help="steps per block (per round and variant)")
     parser.add_argument("--warmup", type=int, default=120, help="untimed steps per variant before round 1")
     parser.add_argument(
-        "--variants", nargs="+", default=list(VARIANTS), choices=(*VARIANTS, "torchrec-prefetch")
+        "--variants",
+        nargs="+",
+        default=list(VARIANTS),
+        choices=(*VARIANTS, "torchrec-prefetch", *_OPTIONAL),
+        help="also: a variant of ours with +nocheck (check_kjts=False) or +novote (agreement and key "
+        "check off)",
     )
     parser.add_argument("--profile", metavar="VARIANT", help="cProfile one variant instead (rank 0's)")
     parser.add_argument("--top", type=int, default=30, help="rows of the profile")
