@@ -42,10 +42,13 @@ class FailureSignal:
     after the groups are destroyed.
     """
 
-    def __init__(self, *, grace: float) -> None:
+    def __init__(self, *, grace: float, scope: str = "") -> None:
         self.store: Any = None
         """The default process group's store (None in a single process)."""
         self._grace = grace
+        self._scope = scope
+        """Keeps one pipeline's keys apart from another's in the same store (a failure two
+        pipelines ago must not count in this one's generation 0)."""
         self._generation = 0
         self.rank, world = rank_and_world()
         self.world = world
@@ -55,7 +58,7 @@ class FailureSignal:
                 self.store = dist.distributed_c10d._get_default_store()
 
     def _key(self, name: str) -> str:
-        return f"trainpipeline/failure{self._generation}/{name}"
+        return f"trainpipeline/{self._scope}failure{self._generation}/{name}"
 
     def announce(self, error: BaseException) -> None:
         """Record this rank's failure (what it raised)."""

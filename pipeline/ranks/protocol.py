@@ -71,9 +71,9 @@ class Ranks:
         self._agreement = Agreement(timeout=options.peer_timeout, new_group=self.new_group)
         self.voting = options.agreement and self._agreement.distributed
         """Ranks agree on every batch (else a rank's own status is all it knows)."""
-        self._failure = FailureSignal(grace=options.failure_grace)
+        self._pipeline_id = next(_PIPELINE_IDS)  # the same on every rank: pipelines are built in step
+        self._failure = FailureSignal(grace=options.failure_grace, scope=f"p{self._pipeline_id}/")
         self._vote_every_batch = vote_every_batch
-        self._pipeline_id = next(_PIPELINE_IDS)
         self._lane_count = 0
         self._seen: WorldCollectiveSeen | None = None
         self.untrained_batches: list[Any] = []
