@@ -172,3 +172,36 @@ def test_a_peer_killed_outright_stops_the_other_rank(tmp_path):
     assert "no rank recorded an error: a peer was probably killed or exited" in r0["error"], r0
     waited = r0["at"] - float(stamp.read_text())
     assert waited < 5.0, f"rank 0 stopped {waited:.1f} s after its peer was killed"
+
+
+def _signal(store, scope: str, rank: int):
+    from pipeline.ranks.failure import FailureSignal
+
+    signal = FailureSignal(grace=0.05, scope=scope)  # no process group: wire in a store of 2 ranks
+    signal.store, signal.rank, signal.world, signal.distributed = store, rank, 2, True
+    return signal
+
+
+def test_a_failure_of_an_earlier_pipeline_does_not_count_in_a_later_one():
+    # both ranks raised in pipeline 1 (generation 0 of its keys); pipeline 2 starts at generation 0
+    # too, and must see neither that failure nor "every rank failed" from it
+    import torch.distributed as dist
+
+    from pipeline.ranks.failure import PeerFailedError
+
+    store = dist.HashStore()
+    for rank in range(2):
+        _signal(store, "p1/", rank).announce(RuntimeError("bad batch on every rank"))
+    assert _signal(store, "p1/", 0).all_failed()
+    later = _signal(store, "p2/", 0)
+    assert not later.all_failed() and later.peer_failures() == []
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as peer:  # rank 1 arrives first and waits: no stop on the stale failure
+        arrived = peer.submit(_signal(store, "p2/", 1).rendezvous, "group7", timeout=5)
+        time.sleep(0.05)
+        later.rendezvous("group7", timeout=5)
+        arrived.result()
+    _signal(store, "p2/", 1).announce(ValueError("rank 1's own"))
+    with pytest.raises(PeerFailedError, match="rank 1's own"):
+        later.rendezvous("group8", timeout=5)
