@@ -53,24 +53,15 @@ def kjt_check_us(config_name: str = "demo", count: int = 200, repeats: int = 5) 
     """Median microseconds of one `KJTCheck.check` on `config_name`'s batches (its 26 tables'
     rows, read from the unsharded DLRM: the same configs a sharded one holds)."""
     import torch
-    from torchrec import EmbeddingBagConfig
 
     from benchmarks.configs import get_config
-    from benchmarks.model import make_batches
+    from benchmarks.model import make_batches, table_configs
     from examples.dlrm.model import unsharded_dlrm
     from pipeline.ranks import KJTCheck
 
     torch.set_num_threads(1)
     config = get_config(config_name)
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t{i}",
-            embedding_dim=config.embedding_dim,
-            num_embeddings=config.num_embeddings,
-            feature_names=[f"f{i}"],
-        )
-        for i in range(config.num_tables)
-    ]
+    tables = table_configs(config)
     model = unsharded_dlrm(tables, embedding_dim=config.embedding_dim, dense_hidden=(8,), over_hidden=(8,))
     batches = make_batches(config, count=count, rank=0)
     check = KJTCheck(model)

@@ -29,7 +29,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from benchmarks.configs import NUM_DENSE, BenchConfig
 from examples.dlrm.model import unsharded_dlrm
 
-__all__ = ["BuiltModel", "batch_nbytes", "build_model", "make_batches"]
+__all__ = ["BuiltModel", "batch_nbytes", "build_model", "make_batches", "table_configs"]
 
 # gloo has no row-wise sharding; on CUDA the planner may choose freely.
 _CPU_SHARDING = ["table_wise", "column_wise"]
@@ -46,6 +46,19 @@ class BuiltModel:
     """Steps the dense parameters; the embeddings use SGD fused into backward."""
 
 
+def table_configs(config: BenchConfig) -> list[EmbeddingBagConfig]:
+    """The config's tables: `t<i>` looked up by feature `f<i>`, all of one shape."""
+    return [
+        EmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=config.embedding_dim,
+            num_embeddings=config.num_embeddings,
+            feature_names=[f"f{i}"],
+        )
+        for i in range(config.num_tables)
+    ]
+
+
 def build_model(
     config: BenchConfig, *, device: torch.device, seed: int = 0, store_dir: str | None = None
 ) -> BuiltModel:
@@ -58,15 +71,7 @@ def build_model(
     cached in HBM, filled by `prefetch()`): the GPU's counterpart of the disk and its RAM cache.
     """
     torch.manual_seed(seed)
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t{i}",
-            embedding_dim=config.embedding_dim,
-            num_embeddings=config.num_embeddings,
-            feature_names=[f"f{i}"],
-        )
-        for i in range(config.num_tables)
-    ]
+    tables = table_configs(config)
     dlrm = unsharded_dlrm(
         tables,
         embedding_dim=config.embedding_dim,
