@@ -14,7 +14,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from rewrite import find_kjts
 
-__all__ = ["KeyCheck"]
+__all__ = ["KeyCheck", "kjt_at"]
 
 
 class KeyCheck:
@@ -48,8 +48,15 @@ class KeyCheck:
 
     @staticmethod
     def _has_keys(batch: Any, path: Any, keys: list[str]) -> bool:
-        try:
-            kjt = path.resolve(batch)
-        except (AttributeError, KeyError, IndexError, TypeError):
-            return False
-        return isinstance(kjt, KeyedJaggedTensor) and kjt.keys() == keys
+        kjt = kjt_at(batch, path)
+        return kjt is not None and kjt.keys() == keys
+
+
+def kjt_at(batch: Any, path: Any) -> KeyedJaggedTensor | None:
+    """The KeyedJaggedTensor at `path` (an ArgInfo of the first batch) in `batch`; None if this
+    batch has none there (another shape: the key check reports it)."""
+    try:
+        found = path.resolve(batch)
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return None
+    return found if isinstance(found, KeyedJaggedTensor) else None

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from pipeline.ranks.keys import kjt_at
 from rewrite import find_kjts
 
 __all__ = ["KJTCheck", "Table", "tables_of"]
@@ -107,15 +108,7 @@ class KJTCheck:
     def _kjts(self, batch: Any) -> list[tuple[str, KeyedJaggedTensor]]:
         if self._paths is None:
             self._paths = [path for path, _ in find_kjts(batch)]
-        found = []
-        for path in self._paths:
-            try:
-                kjt = path.resolve(batch)
-            except (AttributeError, KeyError, IndexError, TypeError):
-                continue  # the key check reports a batch of another shape
-            if isinstance(kjt, KeyedJaggedTensor):
-                found.append((str(path), kjt))
-        return found
+        return [(str(path), kjt) for path in self._paths if (kjt := kjt_at(batch, path)) is not None]
 
     def check_kjt(self, kjt: KeyedJaggedTensor) -> str | None:
         """None if `kjt` is well formed; else its bad key and what is wrong."""
