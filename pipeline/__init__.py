@@ -7,8 +7,8 @@ embedding lookup ahead of forward), `TrainPipelineSemiSync` (the next batch's lo
 batch's backward: embeddings one step stale), `EvalPipelineSparseDist` (forward only) and
 `StagedTrainPipeline` (the caller's own stages; `SparseDataDistUtil` makes the input_dist one).
 `TrainPipelinePT2` (the model torch.compile'd after its first steps) and
-`TrainPipelineSparseDistCompAutograd` (the backward under compiled autograd) are in `pipeline.pt2`.
-Every class is a torchrec `TrainPipeline`; constructors (`pipeline.compat`: torchrec 1.8's
+`TrainPipelineSparseDistCompAutograd` (the backward under compiled autograd) are in `pipeline.pipelines.pt2`.
+Every class is a torchrec `TrainPipeline`; constructors (`pipeline.compat.signatures`: torchrec 1.8's
 parameters in its order, then our options, keyword-only) and `progress()` follow torchrec's, so a
 torchrec user switches by changing an import (docs/pipeline.md, "Which pipeline").
 
@@ -19,7 +19,7 @@ thread that loads and copies the next batch), torchrec's ArgInfo API (`ArgInfo`,
 variables `In`, `Out`, `StageOut` (docs/pipeline.md, "torchrec's other names").
 
 The names are loaded on first use (PEP 562), so the timeline tool (`python -m timeline`), which reads
-`pipeline.stages`, does not pay for importing torchrec.
+`pipeline.stages.names`, does not pay for importing torchrec.
 """
 
 from __future__ import annotations
@@ -28,40 +28,40 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "TrainPipeline": "pipeline.compat",
-    "BatchContext": "pipeline.context",
-    "PrefetchBatchContext": "pipeline.context",
-    "LookupBatchContext": "pipeline.context",
-    "TrainPipelineBase": "pipeline.base",
-    "TrainPipelineSparseDist": "pipeline.sparse_dist",
-    "PrefetchTrainPipelineSparseDist": "pipeline.prefetch_sparse_dist",
-    "EvalPipelineSparseDist": "pipeline.eval_sparse_dist",
-    "TrainPipelineFusedSparseDist": "pipeline.fused_sparse_dist",
-    "TrainPipelineSemiSync": "pipeline.semi_sync",
-    "StagedTrainPipeline": "pipeline.staged",
-    "TrainPipelinePT2": "pipeline.pt2",
-    "TrainPipelineSparseDistCompAutograd": "pipeline.pt2",
-    "TorchCompileConfig": "pipeline.options",
-    "PipelineStage": "pipeline.staged",
-    "SparseDataDistUtil": "pipeline.staged",
-    "InputDist": "pipeline.input_dist",
-    "InputDistGroups": "pipeline.input_dist",
-    "Streams": "pipeline.streams",
-    "CudaStreams": "pipeline.streams",
-    "ThreadStreams": "pipeline.streams",
+    "TrainPipeline": "pipeline.compat.signatures",
+    "BatchContext": "pipeline.stages.context",
+    "PrefetchBatchContext": "pipeline.stages.context",
+    "LookupBatchContext": "pipeline.stages.context",
+    "TrainPipelineBase": "pipeline.pipelines.base",
+    "TrainPipelineSparseDist": "pipeline.pipelines.sparse_dist",
+    "PrefetchTrainPipelineSparseDist": "pipeline.pipelines.prefetch",
+    "EvalPipelineSparseDist": "pipeline.pipelines.eval",
+    "TrainPipelineFusedSparseDist": "pipeline.pipelines.fused",
+    "TrainPipelineSemiSync": "pipeline.pipelines.semi_sync",
+    "StagedTrainPipeline": "pipeline.pipelines.staged",
+    "TrainPipelinePT2": "pipeline.pipelines.pt2",
+    "TrainPipelineSparseDistCompAutograd": "pipeline.pipelines.pt2",
+    "TorchCompileConfig": "pipeline.config",
+    "PipelineStage": "pipeline.pipelines.staged",
+    "SparseDataDistUtil": "pipeline.pipelines.staged",
+    "InputDist": "pipeline.stages.input_dist",
+    "InputDistGroups": "pipeline.stages.input_dist",
+    "Streams": "pipeline.stages.streams",
+    "CudaStreams": "pipeline.stages.streams",
+    "ThreadStreams": "pipeline.stages.streams",
     "RecordingStreams": "pipeline.testing",
     "HandoffError": "pipeline.testing",
-    "Tuner": "pipeline.tuner",
-    "RankOptions": "pipeline.options",
-    "RewriteOptions": "pipeline.options",
-    "InputDistOptions": "pipeline.options",
-    "PrefetchOptions": "pipeline.options",
-    "MemoryOptions": "pipeline.options",
-    "StepOptions": "pipeline.options",
-    "LookupOptions": "pipeline.options",
-    "SemiSyncOptions": "pipeline.options",
-    "CompileOptions": "pipeline.options",
-    "PipelineOptions": "pipeline.options",
+    "Tuner": "pipeline.stages.tuner",
+    "RankOptions": "pipeline.config",
+    "RewriteOptions": "pipeline.config",
+    "InputDistOptions": "pipeline.config",
+    "PrefetchOptions": "pipeline.config",
+    "MemoryOptions": "pipeline.config",
+    "StepOptions": "pipeline.config",
+    "LookupOptions": "pipeline.config",
+    "SemiSyncOptions": "pipeline.config",
+    "CompileOptions": "pipeline.config",
+    "PipelineOptions": "pipeline.config",
     "Lane": "pipeline.ranks",
     "LaneState": "pipeline.ranks",
     "Status": "pipeline.ranks",
@@ -70,17 +70,17 @@ _EXPORTS = {
     "BatchKeysError": "pipeline.ranks",
     "MalformedBatchError": "pipeline.ranks",
     "PeerFailedError": "pipeline.ranks",
-    "GradientAccumulationConfig": "pipeline.gradient_accumulation",
-    "GradientAccumulationWrapper": "pipeline.gradient_accumulation",
-    "TrainPipelineContext": "pipeline.context",
-    "DataLoadingThread": "pipeline.data_loading",
+    "GradientAccumulationConfig": "pipeline.pipelines.gradient_accumulation",
+    "GradientAccumulationWrapper": "pipeline.pipelines.gradient_accumulation",
+    "TrainPipelineContext": "pipeline.stages.context",
+    "DataLoadingThread": "pipeline.compat.data_loading",
     "ArgInfo": "rewrite.torchrec_args",
     "CallArgs": "rewrite.torchrec_args",
     "ArgInfoStepFactory": "rewrite.torchrec_args",
     "Tracer": "rewrite.trace",
-    "In": "pipeline.compat",
-    "Out": "pipeline.compat",
-    "StageOut": "pipeline.compat",
+    "In": "pipeline.compat.signatures",
+    "Out": "pipeline.compat.signatures",
+    "StageOut": "pipeline.compat.signatures",
 }
 
 __all__ = sorted(_EXPORTS)

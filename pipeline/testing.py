@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from pipeline.streams import Streams
+from pipeline.stages.streams import Streams
 
 __all__ = ["HandoffError", "RecordingStreams"]
 

@@ -1,4 +1,4 @@
-"""torchrec 1.8's constructors, class by class, against ours (`pipeline.compat`); the options'
+"""torchrec 1.8's constructors, class by class, against ours (`pipeline.compat.signatures`); the options'
 validation; the lane's state enum; `dmp_collection_sync_interval_batches`. One process, no ranks."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torchrec.distributed.train_pipeline import pipeline_stage as torchrec_stage
 from torchrec.distributed.train_pipeline import train_pipelines as torchrec_pipelines
 
 import pipeline
-from pipeline.options import (
+from pipeline.config import (
     InputDistOptions,
     LookupOptions,
     PrefetchOptions,

@@ -21,7 +21,7 @@ from torch import fx, nn
 from torchrec.distributed import train_pipeline as torchrec_pipeline
 
 import pipeline
-from pipeline import compat
+from pipeline.compat import signatures as compat
 
 TORCHREC_NAMES = sorted(
     n

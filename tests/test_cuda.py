@@ -34,7 +34,7 @@ STEPS = 20
 
 def _run(pipe_name: str, kind: str, sharding: str, cache) -> dict:
     import pipeline
-    from pipeline.batch import to_device
+    from pipeline.stages.copy import to_device
     from tests import models
 
     device = torch.device("cuda", torch.cuda.current_device())

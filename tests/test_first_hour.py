@@ -184,7 +184,7 @@ def test_compare_plain_ends_with_the_verdict_and_every_summary_key_is_documented
     summary = json.loads(out.read_text())
     assert summary["plain_step_time_ms"] > 0 and summary["vs_plain"] > 0
     # 8 of the tuner's steps are done: it says so instead of passing its trial off as a choice
-    from pipeline.tuner import Tuner
+    from pipeline.stages.tuner import Tuner
 
     left = Tuner(agree=lambda xs: xs).steps_left - 8
     assert summary["input_dist_schedule"].endswith(f"(auto, still tuning: decides within {left} more steps)")

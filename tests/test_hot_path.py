@@ -16,8 +16,8 @@ from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
 from pipeline import labels
-from pipeline.prefetch_sparse_dist import prefetch_does_work
-from pipeline.streams import Streams
+from pipeline.pipelines.prefetch import prefetch_does_work
+from pipeline.stages.streams import Streams
 from tests.harness import run_ranks
 
 

@@ -254,8 +254,8 @@ def _auto(rank: int, pipe_name: str) -> dict:
     same on every rank."""
     import torch.distributed as dist
 
-    from pipeline.schedule import SCHEDULES
-    from pipeline.tuner import Tuner
+    from pipeline.stages.schedule import SCHEDULES
+    from pipeline.stages.tuner import Tuner
     from rewrite.splits import kjt_all_to_alls
     from tests import models
 

@@ -260,7 +260,7 @@ def test_torch_compile_config_is_torchrecs():
 
 
 def test_input_transformer_finds_every_kjt_and_leaves_the_batch_alone():
-    from pipeline.pt2 import pt2_input_transformer
+    from pipeline.pipelines.pt2 import pt2_input_transformer
     from tests import models
 
     batch = models.batches("nested", 1, 0)[0]

@@ -1,4 +1,4 @@
-"""pipeline.schedule: the paired decision rule, and the Tuner with a fake clock (what it runs, what it
+"""pipeline.stages.schedule: the paired decision rule, and the Tuner with a fake clock (what it runs, what it
 times, what it keeps, when it re-checks)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from pipeline.schedule import SCHEDULES, decide
-from pipeline.tuner import Tuner
+from pipeline.stages.schedule import SCHEDULES, decide
+from pipeline.stages.tuner import Tuner
 
 FOUR = ("late", "early", "late-own", "early-shared")
 

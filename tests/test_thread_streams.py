@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from pipeline.streams import Streams, ThreadStreams, streams_for
+from pipeline.stages.streams import Streams, ThreadStreams, streams_for
 from pipeline.testing import RecordingStreams
 
 
@@ -104,7 +104,7 @@ def test_under_the_profiler_work_stays_on_the_calling_thread():
 def test_a_profiler_of_every_thread_sees_the_work_on_the_worker():
     from torch._C._profiler import _ExperimentalConfig
 
-    from pipeline.streams import profiling_all_threads
+    from pipeline.stages.streams import profiling_all_threads
 
     streams = ThreadStreams()
     names = []

@@ -196,7 +196,7 @@ def test_cli_exits_nonzero_with_one_line_and_no_traceback(tmp_path: Path) -> Non
 
 def test_timeline_package_imports_neither_torch_nor_torchrec() -> None:
     """The analyser stays fast: neither its modules nor what they import of the library
-    (`pipeline.stages`, through the lazy `pipeline/__init__.py`) may pull torch or torchrec in."""
+    (`pipeline.stages.names`, through the lazy `pipeline/__init__.py`) may pull torch or torchrec in."""
     code = (
         "import sys; import timeline, timeline.plot;"
         "print(sorted(m for m in ('torch', 'torchrec') if m in sys.modules))"
@@ -316,3 +316,10 @@ def test_real_profiler_trace_is_understood(tmp_path: Path) -> None:
     assert stats.comm is not None
     assert stats.comm.exposed_us == 0 and stats.comm.overlap_ratio == 1.0
     assert stats.comm.wait_us >= 1000
+
+
+def test_the_tool_knows_every_stage_the_pipeline_labels():
+    from pipeline.stages.names import STAGES as pipeline_stages
+    from timeline.trace import STAGES as tool_stages
+
+    assert tool_stages == pipeline_stages, "timeline.trace.STAGES is out of date with the pipeline's stages"

@@ -17,7 +17,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.stages import STAGES  # torch-free: the timeline must not import torch
+STAGES = (
+    "copy",
+    "input_dist::start",
+    "input_dist::splits",
+    "input_dist::wait",
+    "prefetch",
+    "lookup",
+    "forward",
+    "backward",
+    "optimizer",
+)
+"""The stage names the pipeline labels, in data-path order. The pipeline's own list is
+`pipeline.stages.names.STAGES`; this copy keeps the tool free of torch and torchrec (a test checks
+that the two agree)."""
 
 __all__ = [
     "STAGES",

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.options import RankOptions
+from pipeline.config import RankOptions
 from pipeline.ranks.failure import FailureSignal, PeerFailedError, is_comm_error
 from pipeline.ranks.flags import StoreFlags
 from pipeline.ranks.keys import KeyCheck

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.labels import label
+from pipeline.stages.labels import label
 from pipeline.ranks.lane import Ticket
-from pipeline.streams import Streams
+from pipeline.stages.streams import Streams
 
 __all__ = ["BatchContext", "LookupBatchContext", "PrefetchBatchContext", "TrainPipelineContext"]
 
@@ -46,7 +46,7 @@ class BatchContext:
     batch, its vote, whether every rank admitted it; read before the batch's first collective."""
     loader_state: Any = None
     """Written at fetch: the dataloader's `state_dict()` from before this batch was fetched (None
-    without one); read by `dataloader_state()` (`pipeline.loader_state`)."""
+    without one); read by `dataloader_state()` (`pipeline.stages.loader_state`)."""
 
     def take_input_dist(self, fqn: str) -> tuple[Any, Any] | None:
         """Pop module `fqn`'s input_dist result, wait for it on data_dist and hand it (and the module

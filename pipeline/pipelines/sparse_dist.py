@@ -16,7 +16,7 @@ step of i, on a process group of its own so that backward's collectives do not q
 "late" schedule is torchrec's: the splits are waited for after forward, on torchrec's group;
 "early-shared" and "late-own" make the two choices the other way round. "auto" (the default)
 measures them in paired rounds over the first training steps and keeps torchrec's order unless
-another is significantly faster (`pipeline.schedule`). With `enqueue_batch_after_forward`, the copy
+another is significantly faster (`pipeline.stages.schedule`). With `enqueue_batch_after_forward`, the copy
 of batch i+2 moves after forward of i, as in torchrec. On CPU the collectives run in gloo's
 threads, so the overlap is real there too.
 """
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.compat import Bound
-from pipeline.input_dist_pipeline import InputDistPipeline
+from pipeline.compat.signatures import Bound
+from pipeline.pipelines.input_dist_core import InputDistPipeline
 from pipeline.ranks import Lane
 
 __all__ = ["TrainPipelineSparseDist"]
@@ -35,7 +35,7 @@ __all__ = ["TrainPipelineSparseDist"]
 class TrainPipelineSparseDist(InputDistPipeline):
     """Overlaps input_dist of batch i+1 and the copy of batch i+2 with the compute of batch i.
 
-    Args (torchrec 1.8's, in its order, then ours, keyword-only; `pipeline.compat` has the list):
+    Args (torchrec 1.8's, in its order, then ours, keyword-only; `pipeline.compat.signatures` has the list):
         model: usually a DistributedModelParallel; returns `(loss, output)` in training mode.
         optimizer: stepped after each training batch's backward.
         device: where batches are copied to.

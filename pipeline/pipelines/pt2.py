@@ -20,10 +20,10 @@ from torchrec.distributed.comm_ops import torchrec_use_sync_collectives
 from torchrec.pt2.utils import kjt_for_pt2_tracing
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from pipeline.base import TrainPipelineBase
-from pipeline.compat import Bound
-from pipeline.options import CompileOptions, TorchCompileConfig
-from pipeline.sparse_dist import TrainPipelineSparseDist
+from pipeline.pipelines.base import TrainPipelineBase
+from pipeline.compat.signatures import Bound
+from pipeline.config import CompileOptions, TorchCompileConfig
+from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 
 __all__ = [
     "COMPILED_AUTOGRAD_DEFAULTS",
@@ -123,7 +123,7 @@ class CompiledForward:
 class TrainPipelinePT2(TrainPipelineBase):
     """`TrainPipelineBase` with the model compiled by torch.compile from step `compile_on_iter` on.
 
-    Args (torchrec 1.8's, in its order, then ours, keyword-only; `pipeline.compat`):
+    Args (torchrec 1.8's, in its order, then ours, keyword-only; `pipeline.compat.signatures`):
         model: the model; `model(batch)` returns `(loss, output)` in training mode.
         optimizer: stepped after each training batch's backward.
         device: where batches are copied to.

@@ -1,7 +1,7 @@
 """The pipelines' options: one kw_only dataclass per concern, each field documented, each value
 checked when the object is made.
 
-A pipeline is built from a `PipelineOptions` (which `pipeline.compat` makes from torchrec's
+A pipeline is built from a `PipelineOptions` (which `pipeline.compat.signatures` makes from torchrec's
 positional and keyword arguments and our keyword-only extras); a class reads the options of the
 concerns it has and ignores the rest.
 """
@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 SCHEDULE_NAMES = ("auto", "early", "late", "early-shared", "late-own")
-"""Values of `input_dist_schedule=` (`pipeline.schedule.SCHEDULES` plus "auto")."""
+"""Values of `input_dist_schedule=` (`pipeline.stages.schedule.SCHEDULES` plus "auto")."""
 
 
 def _one_of(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
@@ -99,10 +99,10 @@ class InputDistOptions:
     """When the next batch's input all-to-alls run, and on which process group."""
 
     schedule: str = "auto"
-    """"auto", "early", "late" (torchrec's), "early-shared" or "late-own" (`pipeline.schedule`).
+    """"auto", "early", "late" (torchrec's), "early-shared" or "late-own" (`pipeline.stages.schedule`).
     "early", "late-own" and "auto" create one more process group per input_dist group."""
     tuner: Any = None
-    """Under "auto", the `pipeline.tuner.Tuner` to use; None: `Tuner()`."""
+    """Under "auto", the `pipeline.stages.tuner.Tuner` to use; None: `Tuner()`."""
 
     def __post_init__(self) -> None:
         _one_of("input_dist_schedule", self.schedule, SCHEDULE_NAMES)
@@ -219,7 +219,7 @@ class CompileOptions:
     """Called with the model just after it is compiled."""
     input_transformer: Callable[[Any], Any] | None = None
     """Applied to each batch, on the device, right before forward. None: every KeyedJaggedTensor
-    in the batch is rebuilt for tracing (`pipeline.pt2.pt2_input_transformer`), wherever it is."""
+    in the batch is rebuilt for tracing (`pipeline.pipelines.pt2.pt2_input_transformer`), wherever it is."""
     compiled_autograd_options: dict[str, Any] | None = None
     """torch.compile's arguments for the backward under compiled autograd. None: the model's
     `_compiled_autograd_options` attribute as in torchrec, else torchrec's defaults (on CPU with
@@ -249,7 +249,7 @@ class PipelineOptions:
     custom_model_fwd: Callable[[Any], Any] | None = None
     """Called with the batch instead of the model (same return convention)."""
     streams: Any = None
-    """The `pipeline.streams.Streams` to run on; None: real streams on CUDA, none on CPU."""
+    """The `pipeline.stages.streams.Streams` to run on; None: real streams on CUDA, none on CPU."""
     ranks: RankOptions = field(default_factory=RankOptions)
     """How the ranks agree (every class)."""
     rewrite: RewriteOptions = field(default_factory=RewriteOptions)

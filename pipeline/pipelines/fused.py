@@ -1,5 +1,5 @@
 """TrainPipelineFusedSparseDist: the embedding lookup of batch i runs at the start of step i, ahead of
-forward (`pipeline.lookup.LookupStage`).
+forward (`pipeline.stages.lookup.LookupStage`).
 
 Per `progress()` call that returns batch i: lookup of i (data_dist stream), input_dist of i+1, copy
 of i+2, forward of i (which takes the lookup's output), backward, optimizer step. On CUDA the lookup
@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.compat import Bound
-from pipeline.context import LookupBatchContext
-from pipeline.input_dist_pipeline import InputDistPipeline
-from pipeline.lookup import LookupStage
+from pipeline.compat.signatures import Bound
+from pipeline.stages.context import LookupBatchContext
+from pipeline.pipelines.input_dist_core import InputDistPipeline
+from pipeline.stages.lookup import LookupStage
 from pipeline.ranks import Lane
-from pipeline.sparse_dist import TrainPipelineSparseDist
+from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 
 __all__ = ["TrainPipelineFusedSparseDist"]
 
@@ -30,7 +30,7 @@ class TrainPipelineFusedSparseDist(InputDistPipeline):
     (feature processors), the lookup waits for the optimizer step, so the numerics stay exact
     (torchrec's class does not wait and warns that this case is not exact).
 
-    Args: torchrec 1.8's, in its order (`pipeline.compat`): those of `TrainPipelineSparseDist` it
+    Args: torchrec 1.8's, in its order (`pipeline.compat.signatures`): those of `TrainPipelineSparseDist` it
     has, `strict`, `emb_lookup_stream` ("data_dist" or "new": the data_dist stream; "current": the
     caller's), `embedding_lookup_after_data_dist` (the lookup of i after starting input_dist of i+1
     and copying i+2, instead of first), `enqueue_batch_after_forward` and the three memory flags;

@@ -25,12 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline import compat
-from pipeline.context import BatchContext
-from pipeline.input_dist import InputDist
-from pipeline.labels import label
-from pipeline.options import InputDistOptions, MemoryOptions
-from pipeline.streams import CudaStreams, Streams
+from pipeline.compat import signatures as compat
+from pipeline.stages.context import BatchContext
+from pipeline.stages.input_dist import InputDist
+from pipeline.stages.labels import label
+from pipeline.config import InputDistOptions, MemoryOptions
+from pipeline.stages.streams import CudaStreams, Streams
 
 __all__ = ["PipelineStage", "SparseDataDistUtil", "StagedTrainPipeline"]
 
@@ -193,7 +193,7 @@ class StagedTrainPipeline(compat.TrainPipeline):
 class SparseDataDistUtil:
     """Makes the input_dist stage of a `StagedTrainPipeline` and hands its results to forward.
 
-    Args (torchrec 1.8's, in its order, then ours, keyword-only; `pipeline.compat`):
+    Args (torchrec 1.8's, in its order, then ours, keyword-only; `pipeline.compat.signatures`):
         model: the sharded model the caller runs on each batch `progress()` returns.
         data_dist_stream: the CUDA stream of the input all-to-alls; None (or a CPU stream) on CPU.
         apply_jit: not supported; must be False.

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.compat import Bound
-from pipeline.lane_pipeline import LanePipeline
+from pipeline.compat.signatures import Bound
+from pipeline.pipelines.core import LanePipeline
 from pipeline.ranks import Lane
 
 __all__ = ["TrainPipelineBase"]
@@ -25,7 +25,7 @@ __all__ = ["TrainPipelineBase"]
 class TrainPipelineBase(LanePipeline):
     """Overlaps the host-to-device copy of batch i+1 with forward/backward/optimizer of batch i.
 
-    Args (torchrec's, in its order, then ours, keyword-only; `pipeline.compat`):
+    Args (torchrec's, in its order, then ours, keyword-only; `pipeline.compat.signatures`):
         model: the model; in training mode `model(batch)` returns `(loss, output)`. In eval mode
             `progress()` returns `output` of a `(loss, output)` pair, or whatever else it returns.
         optimizer: stepped after each training batch's backward.

@@ -1,6 +1,7 @@
 """The names of the pipeline's stages, as they appear in profiler labels `pipeline::<stage>#<batch>`.
 
-Kept free of imports so the timeline tool can read it without loading torch.
+The timeline tool keeps its own copy (`timeline.trace.STAGES`), so that it needs no torch; a test
+checks that the two agree.
 """
 
 __all__ = ["STAGES"]

@@ -1,7 +1,7 @@
 """Profiler labels of the pipeline's stages, paid for only while a profiler records.
 
 A stage is one labelled unit of work of one batch (copy, input_dist::start, ..., optimizer; the
-names are `pipeline.stages.STAGES`). Each runs under `record_function("pipeline::<stage>#<batch
+names are `pipeline.stages.names.STAGES`). Each runs under `record_function("pipeline::<stage>#<batch
 index>")`, e.g. `pipeline::forward#12`; the timeline tool reads these names.
 
 A `record_function` costs 8-15 us of host time even when no profiler is running (it enters the
@@ -20,8 +20,8 @@ from torch._C._autograd import _profiler_enabled
 from torch.autograd import profiler as autograd_profiler
 from torch.profiler import record_function
 
-from pipeline.stages import STAGES
-from pipeline.streams import Streams
+from pipeline.stages.names import STAGES
+from pipeline.stages.streams import Streams
 
 __all__ = ["STAGES", "label", "run_stage"]
 

@@ -1,17 +1,17 @@
 """`InputDistPipeline`: the public face shared by the pipelines that run input_dist ahead of forward
 (SparseDist, Prefetch, Fused, SemiSync, Eval): `rewrite_report`, `input_dist_schedule`, `tuner`,
 `released_bytes`, `detach()`/`attach()`. Each class writes its step in its own module, calling its
-`InputDist` (`pipeline.input_dist`) by name.
+`InputDist` (`pipeline.stages.input_dist`) by name.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from pipeline.input_dist import InputDist
-from pipeline.lane_pipeline import LanePipeline
-from pipeline.options import PipelineOptions
-from pipeline.tuner import Tuner
+from pipeline.stages.input_dist import InputDist
+from pipeline.pipelines.core import LanePipeline
+from pipeline.config import PipelineOptions
+from pipeline.stages.tuner import Tuner
 from rewrite import RewriteReport
 
 __all__ = ["InputDistPipeline"]
@@ -24,7 +24,7 @@ class InputDistPipeline(LanePipeline):
 
     @property
     def input_dist_schedule(self) -> str:
-        """The input_dist schedule in use, a name from `pipeline.schedule.SCHEDULES` (under "auto",
+        """The input_dist schedule in use, a name from `pipeline.stages.schedule.SCHEDULES` (under "auto",
         changes while tuning and may change at a re-check)."""
         return self._input_dist.schedule
 

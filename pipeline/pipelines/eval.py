@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.compat import Bound
-from pipeline.input_dist_pipeline import InputDistPipeline
+from pipeline.compat.signatures import Bound
+from pipeline.pipelines.input_dist_core import InputDistPipeline
 from pipeline.ranks import Lane
-from pipeline.sparse_dist import TrainPipelineSparseDist
+from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 
 __all__ = ["EvalPipelineSparseDist"]
 
@@ -36,7 +36,7 @@ class EvalPipelineSparseDist(InputDistPipeline):
     torchrec, call `model.eval()` first for eval-mode layers); forward always runs under `no_grad`
     and `progress()` returns `output` of a `(loss, output)` pair, or any other return value as it is.
 
-    Args: torchrec 1.8's, in its order (`pipeline.compat`): model, optimizer (not used), device,
+    Args: torchrec 1.8's, in its order (`pipeline.compat.signatures`): model, optimizer (not used), device,
     apply_jit (must be False), pipeline_postproc and the three memory flags; then ours,
     keyword-only: `input_dist_schedule` ("early-shared" by default, "early", "late" or "late-own";
     "auto" is refused, since the tuner times training steps), `arg_paths`, `rewrite_method`,

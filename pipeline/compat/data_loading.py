@@ -17,9 +17,9 @@ from typing import Any, Generic
 
 import torch
 
-from pipeline.batch import to_device
-from pipeline.compat import In
-from pipeline.labels import label
+from pipeline.stages.copy import to_device
+from pipeline.compat.signatures import In
+from pipeline.stages.labels import label
 
 __all__ = ["DataLoadingThread"]
 

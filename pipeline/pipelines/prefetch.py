@@ -13,8 +13,8 @@ Per `progress()` call that returns batch i:
 | backward, optimizer                      | current       | i     |
 
 The whole step is `PrefetchTrainPipelineSparseDist._step` below; it calls the input_dist component
-(`pipeline.input_dist`), the prefetch stage (`PrefetchStage`, below) and the shared stages
-(`pipeline.lane_pipeline`).
+(`pipeline.stages.input_dist`), the prefetch stage (`PrefetchStage`, below) and the shared stages
+(`pipeline.pipelines.core`).
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
-from pipeline.compat import Bound
-from pipeline.context import PrefetchBatchContext
-from pipeline.input_dist import InputDist
-from pipeline.input_dist_pipeline import InputDistPipeline
-from pipeline.labels import label, run_stage
+from pipeline.compat.signatures import Bound
+from pipeline.stages.context import PrefetchBatchContext
+from pipeline.stages.input_dist import InputDist
+from pipeline.pipelines.input_dist_core import InputDistPipeline
+from pipeline.stages.labels import label, run_stage
 from pipeline.ranks import Lane
-from pipeline.sparse_dist import TrainPipelineSparseDist
-from pipeline.streams import Streams, streams_for
+from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
+from pipeline.stages.streams import Streams, streams_for
 
 __all__ = ["PrefetchStage", "PrefetchTrainPipelineSparseDist", "prefetch_does_work"]
 

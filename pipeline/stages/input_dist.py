@@ -6,7 +6,7 @@ Its life: `attach` rewrites the model's sharded modules on the first batch (`rew
 waits for them and launches the values all-to-alls (`input_dist::splits`); the hijacked forwards take
 the values through the batch's context (`input_dist::wait`); `detach` restores the model. From the
 second batch on, the splits all-to-alls of all modules on one process group are fused into one
-collective (input dists are created on the first). The schedule (`pipeline.schedule`) says whether
+collective (input dists are created on the first). The schedule (`pipeline.stages.schedule`) says whether
 the splits are waited before or after forward, and on which group the all-to-alls run.
 """
 
@@ -18,14 +18,14 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.context import BatchContext
-from pipeline.labels import run_stage
-from pipeline.memory import free_features_early, release_features, release_sent_inputs
-from pipeline.options import InputDistOptions, MemoryOptions, RewriteOptions
+from pipeline.stages.context import BatchContext
+from pipeline.stages.labels import run_stage
+from pipeline.stages.memory import free_features_early, release_features, release_sent_inputs
+from pipeline.config import InputDistOptions, MemoryOptions, RewriteOptions
 from pipeline.ranks import Lane, Ranks
-from pipeline.schedule import SCHEDULES
-from pipeline.streams import Streams
-from pipeline.tuner import Tuner
+from pipeline.stages.schedule import SCHEDULES
+from pipeline.stages.streams import Streams
+from pipeline.stages.tuner import Tuner
 from rewrite import (
     ContextSlot,
     PipelinedModule,
@@ -48,7 +48,7 @@ class InputDist:
         streams: the pipeline's streams (the all-to-alls run on `data_dist`).
         rewrite: how the sharded modules' inputs are found (`RewriteOptions`).
         schedule: the input_dist schedule and its tuner (`InputDistOptions`).
-        memory: torchrec's memory flags (`pipeline.memory`).
+        memory: torchrec's memory flags (`pipeline.stages.memory`).
         forward: which hijacked forward the sharded modules get: "input_dist" (they wait for the
             values all-to-all), "prefetch" (they take the prefetch stage's output) or "lookup"
             (they take the lookup stage's output).

@@ -1,4 +1,4 @@
-"""The "auto" input_dist schedule: a Tuner that chooses among `pipeline.schedule.SCHEDULES` by paired,
+"""The "auto" input_dist schedule: a Tuner that chooses among `pipeline.stages.schedule.SCHEDULES` by paired,
 interleaved measurement of real training steps, cheaply, and can be saved with a checkpoint.
 
 Every step a worse schedule runs is lost time, so the trials are short and a schedule that the first
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.schedule import SCHEDULES, Decision, decide
+from pipeline.stages.schedule import SCHEDULES, Decision, decide
 
 __all__ = ["Tuner"]
 

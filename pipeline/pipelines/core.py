@@ -1,5 +1,5 @@
 """`LanePipeline`: what every pipeline class shares, and only that: the one constructor (torchrec's
-signature, bound by `pipeline.compat`), lanes of in-flight batches, and the stages every class runs
+signature, bound by `pipeline.compat.signatures`), lanes of in-flight batches, and the stages every class runs
 (copy, forward, backward, optimizer). Each class composes its own components and writes its own
 step in its own module.
 
@@ -22,14 +22,14 @@ from torch import nn
 from torchrec.distributed.model_parallel import DMPCollection
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipeline
 
-from pipeline import compat
-from pipeline.batch import to_device, to_device_in_place
-from pipeline.context import BatchContext
-from pipeline.labels import label, run_stage
-from pipeline.loader_state import capture, resume_state
-from pipeline.options import PipelineOptions
+from pipeline.compat import signatures as compat
+from pipeline.stages.copy import to_device, to_device_in_place
+from pipeline.stages.context import BatchContext
+from pipeline.stages.labels import label, run_stage
+from pipeline.stages.loader_state import capture, resume_state
+from pipeline.config import PipelineOptions
 from pipeline.ranks import AgreedError, Lane, LaneState, Ranks
-from pipeline.streams import Streams, streams_for
+from pipeline.stages.streams import Streams, streams_for
 from rewrite import ContextSlot
 
 __all__ = ["LanePipeline"]
@@ -70,7 +70,7 @@ class LanePipeline(TrainPipeline):
         self._on_host = self._device.type == "cpu"
         """Batches stay where the dataloader made them (on the host, `.to("cpu")` moves nothing)."""
         self._step_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
-        """What each step runs inside, made by `_compose` (compiled autograd: `pipeline.pt2`)."""
+        """What each step runs inside, made by `_compose` (compiled autograd: `pipeline.pipelines.pt2`)."""
         self._on_reset: list[Callable[[], None]] = []
         """What the components drop when the pipeline resets (besides the streams' work)."""
         self._lanes: dict[int, Lane] = {}

@@ -24,7 +24,7 @@ from torchrec.distributed.train_pipeline.pipeline_context import In, Out
 from torchrec.distributed.train_pipeline.pipeline_stage import StageOut
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipeline
 
-from pipeline.options import (
+from pipeline.config import (
     CompileOptions,
     InputDistOptions,
     LookupOptions,

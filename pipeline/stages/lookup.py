@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.context import BatchContext, LookupBatchContext
-from pipeline.input_dist import InputDist
-from pipeline.labels import run_stage
-from pipeline.streams import Streams
+from pipeline.stages.context import BatchContext, LookupBatchContext
+from pipeline.stages.input_dist import InputDist
+from pipeline.stages.labels import run_stage
+from pipeline.stages.streams import Streams
 
 __all__ = ["LookupStage"]
 

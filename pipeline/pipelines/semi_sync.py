@@ -1,6 +1,6 @@
 """TrainPipelineSemiSync: the embedding lookup of batch i+1 runs before backward of batch i.
 
-The lookup stage is `pipeline.lookup`'s; this module places it between forward and backward of
+The lookup stage is `pipeline.stages.lookup`'s; this module places it between forward and backward of
 the previous batch (from `start_batch` on) and keeps four batches in flight: batch k+1 is fetched
 before the input_dist of batch k starts, so that batch k's input_dist is a collective every rank
 issued after fetching batch k+1 (the rule of `Ranks.after_world_collective`).
@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from pipeline.compat import Bound
-from pipeline.context import BatchContext, LookupBatchContext
-from pipeline.input_dist_pipeline import InputDistPipeline
-from pipeline.lookup import LookupStage
+from pipeline.compat.signatures import Bound
+from pipeline.stages.context import BatchContext, LookupBatchContext
+from pipeline.pipelines.input_dist_core import InputDistPipeline
+from pipeline.stages.lookup import LookupStage
 from pipeline.ranks import Lane
-from pipeline.sparse_dist import TrainPipelineSparseDist
+from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 
 __all__ = ["TrainPipelineSemiSync"]
 
@@ -45,7 +45,7 @@ class TrainPipelineSemiSync(InputDistPipeline):
     position weights) are updated in place after the next batch's lookup used them, which autograd
     rejects: a warning (an error under `strict`) says so.
 
-    Args: torchrec 1.8's, in its order (`pipeline.compat`): model, optimizer, device,
+    Args: torchrec 1.8's, in its order (`pipeline.compat.signatures`): model, optimizer, device,
     execute_all_batches (under False nothing is dropped, as in torchrec's class), apply_jit,
     `start_batch` and `stash_gradients` (`SemiSyncOptions`), pipeline_postproc, custom_model_fwd,
     strict, `dmp_collection_sync_interval_batches` and the three memory flags; then ours,

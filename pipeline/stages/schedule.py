@@ -1,5 +1,5 @@
 """When the next batch's input all-to-alls run: the input_dist schedules, and the paired decision rule
-the "auto" tuner (`pipeline.tuner`) chooses among them by.
+the "auto" tuner (`pipeline.stages.tuner`) chooses among them by.
 
 A schedule is two independent choices:
 
@@ -8,7 +8,7 @@ A schedule is two independent choices:
   optimizer step of i to finish in), or after forward of i (torchrec's order: no blocking round trip
   before forward);
 - group "own" or "shared": the input all-to-alls run on a process group of their own
-  (`pipeline.input_dist.InputDistGroups`), so backward's collectives do not queue behind them, or
+  (`pipeline.stages.input_dist.InputDistGroups`), so backward's collectives do not queue behind them, or
   on torchrec's group (no extra communicator, no second transfer competing for the link and the
   cores).
 

@@ -1,0 +1,1 @@
+"""What exists only to be torchrec-compatible."""

@@ -1,0 +1,1 @@
+"""The classes a user constructs: one pipeline family a module."""
