@@ -1,4 +1,4 @@
-"""torchrec 1.8's constructors, class by class, against ours (`pipeline.compat.signatures`); the options'
+"""torchrec's constructors, class by class, against ours (each class declares its own); the options'
 validation; the lane's state enum; `dmp_collection_sync_interval_batches`. One process, no ranks."""
 
 from __future__ import annotations
@@ -13,15 +13,7 @@ from torchrec.distributed.train_pipeline import pipeline_stage as torchrec_stage
 from torchrec.distributed.train_pipeline import train_pipelines as torchrec_pipelines
 
 import pipeline
-from pipeline.config import (
-    InputDistOptions,
-    LookupOptions,
-    PrefetchOptions,
-    RankOptions,
-    RewriteOptions,
-    SemiSyncOptions,
-    StepOptions,
-)
+from pipeline.config import InputDistOptions, PrefetchOptions, RankOptions, RewriteOptions
 from pipeline.ranks import Lane, LaneState, Ranks
 from tests import models
 from tests.test_torchrec_parity import _Echo, _Numbered
@@ -79,11 +71,11 @@ def test_positional_arguments_land_where_torchrec_puts_them():
     outputs = models.run_to_end(pipe, iter([_Numbered(i) for i in range(5)]))
     assert [int(o) for o in outputs] == [0, 1, 2]  # execute_all_batches=False drops the last two
     semi = _echo_pipe("TrainPipelineSemiSync", True, False, 3, True)
-    assert semi._options.semi_sync == SemiSyncOptions(start_batch=3, stash_gradients=True)
+    assert (semi._start_batch, semi._stash) == (3, True)  # start_batch and stash_gradients, 6th and 7th
 
 
 def test_unknown_or_refused_arguments_say_what_to_do():
-    with pytest.raises(TypeError, match=r"TrainPipelineBase\(\).*unexpected keyword.*emb_lookup_stream"):
+    with pytest.raises(TypeError, match=r"unexpected keyword.*emb_lookup_stream"):
         _echo_pipe("TrainPipelineBase", emb_lookup_stream="current")
     with pytest.raises(ValueError, match="apply_jit=True is not supported"):
         _echo_pipe("TrainPipelineSparseDist", apply_jit=True)
@@ -102,12 +94,12 @@ def test_unknown_or_refused_arguments_say_what_to_do():
         (lambda: RewriteOptions(method="guess"), "rewrite_method must be one of"),
         (lambda: InputDistOptions(schedule="never"), "input_dist_schedule must be one of"),
         (lambda: PrefetchOptions(prefetch_ahead="maybe"), "prefetch_ahead must be one of"),
-        (lambda: StepOptions(dmp_collection_sync_interval_batches=0), "positive int"),
-        (lambda: LookupOptions(emb_lookup_stream="side"), "emb_lookup_stream must be one of"),
-        (lambda: SemiSyncOptions(start_batch=-1), "start_batch must be an int >= 0"),
+        (lambda: _echo_pipe("TrainPipelineSparseDist", dmp_collection_sync_interval_batches=0), "positive"),
+        (lambda: _echo_pipe("TrainPipelineFusedSparseDist", emb_lookup_stream="side"), "emb_lookup_stream"),
+        (lambda: _echo_pipe("TrainPipelineSemiSync", start_batch=-1), "start_batch must be an int >= 0"),
     ],
 )
-def test_options_refuse_bad_values(make, message):
+def test_options_and_arguments_refuse_bad_values(make, message):
     with pytest.raises(ValueError, match=message):
         make()
 
@@ -168,3 +160,30 @@ def test_dmp_interval_on_another_model_is_an_error_naming_it():
         _echo_pipe("TrainPipelineSparseDist", dmp_collection_sync_interval_batches=2)
     _echo_pipe("TrainPipelineSparseDist", dmp_collection_sync_interval_batches=None)  # torchrec's "off"
     _echo_pipe("TrainPipelineSemiSync", dmp_collection_sync_interval_batches=1)  # torchrec's default
+
+
+ALL_CLASSES = (*CLASSES, "TrainPipelinePT2", "TrainPipelineSparseDistCompAutograd", "SparseDataDistUtil")
+
+
+@pytest.mark.parametrize("name", ALL_CLASSES)
+def test_constructor_is_declared_in_code_without_var_args(name):
+    cls = getattr(pipeline, name)
+    assert "__init__" in vars(cls), f"{name} inherits its constructor instead of declaring it"
+    kinds = {p.kind for p in inspect.signature(cls).parameters.values()}
+    assert not kinds & {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}, name
+
+
+def test_flat_keywords_and_options_objects_mean_the_same():
+    flat = _echo_pipe("TrainPipelineSparseDist", on_uneven="error", input_dist_schedule="early")
+    grouped = _echo_pipe(
+        "TrainPipelineSparseDist",
+        ranks=RankOptions(on_uneven="error"),
+        input_dist=InputDistOptions(schedule="early"),
+    )
+    assert flat._ranks._options == grouped._ranks._options == RankOptions(on_uneven="error")
+    assert flat.input_dist_schedule == grouped.input_dist_schedule == "early"
+    # a keyword given next to an options object overrides that field only
+    both = _echo_pipe("TrainPipelineSparseDist", ranks=RankOptions(on_uneven="error"), check_keys=False)
+    assert both._ranks._options == RankOptions(on_uneven="error", check_keys=False)
+    with pytest.raises(TypeError, match="expected a RankOptions"):
+        _echo_pipe("TrainPipelineSparseDist", ranks=InputDistOptions())

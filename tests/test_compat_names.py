@@ -21,7 +21,6 @@ from torch import fx, nn
 from torchrec.distributed import train_pipeline as torchrec_pipeline
 
 import pipeline
-from pipeline.compat import signatures as compat
 
 TORCHREC_NAMES = sorted(
     n
@@ -138,10 +137,8 @@ def _context(ours, theirs) -> None:
     """A dataclass with torchrec's `index` and `module_contexts`, taken as `context_type`."""
     common = {"index", "module_contexts"}
     assert common <= {f.name for f in dataclasses.fields(ours)} & {f.name for f in dataclasses.fields(theirs)}
-    call = compat.bind(
-        pipeline.TrainPipelineSparseDist, (nn.Linear(1, 1), None, torch.device("cpu")), {"context_type": ours}
-    )
-    assert call.options is not None
+    pipe = pipeline.TrainPipelineSparseDist(nn.Linear(1, 1), None, torch.device("cpu"), context_type=ours)
+    assert isinstance(pipe, pipeline.TrainPipelineSparseDist)
 
 
 class _Features:

@@ -15,8 +15,8 @@ import torch
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
-from pipeline import labels
-from pipeline.pipelines.prefetch import prefetch_does_work
+from pipeline.stages import labels
+from pipeline.stages.prefetch import prefetch_does_work
 from pipeline.stages.streams import Streams
 from tests.harness import run_ranks
 

@@ -17,8 +17,8 @@ from typing import Any, Generic
 
 import torch
 
+from pipeline.compat.types import In
 from pipeline.stages.copy import to_device
-from pipeline.compat.signatures import In
 from pipeline.stages.labels import label
 
 __all__ = ["DataLoadingThread"]

@@ -1,45 +1,83 @@
-"""TrainPipelineBase: the host-to-device copy of batch i+1 overlaps forward/backward/optimizer of
-batch i.
-
-Per `progress()` call that returns batch i:
-
-| stage              | stream (CUDA)      | batch |
-|--------------------|--------------------|-------|
-| copy host->device  | memcpy             | i+1   |
-| forward            | current            | i     |
-| backward           | current            | i     |
-| optimizer          | current            | i     |
-"""
+"""TrainPipelineBase: the host-to-device copy of batch i+1 overlaps forward, backward and optimizer
+of batch i (stages and streams: `pipeline.stages`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
-from pipeline.compat.signatures import Bound
-from pipeline.pipelines.core import LanePipeline
+import torch
+
+from pipeline.config import RankOptions, resolve
+from pipeline.pipelines.core import PipelineCore
 from pipeline.ranks import Lane
+from pipeline.stages.streams import Streams
 
 __all__ = ["TrainPipelineBase"]
 
 
-class TrainPipelineBase(LanePipeline):
+class TrainPipelineBase(PipelineCore):
     """Overlaps the host-to-device copy of batch i+1 with forward/backward/optimizer of batch i.
 
-    Args (torchrec's, in its order, then ours, keyword-only; `pipeline.compat.signatures`):
+    Args (torchrec's, in its order):
         model: the model; in training mode `model(batch)` returns `(loss, output)`. In eval mode
             `progress()` returns `output` of a `(loss, output)` pair, or whatever else it returns.
         optimizer: stepped after each training batch's backward.
         device: where batches are copied to.
         custom_model_fwd: called with the batch instead of `model` (same return convention).
-        enable_inplace_copy_batch: `MemoryOptions` (GPU only).
-        execute_all_batches: ours; torchrec's Base has no such option and runs every batch, and
-            so does ours under False (nothing follows the head batch that it would need).
-        streams, on_uneven, check_keys, agreement, abort_on_error, failure_grace, peer_timeout:
-            the streams (tests pass `pipeline.testing.RecordingStreams()`) and `RankOptions`.
+        enable_inplace_copy_batch: allocate the device copy of a batch on the stream that uses it
+            and fill it on the copy stream (GPU; on CPU batches are not copied).
+
+    Keyword-only, ours:
+        execute_all_batches: torchrec's Base has no such option and runs every batch, and so
+            does ours under False (nothing follows the head batch that it would need).
+        streams: the streams to run on (tests pass `pipeline.RecordingStreams()`); None: CUDA
+            streams on a GPU, none on CPU.
+        on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
+            peer_timeout: the fields of `RankOptions`, which `ranks` may give instead; None:
+            `RankOptions`' default.
     """
 
-    def _compose(self, bound: Bound) -> None:
-        """Nothing beyond the shared stages."""
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        custom_model_fwd: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
+        enable_inplace_copy_batch: bool = False,
+        *,
+        execute_all_batches: bool = True,
+        streams: Streams | None = None,
+        ranks: RankOptions | None = None,
+        on_uneven: str | None = None,
+        check_keys: bool | None = None,
+        check_kjts: bool | None = None,
+        agreement: bool | None = None,
+        abort_on_error: bool | None = None,
+        failure_grace: float | None = None,
+        peer_timeout: timedelta | None = None,
+    ) -> None:
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            execute_all_batches=execute_all_batches,
+            custom_model_fwd=custom_model_fwd,
+            streams=streams,
+            ranks=resolve(
+                ranks,
+                RankOptions,
+                on_uneven=on_uneven,
+                check_keys=check_keys,
+                check_kjts=check_kjts,
+                agreement=agreement,
+                abort_on_error=abort_on_error,
+                failure_grace=failure_grace,
+                peer_timeout=peer_timeout,
+            ),
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+        )
 
     def _fill(self, lane: Lane) -> None:
         if not lane.inflight:

@@ -1,7 +1,7 @@
-"""`LanePipeline`: what every pipeline class shares, and only that: the one constructor (torchrec's
-signature, bound by `pipeline.compat.signatures`), lanes of in-flight batches, and the stages every class runs
-(copy, forward, backward, optimizer). Each class composes its own components and writes its own
-step in its own module.
+"""`PipelineCore`: what every pipeline class shares, and only that: lanes of in-flight batches,
+`progress()` / `drain()` / `reset()`, and the stages every class runs (copy, forward, backward,
+optimizer). Each class declares its own constructor, composes its own components there and writes
+its own `_fill` and `_step` in its own module.
 
 Lanes: batches are kept per dataloader iterator (`pipeline.ranks.Lane`), so that `progress()` with
 another iterator (an eval loader) parks the batches in flight of the first one, and calling it
@@ -20,66 +20,88 @@ from typing import Any
 import torch
 from torch import nn
 from torchrec.distributed.model_parallel import DMPCollection
-from torchrec.distributed.train_pipeline.train_pipelines import TrainPipeline
 
-from pipeline.compat import signatures as compat
-from pipeline.stages.copy import to_device, to_device_in_place
+from pipeline.compat.types import TrainPipeline
+from pipeline.config import RankOptions
+from pipeline.ranks import AgreedError, Lane, LaneState, Ranks
 from pipeline.stages.context import BatchContext
+from pipeline.stages.copy import to_device, to_device_in_place
 from pipeline.stages.labels import label, run_stage
 from pipeline.stages.loader_state import capture, resume_state
-from pipeline.config import PipelineOptions
-from pipeline.ranks import AgreedError, Lane, LaneState, Ranks
 from pipeline.stages.streams import Streams, streams_for
 from rewrite import ContextSlot
 
-__all__ = ["LanePipeline"]
+__all__ = ["PipelineCore", "refuse_jit"]
 
 
-class LanePipeline(TrainPipeline):
+def refuse_jit(apply_jit: bool) -> None:
+    """torchrec's `apply_jit` (TorchScript the pipelined modules) is not supported here.
+
+    Raises:
+        ValueError: `apply_jit` is True.
+    """
+    if apply_jit:
+        raise ValueError("apply_jit=True is not supported (no TorchScript); leave it False")
+
+
+class PipelineCore(TrainPipeline):
     """The machinery every pipeline class shares (a torchrec `TrainPipeline`).
 
-    A class built on it implements `_compose` (its components, from the options), `_fill` (what
-    must be in flight before a step) and `_step` (one step, returning the head batch's output),
-    each once, in its own module.
+    A class built on it declares its constructor (torchrec's parameters, then ours, keyword-only),
+    calls this one, composes its components, and implements `_fill` (what must be in flight before
+    a step) and `_step` (one step), each once, in its own module.
+
+    Args:
+        model: the model the pipeline runs.
+        optimizer: stepped after each training batch's backward.
+        device: where batches are copied to.
+        execute_all_batches: run the batches in flight once the dataloader ends (True), or drop
+            the last `lookahead` of them, as torchrec does (False).
+        custom_model_fwd: called with the batch instead of `model`.
+        streams: the streams to run on; None: real streams on CUDA, none on CPU.
+        ranks: how the ranks agree.
+        enable_inplace_copy_batch: allocate the device copy on the stream that uses it (GPU).
+        dmp_collection_sync_interval_batches: the replicas' sync interval of a `DMPCollection`.
+        context_type: the per-batch context the class's stages need.
+        lookahead: under `execute_all_batches=False`, the head batch runs only if this many
+            batches follow it (torchrec's rule for the class of the same name).
     """
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        # inspect.signature(cls) shows torchrec's parameters, unless a subclass has its own __init__
-        cls.__signature__ = None if "__init__" in vars(cls) else compat.signature_of(cls)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        bound = compat.bind(type(self), args, kwargs)
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Any,
+        device: torch.device,
+        *,
+        execute_all_batches: bool,
+        custom_model_fwd: Callable[[Any], Any] | None,
+        streams: Streams | None,
+        ranks: RankOptions,
+        enable_inplace_copy_batch: bool = False,
+        dmp_collection_sync_interval_batches: int | None = 1,
+        context_type: type[BatchContext] = BatchContext,
+        lookahead: int = 0,
+    ) -> None:
         TrainPipeline.__init__(self)
-        options: PipelineOptions = bound.options
-        self._model: nn.Module = bound.model
-        self._optimizer = bound.optimizer
-        self._device: torch.device = bound.device
-        self._options = options
-        self._model_fwd: Callable[[Any], Any] = options.custom_model_fwd or bound.model
-        self._execute_all_batches = options.execute_all_batches
-        self._streams: Streams = options.streams if options.streams is not None else streams_for(self._device)
-        self._ranks = Ranks(
-            options.ranks, vote_every_batch=not options.execute_all_batches, model=bound.model
-        )
-        self._context_type: type[BatchContext] = BatchContext
-        self._lookahead = 0
-        """Under `execute_all_batches=False`, the head batch runs only if this many batches follow
-        it in the dataloader (torchrec's rule for the class of the same name)."""
-        self._sync_interval = _sync_interval(bound.model, options.step.dmp_collection_sync_interval_batches)
-        self._on_host = self._device.type == "cpu"
+        self._model = model
+        self._optimizer = optimizer
+        self._device = device
+        self._model_fwd: Callable[[Any], Any] = custom_model_fwd or model
+        self._execute_all_batches = execute_all_batches
+        self._inplace_copy = enable_inplace_copy_batch
+        self._streams: Streams = streams if streams is not None else streams_for(device)
+        self._ranks = Ranks(ranks, vote_every_batch=not execute_all_batches, model=model)
+        self._context_type = context_type
+        self._lookahead = lookahead
+        self._sync_interval = _sync_interval(model, dmp_collection_sync_interval_batches)
+        self._on_host = device.type == "cpu"
         """Batches stay where the dataloader made them (on the host, `.to("cpu")` moves nothing)."""
         self._step_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
-        """What each step runs inside, made by `_compose` (compiled autograd: `pipeline.pipelines.pt2`)."""
+        """What each step runs inside (compiled autograd: `pipeline.pipelines.pt2`)."""
         self._on_reset: list[Callable[[], None]] = []
         """What the components drop when the pipeline resets (besides the streams' work)."""
         self._lanes: dict[int, Lane] = {}
         self._next_index = 0
-        self._compose(bound)
-
-    @abc.abstractmethod
-    def _compose(self, bound: compat.Bound) -> None:
-        """Build the class's components from `bound.options` (called once, by the constructor)."""
 
     @abc.abstractmethod
     def _fill(self, lane: Lane) -> None:
@@ -119,7 +141,7 @@ class LanePipeline(TrainPipeline):
             lane = self._lanes[id(dataloader_iter)] = self._ranks.open_lane(dataloader_iter)
         try:
             draining = lane.state is LaneState.DRAINING
-            if not (self._execute_all_batches or draining) and not self._read_ahead(lane):
+            if not (self._execute_all_batches or draining) and not self._look_ahead(lane):
                 lane.inflight.clear()  # the dataloader ended before this step's look-ahead: drop all
             self._fill(lane)
             if not lane.inflight:
@@ -186,7 +208,7 @@ class LanePipeline(TrainPipeline):
             reset()
         self._lanes.clear()
 
-    def _read_ahead(self, lane: Lane) -> bool:
+    def _look_ahead(self, lane: Lane) -> bool:
         """Copy batches until `_lookahead` batches follow the head; False if the dataloader ends
         first. Only copies: nothing is started on the batches that may be dropped."""
         while len(lane.inflight) <= self._lookahead:
@@ -213,7 +235,7 @@ class LanePipeline(TrainPipeline):
             with run_stage(streams, "copy", ctx.index, streams.memcpy):
                 if self._on_host:
                     ctx.batch = batch  # a host batch is already where it goes: no walk, no new objects
-                elif self._options.memory.enable_inplace_copy_batch:
+                elif self._inplace_copy:
                     ctx.batch = to_device_in_place(batch, self._device, streams)
                 else:
                     ctx.batch = to_device(batch, self._device, non_blocking=True)
@@ -272,8 +294,13 @@ def _sync_interval(model: nn.Module, interval: int | None) -> int | None:
     """The replicas' sync interval for `model`: None unless it is a DMPCollection.
 
     Raises:
-        ValueError: an interval other than torchrec's default (1) or None on any other model.
+        ValueError: not None or a positive int; or other than torchrec's default (1) or None on
+            any other model.
     """
+    if interval is not None and (not isinstance(interval, int) or interval < 1):
+        raise ValueError(
+            f"dmp_collection_sync_interval_batches must be None or a positive int; got {interval!r}"
+        )
     if isinstance(model, DMPCollection):
         return interval
     if interval not in (None, 1):

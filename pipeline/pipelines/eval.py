@@ -1,34 +1,31 @@
-"""EvalPipelineSparseDist: forward only, with the next batch's input_dist running ahead.
+"""EvalPipelineSparseDist: forward only, with the next batch's input_dist running ahead (stages and
+streams: `pipeline.stages`; no backward, no optimizer).
 
-Per `progress()` call that returns the output of batch i:
-
-| stage                                  | stream (CUDA) | batch |
-|----------------------------------------|---------------|-------|
-| copy host->device                      | memcpy        | i+2   |
-| input_dist::start (splits all-to-all)  | data_dist     | i+1   |
-| input_dist::splits (values all-to-all) | data_dist     | i+1   |
-| forward (incl. input_dist::wait of i)  | current       | i     |
-
-No backward and no optimizer step, whatever the model's mode. With the default "early-shared"
-schedule the splits of batch i+1 are waited for before forward of i, so its values all-to-all runs
-during that forward; torchrec's order ("late") waits them after forward, which leaves only the splits
-hidden. Without backward there are no collectives of backward to queue behind the transfer, so the
-input all-to-alls stay on torchrec's process group.
+With the default "early-shared" schedule the splits of batch i+1 are waited for before forward of i,
+so its values all-to-all runs during that forward; torchrec's order ("late") waits them after
+forward, which leaves only the splits hidden. Without backward there are no collectives of backward
+to queue behind the transfer, so the input all-to-alls stay on torchrec's process group.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
-from pipeline.compat.signatures import Bound
-from pipeline.pipelines.input_dist_core import InputDistPipeline
-from pipeline.ranks import Lane
+import torch
+
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
+from pipeline.pipelines.core import refuse_jit
+from pipeline.pipelines.input_dist_core import InputDistCore
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
+from pipeline.ranks import Lane
+from pipeline.stages.memory import MemoryFlags
+from pipeline.stages.streams import Streams
 
 __all__ = ["EvalPipelineSparseDist"]
 
 
-class EvalPipelineSparseDist(InputDistPipeline):
+class EvalPipelineSparseDist(InputDistCore):
     """Forward-only pipeline: input_dist of batch i+1 and the copy of batch i+2 overlap forward of i.
 
     Numerics: each output is bit for bit the model's own output for that batch (`model(batch)` in
@@ -36,20 +33,86 @@ class EvalPipelineSparseDist(InputDistPipeline):
     torchrec, call `model.eval()` first for eval-mode layers); forward always runs under `no_grad`
     and `progress()` returns `output` of a `(loss, output)` pair, or any other return value as it is.
 
-    Args: torchrec 1.8's, in its order (`pipeline.compat.signatures`): model, optimizer (not used), device,
-    apply_jit (must be False), pipeline_postproc and the three memory flags; then ours,
-    keyword-only: `input_dist_schedule` ("early-shared" by default, "early", "late" or "late-own";
-    "auto" is refused, since the tuner times training steps), `arg_paths`, `rewrite_method`,
-    `strict`, `streams` and `RankOptions`.
+    Args (torchrec's, in its order): model, optimizer (not used), device, apply_jit (must be
+    False), pipeline_postproc, enable_inplace_copy_batch, free_features_storage_early,
+    clear_data_dist_inputs: as in `TrainPipelineSparseDist`.
+
+    Keyword-only, ours:
+        strict: fail on the first batch if a sharded module cannot be pipelined.
+        rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
+        input_dist_schedule: the field of `InputDistOptions` (`input_dist` may give it);
+            "early-shared" by default; "auto" is refused, since the tuner times training steps.
+        streams: the streams to run on; None: CUDA streams on a GPU, none on CPU.
+        on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
+            peer_timeout: the fields of `RankOptions` (`ranks` may give them).
+        A keyword left None takes its options object's value, else that dataclass's default.
     """
 
-    def _compose(self, bound: Bound) -> None:
-        options = bound.options
-        if options.input_dist.schedule == "auto":
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        device: torch.device,
+        apply_jit: bool = False,
+        pipeline_postproc: bool = False,
+        enable_inplace_copy_batch: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        *,
+        strict: bool = False,
+        rewrite: RewriteOptions | None = None,
+        rewrite_method: str | None = None,
+        arg_paths: dict[str, Any] | None = None,
+        input_dist: InputDistOptions | None = None,
+        input_dist_schedule: str | None = None,
+        streams: Streams | None = None,
+        ranks: RankOptions | None = None,
+        on_uneven: str | None = None,
+        check_keys: bool | None = None,
+        check_kjts: bool | None = None,
+        agreement: bool | None = None,
+        abort_on_error: bool | None = None,
+        failure_grace: float | None = None,
+        peer_timeout: timedelta | None = None,
+    ) -> None:
+        refuse_jit(apply_jit)
+        schedule = resolve(
+            input_dist or InputDistOptions(schedule="early-shared"),
+            InputDistOptions,
+            schedule=input_dist_schedule,
+        )
+        if schedule.schedule == "auto":
             raise ValueError(
                 'EvalPipelineSparseDist takes a fixed input_dist_schedule; "auto" tunes training'
             )
-        self._input_dist = self._make_input_dist(options, forward="input_dist")
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            execute_all_batches=True,
+            custom_model_fwd=None,
+            streams=streams,
+            ranks=resolve(
+                ranks,
+                RankOptions,
+                on_uneven=on_uneven,
+                check_keys=check_keys,
+                check_kjts=check_kjts,
+                agreement=agreement,
+                abort_on_error=abort_on_error,
+                failure_grace=failure_grace,
+                peer_timeout=peer_timeout,
+            ),
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+        )
+        self._input_dist = self._make_input_dist(
+            forward="input_dist",
+            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
+            strict=strict,
+            pipeline_postproc=pipeline_postproc,
+            schedule=schedule,
+            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+        )
 
     def _fill(self, lane: Lane) -> None:
         self._input_dist.fill(lane, self._ranks, self._enqueue)

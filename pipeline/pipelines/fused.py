@@ -1,28 +1,36 @@
 """TrainPipelineFusedSparseDist: the embedding lookup of batch i runs at the start of step i, ahead of
-forward (`pipeline.stages.lookup.LookupStage`).
+forward (`pipeline.stages.lookup.LookupStage`; stages and streams: `pipeline.stages`).
 
-Per `progress()` call that returns batch i: lookup of i (data_dist stream), input_dist of i+1, copy
-of i+2, forward of i (which takes the lookup's output), backward, optimizer step. On CUDA the lookup
-of batch i overlaps the dense optimizer step of batch i-1, as in torchrec 1.8; on CPU its
-pooled-embedding all-to-all overlaps the input_dist start of i+1, the copy of i+2 and the part of
-forward before the embeddings are used.
+On CUDA the lookup of batch i overlaps the dense optimizer step of batch i-1, as in torchrec; on CPU
+its pooled-embedding all-to-all overlaps the input_dist start of i+1, the copy of i+2 and the part
+of forward before the embeddings are used.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
-from pipeline.compat.signatures import Bound
-from pipeline.stages.context import LookupBatchContext
-from pipeline.pipelines.input_dist_core import InputDistPipeline
-from pipeline.stages.lookup import LookupStage
-from pipeline.ranks import Lane
+import torch
+
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
+from pipeline.pipelines.core import refuse_jit
+from pipeline.pipelines.input_dist_core import InputDistCore
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
+from pipeline.ranks import Lane
+from pipeline.stages.context import LookupBatchContext
+from pipeline.stages.lookup import LookupStage
+from pipeline.stages.memory import MemoryFlags
+from pipeline.stages.streams import Streams
+from pipeline.stages.tuner import Tuner
 
 __all__ = ["TrainPipelineFusedSparseDist"]
 
+_LOOKUP_STREAMS = ("data_dist", "new", "current")
 
-class TrainPipelineFusedSparseDist(InputDistPipeline):
+
+class TrainPipelineFusedSparseDist(InputDistCore):
     """SparseDist whose embedding lookup of batch i runs at the start of step i, ahead of forward.
 
     Numerics: bit for bit the plain loop's (zero_grad, forward, backward, step per batch), for
@@ -30,27 +38,99 @@ class TrainPipelineFusedSparseDist(InputDistPipeline):
     (feature processors), the lookup waits for the optimizer step, so the numerics stay exact
     (torchrec's class does not wait and warns that this case is not exact).
 
-    Args: torchrec 1.8's, in its order (`pipeline.compat.signatures`): those of `TrainPipelineSparseDist` it
-    has, `strict`, `emb_lookup_stream` ("data_dist" or "new": the data_dist stream; "current": the
-    caller's), `embedding_lookup_after_data_dist` (the lookup of i after starting input_dist of i+1
-    and copying i+2, instead of first), `enqueue_batch_after_forward` and the three memory flags;
-    then ours, keyword-only: `arg_paths`, `rewrite_method`, `input_dist_schedule`, `tuner`,
-    `streams` and `RankOptions`.
+    Args (torchrec's, in its order): model, optimizer, device, execute_all_batches, apply_jit,
+    pipeline_postproc, custom_model_fwd, strict: as in `TrainPipelineSparseDist`;
+        emb_lookup_stream: "data_dist" or "new": the lookup runs on the data_dist stream;
+            "current": on the caller's.
+        embedding_lookup_after_data_dist: run the lookup of i after starting input_dist of i+1
+            and copying i+2, instead of first.
+        enable_inplace_copy_batch, enqueue_batch_after_forward, free_features_storage_early,
+            clear_data_dist_inputs: as in `TrainPipelineSparseDist`.
+
+    Keyword-only, ours:
+        rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
+        input_dist_schedule, tuner: the fields of `InputDistOptions` (`input_dist` may give them).
+        streams: the streams to run on; None: CUDA streams on a GPU, none on CPU.
+        on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
+            peer_timeout: the fields of `RankOptions` (`ranks` may give them).
+        A keyword left None takes its options object's value, else that dataclass's default.
     """
 
-    def _compose(self, bound: Bound) -> None:
-        options = bound.options
-        self._context_type = LookupBatchContext
-        self._lookahead = 2
-        self._input_dist = self._make_input_dist(options, forward="lookup")
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        pipeline_postproc: bool = True,
+        custom_model_fwd: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
+        strict: bool = False,
+        emb_lookup_stream: str = "data_dist",
+        embedding_lookup_after_data_dist: bool = False,
+        enable_inplace_copy_batch: bool = False,
+        enqueue_batch_after_forward: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        *,
+        rewrite: RewriteOptions | None = None,
+        rewrite_method: str | None = None,
+        arg_paths: dict[str, Any] | None = None,
+        input_dist: InputDistOptions | None = None,
+        input_dist_schedule: str | None = None,
+        tuner: Tuner | None = None,
+        streams: Streams | None = None,
+        ranks: RankOptions | None = None,
+        on_uneven: str | None = None,
+        check_keys: bool | None = None,
+        check_kjts: bool | None = None,
+        agreement: bool | None = None,
+        abort_on_error: bool | None = None,
+        failure_grace: float | None = None,
+        peer_timeout: timedelta | None = None,
+    ) -> None:
+        refuse_jit(apply_jit)
+        if emb_lookup_stream not in _LOOKUP_STREAMS:
+            raise ValueError(f"emb_lookup_stream must be one of {_LOOKUP_STREAMS}; got {emb_lookup_stream!r}")
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            execute_all_batches=execute_all_batches,
+            custom_model_fwd=custom_model_fwd,
+            streams=streams,
+            ranks=resolve(
+                ranks,
+                RankOptions,
+                on_uneven=on_uneven,
+                check_keys=check_keys,
+                check_kjts=check_kjts,
+                agreement=agreement,
+                abort_on_error=abort_on_error,
+                failure_grace=failure_grace,
+                peer_timeout=peer_timeout,
+            ),
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            context_type=LookupBatchContext,
+            lookahead=2,
+        )
+        self._copy_after_forward = enqueue_batch_after_forward
+        self._input_dist = self._make_input_dist(
+            forward="lookup",
+            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
+            strict=strict,
+            pipeline_postproc=pipeline_postproc,
+            schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
+            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+        )
         self._lookup = LookupStage(
             self._streams,
             self._input_dist,
-            self._model,
-            self._optimizer,
-            on_caller_stream=options.lookup.emb_lookup_stream == "current",
+            model,
+            optimizer,
+            on_caller_stream=emb_lookup_stream == "current",
         )
-        self._lookup_first = not options.lookup.embedding_lookup_after_data_dist
+        self._lookup_first = not embedding_lookup_after_data_dist
 
     def _fill(self, lane: Lane) -> None:
         self._input_dist.fill(lane, self._ranks, self._enqueue)
@@ -61,7 +141,7 @@ class TrainPipelineFusedSparseDist(InputDistPipeline):
         if self._lookup_first:
             lookup.run(ctx)
         input_dist.choose_schedule(self._model.training)
-        copy_late = self._options.step.enqueue_batch_after_forward
+        copy_late = self._copy_after_forward
         if not copy_late and len(lane.inflight) < 3:
             self._enqueue(lane)
         nxt = input_dist.start_next(lane, self._ranks)

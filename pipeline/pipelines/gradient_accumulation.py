@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from pipeline.compat.signatures import In, Out
+from pipeline.compat.types import In, Out
 
 __all__ = ["GradientAccumulationConfig", "GradientAccumulationWrapper"]
 

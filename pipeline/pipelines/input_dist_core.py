@@ -1,24 +1,25 @@
-"""`InputDistPipeline`: the public face shared by the pipelines that run input_dist ahead of forward
-(SparseDist, Prefetch, Fused, SemiSync, Eval): `rewrite_report`, `input_dist_schedule`, `tuner`,
-`released_bytes`, `detach()`/`attach()`. Each class writes its step in its own module, calling its
-`InputDist` (`pipeline.stages.input_dist`) by name.
+"""`InputDistCore`: what the pipelines that run input_dist ahead of forward (SparseDist, Prefetch,
+Fused, SemiSync, Eval) share besides `PipelineCore`: their `InputDist` component and its public
+face, `rewrite_report`, `input_dist_schedule`, `tuner`, `released_bytes`, `detach()`/`attach()`.
+Each class writes its step in its own module, calling its `InputDist` by name.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from pipeline.config import InputDistOptions, RewriteOptions
+from pipeline.pipelines.core import PipelineCore
 from pipeline.stages.input_dist import InputDist
-from pipeline.pipelines.core import LanePipeline
-from pipeline.config import PipelineOptions
+from pipeline.stages.memory import MemoryFlags
 from pipeline.stages.tuner import Tuner
 from rewrite import RewriteReport
 
-__all__ = ["InputDistPipeline"]
+__all__ = ["InputDistCore"]
 
 
-class InputDistPipeline(LanePipeline):
-    """A `LanePipeline` with an `InputDist` (made by `_make_input_dist` in the class's `_compose`)."""
+class InputDistCore(PipelineCore):
+    """A `PipelineCore` with an `InputDist` (made by `_make_input_dist` in the class's constructor)."""
 
     _input_dist: InputDist
 
@@ -65,13 +66,25 @@ class InputDistPipeline(LanePipeline):
         if model is not None and model is not self._model:
             raise ValueError("attach(model) takes the pipeline's own model; build a new pipeline for another")
 
-    def _make_input_dist(self, options: PipelineOptions, *, forward: str) -> InputDist:
+    def _make_input_dist(
+        self,
+        *,
+        forward: str,
+        rewrite: RewriteOptions,
+        strict: bool,
+        pipeline_postproc: bool,
+        schedule: InputDistOptions,
+        memory: MemoryFlags,
+    ) -> InputDist:
+        """The class's `InputDist`, reset with the pipeline (`forward`: see `InputDist`)."""
         input_dist = InputDist(
             self._model,
             self._streams,
-            rewrite=options.rewrite,
-            schedule=options.input_dist,
-            memory=options.memory,
+            rewrite=rewrite,
+            strict=strict,
+            pipeline_postproc=pipeline_postproc,
+            schedule=schedule,
+            memory=memory,
             forward=forward,
             new_group=self._ranks.new_group,
         )

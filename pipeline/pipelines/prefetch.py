@@ -1,61 +1,118 @@
 """PrefetchTrainPipelineSparseDist: SparseDist plus a prefetch stage, so forward never waits on
 communication and each module's `prefetch()` (an embedding cache filled ahead, e.g. `tiered/`) runs
-for batch i+1 while batch i computes: on CUDA on the prefetch stream, on CPU on a worker thread.
-
-Per `progress()` call that returns batch i:
-
-| stage                                    | stream (CUDA) | batch |
-|------------------------------------------|---------------|-------|
-| copy host->device                        | memcpy        | i+2   |
-| input_dist::start, input_dist::splits    | data_dist     | i+1   |
-| prefetch (input_dist::wait + prefetch()) | prefetch      | i+1   |
-| forward                                  | current       | i     |
-| backward, optimizer                      | current       | i     |
-
-The whole step is `PrefetchTrainPipelineSparseDist._step` below; it calls the input_dist component
-(`pipeline.stages.input_dist`), the prefetch stage (`PrefetchStage`, below) and the shared stages
-(`pipeline.pipelines.core`).
+for batch i+1 while batch i computes: on CUDA on the prefetch stream, on CPU on a worker thread
+(stages and streams: `pipeline.stages`; the prefetch stage: `pipeline.stages.prefetch`).
 """
 
 from __future__ import annotations
 
-import statistics
-import time
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
 
-from pipeline.compat.signatures import Bound
-from pipeline.stages.context import PrefetchBatchContext
-from pipeline.stages.input_dist import InputDist
-from pipeline.pipelines.input_dist_core import InputDistPipeline
-from pipeline.stages.labels import label, run_stage
-from pipeline.ranks import Lane
+from pipeline.config import InputDistOptions, PrefetchOptions, RankOptions, RewriteOptions, resolve
+from pipeline.pipelines.core import refuse_jit
+from pipeline.pipelines.input_dist_core import InputDistCore
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
+from pipeline.ranks import Lane
+from pipeline.stages.context import PrefetchBatchContext
+from pipeline.stages.memory import MemoryFlags
+from pipeline.stages.prefetch import PrefetchStage
 from pipeline.stages.streams import Streams, streams_for
+from pipeline.stages.tuner import Tuner
 
-__all__ = ["PrefetchStage", "PrefetchTrainPipelineSparseDist", "prefetch_does_work"]
+__all__ = ["PrefetchTrainPipelineSparseDist"]
 
 
-class PrefetchTrainPipelineSparseDist(InputDistPipeline):
+class PrefetchTrainPipelineSparseDist(InputDistCore):
     """Adds a prefetch stage: the input_dist wait and each module's `prefetch()` run before
     forward, on the prefetch stream, so forward never waits on communication.
 
-    Args: torchrec 1.8's (model, optimizer, device, execute_all_batches, apply_jit,
-    pipeline_postproc, custom_model_fwd and the three `MemoryOptions` flags), then ours, keyword-only:
-    `prefetch_ahead` (`PrefetchOptions`) and those of `TrainPipelineSparseDist`. Under
-    `execute_all_batches=False` the last two batches are dropped, as by SparseDist and by torchrec's
-    fixed class (docs/pipeline.md: torchrec 1.8.0 drops four).
+    Args (torchrec's, in its order): model, optimizer, device, execute_all_batches (under False
+    the last two batches are dropped, as by SparseDist and torchrec's fixed class; torchrec 1.8.0
+    drops four), apply_jit, pipeline_postproc, custom_model_fwd, enable_inplace_copy_batch,
+    free_features_storage_early, clear_data_dist_inputs: as in `TrainPipelineSparseDist`.
+
+    Keyword-only, ours:
+        strict: fail on the first batch if a sharded module cannot be pipelined.
+        rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
+        input_dist_schedule, tuner: the fields of `InputDistOptions` (`input_dist` may give them).
+        streams: the streams to run on; None: CUDA streams on a GPU, none on CPU.
+        on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
+            peer_timeout: the fields of `RankOptions` (`ranks` may give them).
+        A keyword left None takes its options object's value, else that dataclass's default.
+        prefetch_ahead: the field of `PrefetchOptions` (`prefetch` may give it).
     """
 
-    def _compose(self, bound: Bound) -> None:
-        options = bound.options
-        if options.streams is None and self._device.type != "cuda":  # CPU: the prefetch stream is a thread
-            self._streams = streams_for(self._device, prefetch_thread=True)
-        self._context_type = PrefetchBatchContext
-        self._lookahead = 2  # torchrec's fixed rule (1.8.0's refill made it 4 after the first step)
-        self._input_dist = self._make_input_dist(options, forward="prefetch")
-        self._prefetch = PrefetchStage(self._streams, self._input_dist, ahead=options.prefetch.prefetch_ahead)
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        pipeline_postproc: bool = True,
+        custom_model_fwd: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
+        enable_inplace_copy_batch: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        *,
+        prefetch: PrefetchOptions | None = None,
+        prefetch_ahead: bool | str | None = None,
+        strict: bool = False,
+        rewrite: RewriteOptions | None = None,
+        rewrite_method: str | None = None,
+        arg_paths: dict[str, Any] | None = None,
+        input_dist: InputDistOptions | None = None,
+        input_dist_schedule: str | None = None,
+        tuner: Tuner | None = None,
+        streams: Streams | None = None,
+        ranks: RankOptions | None = None,
+        on_uneven: str | None = None,
+        check_keys: bool | None = None,
+        check_kjts: bool | None = None,
+        agreement: bool | None = None,
+        abort_on_error: bool | None = None,
+        failure_grace: float | None = None,
+        peer_timeout: timedelta | None = None,
+    ) -> None:
+        refuse_jit(apply_jit)
+        if streams is None and device.type != "cuda":  # CPU: the prefetch stream is a worker thread
+            streams = streams_for(device, prefetch_thread=True)
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            execute_all_batches=execute_all_batches,
+            custom_model_fwd=custom_model_fwd,
+            streams=streams,
+            ranks=resolve(
+                ranks,
+                RankOptions,
+                on_uneven=on_uneven,
+                check_keys=check_keys,
+                check_kjts=check_kjts,
+                agreement=agreement,
+                abort_on_error=abort_on_error,
+                failure_grace=failure_grace,
+                peer_timeout=peer_timeout,
+            ),
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            context_type=PrefetchBatchContext,
+            lookahead=2,  # torchrec's fixed rule (1.8.0's refill made it 4 after the first step)
+        )
+        self._input_dist = self._make_input_dist(
+            forward="prefetch",
+            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
+            strict=strict,
+            pipeline_postproc=pipeline_postproc,
+            schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
+            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+        )
+        ahead = resolve(prefetch, PrefetchOptions, prefetch_ahead=prefetch_ahead).prefetch_ahead
+        self._prefetch = PrefetchStage(self._streams, self._input_dist, ahead=ahead)
 
     @property
     def prefetch_ahead(self) -> bool:
@@ -88,107 +145,6 @@ class PrefetchTrainPipelineSparseDist(InputDistPipeline):
             self._optimizer_step(ctx)
         input_dist.retire_head(lane, self._ranks, nxt, read_next=False)
         return output
-
-
-class PrefetchStage:
-    """The prefetch stage of a batch: wait for its input_dist, then each module's `prefetch()`,
-    on the prefetch stream (a worker thread on CPU).
-
-    Args:
-        streams: the pipeline's streams.
-        input_dist: the pipeline's input_dist (its modules, and `clear_data_dist_inputs`).
-        ahead: `PrefetchOptions.prefetch_ahead`: True, False or "auto" (on CPU, True while the
-            modules' `prefetch()` calls take at least `AHEAD_MIN_MS` a batch, median of batches 2
-            to 9, since handing a near-empty stage to a thread costs more than it hides).
-    """
-
-    AHEAD_MIN_MS = 1.0
-    """Under "auto" on CPU, the prefetch work per batch below which the stage stays inline."""
-    _AHEAD_SAMPLES = 8
-
-    def __init__(self, streams: Streams, input_dist: InputDist, *, ahead: bool | str) -> None:
-        self._streams, self._input_dist = streams, input_dist
-        self.ahead = ahead if ahead != "auto" else True
-        self._auto = ahead == "auto" and streams.has_prefetch_worker
-        self._work_ms: list[float] = []  # prefetch() time per batch, for the "auto" choice
-        self._working: set[str] | None = None
-        """FQNs of the modules whose `prefetch()` moves data (known at the first submission)."""
-        streams.set_prefetch_on_worker(self.ahead)
-
-    def _find_work(self) -> None:
-        """Once the modules are rewritten: which `prefetch()` calls do work. With none (torchrec's
-        fused kernels), the stage only waits for input_dist, inline: no thread hand-off, no call."""
-        modules = self._input_dist.modules
-        self._working = {pm.fqn for pm in modules if prefetch_does_work(pm.module)}
-        idle = [pm.fqn for pm in modules if pm.fqn not in self._working]
-        if idle and self._input_dist.report is not None:
-            self._input_dist.report.notes.append(
-                f"prefetch() of {', '.join(idle)} moves no data (kernels without a cache to fill): "
-                "not called" + ("; the prefetch stage runs inline" if not self._working else "")
-            )
-        if not self._working and self._auto:
-            self._auto, self.ahead = False, False
-            self._streams.set_prefetch_on_worker(False)
-
-    def submit_early(self, ctx: PrefetchBatchContext) -> None:
-        """Submit `ctx`'s prefetch before forward of the batch before it, where that runs on a
-        worker thread (under `ahead`)."""
-        if self.ahead and self._streams.prefetch_on_worker:
-            self.submit(ctx)
-
-    def submit(self, ctx: PrefetchBatchContext) -> None:
-        """Submit `ctx`'s prefetch stage (once)."""
-        if self._working is None:
-            self._find_work()
-        if ctx.prefetch_job is None:
-            forward_stream = self._streams.current()  # the caller's stream, where forward will run
-            ctx.prefetch_job = self._streams.submit(
-                self._streams.prefetch, lambda: self._run(ctx, forward_stream)
-            )
-
-    def wait(self, ctx: PrefetchBatchContext) -> None:
-        """Before forward of `ctx`: its prefetch stage done (submitted now if it was not)."""
-        self.submit(ctx)  # not ahead, the first batch, or another lane's successor
-        ctx.prefetch_job.result()  # re-raises what went wrong on the prefetch stream
-        if self._auto and len(self._work_ms) > self._AHEAD_SAMPLES:
-            self._auto = False
-            self.ahead = statistics.median(self._work_ms[1:]) >= self.AHEAD_MIN_MS
-            self._streams.set_prefetch_on_worker(self.ahead)
-
-    def _run(self, ctx: PrefetchBatchContext, forward_stream: Any) -> None:
-        streams = self._streams
-        work = 0.0
-        self._input_dist.release_inputs(ctx)
-        with run_stage(streams, "prefetch", ctx.index), torch.no_grad():
-            for pm in self._input_dist.modules:
-                prepared = ctx.take_input_dist(pm.fqn)
-                if prepared is None:
-                    continue
-                module_ctx, data = prepared
-                if pm.fqn in self._working:
-                    start = time.perf_counter()
-                    with label(f"pipeline::prefetch::{pm.fqn}#{ctx.index}"):
-                        pm.module.prefetch(dist_input=data, forward_stream=forward_stream, ctx=module_ctx)
-                    work += time.perf_counter() - start
-                streams.produced(data)
-                streams.produced(module_ctx)
-                ctx.prefetched[pm.fqn] = (module_ctx, data)
-        if self._auto:
-            self._work_ms.append(work * 1e3)
-
-
-_NO_PREFETCH = frozenset({"dense", "fused", "fused_uvm", "quant", "quant_uvm"})
-"""torchrec compute kernels whose `prefetch()` moves nothing (tables wholly in device or UVM memory)."""
-
-
-def prefetch_does_work(module: Any) -> bool:
-    """Whether `module.prefetch()` can move data: some table of it is on a kernel with a cache to
-    fill (UVM caching, key-value, SSD/DRAM virtual tables, or a custom kernel such as `tiered/`).
-    A module without a sharding plan is assumed to work."""
-    plan = getattr(module, "module_sharding_plan", None)
-    if not isinstance(plan, dict) or not plan:
-        return True
-    return any(getattr(p, "compute_kernel", None) not in _NO_PREFETCH for p in plan.values())
 
 
 # torchrec's class derives from its TrainPipelineSparseDist: `isinstance` answers as it does there,

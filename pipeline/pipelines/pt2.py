@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -20,10 +21,12 @@ from torchrec.distributed.comm_ops import torchrec_use_sync_collectives
 from torchrec.pt2.utils import kjt_for_pt2_tracing
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, TorchCompileConfig, resolve
 from pipeline.pipelines.base import TrainPipelineBase
-from pipeline.compat.signatures import Bound
-from pipeline.config import CompileOptions, TorchCompileConfig
+from pipeline.pipelines.core import PipelineCore
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
+from pipeline.stages.streams import Streams
+from pipeline.stages.tuner import Tuner
 
 __all__ = [
     "COMPILED_AUTOGRAD_DEFAULTS",
@@ -32,6 +35,7 @@ __all__ = [
     "TorchCompileConfig",
     "TrainPipelinePT2",
     "TrainPipelineSparseDistCompAutograd",
+    "compile_config",
     "pt2_input_transformer",
 ]
 
@@ -83,18 +87,36 @@ def _map_kjts(value: Any, fn: Callable[[KeyedJaggedTensor], KeyedJaggedTensor], 
     return value
 
 
+def compile_config(given: Any) -> TorchCompileConfig:
+    """`given` as our `TorchCompileConfig` (torchrec's is read field by field); None: the defaults."""
+    if given is None:
+        return TorchCompileConfig()
+    if isinstance(given, TorchCompileConfig):
+        return given
+    fields = ("fullgraph", "dynamic", "backend", "compile_on_iter")
+    return TorchCompileConfig(**{f: getattr(given, f) for f in fields})
+
+
 class CompiledForward:
     """The forward of `TrainPipelinePT2`: the model un-compiled for `compile_on_iter` calls, then
     compiled in place (`nn.Module.compile`, as torchrec does), each batch passed through the input
     transformer first and traced under `DYNAMO_SETTINGS`."""
 
-    def __init__(self, model: nn.Module, options: CompileOptions) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: TorchCompileConfig,
+        *,
+        pre_compile_fn: Callable[[nn.Module], None] | None = None,
+        post_compile_fn: Callable[[nn.Module], None] | None = None,
+        input_transformer: Callable[[Any], Any] | None = None,
+    ) -> None:
         self.model = model
-        self.config: TorchCompileConfig = options.compile_configs
+        self.config = config
         self.calls = 0
         """Forward calls so far (training and eval, as torchrec counts them)."""
-        self._options = options
-        self._transform = options.input_transformer or pt2_input_transformer
+        self._pre, self._post = pre_compile_fn, post_compile_fn
+        self._transform = input_transformer or pt2_input_transformer
 
     @property
     def compiled(self) -> bool:
@@ -111,19 +133,19 @@ class CompiledForward:
             return self.model(batch)
 
     def _compile(self) -> None:
-        config, options = self.config, self._options
-        if options.pre_compile_fn is not None:
-            options.pre_compile_fn(self.model)
+        config = self.config
+        if self._pre is not None:
+            self._pre(self.model)
         torch.ops.import_module("fbgemm_gpu.sparse_ops")  # fake kernels of fbgemm's sparse ops
         self.model.compile(fullgraph=config.fullgraph, dynamic=config.dynamic, backend=config.backend)
-        if options.post_compile_fn is not None:
-            options.post_compile_fn(self.model)
+        if self._post is not None:
+            self._post(self.model)
 
 
 class TrainPipelinePT2(TrainPipelineBase):
     """`TrainPipelineBase` with the model compiled by torch.compile from step `compile_on_iter` on.
 
-    Args (torchrec 1.8's, in its order, then ours, keyword-only; `pipeline.compat.signatures`):
+    Args (torchrec's, in its order):
         model: the model; `model(batch)` returns `(loss, output)` in training mode.
         optimizer: stepped after each training batch's backward.
         device: where batches are copied to.
@@ -132,16 +154,61 @@ class TrainPipelinePT2(TrainPipelineBase):
         pre_compile_fn, post_compile_fn: called with the model before and after it is compiled.
         input_transformer: applied to each batch on the device, right before forward; None:
             `pt2_input_transformer` (every KJT of the batch prepared for tracing).
-        streams, on_uneven, check_keys, agreement, abort_on_error, failure_grace, peer_timeout:
-            the streams and `RankOptions`.
+
+    Keyword-only, ours: streams, and the fields of `RankOptions` (`ranks` may give them), as in
+    `TrainPipelineBase`.
 
     Unlike torchrec's class, the copy of batch i+1 overlaps the compute of batch i (Base's step);
     the numbers are the plain compiled loop's.
     """
 
-    def _compose(self, bound: Bound) -> None:
-        self._compiled = CompiledForward(bound.model, bound.options.compile)
-        self._model_fwd = self._compiled
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        compile_configs: TorchCompileConfig | None = None,
+        pre_compile_fn: Callable[[torch.nn.Module], None] | None = None,
+        post_compile_fn: Callable[[torch.nn.Module], None] | None = None,
+        input_transformer: Callable[[Any], Any] | None = None,
+        *,
+        streams: Streams | None = None,
+        ranks: RankOptions | None = None,
+        on_uneven: str | None = None,
+        check_keys: bool | None = None,
+        check_kjts: bool | None = None,
+        agreement: bool | None = None,
+        abort_on_error: bool | None = None,
+        failure_grace: float | None = None,
+        peer_timeout: timedelta | None = None,
+    ) -> None:
+        self._compiled = CompiledForward(
+            model,
+            compile_config(compile_configs),
+            pre_compile_fn=pre_compile_fn,
+            post_compile_fn=post_compile_fn,
+            input_transformer=input_transformer,
+        )
+        PipelineCore.__init__(
+            self,
+            model,
+            optimizer,
+            device,
+            execute_all_batches=True,
+            custom_model_fwd=self._compiled,
+            streams=streams,
+            ranks=resolve(
+                ranks,
+                RankOptions,
+                on_uneven=on_uneven,
+                check_keys=check_keys,
+                check_kjts=check_kjts,
+                agreement=agreement,
+                abort_on_error=abort_on_error,
+                failure_grace=failure_grace,
+                peer_timeout=peer_timeout,
+            ),
+        )
 
     @property
     def compiled(self) -> bool:
@@ -153,11 +220,13 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
     """`TrainPipelineSparseDist` whose backward runs under compiled autograd, and whose forward and
     backward use torchrec's synchronous collectives (which compiled autograd can trace).
 
-    Args: torchrec 1.8's, in its order (those of `TrainPipelineSparseDist` without
+    Args (torchrec's, in its order): those of `TrainPipelineSparseDist` without
     `dmp_collection_sync_interval_batches`, `enqueue_batch_after_forward` and
-    `enable_inplace_copy_batch`), then ours, keyword-only: `compiled_autograd_options` (torch.compile
-    arguments for the backward graph; None: the model's `_compiled_autograd_options` as in
-    torchrec, else `COMPILED_AUTOGRAD_DEFAULTS`, with fullgraph=False on CPU) and those of our
+    `enable_inplace_copy_batch`.
+
+    Keyword-only, ours: `compiled_autograd_options` (torch.compile arguments for the backward
+    graph; None: the model's `_compiled_autograd_options` as in torchrec, else
+    `COMPILED_AUTOGRAD_DEFAULTS`, with fullgraph=False on CPU), then those of our
     `TrainPipelineSparseDist`.
 
     Raises:
@@ -166,10 +235,66 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
             "python_reducer" when it was built): compiled autograd cannot trace that reducer.
     """
 
-    def _compose(self, bound: Bound) -> None:
-        super()._compose(bound)
-        _refuse_cpp_reducer(bound.model)
-        options = _autograd_options(bound.model, bound.options.compile, self._device)
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        context_type: Any = None,
+        pipeline_postproc: bool = False,
+        custom_model_fwd: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        *,
+        compiled_autograd_options: dict[str, Any] | None = None,
+        strict: bool = False,
+        rewrite: RewriteOptions | None = None,
+        rewrite_method: str | None = None,
+        arg_paths: dict[str, Any] | None = None,
+        input_dist: InputDistOptions | None = None,
+        input_dist_schedule: str | None = None,
+        tuner: Tuner | None = None,
+        streams: Streams | None = None,
+        ranks: RankOptions | None = None,
+        on_uneven: str | None = None,
+        check_keys: bool | None = None,
+        check_kjts: bool | None = None,
+        agreement: bool | None = None,
+        abort_on_error: bool | None = None,
+        failure_grace: float | None = None,
+        peer_timeout: timedelta | None = None,
+    ) -> None:
+        _refuse_cpp_reducer(model)
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            execute_all_batches,
+            apply_jit,
+            pipeline_postproc=pipeline_postproc,
+            custom_model_fwd=custom_model_fwd,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            strict=strict,
+            rewrite=rewrite,
+            rewrite_method=rewrite_method,
+            arg_paths=arg_paths,
+            input_dist=input_dist,
+            input_dist_schedule=input_dist_schedule,
+            tuner=tuner,
+            streams=streams,
+            ranks=ranks,
+            on_uneven=on_uneven,
+            check_keys=check_keys,
+            check_kjts=check_kjts,
+            agreement=agreement,
+            abort_on_error=abort_on_error,
+            failure_grace=failure_grace,
+            peer_timeout=peer_timeout,
+        )
+        options = _autograd_options(model, compiled_autograd_options, device)
         self.compiled_autograd_options: dict[str, Any] = options
         """The torch.compile arguments of the backward graph."""
         self._step_context = _CompiledAutograd(torch.compile(**options))
@@ -193,8 +318,11 @@ class _CompiledAutograd:
             yield
 
 
-def _autograd_options(model: nn.Module, options: CompileOptions, device: torch.device) -> dict[str, Any]:
-    given = options.compiled_autograd_options
+def _autograd_options(model: nn.Module, given: dict[str, Any] | None, device: torch.device) -> dict[str, Any]:
+    if given is not None and not isinstance(given, dict):
+        raise ValueError(
+            f"compiled_autograd_options must be a dict of torch.compile arguments; got {given!r}"
+        )
     if given is None:
         given = getattr(model, "_compiled_autograd_options", None)
     if given is not None:

@@ -9,23 +9,29 @@ issued after fetching batch k+1 (the rule of `Ranks.after_world_collective`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
 
-from pipeline.compat.signatures import Bound
-from pipeline.stages.context import BatchContext, LookupBatchContext
-from pipeline.pipelines.input_dist_core import InputDistPipeline
-from pipeline.stages.lookup import LookupStage
-from pipeline.ranks import Lane
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
+from pipeline.pipelines.core import refuse_jit
+from pipeline.pipelines.input_dist_core import InputDistCore
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
+from pipeline.ranks import Lane
+from pipeline.stages.context import BatchContext, LookupBatchContext
+from pipeline.stages.lookup import LookupStage
+from pipeline.stages.memory import MemoryFlags
+from pipeline.stages.streams import Streams
+from pipeline.stages.tuner import Tuner
 
 __all__ = ["TrainPipelineSemiSync"]
 
 logger = logging.getLogger(__name__)
 
 
-class TrainPipelineSemiSync(InputDistPipeline):
+class TrainPipelineSemiSync(InputDistCore):
     """The embedding lookup of batch i+1 runs before backward of batch i, so it reads embeddings
     one update stale (torchrec 1.8's semi-synchronous training).
 
@@ -45,23 +51,95 @@ class TrainPipelineSemiSync(InputDistPipeline):
     position weights) are updated in place after the next batch's lookup used them, which autograd
     rejects: a warning (an error under `strict`) says so.
 
-    Args: torchrec 1.8's, in its order (`pipeline.compat.signatures`): model, optimizer, device,
-    execute_all_batches (under False nothing is dropped, as in torchrec's class), apply_jit,
-    `start_batch` and `stash_gradients` (`SemiSyncOptions`), pipeline_postproc, custom_model_fwd,
-    strict, `dmp_collection_sync_interval_batches` and the three memory flags; then ours,
-    keyword-only: `arg_paths`, `rewrite_method`, `input_dist_schedule`, `tuner`, `streams` and
-    `RankOptions`.
+    Args (torchrec's, in its order): model, optimizer, device, execute_all_batches (under False
+    nothing is dropped, as in torchrec's class), apply_jit: as in `TrainPipelineSparseDist`;
+        start_batch: index of the first batch whose successor is looked up before its backward.
+        stash_gradients: step the dense optimizer with the previous batch's gradients (torchrec's
+            "true" semi-sync).
+        pipeline_postproc, custom_model_fwd, strict, dmp_collection_sync_interval_batches,
+            enable_inplace_copy_batch, free_features_storage_early, clear_data_dist_inputs: as in
+            `TrainPipelineSparseDist`.
+
+    Keyword-only, ours:
+        rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
+        input_dist_schedule, tuner: the fields of `InputDistOptions` (`input_dist` may give them).
+        streams: the streams to run on; None: CUDA streams on a GPU, none on CPU.
+        on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
+            peer_timeout: the fields of `RankOptions` (`ranks` may give them).
+        A keyword left None takes its options object's value, else that dataclass's default.
     """
 
-    def _compose(self, bound: Bound) -> None:
-        options = bound.options
-        self._context_type = LookupBatchContext
-        self._input_dist = self._make_input_dist(options, forward="lookup")
-        self._lookup = LookupStage(self._streams, self._input_dist, self._model, self._optimizer)
-        self._start_batch = options.semi_sync.start_batch
-        self._stash = options.semi_sync.stash_gradients
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        start_batch: int = 900,
+        stash_gradients: bool = False,
+        pipeline_postproc: bool = True,
+        custom_model_fwd: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
+        strict: bool = False,
+        dmp_collection_sync_interval_batches: int | None = 1,
+        enable_inplace_copy_batch: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        *,
+        rewrite: RewriteOptions | None = None,
+        rewrite_method: str | None = None,
+        arg_paths: dict[str, Any] | None = None,
+        input_dist: InputDistOptions | None = None,
+        input_dist_schedule: str | None = None,
+        tuner: Tuner | None = None,
+        streams: Streams | None = None,
+        ranks: RankOptions | None = None,
+        on_uneven: str | None = None,
+        check_keys: bool | None = None,
+        check_kjts: bool | None = None,
+        agreement: bool | None = None,
+        abort_on_error: bool | None = None,
+        failure_grace: float | None = None,
+        peer_timeout: timedelta | None = None,
+    ) -> None:
+        refuse_jit(apply_jit)
+        if not isinstance(start_batch, int) or start_batch < 0:
+            raise ValueError(f"start_batch must be an int >= 0; got {start_batch!r}")
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            execute_all_batches=execute_all_batches,
+            custom_model_fwd=custom_model_fwd,
+            streams=streams,
+            ranks=resolve(
+                ranks,
+                RankOptions,
+                on_uneven=on_uneven,
+                check_keys=check_keys,
+                check_kjts=check_kjts,
+                agreement=agreement,
+                abort_on_error=abort_on_error,
+                failure_grace=failure_grace,
+                peer_timeout=peer_timeout,
+            ),
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
+            context_type=LookupBatchContext,
+        )
+        self._input_dist = self._make_input_dist(
+            forward="lookup",
+            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
+            strict=strict,
+            pipeline_postproc=pipeline_postproc,
+            schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
+            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+        )
+        self._lookup = LookupStage(self._streams, self._input_dist, model, optimizer)
+        self._start_batch = start_batch
+        self._stash = stash_gradients
         self._stashed: dict[str, torch.Tensor] = {}
-        self._strict_sharing = options.rewrite.strict
+        self._strict_sharing = strict
         self._checked_sharing = False
 
     def _fill(self, lane: Lane) -> None:

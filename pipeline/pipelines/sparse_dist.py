@@ -1,60 +1,129 @@
-"""TrainPipelineSparseDist: input_dist of the next batch runs ahead of forward.
+"""TrainPipelineSparseDist: input_dist of the next batch runs ahead of forward (stages and streams:
+`pipeline.stages`).
 
-Per `progress()` call that returns batch i:
-
-| stage                                    | stream (CUDA) | batch |
-|------------------------------------------|---------------|-------|
-| copy host->device                        | memcpy        | i+2   |
-| input_dist::start (splits all-to-all)    | data_dist     | i+1   |
-| input_dist::splits (values all-to-all)   | data_dist     | i+1   |
-| forward (input_dist::wait of i inside)   | current       | i     |
-| backward, optimizer                      | current       | i     |
-
-The table shows the "early" input_dist schedule: the splits of batch i+1 are waited for before
-forward of i, so its values all-to-all is under way during the whole forward, backward and optimizer
-step of i, on a process group of its own so that backward's collectives do not queue behind it. The
-"late" schedule is torchrec's: the splits are waited for after forward, on torchrec's group;
-"early-shared" and "late-own" make the two choices the other way round. "auto" (the default)
-measures them in paired rounds over the first training steps and keeps torchrec's order unless
-another is significantly faster (`pipeline.stages.schedule`). With `enqueue_batch_after_forward`, the copy
-of batch i+2 moves after forward of i, as in torchrec. On CPU the collectives run in gloo's
-threads, so the overlap is real there too.
+The input_dist schedule says when the next batch's splits are waited for and on which process group
+its all-to-alls run (`pipeline.stages.schedule`); "auto" (the default) measures the schedules over
+the first training steps and keeps torchrec's order unless another is significantly faster. With
+`enqueue_batch_after_forward`, the copy of batch i+2 moves after forward of i, as in torchrec. On CPU
+the collectives run in gloo's threads, so the overlap is real there too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
-from pipeline.compat.signatures import Bound
-from pipeline.pipelines.input_dist_core import InputDistPipeline
+import torch
+
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
+from pipeline.pipelines.core import refuse_jit
+from pipeline.pipelines.input_dist_core import InputDistCore
 from pipeline.ranks import Lane
+from pipeline.stages.context import BatchContext, TrainPipelineContext
+from pipeline.stages.memory import MemoryFlags
+from pipeline.stages.streams import Streams
+from pipeline.stages.tuner import Tuner
 
 __all__ = ["TrainPipelineSparseDist"]
 
 
-class TrainPipelineSparseDist(InputDistPipeline):
+class TrainPipelineSparseDist(InputDistCore):
     """Overlaps input_dist of batch i+1 and the copy of batch i+2 with the compute of batch i.
 
-    Args (torchrec 1.8's, in its order, then ours, keyword-only; `pipeline.compat.signatures` has the list):
+    Args (torchrec's, in its order):
         model: usually a DistributedModelParallel; returns `(loss, output)` in training mode.
         optimizer: stepped after each training batch's backward.
         device: where batches are copied to.
         execute_all_batches: run the batches in flight once the dataloader is exhausted (True), or
             drop the last two as torchrec does (False).
-        apply_jit: not supported; must be False. context_type: accepted, unused.
-        pipeline_postproc, arg_paths, rewrite_method, strict: `RewriteOptions`.
+        apply_jit: not supported; must be False.
+        context_type: accepted, unused (the per-batch contexts are internal).
+        pipeline_postproc: run parameter-free modules that transform the batch ahead with
+            input_dist, instead of leaving their sharded consumers unpipelined.
         custom_model_fwd: called with the batch instead of `model`.
-        dmp_collection_sync_interval_batches, enqueue_batch_after_forward: `StepOptions`.
-        enable_inplace_copy_batch, free_features_storage_early, clear_data_dist_inputs:
-            `MemoryOptions`.
-        input_dist_schedule, tuner: `InputDistOptions`.
-        streams, on_uneven, check_keys, agreement, abort_on_error, failure_grace, peer_timeout:
-            the streams and `RankOptions`.
+        dmp_collection_sync_interval_batches: with a `DMPCollection` (2D sharding), sync its
+            replicas after every this many batches; None never. Other models: 1 or None.
+        enqueue_batch_after_forward: copy batch i+2 after forward of i instead of before it.
+        enable_inplace_copy_batch: allocate the device copy on the stream that uses it (GPU).
+        free_features_storage_early: free a batch's KJT storage once every module has its copy.
+        clear_data_dist_inputs: free what the input all-to-alls sent before forward.
+
+    Keyword-only, ours:
+        strict: fail on the first batch if a sharded module cannot be pipelined.
+        rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
+        input_dist_schedule, tuner: the fields of `InputDistOptions` (`input_dist` may give them).
+        streams: the streams to run on; None: CUDA streams on a GPU, none on CPU.
+        on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
+            peer_timeout: the fields of `RankOptions` (`ranks` may give them).
+        A keyword left None takes its options object's value, else that dataclass's default.
     """
 
-    def _compose(self, bound: Bound) -> None:
-        self._lookahead = 2  # torchrec's fetches batch i+2 during step i and stops when it is missing
-        self._input_dist = self._make_input_dist(bound.options, forward="input_dist")
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        context_type: type[BatchContext] = TrainPipelineContext,
+        pipeline_postproc: bool = False,
+        custom_model_fwd: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
+        dmp_collection_sync_interval_batches: int | None = 1,
+        enqueue_batch_after_forward: bool = False,
+        enable_inplace_copy_batch: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        *,
+        strict: bool = False,
+        rewrite: RewriteOptions | None = None,
+        rewrite_method: str | None = None,
+        arg_paths: dict[str, Any] | None = None,
+        input_dist: InputDistOptions | None = None,
+        input_dist_schedule: str | None = None,
+        tuner: Tuner | None = None,
+        streams: Streams | None = None,
+        ranks: RankOptions | None = None,
+        on_uneven: str | None = None,
+        check_keys: bool | None = None,
+        check_kjts: bool | None = None,
+        agreement: bool | None = None,
+        abort_on_error: bool | None = None,
+        failure_grace: float | None = None,
+        peer_timeout: timedelta | None = None,
+    ) -> None:
+        refuse_jit(apply_jit)
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            execute_all_batches=execute_all_batches,
+            custom_model_fwd=custom_model_fwd,
+            streams=streams,
+            ranks=resolve(
+                ranks,
+                RankOptions,
+                on_uneven=on_uneven,
+                check_keys=check_keys,
+                check_kjts=check_kjts,
+                agreement=agreement,
+                abort_on_error=abort_on_error,
+                failure_grace=failure_grace,
+                peer_timeout=peer_timeout,
+            ),
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
+            lookahead=2,  # torchrec's fetches batch i+2 during step i and stops when it is missing
+        )
+        self._copy_after_forward = enqueue_batch_after_forward
+        self._input_dist = self._make_input_dist(
+            forward="input_dist",
+            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
+            strict=strict,
+            pipeline_postproc=pipeline_postproc,
+            schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
+            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+        )
 
     def _fill(self, lane: Lane) -> None:
         self._input_dist.fill(lane, self._ranks, self._enqueue)
@@ -64,7 +133,7 @@ class TrainPipelineSparseDist(InputDistPipeline):
         input_dist = self._input_dist
         input_dist.choose_schedule(self._model.training)
         input_dist.release_inputs(ctx)
-        copy_late = self._options.step.enqueue_batch_after_forward
+        copy_late = self._copy_after_forward
         if not copy_late and len(lane.inflight) < 3:
             self._enqueue(lane)
         nxt = input_dist.start_next(lane, self._ranks)

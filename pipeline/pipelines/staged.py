@@ -25,11 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.compat import signatures as compat
+from pipeline.compat.types import TrainPipeline
+from pipeline.config import InputDistOptions, RewriteOptions, resolve
+from pipeline.pipelines.core import refuse_jit
 from pipeline.stages.context import BatchContext
 from pipeline.stages.input_dist import InputDist
 from pipeline.stages.labels import label
-from pipeline.config import InputDistOptions, MemoryOptions
 from pipeline.stages.streams import CudaStreams, Streams
 
 __all__ = ["PipelineStage", "SparseDataDistUtil", "StagedTrainPipeline"]
@@ -60,7 +61,7 @@ def _device_stream(stream: Any) -> bool:
     return stream is not None and getattr(getattr(stream, "device", None), "type", "cpu") != "cpu"
 
 
-class StagedTrainPipeline(compat.TrainPipeline):
+class StagedTrainPipeline(TrainPipeline):
     """Runs user-defined `PipelineStage`s on the next batches while the caller trains the current one.
 
     Numerics: `progress()` returns exactly what running the stages in order on each batch would
@@ -100,7 +101,7 @@ class StagedTrainPipeline(compat.TrainPipeline):
         self._flushing = False
         self._fetched = 0
         self.on_flush_end = on_flush_end
-        compat.TrainPipeline.__init__(self)
+        TrainPipeline.__init__(self)
 
     @property
     def num_stages(self) -> int:
@@ -193,35 +194,52 @@ class StagedTrainPipeline(compat.TrainPipeline):
 class SparseDataDistUtil:
     """Makes the input_dist stage of a `StagedTrainPipeline` and hands its results to forward.
 
-    Args (torchrec 1.8's, in its order, then ours, keyword-only; `pipeline.compat.signatures`):
+    Args (torchrec's, in its order):
         model: the sharded model the caller runs on each batch `progress()` returns.
         data_dist_stream: the CUDA stream of the input all-to-alls; None (or a CPU stream) on CPU.
         apply_jit: not supported; must be False.
         prefetch_stream, embedding_lookup_stream: torchrec's prefetch and lookup stages; not
             supported here, must be None (use `PrefetchTrainPipelineSparseDist` or
             `TrainPipelineFusedSparseDist`).
-        pipeline_postproc, arg_paths, rewrite_method, strict: `RewriteOptions`.
+        pipeline_postproc: run parameter-free modules that transform the batch ahead.
+
+    Keyword-only, ours:
+        strict: fail on the first batch if a sharded module cannot be pipelined.
+        rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        bound = compat.bind(SparseDataDistUtil, args, kwargs)
-        if bound.other["prefetch_stream"] is not None or bound.other["embedding_lookup_stream"] is not None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        data_dist_stream: Any = None,
+        apply_jit: bool = False,
+        prefetch_stream: Any = None,
+        pipeline_postproc: bool = False,
+        embedding_lookup_stream: Any = None,
+        *,
+        strict: bool = False,
+        rewrite: RewriteOptions | None = None,
+        rewrite_method: str | None = None,
+        arg_paths: dict[str, Any] | None = None,
+    ) -> None:
+        refuse_jit(apply_jit)
+        if prefetch_stream is not None or embedding_lookup_stream is not None:
             raise ValueError("SparseDataDistUtil here has no prefetch or lookup stage; pass None")
-        data_dist_stream = bound.other["data_dist_stream"]
         streams: Streams = Streams()
         if _device_stream(data_dist_stream):
             streams = CudaStreams(data_dist_stream.device, prefetch=False)
             streams.data_dist = data_dist_stream
-        self.model = bound.model
+        self.model = model
         self.data_dist_stream = data_dist_stream
         self._streams = streams
         # torchrec's order ("late" schedule, torchrec's process group); no votes: the stages fetch
         self._input_dist = InputDist(
-            bound.model,
+            model,
             streams,
-            rewrite=bound.options.rewrite,
+            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
+            strict=strict,
+            pipeline_postproc=pipeline_postproc,
             schedule=InputDistOptions(schedule="late"),
-            memory=MemoryOptions(),
         )
         self._contexts: deque[BatchContext] = deque()
         """Batches whose input_dist started, oldest (the next forward's) first."""
@@ -283,6 +301,3 @@ class SparseDataDistUtil:
             fill_callback=self.wait_sdd_fill_callback,
             data_exhausted_callback=self.data_exhausted_callback,
         )
-
-
-SparseDataDistUtil.__signature__ = compat.signature_of(SparseDataDistUtil)  # type: ignore[attr-defined]

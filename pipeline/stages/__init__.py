@@ -1,1 +1,2 @@
-"""The data path of a batch: copy, input_dist, prefetch, lookup, with their streams, hand-offs and per-batch contexts."""
+"""The data path of a batch: copy, input_dist, prefetch and lookup, with their streams, hand-offs and
+per-batch contexts."""

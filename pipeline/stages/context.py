@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.stages.labels import label
 from pipeline.ranks.lane import Ticket
+from pipeline.stages.labels import label
 from pipeline.stages.streams import Streams
 
 __all__ = ["BatchContext", "LookupBatchContext", "PrefetchBatchContext", "TrainPipelineContext"]

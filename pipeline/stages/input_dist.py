@@ -18,11 +18,11 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from pipeline.config import InputDistOptions, RewriteOptions
+from pipeline.ranks import Lane, Ranks
 from pipeline.stages.context import BatchContext
 from pipeline.stages.labels import run_stage
-from pipeline.stages.memory import free_features_early, release_features, release_sent_inputs
-from pipeline.config import InputDistOptions, MemoryOptions, RewriteOptions
-from pipeline.ranks import Lane, Ranks
+from pipeline.stages.memory import MemoryFlags, free_features_early, release_features, release_sent_inputs
 from pipeline.stages.schedule import SCHEDULES
 from pipeline.stages.streams import Streams
 from pipeline.stages.tuner import Tuner
@@ -47,8 +47,10 @@ class InputDist:
         model: the model the pipeline runs (its sharded modules are rewritten on `attach`).
         streams: the pipeline's streams (the all-to-alls run on `data_dist`).
         rewrite: how the sharded modules' inputs are found (`RewriteOptions`).
+        strict: fail on the first batch if a sharded module cannot be pipelined.
+        pipeline_postproc: run parameter-free modules that transform the batch ahead.
         schedule: the input_dist schedule and its tuner (`InputDistOptions`).
-        memory: torchrec's memory flags (`pipeline.stages.memory`).
+        memory: torchrec's memory flags (`MemoryFlags`).
         forward: which hijacked forward the sharded modules get: "input_dist" (they wait for the
             values all-to-all), "prefetch" (they take the prefetch stage's output) or "lookup"
             (they take the lookup stage's output).
@@ -62,12 +64,16 @@ class InputDist:
         streams: Streams,
         *,
         rewrite: RewriteOptions,
+        strict: bool = False,
+        pipeline_postproc: bool = False,
         schedule: InputDistOptions,
-        memory: MemoryOptions,
+        memory: MemoryFlags | None = None,
         forward: str = "input_dist",
         new_group: Callable[..., Any] = dist.new_group,
     ) -> None:
-        self._model, self._streams, self._options, self._memory = model, streams, rewrite, memory
+        self._model, self._streams, self._options = model, streams, rewrite
+        self._memory = memory or MemoryFlags()
+        self._strict, self._pipeline_postproc = strict, pipeline_postproc
         self._forward = forward
         self.slot = ContextSlot()
         """Holds the context of the batch whose forward runs (the hijacked forwards read it)."""
@@ -122,8 +128,8 @@ class InputDist:
                 lookup=self._forward == "lookup",
                 method=options.method,
                 paths=options.arg_paths,
-                pipeline_postproc=options.pipeline_postproc,
-                strict=options.strict,
+                pipeline_postproc=self._pipeline_postproc,
+                strict=self._strict,
             )
             if self._memory.free_features_storage_early:
                 self._undo.append(free_features_early(pm.module for pm in self.rewrite.modules))

@@ -1,4 +1,4 @@
-"""What torchrec's memory flags free, as torchrec frees it (`MemoryOptions`).
+"""What torchrec's memory flags free, as torchrec frees it (`MemoryFlags`).
 
 - `free_features_storage_early`: a sharded module that permutes its input features keeps the
   original KeyedJaggedTensor in its context (`early_releasable_inputs`) once told to
@@ -14,12 +14,24 @@ Both return the bytes they freed, which the pipeline adds to `InputDist.freed_by
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 from torchrec.distributed.dist_data import KJTAllToAllTensorsAwaitable
 
-__all__ = ["free_features_early", "release_features", "release_sent_inputs"]
+__all__ = ["MemoryFlags", "free_features_early", "release_features", "release_sent_inputs"]
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryFlags:
+    """torchrec's two memory flags of the input_dist stage, as the constructors received them."""
+
+    free_features_storage_early: bool = False
+    """Free the storage of a batch's KeyedJaggedTensor once every pipelined module's input_dist
+    has made its own permuted copy (torchrec's modules keep the original only while permuting)."""
+    clear_data_dist_inputs: bool = False
+    """Before forward of a batch, wait for its input all-to-alls and free the tensors they sent."""
 
 
 def free_features_early(modules: Iterable[nn.Module]) -> Callable[[], None]:
