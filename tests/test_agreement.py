@@ -41,23 +41,23 @@ def _raise(store: dist.Store, prefix: str, rank: int, status: int, position: int
     store.add(f"{prefix}/events", 1)
 
 
-def test_flags_read_ahead_see_what_was_raised_before_the_read_started():
+def test_flags_read_in_the_background_see_what_was_raised_before_the_read_started():
     store = dist.HashStore()
     flags = StoreFlags(store, "p")
     assert flags.statuses(3, 2) == [Status.HAVE, Status.HAVE]
     _raise(store, "p", 1, Status.EXHAUSTED, 4)
-    flags.read_ahead(token=7)
-    assert flags.statuses(4, 2, token=7) == [Status.HAVE, Status.EXHAUSTED]
-    assert flags.statuses(9, 2, token=7) == [Status.HAVE, Status.EXHAUSTED]  # no read ahead left: read now
+    flags.read_in_background(through=7)
+    assert flags.statuses(4, 2, seq=7) == [Status.HAVE, Status.EXHAUSTED]
+    assert flags.statuses(9, 2, seq=5) == [Status.HAVE, Status.EXHAUSTED]  # the same read serves seq 5
 
 
-def test_flags_ignore_a_read_ahead_for_another_batch():
+def test_flags_read_now_for_a_batch_the_background_read_does_not_serve():
     store = dist.HashStore()
     flags = StoreFlags(store, "p")
-    flags.read_ahead(token=1)
-    in_background(lambda: None).result()  # the read ahead has run
+    flags.read_in_background(through=1)
+    in_background(lambda: None).result()  # the background read has run
     _raise(store, "p", 0, Status.EXHAUSTED, 2)
-    assert flags.statuses(2, 2, token=2) == [Status.EXHAUSTED, Status.HAVE]  # read now, not the stale count
+    assert flags.statuses(2, 2, seq=2) == [Status.EXHAUSTED, Status.HAVE]  # read now, not the stale count
 
 
 def test_background_calls_run_in_order_and_hand_back_errors():
@@ -70,23 +70,37 @@ def test_background_calls_run_in_order_and_hand_back_errors():
         in_background(lambda: 1 / 0).result(timeout=5)
 
 
+class _Reports:
+    """Stands in for `Ranks`: records the collectives the hooks report."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def world_collective_issued(self) -> str:
+        self.calls.append("issued")
+        return "mark"
+
+    def world_collective_completed(self, mark: str | None) -> None:
+        self.calls.append(f"completed {mark}")
+
+
 def _forward_collectives(rank: int, world_size: int) -> dict:
-    from pipeline.ranks import WorldCollectiveSeen
+    from pipeline.ranks.seen import WorldCollectiveHooks
     from tests import models
 
     seen = {}
     for sharding in ("table_wise", "column_wise", "data_parallel"):
         model, _ = models.build("dlrm", sharding)
-        watch = WorldCollectiveSeen(model)
-        before = watch.take()
+        reports = _Reports()
+        hooks = WorldCollectiveHooks(model, reports)
         model(models.batches("dlrm", 1, rank)[0])
-        seen[sharding] = (before, watch.take(), watch.take())
+        seen[sharding] = list(reports.calls)
         if sharding == "table_wise":
             seen["hooked"] = sum(len(m._forward_hooks) for m in model.modules())
-            watch.remove()
+            hooks.remove()
             model(models.batches("dlrm", 1, rank)[0])
             seen["hooks_left"] = sum(len(m._forward_hooks) for m in model.modules())
-            seen["after_remove"] = watch.take()
+            seen["after_remove"] = list(reports.calls)
     seen["pipeline_hooks_left"] = _hooks_left_by_a_dropped_pipeline(rank)
     return seen
 
@@ -107,15 +121,16 @@ def _hooks_left_by_a_dropped_pipeline(rank: int) -> tuple[int, int]:
     return hooked, sum(len(m._forward_hooks) for m in model.modules())
 
 
-def test_world_collective_seen_after_a_sharded_forward_only():
-    """Base reads the next batch's flags after forward only when forward waited for an all-to-all
-    over every rank: not before any forward, once per forward, never for data-parallel tables (whose
-    input_dist sends nothing)."""
+def test_forward_hooks_report_the_all_to_alls_over_every_rank_only():
+    """Base's step reports the input all-to-all a sharded module runs inside forward, issued and
+    then completed, when it spans every rank; never for data-parallel tables (whose input_dist
+    sends nothing)."""
     from tests.harness import run_ranks
 
     for seen in run_ranks(_forward_collectives, 2, timeout=120):
-        assert seen["table_wise"] == (False, True, False)
-        assert seen["column_wise"] == (False, True, False)
-        assert seen["data_parallel"] == (False, False, False)
-        assert seen["hooked"] == 1 and seen["hooks_left"] == 0 and seen["after_remove"] is False
+        assert seen["table_wise"] == ["issued", "completed mark"], seen
+        assert seen["column_wise"] == ["issued", "completed mark"], seen
+        assert seen["data_parallel"] == [], seen
+        assert seen["hooked"] == 1 and seen["hooks_left"] == 0, seen
+        assert seen["after_remove"] == ["issued", "completed mark"], "a removed hook still reported"
         assert seen["pipeline_hooks_left"] == (1, 0)  # hooked while the pipeline lived, not after

@@ -357,3 +357,49 @@ def test_drain_then_checkpoint_resumes_bit_for_bit(pool, tmp_path):
                 assert s["fetched_ahead"] > 0, "the case must have batches in flight at the checkpoint"
             assert r["count"] == CKPT_STEPS, r
             assert r["outputs_equal"] and r["params_equal"], f"{pipe_name} rank {rank}: {r}"
+
+
+# -- votes only where no collective orders the ranks --------------------------------------------
+
+VOTED_CLASSES = (
+    *PIPELINES,
+    "TrainPipelineFusedSparseDist",
+    "TrainPipelineSemiSync",
+    "EvalPipelineSparseDist",
+)
+
+
+def _votes(rank: int, world_size: int, pipe_name: str, execute_all_batches: bool) -> tuple[int, int]:
+    import torch
+
+    import pipeline
+    from tests import models
+
+    model, opt = models.build("dlrm", "table_wise")
+    extra = (
+        {}
+        if pipe_name in ("TrainPipelineBase", "EvalPipelineSparseDist")
+        else {"execute_all_batches": execute_all_batches}
+    )
+    pipe = getattr(pipeline, pipe_name)(model, opt, torch.device("cpu"), **extra)
+    outputs = models.run_to_end(pipe, iter(models.batches("dlrm", LONG, rank)))
+    return len(outputs), pipe._ranks.votes
+
+
+@pytest.mark.parametrize("pipe_name", VOTED_CLASSES)
+def test_ranks_vote_on_a_lanes_first_batches_only(pool, pipe_name):
+    """After a lane's first batches, every class's own collectives over every rank order the ranks,
+    so the store flags decide; a vote on every batch would mean the rule lost its reports."""
+    for rank, (count, votes) in enumerate(pool.run(_votes, pipe_name, True, timeout=TIMEOUT)):
+        assert count == LONG, f"{pipe_name} rank {rank}: {count} outputs"
+        assert 1 <= votes <= 3, f"{pipe_name} rank {rank}: {votes} of {LONG} batches voted on"
+
+
+def test_batches_looked_ahead_are_voted_on(pool):
+    """Under execute_all_batches=False the batches looked ahead are admitted right after their
+    fetch, before any collective: a vote each (the twin of the test above)."""
+    for rank, (count, votes) in enumerate(
+        pool.run(_votes, "TrainPipelineSparseDist", False, timeout=TIMEOUT)
+    ):
+        assert count == LONG - 2, f"rank {rank}: {count} outputs"
+        assert votes >= LONG - 2, f"rank {rank}: {votes} votes"

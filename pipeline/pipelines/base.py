@@ -78,6 +78,8 @@ class TrainPipelineBase(PipelineCore):
             ),
             enable_inplace_copy_batch=enable_inplace_copy_batch,
         )
+        # the sharded modules run their own input all-to-alls inside forward
+        self._ranks.report_forward_collectives(model)
 
     def _fill(self, lane: Lane) -> None:
         if not lane.inflight:
@@ -89,16 +91,8 @@ class TrainPipelineBase(PipelineCore):
         ctx = lane.inflight[0]
         self._enqueue(lane)  # copy of i+1 overlaps compute of i
         losses, output = self._forward(ctx, train=True)
-        # batch i+1 was fetched before this forward: its flags may be read from the first
-        # collective over every rank after it (`Ranks.after_world_collective`)
-        read_early = self._ranks.forward_spanned_world(lane, self._model)
-        if read_early:
-            self._ranks.after_world_collective(lane, 1)
         if losses is not None:
             self._backward(ctx, losses)
-        lane.inflight.popleft()
-        if not read_early:
-            self._ranks.after_world_collective(lane, 0)
-        if losses is not None:
             self._optimizer_step(ctx)
+        lane.inflight.popleft()
         return output

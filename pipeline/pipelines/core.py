@@ -23,7 +23,7 @@ from torchrec.distributed.model_parallel import DMPCollection
 
 from pipeline.compat.types import TrainPipeline
 from pipeline.config import RankOptions
-from pipeline.ranks import AgreedError, Lane, LaneState, Ranks
+from pipeline.ranks import AgreedError, Lane, LaneState, Ranks, backward_spans_world
 from pipeline.stages.context import BatchContext
 from pipeline.stages.copy import to_device, to_device_in_place
 from pipeline.stages.labels import label, run_stage
@@ -90,7 +90,10 @@ class PipelineCore(TrainPipeline):
         self._execute_all_batches = execute_all_batches
         self._inplace_copy = enable_inplace_copy_batch
         self._streams: Streams = streams if streams is not None else streams_for(device)
-        self._ranks = Ranks(ranks, vote_every_batch=not execute_all_batches, model=model)
+        self._ranks = Ranks(ranks, model=model)
+        self._backward_spans_world: bool | None = None
+        """Backward runs a collective over every rank that has completed when it returns (known at
+        the first backward)."""
         self._context_type = context_type
         self._lookahead = lookahead
         self._sync_interval = _sync_interval(model, dmp_collection_sync_interval_batches)
@@ -139,6 +142,7 @@ class PipelineCore(TrainPipeline):
         lane = self._lanes.get(id(dataloader_iter))
         if lane is None or lane.iterator is not dataloader_iter:
             lane = self._lanes[id(dataloader_iter)] = self._ranks.open_lane(dataloader_iter)
+        self._ranks.enter(lane)
         try:
             draining = lane.state is LaneState.DRAINING
             if not (self._execute_all_batches or draining) and not self._look_ahead(lane):
@@ -273,10 +277,14 @@ class PipelineCore(TrainPipeline):
         return result
 
     def _backward(self, ctx: BatchContext, losses: Any) -> None:
+        if self._backward_spans_world is None:
+            self._backward_spans_world = self._on_host and backward_spans_world(self._model)
+        mark = self._ranks.world_collective_issued() if self._backward_spans_world else None
         with run_stage(self._streams, "backward", ctx.index):
             # a scalar loss needs no sum (one kernel launch less), and the gradient is the same
             loss = losses if isinstance(losses, torch.Tensor) and losses.dim() == 0 else torch.sum(losses)
             loss.backward()
+        self._ranks.world_collective_completed(mark)
 
     def _sync_replicas(self, ctx: BatchContext) -> None:
         """After backward: a `DMPCollection` (2D sharding) syncs its replicas' embeddings and

@@ -115,17 +115,18 @@ class EvalPipelineSparseDist(InputDistCore):
         )
 
     def _fill(self, lane: Lane) -> None:
-        self._input_dist.fill(lane, self._ranks, self._enqueue)
+        self._input_dist.fill(lane, self._enqueue)
 
     def _step(self, lane: Lane) -> Any:
         ctx, input_dist = lane.inflight[0], self._input_dist
         input_dist.release_inputs(ctx)
         if len(lane.inflight) < 3:
             self._enqueue(lane)
-        nxt = input_dist.start_next(lane, self._ranks)
+        nxt = input_dist.start_next(lane)
         _, output = self._forward(ctx, train=False, slot=input_dist.slot)
-        input_dist.finish_next(lane, self._ranks, nxt, fetched_before=True)
-        input_dist.retire_head(lane, self._ranks, nxt, read_next=False)
+        if nxt is not None:
+            input_dist.wait_splits(nxt)  # a no-op after early splits
+        lane.inflight.popleft()
         return output
 
 

@@ -86,7 +86,7 @@ class InputDistCore(PipelineCore):
             schedule=schedule,
             memory=memory,
             forward=forward,
-            new_group=self._ranks.new_group,
+            ranks=self._ranks,
         )
         self._on_reset.append(input_dist.reset)
         return input_dist

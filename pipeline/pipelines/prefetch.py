@@ -120,7 +120,7 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
         return self._prefetch.ahead
 
     def _fill(self, lane: Lane) -> None:
-        self._input_dist.fill(lane, self._ranks, self._enqueue)
+        self._input_dist.fill(lane, self._enqueue)
 
     def _step(self, lane: Lane) -> Any:
         ctx = lane.inflight[0]
@@ -128,14 +128,15 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
         input_dist.choose_schedule(self._model.training)
         if len(lane.inflight) < 3:
             self._enqueue(lane)
-        nxt = input_dist.start_next(lane, self._ranks)
+        nxt = input_dist.start_next(lane)
         if nxt is not None and input_dist.early_splits:
             # on a worker thread the prefetch of batch i+1 starts as soon as its values all-to-all
             # is under way, and reads during forward too; the rows batch i uses are pinned
             prefetch.submit_early(nxt)
         prefetch.wait(ctx)  # submits it first if it did not run ahead
         losses, output = self._forward(ctx, train=True, slot=input_dist.slot)
-        input_dist.finish_next(lane, self._ranks, nxt, fetched_before=True)
+        if nxt is not None:
+            input_dist.wait_splits(nxt)  # a no-op after early splits
         if nxt is not None and prefetch.ahead:
             # overlaps backward and optimizer of batch i (torchrec's GPU order); the rows it
             # needs are pinned by the kernel, so backward of i cannot lose them
@@ -143,7 +144,7 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
         if losses is not None:
             self._backward(ctx, losses)
             self._optimizer_step(ctx)
-        input_dist.retire_head(lane, self._ranks, nxt, read_next=False)
+        lane.inflight.popleft()
         return output
 
 

@@ -126,7 +126,7 @@ class TrainPipelineSparseDist(InputDistCore):
         )
 
     def _fill(self, lane: Lane) -> None:
-        self._input_dist.fill(lane, self._ranks, self._enqueue)
+        self._input_dist.fill(lane, self._enqueue)
 
     def _step(self, lane: Lane) -> Any:
         ctx = lane.inflight[0]
@@ -136,14 +136,15 @@ class TrainPipelineSparseDist(InputDistCore):
         copy_late = self._copy_after_forward
         if not copy_late and len(lane.inflight) < 3:
             self._enqueue(lane)
-        nxt = input_dist.start_next(lane, self._ranks)
+        nxt = input_dist.start_next(lane)
         losses, output = self._forward(ctx, train=True, slot=input_dist.slot)
         if copy_late and len(lane.inflight) < 3:
             self._enqueue(lane)  # after forward: on a GPU the copy does not compete with lookups
-        input_dist.finish_next(lane, self._ranks, nxt, fetched_before=not copy_late)
+        if nxt is not None:
+            input_dist.wait_splits(nxt)  # a no-op after early splits
         if losses is not None:
             self._backward(ctx, losses)
             self._sync_replicas(ctx)
             self._optimizer_step(ctx)
-        input_dist.retire_head(lane, self._ranks, nxt, read_next=copy_late)
+        lane.inflight.popleft()
         return output

@@ -12,8 +12,8 @@ from pipeline.ranks.flags import StoreFlags
 from pipeline.ranks.keys import KeyCheck
 from pipeline.ranks.kjt_check import KJTCheck
 from pipeline.ranks.lane import Lane, LaneState, Ticket
-from pipeline.ranks.protocol import Ranks
-from pipeline.ranks.seen import WorldCollectiveSeen
+from pipeline.ranks.protocol import Ranks, WorldMark
+from pipeline.ranks.seen import WorldCollectiveHooks, backward_spans_world, spans_world
 from pipeline.ranks.status import AgreedError, BatchKeysError, MalformedBatchError, Status, UnevenDataError
 from pipeline.ranks.votes import Agreement, Vote
 
@@ -34,8 +34,11 @@ __all__ = [
     "Ticket",
     "UnevenDataError",
     "Vote",
-    "WorldCollectiveSeen",
+    "WorldCollectiveHooks",
+    "WorldMark",
+    "backward_spans_world",
     "in_background",
     "is_comm_error",
     "rank_and_world",
+    "spans_world",
 ]

@@ -39,6 +39,10 @@ class LaneState(enum.Enum):
 class Ticket:
     """What the ranks' protocol records for one batch this rank fetched (or a placeholder)."""
 
+    seq: int
+    """The batch's sequence number in its lane: contexts added before it, placeholders included
+    (the same on every rank). The cross-rank rule is stated in these numbers
+    (`pipeline.ranks.Ranks.world_collective_completed`)."""
     position: int
     """Index of the batch in its dataloader (the same position on every rank)."""
     status: Status
@@ -68,6 +72,9 @@ class Lane:
     """Batches of this iterator run so far."""
     flags: StoreFlags | None = None
     """The lane's store flags (across ranks, once a status other than HAVE may be published)."""
+    readable_through: int = -1
+    """The highest ticket `seq` whose peers' flags may be read: every rank has completed a
+    collective over every rank that it issued after fetching that batch."""
 
     @property
     def fetching(self) -> bool:

@@ -1,12 +1,18 @@
 """`Ranks`: the one owner of the ranks' agreement on every batch, before it enters a collective.
 
-Every rank has a status for every batch position it fetches (`Status`). The ranks learn each
-other's statuses before the batch's first collective, in one of two ways, chosen at fetch:
+Every rank has a status for every batch position it fetches (`Status`), recorded in the batch's
+`Ticket`, whose sequence number is the same on every rank. The ranks learn each other's statuses
+before the batch's first collective (`admit`), in one of two ways, chosen there from that number:
 
-- a vote (`pipeline.ranks.votes`), where nothing else orders the ranks: the first two batches of a
-  lane, and every batch under `execute_all_batches=False` (read ahead and admitted at once);
-- store flags (`pipeline.ranks.flags`) for every other batch: only a rank whose status is not HAVE
-  writes, and reading is valid once `after_world_collective` says so.
+- store flags (`pipeline.ranks.flags`): a rank whose status is not HAVE writes it at fetch, and a
+  peer reads the flags once it completed a collective over every rank that was issued after the
+  batch was fetched (the one cross-rank rule, `world_collective_completed`);
+- a vote (`pipeline.ranks.votes`) where no such collective has completed yet: a lane's first
+  batches, and every batch read ahead under `execute_all_batches=False`.
+
+Every rank takes the same way for the same batch, since the collectives come in the same order on
+every rank. The stages report their collectives over every rank (`world_collective_issued`, then
+`world_collective_completed`); no caller places the rule itself.
 
 So uneven data ends on every rank at the shortest rank's count, a batch with wrong keys or a
 malformed KeyedJaggedTensor stops every rank with the same error, and a rank that raises makes its
@@ -20,6 +26,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,7 +38,7 @@ from pipeline.ranks.flags import StoreFlags
 from pipeline.ranks.keys import KeyCheck
 from pipeline.ranks.kjt_check import KJTCheck
 from pipeline.ranks.lane import Lane, LaneState, Ticket
-from pipeline.ranks.seen import WorldCollectiveSeen
+from pipeline.ranks.seen import WorldCollectiveHooks
 from pipeline.ranks.status import (
     BatchKeysError,
     MalformedBatchError,
@@ -44,7 +51,7 @@ from pipeline.ranks.status import (
 )
 from pipeline.ranks.votes import Agreement
 
-__all__ = ["Ranks"]
+__all__ = ["Ranks", "WorldMark"]
 
 _PIPELINE_IDS = itertools.count()
 """Numbers pipelines in construction order, the same on every rank (names the store keys)."""
@@ -52,19 +59,24 @@ _GROUP_IDS = itertools.count()
 """Numbers the process groups the pipelines create, in order (the same order on every rank)."""
 
 
+@dataclass(frozen=True, slots=True)
+class WorldMark:
+    """A collective over every rank, issued after the batches of `lane` up to sequence number
+    `through` were fetched."""
+
+    lane: Lane
+    through: int
+
+
 class Ranks:
     """Fetch, admission and failure across ranks, for one pipeline.
 
     Args:
         options: how the ranks agree (`RankOptions`).
-        vote_every_batch: vote on every batch (`execute_all_batches=False`, where batches are read
-            ahead and admitted at once, with no collective between fetch and admission).
         model: the model trained (its embedding tables bound the ids `check_kjts` accepts).
     """
 
-    def __init__(
-        self, options: RankOptions, *, vote_every_batch: bool, model: torch.nn.Module | None = None
-    ) -> None:
+    def __init__(self, options: RankOptions, *, model: torch.nn.Module | None = None) -> None:
         self._options = options
         self.keys = KeyCheck() if options.check_keys else None
         self.kjts = KJTCheck(model) if options.check_kjts else None
@@ -73,11 +85,15 @@ class Ranks:
         """Ranks agree on every batch (else a rank's own status is all it knows)."""
         self._pipeline_id = next(_PIPELINE_IDS)  # the same on every rank: pipelines are built in step
         self._failure = FailureSignal(grace=options.failure_grace, scope=f"p{self._pipeline_id}/")
-        self._vote_every_batch = vote_every_batch
         self._lane_count = 0
-        self._seen: WorldCollectiveSeen | None = None
+        self._lane: Lane | None = None
+        """The lane whose step runs now (`enter`): the collectives issued belong to its batches."""
+        self._hooks: WorldCollectiveHooks | None = None
         self.untrained_batches: list[Any] = []
         """Batches this rank fetched but did not train because another rank's data ended first."""
+        self.votes = 0
+        """Batches admitted by a vote (the rest by flags): a lane's first batches, and batches
+        read ahead under `execute_all_batches=False`."""
 
     def new_group(self, **kwargs: Any) -> dist.ProcessGroup:
         """`dist.new_group(**kwargs)`, entered only once every rank reached it.
@@ -120,19 +136,15 @@ class Ranks:
                 lane.state = LaneState.EXHAUSTED
         if status == Status.EXHAUSTED and not self.voting:
             return None
-        ticket = Ticket(position=lane.fetched, status=status)
+        ticket = Ticket(seq=lane.enqueued, position=lane.fetched, status=status)
         if status == Status.HAVE:
             lane.fetched += 1
             if self.keys is not None and (found := self.keys.check(batch)) is not None:
                 ticket.status, ticket.found_keys = Status.BAD_KEYS, found
             elif self.kjts is not None and (problem := self.kjts.check(batch)) is not None:
                 ticket.status, ticket.problem = Status.MALFORMED, problem
-        if self.voting:
-            # a vote where no collective of this rank's comes between this fetch and the other
-            # ranks' reading of the flags (see `after_world_collective`); else a flag if not HAVE
-            if lane.flags is None or lane.enqueued < 2 or self._vote_every_batch:
-                ticket.vote = self._agreement.vote(ticket.status)
-            elif ticket.status in (Status.BAD_KEYS, Status.MALFORMED) or (
+        if self.voting and lane.flags is not None:
+            if ticket.status in (Status.BAD_KEYS, Status.MALFORMED) or (
                 ticket.status == Status.EXHAUSTED and not lane.flags.end_raised
             ):
                 lane.flags.raise_flag(ticket.status, ticket.position)
@@ -180,39 +192,55 @@ class Ranks:
 
     def _statuses(self, lane: Lane, ctx: Any) -> list[Status]:
         ticket: Ticket = ctx.ticket
-        if ticket.vote is not None:
-            return ticket.vote.wait()
-        if self.voting and lane.flags is not None:
-            statuses = lane.flags.statuses(ticket.position, self._failure.world, ctx.index)
+        if not self.voting:
+            return [ticket.status]
+        if lane.flags is not None and ticket.seq <= lane.readable_through:
+            statuses = lane.flags.statuses(ticket.position, self._failure.world, ticket.seq)
             statuses[self._failure.rank] = ticket.status
             return statuses
-        return [ticket.status]
+        self.votes += 1
+        return self._agreement.vote(ticket.status).wait()
 
-    def after_world_collective(self, lane: Lane, at: int) -> None:
-        """This rank completed a collective that every rank issued after fetching the batch
-        `lane.inflight[at]`: the peers' flags for that batch are in the store, so reading them may
-        start now, in the background, overlapping the rest of the step.
+    # -- the one cross-rank rule --------------------------------------------------------------
 
-        This is the one cross-rank rule of the pipelines: a rank reads another rank's flags for a
-        batch only after a collective that every rank issued after fetching that batch. A rank
+    def enter(self, lane: Lane) -> None:
+        """A step of `lane` starts: the collectives reported until the next `enter` are its."""
+        self._lane = lane
+
+    def world_collective_issued(self) -> WorldMark | None:
+        """Call right after issuing a collective over every rank (on every rank, in the same
+        order); pass what it returns to `world_collective_completed` once it completed."""
+        lane = self._lane
+        if lane is None or lane.flags is None:
+            return None
+        return WorldMark(lane, lane.enqueued - 1)
+
+    def world_collective_completed(self, mark: WorldMark | None) -> None:
+        """This rank completed the collective `mark` names: the peers' flags of every batch
+        fetched before it was issued are in the store, so they may be read, from now on, and the
+        read starts in the background if a batch waits for it.
+
+        This is the one cross-rank rule: a rank reads another rank's flags for a batch only after
+        a collective over every rank that every rank issued after fetching that batch. A rank
         raises its flag at fetch, before it issues that collective, and no rank completes a
-        collective before every rank issued it, so the read cannot miss the flag. Call it at such
-        a point of the step, and nowhere else; batches with a vote need no read.
+        collective before every rank issued it, so the read cannot miss the flag. `admit` takes
+        the flags for a batch whose sequence number the rule covers, and votes on any other.
         """
-        if lane.flags is not None and len(lane.inflight) > at and lane.inflight[at].ticket.vote is None:
-            lane.flags.read_ahead(lane.inflight[at].index)
+        if mark is None or mark.through <= mark.lane.readable_through:
+            return
+        lane = mark.lane
+        lane.readable_through = mark.through
+        waiting = any(not c.ticket.admitted and c.ticket.seq <= mark.through for c in lane.inflight)
+        if waiting and lane.flags is not None:
+            lane.flags.read_in_background(mark.through)
 
-    def forward_spanned_world(self, lane: Lane, model: torch.nn.Module) -> bool:
-        """Whether the forward that just ran waited for an all-to-all over every rank (a sharded
-        module's input all-to-all): a collective every rank issued after fetching the next batch,
-        when that batch was fetched before the forward (`after_world_collective`)."""
-        if lane.flags is None:
-            return False
-        if self._seen is None:  # hooks only for pipelines that run the sharded modules' own forward
-            self._seen = WorldCollectiveSeen(model)
+    def report_forward_collectives(self, model: torch.nn.Module) -> None:
+        """Report the input all-to-alls over every rank that the model's own sharded modules run
+        inside forward (pipelines that leave the sharded modules' forward as it is: Base)."""
+        if self._hooks is None and self.voting:
+            self._hooks = WorldCollectiveHooks(model, self)
             # the model outlives the pipeline: a pipeline per epoch must not pile hooks up on it
-            weakref.finalize(self, self._seen.remove)
-        return self._seen.take()
+            weakref.finalize(self, self._hooks.remove)
 
     def fail(self, error: BaseException, reset: Callable[[], None]) -> None:
         """This rank raised inside `progress()`: `reset()` the batches in flight and, across ranks,

@@ -38,9 +38,9 @@ class BatchContext:
     `take_input_dist`, or by the prefetch stage."""
     started: bool = False
     """input_dist start ran (for pipelines without input_dist: never)."""
-    splits_span_world: bool = False
-    """Written by input_dist start: one of its splits all-to-alls is on a group of every rank, so
-    once it is waited, every rank has issued it (read by the flags' read-ahead)."""
+    world_mark: Any = None
+    """Written by input_dist start when one of its splits all-to-alls spans every rank (the
+    ranks' `WorldMark` of it); read by the splits wait, which reports it completed."""
     ticket: Ticket | None = None
     """Written at fetch by the ranks' protocol (`pipeline.ranks.Ranks`): this rank's status for the
     batch, its vote, whether every rank admitted it; read before the batch's first collective."""

@@ -54,8 +54,10 @@ class InputDist:
         forward: which hijacked forward the sharded modules get: "input_dist" (they wait for the
             values all-to-all), "prefetch" (they take the prefetch stage's output) or "lookup"
             (they take the lookup stage's output).
-        new_group: creates the all-to-alls' own process groups (`Ranks.new_group` in the
-            pipelines: it does not wait for a peer that failed).
+        ranks: the pipeline's ranks' protocol: it admits each batch before its input_dist starts,
+            creates the all-to-alls' own process groups (`Ranks.new_group`: it does not wait for
+            a peer that failed) and is told of each splits all-to-all over every rank. None
+            (`SparseDataDistUtil`): no admission, groups by `dist.new_group`.
     """
 
     def __init__(
@@ -69,7 +71,7 @@ class InputDist:
         schedule: InputDistOptions,
         memory: MemoryFlags | None = None,
         forward: str = "input_dist",
-        new_group: Callable[..., Any] = dist.new_group,
+        ranks: Ranks | None = None,
     ) -> None:
         self._model, self._streams, self._options = model, streams, rewrite
         self._memory = memory or MemoryFlags()
@@ -83,7 +85,8 @@ class InputDist:
         """The schedule in use (under "auto", changes while tuning and may change at a re-check)."""
         self.freed_bytes = 0
         """Bytes released by the memory flags so far."""
-        self._groups = InputDistGroups(new_group)
+        self._ranks = ranks
+        self._groups = InputDistGroups(ranks.new_group if ranks is not None else dist.new_group)
         self._undo: list[Callable[[], None]] = []
         self._undo_groups: Callable[[], None] | None = None
 
@@ -174,7 +177,8 @@ class InputDist:
             if fused:
                 ctx.splits_requests, groups = fuse_splits_requests(requests, ctx.module_contexts)
                 world = dist.get_world_size() if dist.is_initialized() else 1
-                ctx.splits_span_world = any(pg is not None and pg.size() == world for pg in groups)
+                if self._ranks is not None and any(pg is not None and pg.size() == world for pg in groups):
+                    ctx.world_mark = self._ranks.world_collective_issued()
             else:
                 ctx.splits_requests = one_by_one(requests)
         ctx.started = True
@@ -187,51 +191,37 @@ class InputDist:
                 for name, values in zip(names, request.wait(), strict=True):
                     ctx.input_dist_requests[name] = values
             ctx.splits_requests = []
+        if ctx.world_mark is not None:
+            self._ranks.world_collective_completed(ctx.world_mark)
+            ctx.world_mark = None
 
     # -- the next batch, within a step (the pipelines' steps call these by name) ---------------
 
-    def fill(self, lane: Lane, ranks: Ranks, enqueue: Callable[[Lane], bool]) -> None:
+    def fill(self, lane: Lane, enqueue: Callable[[Lane], bool]) -> None:
         """Before a step: the head batch admitted, its input_dist started and its splits waited;
         the batch after it copied (`enqueue`)."""
         if not lane.inflight:
             enqueue(lane)
         head = lane.inflight[0] if lane.inflight else None
-        if head is not None and not head.started and ranks.admit(lane, head):
+        if head is not None and not head.started and self._admit(lane, head):
             self.start(head)
             self.wait_splits(head)
         if len(lane.inflight) < 2:
             enqueue(lane)
 
-    def start_next(self, lane: Lane, ranks: Ranks) -> BatchContext | None:
+    def start_next(self, lane: Lane) -> BatchContext | None:
         """Admit batch i+1 (its input_dist is its first collective) and start its input_dist,
         waiting for its splits now under an early schedule. None if there is no such batch."""
         nxt = lane.inflight[1] if len(lane.inflight) > 1 else None
-        if nxt is None or not ranks.admit(lane, nxt):
+        if nxt is None or not self._admit(lane, nxt):
             return None
         self.start(nxt)
         if self.early_splits:
             self.wait_splits(nxt)
         return nxt
 
-    def finish_next(
-        self, lane: Lane, ranks: Ranks, nxt: BatchContext | None, *, fetched_before: bool
-    ) -> None:
-        """After forward of batch i: wait for batch i+1's splits (a no-op after early ones). When
-        every rank fetched batch i+2 before issuing them (`fetched_before`) and they span every
-        rank, the flags of batch i+2 may be read now (`Ranks.after_world_collective`)."""
-        if nxt is None:
-            return
-        self.wait_splits(nxt)
-        if nxt.splits_span_world and fetched_before:
-            ranks.after_world_collective(lane, 2)
-
-    @staticmethod
-    def retire_head(lane: Lane, ranks: Ranks, nxt: BatchContext | None, *, read_next: bool) -> None:
-        """The head batch is done: pop it. Where `finish_next` could not start the read of the
-        next batch's flags (or `read_next`), this step's collectives (backward's) let it start now."""
-        lane.inflight.popleft()
-        if read_next or nxt is None or not nxt.splits_span_world:
-            ranks.after_world_collective(lane, 1)
+    def _admit(self, lane: Lane, ctx: BatchContext) -> bool:
+        return self._ranks is None or self._ranks.admit(lane, ctx)
 
     def release_inputs(self, ctx: BatchContext) -> None:
         """`clear_data_dist_inputs`: wait for `ctx`'s values all-to-alls and free what they sent
