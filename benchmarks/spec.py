@@ -42,7 +42,7 @@ VARIANTS = (
 )
 """The training loops compared by default; see `benchmarks.variants`."""
 SCHEDULE_NAMES = ("early", "late", "early-shared", "late-own")
-"""`pipeline.schedule.SCHEDULES` (repeated here to keep this module free of torch)."""
+"""`pipeline.stages.schedule.SCHEDULES` (repeated here to keep this module free of torch)."""
 FORCED_VARIANTS = tuple(f"ours-sparse-dist@{name}" for name in SCHEDULE_NAMES)
 """Our SparseDist with `input_dist_schedule` forced to one schedule."""
 PREFETCH_FORCED_VARIANTS = tuple(f"ours-prefetch@{name}" for name in SCHEDULE_NAMES)

@@ -78,10 +78,10 @@ class Runner:
     inline_input_dist: bool
     """The sharded modules run input_dist inside their own forward (wrap with `timed_input_dist`)."""
     schedule: Callable[[], str | None] = lambda: None
-    """Our SparseDist/Prefetch: the input_dist schedule in use (see `pipeline.schedule`); None
+    """Our SparseDist/Prefetch: the input_dist schedule in use (see `pipeline.stages.schedule`); None
     for the others."""
     tuner: Callable[[], Any] = lambda: None
-    """Our SparseDist/Prefetch under "auto": the `pipeline.schedule.Tuner`; None otherwise."""
+    """Our SparseDist/Prefetch under "auto": the `pipeline.stages.schedule.Tuner`; None otherwise."""
     profile: bool = True
     """Run the profiled segment (the bound's step functions have nothing to label)."""
 

@@ -63,7 +63,7 @@ def test_an_error_on_the_worker_surfaces_at_the_consumer_and_drain_clears_it():
         future.result()
     with pytest.raises(ValueError, match="bad batch"):
         streams.handoff(object(), streams.prefetch)
-    streams.drain()  # a reset drops the error instead of raising it again
+    streams.discard()  # a reset drops the error instead of raising it again
     # the stream takes new work after it, and a hand-off waits for that work only
     ran = []
     streams.submit(streams.prefetch, lambda: ran.append(1))
@@ -71,26 +71,48 @@ def test_an_error_on_the_worker_surfaces_at_the_consumer_and_drain_clears_it():
     assert ran == [1]
 
 
-def test_drain_waits_for_running_work():
+@pytest.mark.parametrize("how", ["wait_all", "discard"])
+def test_waiting_for_all_work_waits_for_running_work(how):
     streams = ThreadStreams()
     release, done = threading.Event(), []
     streams.submit(streams.prefetch, lambda: done.append(release.wait(10)))
     threading.Timer(0.2, release.set).start()
-    streams.drain()
-    assert done == [True], "drain() returned before the work it must wait for"
+    getattr(streams, how)()
+    assert done == [True], f"{how}() returned before the work it must wait for"
 
 
-def test_drain_drops_the_error_for_a_later_handoff():
-    """`drain()`: "wait for all submitted work and drop its errors". A hand-off right after it,
-    before any new work, must not raise the dropped error again."""
-    streams = ThreadStreams()
+def _failing_then_counting(streams: ThreadStreams) -> list[int]:
+    ran: list[int] = []
 
     def fail():
         raise ValueError("bad batch")
 
     streams.submit(streams.prefetch, fail)
-    streams.drain()
+    streams.submit(streams.prefetch, lambda: ran.append(1))
+    return ran
+
+
+def test_wait_all_raises_an_error_nothing_raised_yet_and_only_once():
+    streams = ThreadStreams()
+    ran = _failing_then_counting(streams)
+    with pytest.raises(ValueError, match="bad batch"):
+        streams.wait_all()
+    assert ran == [1], "the work after the failed one did not run"
+    streams.wait_all()  # the error was raised: a second wait has nothing to raise
+
+
+def test_discard_drops_the_error_for_a_later_handoff():
+    """`discard()`: wait for all submitted work and drop its errors. Neither a hand-off right after
+    it, before any new work, nor a later `wait_all()` raises the dropped error."""
+    streams = ThreadStreams()
+    ran = _failing_then_counting(streams)
+    streams.discard()
+    assert ran == [1]
     streams.handoff(object(), streams.prefetch)
+    streams.wait_all()
+    streams.submit(streams.prefetch, lambda: ran.append(2))
+    streams.handoff(object(), streams.prefetch)
+    assert ran == [1, 2], "the stream took no new work after discard()"
 
 
 def test_under_the_profiler_work_stays_on_the_calling_thread():

@@ -207,7 +207,7 @@ class PipelineCore(TrainPipeline):
 
     def reset(self) -> None:
         """Drop every in-flight batch (after an exception, or to abandon an iterator)."""
-        self._streams.drain()
+        self._streams.discard()
         for reset in self._on_reset:
             reset()
         self._lanes.clear()

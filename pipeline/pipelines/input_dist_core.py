@@ -52,9 +52,15 @@ class InputDistCore(PipelineCore):
 
         Returns:
             The model, as it was before the pipeline touched it.
+
+        Raises:
+            BaseException: work on a side stream (a prefetch submitted ahead) failed and nothing
+                raised its error yet; the model is restored all the same.
         """
-        self._streams.drain()
-        self._input_dist.detach()
+        try:
+            self._streams.wait_all()
+        finally:
+            self._input_dist.detach()
         return self._model
 
     def attach(self, model: nn.Module | None = None, sparse_dist: bool = True) -> None:

@@ -1,7 +1,8 @@
-"""Moving a batch of any shape to the device.
+"""The copy stage: moving a batch of any shape to the device.
 
 A batch that implements torchrec's Pipelineable (`.to(device, non_blocking)`) moves itself; dicts,
-lists, tuples and dataclasses are moved field by field, so a batch need not be a torchrec type.
+lists, tuples, namedtuples and dataclasses are moved field by field, so a batch need not be a
+torchrec type.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
         return batch.to(device=device, non_blocking=non_blocking)
     if isinstance(batch, dict):
         return type(batch)((k, to_device(v, device, non_blocking)) for k, v in batch.items())
-    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple takes its fields apart
+        return type(batch)(*(to_device(v, device, non_blocking) for v in batch))
+    if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(v, device, non_blocking) for v in batch)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         if hasattr(batch, "to"):  # a Pipelineable dataclass, e.g. torchrec's Batch
@@ -61,7 +64,9 @@ def _fill(batch: Any, device: torch.device, streams: Any) -> Any:
         return out
     if isinstance(batch, dict):
         return type(batch)((k, _fill(v, device, streams)) for k, v in batch.items())
-    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_fill(v, device, streams) for v in batch))
+    if isinstance(batch, (list, tuple)):
         return type(batch)(_fill(v, device, streams) for v in batch)
     with streams.use(streams.memcpy):
         return to_device(batch, device, non_blocking=True)

@@ -114,8 +114,16 @@ class Streams:
         done.set_result(None)
         return done
 
-    def drain(self) -> None:
-        """Wait for all submitted work and drop its errors (before a reset or detach)."""
+    def wait_all(self) -> None:
+        """Wait for all work submitted so far (before a detach).
+
+        Raises:
+            BaseException: the first error of that work that no hand-off raised yet.
+        """
+
+    def discard(self) -> None:
+        """Wait for all work submitted so far and drop its errors (a reset after an exception,
+        which is being raised already)."""
 
     def handoff(self, obj: Any, producer: Any) -> None:
         """Make `obj`, produced on stream `producer`, usable on the current stream.
@@ -174,6 +182,8 @@ class _WorkerStream:
         self.name = name
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pipeline-{name}")
         self._last: Future | None = None
+        self._pending: list[Future] = []
+        """Work submitted since the last `wait_all` or `discard`."""
         self._local = threading.local()
 
     def submit(self, work: Callable[[], None]) -> Future:
@@ -192,6 +202,7 @@ class _WorkerStream:
 
         self._executor.submit(run)
         self._last = job
+        self._pending.append(job)
         return job
 
     @property
@@ -204,12 +215,20 @@ class _WorkerStream:
         if self._last is not None:
             self._last.result()
 
-    def drain(self) -> None:
+    def wait_all(self) -> None:
+        """Wait for everything submitted so far; re-raise the first error among it. (An error a
+        hand-off already raised inside `progress()` was dropped by the reset that followed it.)"""
+        pending, self._pending, self._last = self._pending, [], None
+        wait(pending)
+        for job in pending:
+            if job.exception() is not None:
+                raise job.exception()
+
+    def discard(self) -> None:
         """Wait for everything submitted so far and forget its errors: a later `join` raises only
         what fails after this."""
-        last, self._last = self._last, None
-        if last is not None:
-            wait([last])
+        pending, self._pending, self._last = self._pending, [], None
+        wait(pending)
 
 
 class ThreadStreams(Streams):
@@ -249,8 +268,14 @@ class ThreadStreams(Streams):
             stream = None
         return super().submit(stream, work)
 
-    def drain(self) -> None:
-        self.prefetch.drain()
+    def wait_all(self) -> None:
+        try:
+            self.prefetch.wait_all()
+        finally:
+            self._made_by.clear()
+
+    def discard(self) -> None:
+        self.prefetch.discard()
         self._made_by.clear()
 
     def produced(self, obj: Any) -> None:
