@@ -59,7 +59,7 @@ def test_tiny_run_of_the_family(tmp_path):
 
 
 def test_tables_on_disk_against_their_bound_at_one_rank(tmp_path, monkeypatch):
-    """Issue 25: at world size 1, io-alone and compute-alone run beside Prefetch, and the report
+    """At world size 1, io-alone and compute-alone run beside Prefetch, and the report
     gives Prefetch's distance to max(io-alone, compute-alone) and every run's process CPU time."""
     monkeypatch.setenv("BENCH_STORE_DIR", str(tmp_path / "stores"))
     out = tmp_path / "r.json"

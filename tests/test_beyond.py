@@ -2,7 +2,7 @@
 
 - One iterator reused across epochs (a DataLoader with `persistent_workers=True` hands back the same
   iterator object from every `iter()`): torchrec 1.8 remembers the iterator it saw exhausted and
-  fetches nothing from it again (torchrec issue #2327). Ours trains every batch of every epoch, with
+  fetches nothing from it again. Ours trains every batch of every epoch, with
   the plain loop's outputs and parameters bit for bit.
 - A dataloader that raises on one rank mid-epoch: that rank re-raises its own exception and the peer
   stops within seconds with `PeerFailedError` naming the failed rank and the exception's text, even

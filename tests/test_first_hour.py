@@ -1,4 +1,4 @@
-"""examples/dlrm as a new user meets it (issue 26): every bad input is one `train.py: error:`
+"""examples/dlrm as a new user meets it: every bad input is one `train.py: error:`
 paragraph and exit status 2 on 2 ranks under the pipelines, the cache-size advice works when
 followed, identical runs shard alike, `--compare plain` ends with a verdict, `--help` is fast and
 clean, and the README documents every flag and summary key.

@@ -1,4 +1,4 @@
-"""The per-step hot path (issue 22): what a step does only when it has to.
+"""The per-step hot path: what a step does only when it has to.
 
 - stage labels enter the profiler only while one records;
 - a prefetch stage whose modules' `prefetch()` moves nothing is detected once, runs inline from the

@@ -1,7 +1,7 @@
 """A malformed KeyedJaggedTensor on one rank stops every rank with one error naming the batch, the
 key and the problem (`check_kjts`, `pipeline.ranks.kjt_check`).
 
-torchrec checks the first batch a sharded module sees and no other (torchrec issue #2957): a later
+torchrec checks the first batch a sharded module sees and no other: a later
 batch whose lengths do not sum to its values, with a negative length, or with an id past its
 table's rows fails deep inside input_dist or the lookup on one rank, with the others left in a
 collective. On 2 gloo ranks with real all-to-alls: rank 1's batch 5 (or 1, which is voted on

@@ -379,7 +379,7 @@ class Shift(nn.Module):
         features, dense = parts
         features = getattr(features, "kjt", features)  # also accepts an Inner
         values = features.values().clone()
-        values += (dense.sum() > 0).long() + opts["by"]  # fails on an fx Node, as in issue 15
+        values += (dense.sum() > 0).long() + opts["by"]  # a data-dependent value: fails on an fx Node
         return KeyedJaggedTensor.from_lengths_sync(
             keys=features.keys(), values=values % 10, lengths=features.lengths()
         )

@@ -97,7 +97,7 @@ def test_drawn_steps_are_the_most_typical_ones() -> None:
     assert analyse(FIXTURE, "x", warmup=1, steps=9).selection.shown == (1, 2, 3)
 
 
-def test_lanes_and_labels_are_read_from_the_right_events() -> None:
+def test_tracks_and_labels_are_read_from_the_right_events() -> None:
     trace = load_trace(FIXTURE)
     # The gpu_user_annotation copy of forward#2 (earlier, 10 us long) and the detail label
     # pipeline::forward::dense#2 are not stage labels.
@@ -111,8 +111,8 @@ def test_lanes_and_labels_are_read_from_the_right_events() -> None:
         "backward",
         "optimizer",
     }
-    lanes = [lane.name for lane in analyse(FIXTURE, "x").timeline.lanes]
-    assert lanes[:3] == ["copy", "input_dist::start", "input_dist (in flight)"]
+    tracks = [track.name for track in analyse(FIXTURE, "x").timeline.tracks]
+    assert tracks[:3] == ["copy", "input_dist::start", "input_dist (in flight)"]
     assert parse_label("pipeline::input_dist::start#13") == ("input_dist::start", 13)
     assert parse_label("pipeline::prefetch::ebc#3") is None
     assert parse_label("ProfilerStep#3") is None
@@ -258,8 +258,8 @@ def _gpu_trace(path: Path) -> Path:
 def test_gpu_trace_is_drawn_per_stream(tmp_path: Path) -> None:
     run = analyse(_gpu_trace(tmp_path / "gpu.json"), "gpu", warmup=1)
     assert run.timeline.device == "cuda"
-    assert [lane.name for lane in run.timeline.lanes] == ["memcpy", "data_dist", "default"]
-    default = {(b.stage, b.batch) for b in run.timeline.lanes[2].boxes}
+    assert [track.name for track in run.timeline.tracks] == ["memcpy", "data_dist", "default"]
+    default = {(b.stage, b.batch) for b in run.timeline.tracks[2].boxes}
     assert ("backward", 3) in default  # launched from autograd's thread, still attributed
     assert ("unlabelled", None) in default
     stats = run.stats

@@ -1,4 +1,4 @@
-"""Parity with torchrec's own pipeline classes where they used to differ (issue 15).
+"""Parity with torchrec's own pipeline classes where they used to differ.
 
 1. `execute_all_batches=False`: for every dataloader length, each pipeline returns the outputs of the
    same batches as torchrec's class of the same name, and drops the same ones; except the Prefetch

@@ -3,16 +3,15 @@
 ``python -m timeline compare BASE_TRACE PREFETCH_TRACE -o OUT_DIR`` reads two chrome
 traces (``prof.export_chrome_trace()``), finds the pipeline's ``pipeline::<stage>#<batch>`` labels
 (and, on GPU, the kernels per CUDA stream), draws a few steady-state steps of both runs on one time
-axis and writes tables of step time, busy time per lane and hidden communication. See
+axis and writes tables of step time, busy time per track and hidden communication. See
 docs/timeline.md for how to read them. The package imports neither torch nor torchrec, and
 matplotlib only to draw.
 
-Modules: ``trace`` reads the file, ``lanes`` builds the rows of the picture, ``stats`` measures,
+Modules: ``trace`` reads the file, ``tracks`` builds the rows of the picture, ``stats`` measures,
 ``report`` formats the tables, ``plot`` draws, ``cli`` ties them together.
 """
 
 from timeline.cli import CompareResult, RunAnalysis, analyse, compare_traces, main
-from timeline.lanes import Box, Lane, Timeline, build_timeline
 from timeline.report import Comparison, Row, compare_stats
 from timeline.stats import CommStats, RunStats, StepSelection, run_stats, select_steps
 from timeline.trace import (
@@ -23,6 +22,7 @@ from timeline.trace import (
     TraceError,
     load_trace,
 )
+from timeline.tracks import Box, Timeline, Track, build_timeline
 
 __all__ = [
     "Box",
@@ -30,7 +30,6 @@ __all__ = [
     "CompareResult",
     "Comparison",
     "Kernel",
-    "Lane",
     "NoPipelineLabelsError",
     "Row",
     "RunAnalysis",
@@ -40,6 +39,7 @@ __all__ = [
     "Timeline",
     "Trace",
     "TraceError",
+    "Track",
     "analyse",
     "build_timeline",
     "compare_stats",

@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from timeline.lanes import Timeline, build_timeline
 from timeline.report import (
     Comparison,
     compare_stats,
@@ -23,6 +22,7 @@ from timeline.report import (
 )
 from timeline.stats import RunStats, StepSelection, run_stats, select_steps
 from timeline.trace import TraceError, load_trace
+from timeline.tracks import Timeline, build_timeline
 
 __all__ = ["CompareResult", "RunAnalysis", "analyse", "compare_traces", "main"]
 

@@ -1,6 +1,6 @@
-"""Draw runs as stacked lane charts on one time axis and save a PNG (matplotlib, Agg canvas).
+"""Draw runs as stacked track charts on one time axis and save a PNG (matplotlib, Agg canvas).
 
-Each run is one panel, first run on top. A panel has one row per lane and shows the steps chosen by
+Each run is one panel, first run on top. A panel has one row per track and shows the steps chosen by
 ``StepSelection.shown``; its time is re-based to the start of its first shown step, so ``0 ms`` is
 ``forward#i`` of that run. Every box carries its batch index, which is what makes the pipelining
 visible: in one step the copy of batch i+2, the input_dist of batch i+1 and the forward of batch i
@@ -18,8 +18,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from timeline.lanes import Box, Timeline
 from timeline.stats import StepSelection
+from timeline.tracks import Box, Timeline
 
 __all__ = ["STAGE_COLORS", "render_png"]
 
@@ -45,13 +45,13 @@ def _window(timeline: Timeline, selection: StepSelection) -> tuple[float, float]
 
 
 def _bar(box: Box, row: int) -> tuple[float, float]:
-    """(bottom, height) of a box in lane ``row``; collectives alternate halves by batch parity."""
+    """(bottom, height) of a box in track ``row``; collectives alternate halves by batch parity."""
     if box.stage != "in_flight" or box.batch is None:
         return row - 0.38, 0.76
     return (row - 0.38, 0.36) if box.batch % 2 == 0 else (row + 0.02, 0.36)
 
 
-def _draw_lane(ax: Axes, row: int, boxes: list[Box], t0: float, xlim: tuple[float, float]) -> None:
+def _draw_track(ax: Axes, row: int, boxes: list[Box], t0: float, xlim: tuple[float, float]) -> None:
     bars: dict[tuple[str, tuple[float, float]], list[tuple[float, float]]] = defaultdict(list)
     extent: dict[tuple[str, int], list[float]] = {}
     for box in boxes:
@@ -77,16 +77,16 @@ def _draw_run(
     timeline, selection = run
     t0, t1 = _window(timeline, selection)
     stages: set[str] = set()
-    for row, lane in enumerate(timeline.lanes):
-        boxes = [b for b in lane.boxes if b.end >= t0 and b.start < t1]
+    for row, track in enumerate(timeline.tracks):
+        boxes = [b for b in track.boxes if b.end >= t0 and b.start < t1]
         stages.update(b.stage for b in boxes)
-        _draw_lane(ax, row, boxes, t0, xlim)
+        _draw_track(ax, row, boxes, t0, xlim)
     for batch in (*selection.shown, selection.shown[-1] + 1):
         x = (timeline.step_starts[batch] - t0) / 1000
         ax.axvline(x, color="#555555", linestyle="--", linewidth=0.8)
         ax.text(x, -0.55, f" forward#{batch}", fontsize=7, va="bottom", color="#555555")
-    ax.set_yticks(range(len(timeline.lanes)), [lane.name for lane in timeline.lanes])
-    ax.set_ylim(len(timeline.lanes) - 0.5, -0.9)
+    ax.set_yticks(range(len(timeline.tracks)), [track.name for track in timeline.tracks])
+    ax.set_ylim(len(timeline.tracks) - 0.5, -0.9)
     ax.set_title(title, loc="left", fontsize=10)
     ax.set_axisbelow(True)
     ax.grid(axis="x", color="#eeeeee")
@@ -108,8 +108,8 @@ def _x_range(runs: Sequence[tuple[Timeline, StepSelection]]) -> tuple[float, flo
     for timeline, selection in runs:
         t0, t1 = _window(timeline, selection)
         hi = max(hi, (t1 - t0) / 1000)
-        for lane in (lane for lane in timeline.lanes if lane.busy):
-            for box in (b for b in lane.boxes if b.end >= t0 and b.start < t1):
+        for track in (track for track in timeline.tracks if track.busy):
+            for box in (b for b in track.boxes if b.end >= t0 and b.start < t1):
                 lo, hi = min(lo, (box.start - t0) / 1000), max(hi, (box.end - t0) / 1000)
     pad = 0.02 * (hi - lo)
     return lo - pad, hi + pad
@@ -134,7 +134,7 @@ def render_png(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     titles = list(titles) if titles is not None else [t.label for t, _ in runs]
-    heights = [max(len(t.lanes), 1) + 1 for t, _ in runs]
+    heights = [max(len(t.tracks), 1) + 1 for t, _ in runs]
     fig = Figure(figsize=(14, 1.2 + 0.42 * sum(heights)), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(runs), 1, sharex=True, squeeze=False, height_ratios=heights)[:, 0]

@@ -11,15 +11,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from timeline.lanes import CPU_LANE_ORDER, GPU_LANE_ORDER
 from timeline.stats import RunStats, StepSelection
+from timeline.tracks import CPU_TRACK_ORDER, GPU_TRACK_ORDER
 
 __all__ = ["Comparison", "Row", "compare_stats", "comparison_markdown", "run_markdown", "to_json"]
 
 DEFINITIONS = {
     "step": "start of pipeline::forward#i to start of pipeline::forward#i+1",
     "step_us": "median step time over the steady-state steps",
-    "busy_us": "time a lane's boxes cover inside a step, mean over the steady-state steps",
+    "busy_us": "time a track's boxes cover inside a step, mean over the steady-state steps",
     "outside_labels_us": "CPU time of a step that no pipeline label covers, mean per step",
     "comm.total_us": "end of input_dist::start#i to end of input_dist::wait#i, mean per step",
     "comm.exposed_us": "part of input_dist::wait#i inside forward#i, mean per step",
@@ -71,8 +71,8 @@ class Comparison:
 
 def _metrics(stats: RunStats) -> dict[str, tuple[str, float | None]]:
     metrics: dict[str, tuple[str, float | None]] = {"step time (median)": ("us", stats.step_us)}
-    for lane, busy in stats.busy_us.items():
-        metrics[f"busy: {lane}"] = ("us", busy)
+    for track, busy in stats.busy_us.items():
+        metrics[f"busy: {track}"] = ("us", busy)
     metrics["cpu outside pipeline labels"] = ("us", stats.outside_labels_us)
     comm = stats.comm
     comm_values = (
@@ -88,12 +88,12 @@ def _metrics(stats: RunStats) -> dict[str, tuple[str, float | None]]:
 def compare_stats(first: RunStats, second: RunStats) -> Comparison:
     """Line up the metrics of two runs; a metric only one run has gets ``None`` for the other.
 
-    Rows: step time, busy time of every lane either run has (in lane order), then the rest.
+    Rows: step time, busy time of every track either run has (in track order), then the rest.
     """
     a, b = _metrics(first), _metrics(second)
     rank: dict[str, int] = {}
-    for lane in CPU_LANE_ORDER + GPU_LANE_ORDER:
-        rank.setdefault(f"busy: {lane}", len(rank))
+    for track in CPU_TRACK_ORDER + GPU_TRACK_ORDER:
+        rank.setdefault(f"busy: {track}", len(rank))
     busy = sorted({n for n in [*a, *b] if n.startswith("busy: ")}, key=lambda n: (rank.get(n, 99), n))
     rest = [n for n in a if not n.startswith("busy: ")]
     rows = []

@@ -1,4 +1,4 @@
-"""The numbers of the timeline tables: step time, busy time per lane, and hidden communication.
+"""The numbers of the timeline tables: step time, busy time per track, and hidden communication.
 
 Definitions (docs/timeline.md says the same with a picture):
 
@@ -7,7 +7,7 @@ Definitions (docs/timeline.md says the same with a picture):
   ``copy`` start, i.e. the pipeline is still being fed (the drain at the end of the data is left
   out; a run without copy labels keeps every step after the warm-up).
 - *step time* is the median step over the steady-state steps.
-- *busy time* of a lane is the time covered by its boxes inside a step window, averaged over the
+- *busy time* of a track is the time covered by its boxes inside a step window, averaged over the
   steady-state steps. *Outside labels* is the CPU time of a step (between the CPU starts of
   ``forward#i`` and ``forward#i+1``) that no pipeline label covers: data loading, zero_grad, logging.
 - *communication* of batch i (CPU labels, also on GPU) lives from the end of
@@ -22,8 +22,8 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
-from timeline.lanes import Timeline, collective_lifetimes, union_length
 from timeline.trace import Span, TraceError
+from timeline.tracks import Timeline, collective_lifetimes, union_length
 
 __all__ = ["CommStats", "RunStats", "StepSelection", "run_stats", "select_steps"]
 
@@ -71,7 +71,7 @@ class RunStats:
     step_times_us: dict[int, float]
     """Every step's time, warm-up and drain included."""
     busy_us: dict[str, float]
-    """Lane -> mean busy time per steady-state step."""
+    """Track -> mean busy time per steady-state step."""
     outside_labels_us: float
     """Mean CPU time per steady-state step that no pipeline label covers."""
     comm: CommStats | None
@@ -79,7 +79,9 @@ class RunStats:
 
 
 def _fed(timeline: Timeline, lo: float, hi: float) -> bool:
-    return any(box.stage == "copy" and lo <= box.start < hi for lane in timeline.lanes for box in lane.boxes)
+    return any(
+        box.stage == "copy" and lo <= box.start < hi for track in timeline.tracks for box in track.boxes
+    )
 
 
 def select_steps(timeline: Timeline, *, warmup: int = 2, shown: int = 3) -> StepSelection:
@@ -98,7 +100,7 @@ def select_steps(timeline: Timeline, *, warmup: int = 2, shown: int = 3) -> Step
     """
     starts = timeline.step_starts
     steps = tuple(b for b in starts if b + 1 in starts)
-    has_copy = any(box.stage == "copy" for lane in timeline.lanes for box in lane.boxes)
+    has_copy = any(box.stage == "copy" for track in timeline.tracks for box in track.boxes)
     first = min(starts)
     steady = tuple(
         b for b in steps if b >= first + warmup and (not has_copy or _fed(timeline, starts[b], starts[b + 1]))
@@ -176,9 +178,9 @@ def run_stats(timeline: Timeline, selection: StepSelection) -> RunStats:
     starts = timeline.step_starts
     windows = [(starts[b], starts[b + 1]) for b in selection.steady]
     busy = {}
-    for lane in (lane for lane in timeline.lanes if lane.busy):
-        boxes = [(box.start, box.end) for box in lane.boxes]
-        busy[lane.name] = statistics.fmean(union_length(boxes, lo, hi) for lo, hi in windows)
+    for track in (track for track in timeline.tracks if track.busy):
+        boxes = [(box.start, box.end) for box in track.boxes]
+        busy[track.name] = statistics.fmean(union_length(boxes, lo, hi) for lo, hi in windows)
     return RunStats(
         label=timeline.label,
         device=timeline.device,

@@ -5,7 +5,7 @@ The pipelines wrap every stage in ``record_function("pipeline::<stage>#<batch>")
 story; on GPU the trace also holds the kernels (``"cat": "kernel"``, ``"gpu_memcpy"``, ...) with the
 CUDA stream they ran on, and the CPU-side launch call that shares their ``correlation`` id, which is
 how a kernel is traced back to the stage that launched it. This module only reads; it knows nothing
-of lanes or statistics. Times are the trace's microseconds.
+of tracks or statistics. Times are the trace's microseconds.
 """
 
 from __future__ import annotations

@@ -94,5 +94,5 @@ class InputDistCore(PipelineCore):
             forward=forward,
             ranks=self._ranks,
         )
-        self._on_reset.append(input_dist.reset)
+        self._on_reset.append(input_dist.interrupt)
         return input_dist

@@ -15,11 +15,10 @@ from pipeline.ranks.lane import Lane, LaneState, Ticket
 from pipeline.ranks.protocol import Ranks, WorldMark
 from pipeline.ranks.seen import WorldCollectiveHooks, backward_spans_world, spans_world
 from pipeline.ranks.status import AgreedError, BatchKeysError, MalformedBatchError, Status, UnevenDataError
-from pipeline.ranks.votes import Agreement, Vote
+from pipeline.ranks.votes import Vote, Votes
 
 __all__ = [
     "AgreedError",
-    "Agreement",
     "BatchKeysError",
     "FailureSignal",
     "KJTCheck",
@@ -34,6 +33,7 @@ __all__ = [
     "Ticket",
     "UnevenDataError",
     "Vote",
+    "Votes",
     "WorldCollectiveHooks",
     "WorldMark",
     "backward_spans_world",

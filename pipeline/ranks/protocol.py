@@ -8,7 +8,7 @@ before the batch's first collective (`admit`), in one of two ways, chosen there 
   peer reads the flags once it completed a collective over every rank that was issued after the
   batch was fetched (the one cross-rank rule, `world_collective_completed`);
 - a vote (`pipeline.ranks.votes`) where no such collective has completed yet: a lane's first
-  batches, and every batch read ahead under `execute_all_batches=False`.
+  batches, and every batch looked ahead under `execute_all_batches=False`.
 
 Every rank takes the same way for the same batch, since the collectives come in the same order on
 every rank. The stages report their collectives over every rank (`world_collective_issued`, then
@@ -49,7 +49,7 @@ from pipeline.ranks.status import (
     uneven_message,
     warn_untrained,
 )
-from pipeline.ranks.votes import Agreement
+from pipeline.ranks.votes import Votes
 
 __all__ = ["Ranks", "WorldMark"]
 
@@ -80,8 +80,8 @@ class Ranks:
         self._options = options
         self.keys = KeyCheck() if options.check_keys else None
         self.kjts = KJTCheck(model) if options.check_kjts else None
-        self._agreement = Agreement(timeout=options.peer_timeout, new_group=self.new_group)
-        self.voting = options.agreement and self._agreement.distributed
+        self._votes = Votes(timeout=options.peer_timeout, new_group=self.new_group)
+        self.voting = options.agreement and self._votes.distributed
         """Ranks agree on every batch (else a rank's own status is all it knows)."""
         self._pipeline_id = next(_PIPELINE_IDS)  # the same on every rank: pipelines are built in step
         self._failure = FailureSignal(grace=options.failure_grace, scope=f"p{self._pipeline_id}/")
@@ -93,7 +93,7 @@ class Ranks:
         """Batches this rank fetched but did not train because another rank's data ended first."""
         self.votes = 0
         """Batches admitted by a vote (the rest by flags): a lane's first batches, and batches
-        read ahead under `execute_all_batches=False`."""
+        looked ahead under `execute_all_batches=False`."""
 
     def new_group(self, **kwargs: Any) -> dist.ProcessGroup:
         """`dist.new_group(**kwargs)`, entered only once every rank reached it.
@@ -172,7 +172,7 @@ class Ranks:
             return True
         if Status.BAD_KEYS in statuses or Status.MALFORMED in statuses:
             mine = (self._failure.rank, ticket.position, ticket.found_keys, ticket.problem)
-            details = self._agreement.gather(mine) if self.voting else [mine]
+            details = self._votes.gather(mine) if self.voting else [mine]
             if Status.BAD_KEYS in statuses:
                 raise BatchKeysError(keys_message(details, self.keys.expected if self.keys else None))
             raise MalformedBatchError(malformed_message(details))
@@ -199,7 +199,7 @@ class Ranks:
             statuses[self._failure.rank] = ticket.status
             return statuses
         self.votes += 1
-        return self._agreement.vote(ticket.status).wait()
+        return self._votes.vote(ticket.status).wait()
 
     # -- the one cross-rank rule --------------------------------------------------------------
 

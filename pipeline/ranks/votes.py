@@ -20,7 +20,7 @@ import torch.distributed as dist
 from pipeline.ranks.failure import rank_and_world
 from pipeline.ranks.status import Status
 
-__all__ = ["Agreement", "Vote"]
+__all__ = ["Vote", "Votes"]
 
 
 @dataclass(eq=False)
@@ -39,7 +39,7 @@ class Vote:
         return self.statuses
 
 
-class Agreement:
+class Votes:
     """Issues the votes on a gloo group of its own (created on first use, at the same call on every
     rank), or locally when there is no process group of more than one rank.
 

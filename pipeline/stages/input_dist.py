@@ -114,8 +114,8 @@ class InputDist:
         else:
             self.tuner.interrupt()
 
-    def reset(self) -> None:
-        """The step ended abnormally: the tuner does not time across it."""
+    def interrupt(self) -> None:
+        """The step ended abnormally (the pipeline reset): the tuner does not time across it."""
         if self.tuner is not None:
             self.tuner.interrupt()
 

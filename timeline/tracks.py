@@ -1,7 +1,7 @@
-"""Turn a trace into lanes of boxes: one lane per stage on CPU, one per CUDA stream role on GPU.
+"""Turn a trace into tracks of boxes: one track per stage on CPU, one per CUDA stream role on GPU.
 
-On CPU every lane is one stage label (``copy``, ``input_dist::start``, ``forward``, ...), plus a
-derived lane ``input_dist (in flight)`` that shows each batch's collective from the end of its
+On CPU every track is one stage label (``copy``, ``input_dist::start``, ``forward``, ...), plus a
+derived track ``input_dist (in flight)`` that shows each batch's collective from the end of its
 ``input_dist::start`` to the end of its ``input_dist::wait`` - the time gloo's threads work while the
 main thread does something else.
 
@@ -23,15 +23,15 @@ from timeline.trace import Span, Trace
 __all__ = [
     "IN_FLIGHT",
     "Box",
-    "Lane",
     "Timeline",
+    "Track",
     "build_timeline",
     "collective_lifetimes",
     "union_length",
 ]
 
 IN_FLIGHT = "input_dist (in flight)"
-CPU_LANE_ORDER = (
+CPU_TRACK_ORDER = (
     "copy",
     "input_dist::start",
     "input_dist::splits",
@@ -42,7 +42,7 @@ CPU_LANE_ORDER = (
     "backward",
     "optimizer",
 )
-GPU_LANE_ORDER = ("memcpy", "data_dist", "prefetch", "default", "other")
+GPU_TRACK_ORDER = ("memcpy", "data_dist", "prefetch", "default", "other")
 STREAM_OF_STAGE = {
     "copy": "memcpy",
     "input_dist::start": "data_dist",
@@ -57,7 +57,7 @@ STREAM_OF_STAGE = {
 
 @dataclass(frozen=True, slots=True)
 class Box:
-    """One interval drawn in a lane."""
+    """One interval drawn in a track."""
 
     start: float
     end: float
@@ -67,13 +67,13 @@ class Box:
 
 
 @dataclass(frozen=True, slots=True)
-class Lane:
+class Track:
     """A row of the picture."""
 
     name: str
     boxes: tuple[Box, ...]
     busy: bool = True
-    """False for a derived lane (collective lifetime) whose boxes are not work on a thread."""
+    """False for a derived track (collective lifetime) whose boxes are not work on a thread."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,9 +82,9 @@ class Timeline:
 
     label: str
     device: str
-    """``cpu`` (lanes are stages) or ``cuda`` (lanes are streams)."""
+    """``cpu`` (tracks are stages) or ``cuda`` (tracks are streams)."""
     spans: tuple[Span, ...]
-    lanes: tuple[Lane, ...]
+    tracks: tuple[Track, ...]
     step_starts: dict[int, float]
     """batch -> start of its forward: the CPU label, or on GPU its first forward kernel."""
 
@@ -117,14 +117,14 @@ def _ordered(names: Iterable[str], order: tuple[str, ...]) -> list[str]:
     return sorted(set(names), key=lambda n: (rank.get(n, len(order)), n))
 
 
-def _cpu_lanes(spans: tuple[Span, ...]) -> tuple[Lane, ...]:
+def _cpu_tracks(spans: tuple[Span, ...]) -> tuple[Track, ...]:
     by_stage: dict[str, list[Box]] = defaultdict(list)
     for s in spans:
         by_stage[s.stage].append(Box(s.start, s.end, s.stage, s.batch))
     for batch, (start, end) in collective_lifetimes(spans).items():
         by_stage[IN_FLIGHT].append(Box(start, end, "in_flight", batch))
-    names = _ordered(by_stage, CPU_LANE_ORDER)
-    return tuple(Lane(n, tuple(by_stage[n]), busy=n != IN_FLIGHT) for n in names)
+    names = _ordered(by_stage, CPU_TRACK_ORDER)
+    return tuple(Track(n, tuple(by_stage[n]), busy=n != IN_FLIGHT) for n in names)
 
 
 def _attribute(spans: tuple[Span, ...], queries: list[tuple[float, Any, int]]) -> dict[int, Span]:
@@ -149,7 +149,7 @@ def _attribute(spans: tuple[Span, ...], queries: list[tuple[float, Any, int]]) -
     return found
 
 
-def _gpu_lanes(trace: Trace) -> tuple[Lane, ...]:
+def _gpu_tracks(trace: Trace) -> tuple[Track, ...]:
     kernels = trace.kernels
     queries = [
         (*trace.launches[k.correlation], i) for i, k in enumerate(kernels) if k.correlation in trace.launches
@@ -163,25 +163,25 @@ def _gpu_lanes(trace: Trace) -> tuple[Lane, ...]:
         votes[kernels[i].stream][STREAM_OF_STAGE.get(span.stage, "default")] += 1
     streams = {k.stream for k in kernels}
     role = {s: votes[s].most_common(1)[0][0] if votes[s] else "other" for s in streams}
-    lanes: dict[str, list[Box]] = defaultdict(list)
+    tracks: dict[str, list[Box]] = defaultdict(list)
     for i, k in enumerate(kernels):
         span = owner.get(i)
         stage, batch = (span.stage, span.batch) if span else ("unlabelled", None)
-        lanes[role[k.stream]].append(Box(k.start, k.end, stage, batch))
-    return tuple(Lane(n, tuple(lanes[n])) for n in _ordered(lanes, GPU_LANE_ORDER))
+        tracks[role[k.stream]].append(Box(k.start, k.end, stage, batch))
+    return tuple(Track(n, tuple(tracks[n])) for n in _ordered(tracks, GPU_TRACK_ORDER))
 
 
-def _forward_starts(lanes: tuple[Lane, ...]) -> dict[int, float]:
+def _forward_starts(tracks: tuple[Track, ...]) -> dict[int, float]:
     starts: dict[int, float] = {}
-    for lane in lanes:
-        for box in lane.boxes:
+    for track in tracks:
+        for box in track.boxes:
             if box.stage == "forward" and box.batch is not None:
                 starts[box.batch] = min(starts.get(box.batch, box.start), box.start)
     return dict(sorted(starts.items()))
 
 
 def build_timeline(trace: Trace, label: str) -> Timeline:
-    """Lanes and step starts of one run.
+    """Tracks and step starts of one run.
 
     A trace with GPU kernels of which some trace back to ``pipeline::forward`` is drawn per stream
     and timed by its first forward kernel per batch; any other trace is drawn per CPU stage.
@@ -194,9 +194,9 @@ def build_timeline(trace: Trace, label: str) -> Timeline:
         The run's timeline.
     """
     if trace.kernels:
-        gpu = _gpu_lanes(trace)
+        gpu = _gpu_tracks(trace)
         starts = _forward_starts(gpu)
         if starts:
             return Timeline(label, "cuda", trace.spans, gpu, starts)
-    cpu = _cpu_lanes(trace.spans)
+    cpu = _cpu_tracks(trace.spans)
     return Timeline(label, "cpu", trace.spans, cpu, _forward_starts(cpu))
