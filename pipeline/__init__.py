@@ -26,6 +26,7 @@ from pipeline.config import (
     TorchCompileConfig,
 )
 from pipeline.pipelines.base import TrainPipelineBase
+from pipeline.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
 from pipeline.pipelines.eval import EvalPipelineSparseDist
 from pipeline.pipelines.fused import TrainPipelineFusedSparseDist
 from pipeline.pipelines.gradient_accumulation import (
@@ -33,7 +34,7 @@ from pipeline.pipelines.gradient_accumulation import (
     GradientAccumulationWrapper,
 )
 from pipeline.pipelines.prefetch import PrefetchTrainPipelineSparseDist
-from pipeline.pipelines.pt2 import TrainPipelinePT2, TrainPipelineSparseDistCompAutograd
+from pipeline.pipelines.pt2 import TrainPipelinePT2
 from pipeline.pipelines.semi_sync import TrainPipelineSemiSync
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.pipelines.staged import PipelineStage, SparseDataDistUtil, StagedTrainPipeline
