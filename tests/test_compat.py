@@ -112,7 +112,7 @@ def test_options_are_keyword_only_slots():
 
 
 def test_lane_states():
-    ranks = Ranks(RankOptions(), vote_every_batch=False)
+    ranks = Ranks(RankOptions())
     lane = ranks.open_lane(iter([1, 2]))
     assert lane.state is LaneState.OPEN and lane.fetching
     assert ranks.fetch(lane)[0] == 1 and ranks.fetch(lane)[0] == 2
