@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import torch
@@ -73,6 +74,7 @@ def _idle_prefetch(rank: int, world_size: int) -> dict:
     it = iter(models.batches("dlrm", 8, rank))
     first = pipe.progress(it)
     ahead_after_first = pipe.prefetch_ahead
+    mode = pipe.prefetch_mode
     outputs, stopped = models.outputs_then_stop(pipe, it, 7)
     return {
         "equal": models.bitwise_equal(expected, [first, *outputs]),
@@ -81,14 +83,22 @@ def _idle_prefetch(rank: int, world_size: int) -> dict:
         "ahead_after_first": ahead_after_first,
         "calls": len(calls),
         "notes": list(pipe.rewrite_report.notes),
+        "mode": mode,
+        "threads": [t.name for t in threading.enumerate() if t.name.startswith("pipeline-prefetch")],
     }
 
 
-def test_idle_prefetch_stage_is_inline_from_the_first_batch_and_exact():
-    for r in run_ranks(_idle_prefetch, 2, timeout=240):
-        assert r["equal"] and r["params"] and r["stopped"], r
-        assert r["ahead_after_first"] is False and r["calls"] == 0, r
-        assert any("moves no data" in n and "runs inline" in n for n in r["notes"]), r["notes"]
+def test_prefetch_with_nothing_to_prefetch_runs_sparse_dists_step_and_is_exact():
+    """Fused kernels: no prefetch() call, no stage, no worker thread, from the first batch on; the
+    mode is visible (prefetch_mode, and one note in the rewrite report)."""
+    for rank, r in enumerate(run_ranks(_idle_prefetch, 2, timeout=240)):
+        assert r["equal"] and r["params"] and r["stopped"], f"rank {rank}: not the plain loop, bit for bit"
+        assert r["mode"] == "sparse-dist", f"rank {rank}: mode {r['mode']!r}"
+        assert r["ahead_after_first"] is False, f"rank {rank}: the stage was to run ahead"
+        assert r["calls"] == 0, f"rank {rank}: prefetch() was called {r['calls']} times"
+        assert r["threads"] == [], f"rank {rank}: a prefetch worker thread was started: {r['threads']}"
+        notes = [n for n in r["notes"] if "runs TrainPipelineSparseDist's step" in n]
+        assert len(notes) == 1, f"rank {rank}: the report says {r['notes']}"
 
 
 def test_host_batches_are_not_copied():

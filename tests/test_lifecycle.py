@@ -314,8 +314,18 @@ SCENARIOS = {
 }
 
 
+STAGED = "PrefetchTrainPipelineSparseDist+stage"
+"""The Prefetch pipeline made to run its prefetch stage although the test model's fused kernels
+have no prefetch work (which would make it run SparseDist's step)."""
+
+
 def _scenario(rank: int, world_size: int, name: str, pipe_name: str, *args) -> object:
-    return SCENARIOS[name](rank, pipe_name, *args)
+    if pipe_name != STAGED:
+        return SCENARIOS[name](rank, pipe_name, *args)
+    from unittest import mock
+
+    with mock.patch("pipeline.pipelines.prefetch.prefetch_does_work", lambda module: True):
+        return SCENARIOS[name](rank, "PrefetchTrainPipelineSparseDist", *args)
 
 
 def _each(pool, name: str, pipe_name: str, *args) -> list:
@@ -414,11 +424,13 @@ _DIST = ("input_dist::start", "input_dist::splits")
 STAGES_OF = {
     "TrainPipelineBase": ("copy", "forward", "backward", "optimizer"),
     "TrainPipelineSparseDist": ("copy", *_DIST, "forward", "backward", "optimizer"),
-    "PrefetchTrainPipelineSparseDist": ("copy", *_DIST, "prefetch", "forward", "backward", "optimizer"),
+    # fused kernels have nothing to prefetch: the Prefetch pipeline runs SparseDist's stages
+    "PrefetchTrainPipelineSparseDist": ("copy", *_DIST, "forward", "backward", "optimizer"),
+    STAGED: ("copy", *_DIST, "prefetch", "forward", "backward", "optimizer"),
 }
 
 
-@pytest.mark.parametrize("pipe_name", PIPELINES)
+@pytest.mark.parametrize("pipe_name", [*PIPELINES, STAGED])
 def test_stream_checker_passes_on_every_pipeline(pool, pipe_name):
     for r in _each(pool, "streams", pipe_name, False):
         assert r["outputs"] == N and r["error"] is None
@@ -432,18 +444,18 @@ def test_stream_checker_passes_on_every_pipeline(pool, pipe_name):
         assert r["checked"] >= N
 
 
-@pytest.mark.parametrize("pipe_name", PIPELINES)
+@pytest.mark.parametrize("pipe_name", [*PIPELINES, STAGED])
 def test_stream_checker_catches_a_missing_wait(pool, pipe_name):
     for r in _each(pool, "streams", pipe_name, True):
         assert r["error"] and "without a wait" in r["error"]
 
 
-@pytest.mark.parametrize("pipe_name", PIPELINES)
+@pytest.mark.parametrize("pipe_name", [*PIPELINES, STAGED])
 def test_profiler_labels(pool, pipe_name):
     stages = {"copy", "forward", "backward", "optimizer"}
     if pipe_name != "TrainPipelineBase":
         stages |= {"input_dist::start", "input_dist::splits", "input_dist::wait"}
-    if pipe_name == "PrefetchTrainPipelineSparseDist":
+    if pipe_name == STAGED:
         stages |= {"prefetch"}
     for labels in _each(pool, "labels", pipe_name):
         found = {name.removeprefix("pipeline::").split("#")[0] for name in labels}

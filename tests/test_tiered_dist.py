@@ -144,6 +144,7 @@ def _equivalence(rank: int, world_size: int, pipe_name: str, sharding: str, poli
             "pinned_after": pinned,
             "evictions": sum(s["evictions"] for s in stats.values()),
             "writebacks": sum(s["writebacks"] for s in stats.values()),
+            "mode": getattr(pipe, "prefetch_mode", None),
         }
 
 
@@ -156,6 +157,8 @@ def test_pipelines_equal_the_plain_loop_on_the_tiered_kernel(pool, pipe_name, sh
         assert r["pinned_after"] == 0, "rows still pinned after the last batch"
         # the cache a little above the rows in flight: rows are evicted and written back every run
         assert r["evictions"] > STEPS and r["writebacks"] > 0, r
+        if pipe_name.startswith("Prefetch"):
+            assert r["mode"] == "prefetch", f"tables on disk, but the Prefetch pipeline ran {r['mode']!r}"
 
 
 @pytest.mark.parametrize(("policy", "sharding"), list(itertools.product(OTHER_POLICIES, SHARDINGS)))

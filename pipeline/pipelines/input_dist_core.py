@@ -6,10 +6,13 @@ Each class writes its step in its own module, calling its `InputDist` by name.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from pipeline.config import InputDistOptions, RewriteOptions
 from pipeline.pipelines.core import PipelineCore
+from pipeline.ranks import Lane
 from pipeline.stages.input_dist import InputDist
 from pipeline.stages.memory import MemoryFlags
 from pipeline.stages.tuner import Tuner
@@ -71,6 +74,29 @@ class InputDistCore(PipelineCore):
         """
         if model is not None and model is not self._model:
             raise ValueError("attach(model) takes the pipeline's own model; build a new pipeline for another")
+
+    def _sparse_dist_step(self, lane: Lane, *, copy_after_forward: bool) -> Any:
+        """TrainPipelineSparseDist's step (also Prefetch's when no module has prefetch work): the
+        copy of batch i+2 (after forward of i if `copy_after_forward`) and the input_dist of i+1
+        overlap forward, backward and optimizer of i."""
+        ctx = lane.inflight[0]
+        input_dist = self._input_dist
+        input_dist.choose_schedule(self._model.training)
+        input_dist.release_inputs(ctx)
+        if not copy_after_forward and len(lane.inflight) < 3:
+            self._enqueue(lane)
+        nxt = input_dist.start_next(lane)
+        losses, output = self._forward(ctx, train=True, slot=input_dist.slot)
+        if copy_after_forward and len(lane.inflight) < 3:
+            self._enqueue(lane)  # after forward: on a GPU the copy does not compete with lookups
+        if nxt is not None:
+            input_dist.wait_splits(nxt)  # a no-op after early splits
+        if losses is not None:
+            self._backward(ctx, losses)
+            self._sync_replicas(ctx)
+            self._optimizer_step(ctx)
+        lane.inflight.popleft()
+        return output
 
     def _make_input_dist(
         self,

@@ -19,9 +19,10 @@ from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
 from pipeline.stages.context import PrefetchBatchContext
 from pipeline.stages.memory import MemoryFlags
-from pipeline.stages.prefetch import PrefetchStage
+from pipeline.stages.prefetch import PrefetchStage, prefetch_does_work
 from pipeline.stages.streams import Streams, streams_for
 from pipeline.stages.tuner import Tuner
+from rewrite import outermost_sharded, unwrap_model
 
 __all__ = ["PrefetchTrainPipelineSparseDist"]
 
@@ -113,16 +114,45 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
         )
         ahead = resolve(prefetch, PrefetchOptions, prefetch_ahead=prefetch_ahead).prefetch_ahead
         self._prefetch = PrefetchStage(self._streams, self._input_dist, ahead=ahead)
+        self._with_stage: bool | None = None
+        """Some sharded module's `prefetch()` moves data (decided at the first batch); without,
+        the pipeline runs `TrainPipelineSparseDist`'s step: no prefetch stage, no thread hop."""
 
     @property
     def prefetch_ahead(self) -> bool:
         """Whether the prefetch stage of batch i+1 runs ahead, during backward of i."""
         return self._prefetch.ahead
 
+    @property
+    def prefetch_mode(self) -> str | None:
+        """ "prefetch" (the prefetch stage runs), "sparse-dist" (no module has prefetch work: the
+        step is `TrainPipelineSparseDist`'s), or None before the first batch."""
+        if self._with_stage is None:
+            return None
+        return "prefetch" if self._with_stage else "sparse-dist"
+
     def _fill(self, lane: Lane) -> None:
+        first = self._with_stage is None
+        if first:
+            self._choose_mode()
         self._input_dist.fill(lane, self._enqueue)
+        report = self._input_dist.report
+        if first and not self._with_stage and report is not None:
+            report.notes.append(
+                "no sharded module's prefetch() moves data (kernels without a cache to fill): the "
+                "Prefetch pipeline runs TrainPipelineSparseDist's step, with no prefetch stage"
+            )
+
+    def _choose_mode(self) -> None:
+        modules = outermost_sharded(unwrap_model(self._model)).values()
+        self._with_stage = any(prefetch_does_work(m) for m in modules)
+        if not self._with_stage:
+            self._input_dist.use_forward("input_dist")
+            self._prefetch.stay_inline()
 
     def _step(self, lane: Lane) -> Any:
+        if not self._with_stage:
+            return self._sparse_dist_step(lane, copy_after_forward=False)
         ctx = lane.inflight[0]
         input_dist, prefetch = self._input_dist, self._prefetch
         input_dist.choose_schedule(self._model.training)

@@ -129,22 +129,4 @@ class TrainPipelineSparseDist(InputDistCore):
         self._input_dist.fill(lane, self._enqueue)
 
     def _step(self, lane: Lane) -> Any:
-        ctx = lane.inflight[0]
-        input_dist = self._input_dist
-        input_dist.choose_schedule(self._model.training)
-        input_dist.release_inputs(ctx)
-        copy_late = self._copy_after_forward
-        if not copy_late and len(lane.inflight) < 3:
-            self._enqueue(lane)
-        nxt = input_dist.start_next(lane)
-        losses, output = self._forward(ctx, train=True, slot=input_dist.slot)
-        if copy_late and len(lane.inflight) < 3:
-            self._enqueue(lane)  # after forward: on a GPU the copy does not compete with lookups
-        if nxt is not None:
-            input_dist.wait_splits(nxt)  # a no-op after early splits
-        if losses is not None:
-            self._backward(ctx, losses)
-            self._sync_replicas(ctx)
-            self._optimizer_step(ctx)
-        lane.inflight.popleft()
-        return output
+        return self._sparse_dist_step(lane, copy_after_forward=self._copy_after_forward)

@@ -26,7 +26,9 @@ Notes on the table:
 - input_dist::splits runs before forward of i under the "early" schedules and after it under "late"
   (torchrec's order); `pipeline.stages.schedule` has the four schedules.
 - Prefetch: the prefetch of i+1 is submitted after forward of i (`prefetch_ahead`, overlapping
-  backward and optimizer), or before forward of i+1; on CPU its stream is a worker thread.
+  backward and optimizer), or before forward of i+1; on CPU its stream is a worker thread. When no
+  sharded module's `prefetch()` moves data (tables wholly in device memory), the Prefetch pipeline
+  runs the SparseDist column instead (`prefetch_mode == "sparse-dist"`).
 - Fused: the lookup of i runs first in step i, or after the input_dist start of i+1
   (`embedding_lookup_after_data_dist`); `emb_lookup_stream="current"` runs it on the caller's stream.
 - SemiSync: from batch `start_batch` on, the lookup of i+1 runs between forward and backward of i

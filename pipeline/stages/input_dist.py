@@ -114,6 +114,17 @@ class InputDist:
         else:
             self.tuner.interrupt()
 
+    def use_forward(self, forward: str) -> None:
+        """Change which hijacked forward the sharded modules get (see the class); only before the
+        first batch rewrote them.
+
+        Raises:
+            RuntimeError: the modules are rewritten already.
+        """
+        if self.rewrite is not None:
+            raise RuntimeError("the sharded modules are rewritten already; detach() first")
+        self._forward = forward
+
     def interrupt(self) -> None:
         """The step ended abnormally (the pipeline reset): the tuner does not time across it."""
         if self.tuner is not None:

@@ -57,6 +57,11 @@ class PrefetchStage:
             self._auto, self.ahead = False, False
             self._streams.set_prefetch_on_worker(False)
 
+    def stay_inline(self) -> None:
+        """The stage will not run (no module's `prefetch()` moves data): nothing ahead, no thread."""
+        self._auto, self.ahead = False, False
+        self._streams.set_prefetch_on_worker(False)
+
     def submit_early(self, ctx: PrefetchBatchContext) -> None:
         """Submit `ctx`'s prefetch before forward of the batch before it, where that runs on a
         worker thread (under `ahead`)."""
