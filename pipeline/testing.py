@@ -32,6 +32,8 @@ class _FakeStream:
 class RecordingStreams(Streams):
     """Fake named streams on CPU that log stages, waits, records and uses, for `check()`."""
 
+    inert = False
+
     def __init__(self) -> None:
         self.log: list[tuple] = []
         self._keep: list[Any] = []  # keeps logged objects alive so their ids stay unique

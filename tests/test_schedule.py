@@ -262,3 +262,16 @@ def test_repr_says_it_is_still_tuning_and_for_how_long():
     for _ in range(10):
         tuner.next_schedule()
     assert tuner.steps_left == 44 and "at most 44 more" in repr(tuner)
+
+
+def test_settle_keeps_a_choice_without_trials_or_rechecks():
+    from pipeline.stages.tuner import Tuner
+
+    tuner = Tuner(recheck_after=5)
+    tuner.settle("late", "one rank: nothing to schedule")
+    assert not tuner.tuning and tuner.choice == "late", tuner
+    assert [tuner.next_schedule() for _ in range(20)] == ["late"] * 20, "a settled tuner tried others"
+    assert tuner.tuning_steps == 0 and tuner.reason == "one rank: nothing to schedule"
+    assert Tuner().state_dict() == {} and tuner.state_dict()["choice"] == "late"  # saved like a decision
+    with pytest.raises(ValueError, match="no input_dist schedule 'soon'"):
+        tuner.settle("soon", "")

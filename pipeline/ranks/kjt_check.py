@@ -107,8 +107,8 @@ class KJTCheck:
 
     def _kjts(self, batch: Any) -> list[tuple[str, KeyedJaggedTensor]]:
         if self._paths is None:
-            self._paths = [path for path, _ in find_kjts(batch)]
-        return [(str(path), kjt) for path in self._paths if (kjt := kjt_at(batch, path)) is not None]
+            self._paths = [(str(path), path) for path, _ in find_kjts(batch)]
+        return [(text, kjt) for text, path in self._paths if (kjt := kjt_at(batch, path)) is not None]
 
     def check_kjt(self, kjt: KeyedJaggedTensor) -> str | None:
         """None if `kjt` is well formed; else its bad key and what is wrong."""

@@ -83,6 +83,13 @@ class InputDist:
         self.tuner = (schedule.tuner or Tuner()) if schedule.schedule == "auto" else None
         self.schedule = "late" if schedule.schedule == "auto" else schedule.schedule
         """The schedule in use (under "auto", changes while tuning and may change at a re-check)."""
+        self._one_rank = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
+        """One rank: the input all-to-alls move nothing between ranks, so the splits are not fused
+        into an all-to-all of their own and every schedule does the same work."""
+        if self._one_rank and self.tuner is not None:
+            self.tuner.settle(
+                "late", "one rank: the input all-to-alls move nothing, so every schedule does the same work"
+            )
         self.freed_bytes = 0
         """Bytes released by the memory flags so far."""
         self._ranks = ranks
@@ -165,7 +172,7 @@ class InputDist:
             return
         streams = self._streams
         rewrite = self.attach(ctx.batch)
-        fused = rewrite.fuse_splits()
+        fused = not self._one_rank and rewrite.fuse_splits()
         if fused:
             self._place_all_to_alls(rewrite)
 

@@ -37,11 +37,18 @@ def label(text: str) -> Any:
     return record_function(text) if _recording() else _NO_LABEL
 
 
-class run_stage:
-    """Run the enclosed work as stage `name` of batch `index` on `stream` (None: the current one).
+def run_stage(streams: Streams, name: str, index: int, stream: Any = None) -> Any:
+    """A context manager running the enclosed work as stage `name` of batch `index` on `stream`
+    (None: the current one). With inert streams and no profiler recording, a shared no-op: a step's
+    stages then cost one call each on the hot path."""
+    if streams.inert and not _recording():
+        return _NO_LABEL
+    return _Stage(streams, name, index, stream)
 
-    A class, not a generator: entering it costs one small object, no generator frame.
-    """
+
+class _Stage:
+    """A stage with work to do on entry: a label, a stream, a checking hook. A class, not a
+    generator: entering it costs one small object, no generator frame."""
 
     __slots__ = ("_index", "_label", "_name", "_stream", "_streams", "_use")
 

@@ -59,6 +59,9 @@ class Streams:
     memcpy: Any = None
     data_dist: Any = None
     prefetch: Any = None
+    inert: bool = True
+    """`use()` and `stage_started()` do nothing (no streams, no checking): a stage needs no
+    bookkeeping while no profiler records (`pipeline.stages.labels.run_stage`)."""
 
     def current(self) -> Any:
         """The stream the caller is running on now (forward/backward/optimizer run there)."""
@@ -141,6 +144,8 @@ class Streams:
 
 class CudaStreams(Streams):
     """Side streams on a CUDA device; copy and communication at high priority."""
+
+    inert = False
 
     def __init__(self, device: torch.device, *, prefetch: bool = True) -> None:
         high = torch.cuda.Stream.priority_range()[1]  # lowest number is the highest priority

@@ -189,6 +189,21 @@ class Tuner:
             self._last = (now, k, name)
         return name
 
+    def settle(self, choice: str, reason: str) -> None:
+        """Keep `choice` without trials and never re-check it (where the schedules cannot differ,
+        or where the decision is known).
+
+        Raises:
+            ValueError: `choice` is not a schedule.
+        """
+        if choice not in SCHEDULES:
+            raise ValueError(f"no input_dist schedule {choice!r}; one of {list(SCHEDULES)}")
+        self.choice = choice
+        self.decisions.append(
+            (self._steps, Decision(choice=choice, baseline=choice, ratios={}, reason=reason))
+        )
+        self._phase, self._pos, self._last, self._next_check = None, 0, None, None
+
     def interrupt(self) -> None:
         """A step ended abnormally (or an eval step ran between): do not time across it."""
         self._last = None
