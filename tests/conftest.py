@@ -1,4 +1,6 @@
-"""Fixtures shared by the multi-rank test modules."""
+"""Fixtures shared by the multi-rank test modules, and the order of the suite: tests marked `slow`
+(torchrun jobs, torch.compile, scenarios that wait out a timeout) run after all the others, so that
+the quick ones report first."""
 
 from __future__ import annotations
 
@@ -7,6 +9,14 @@ from collections.abc import Iterator
 import pytest
 
 from tests.harness import RankPool
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: takes more than ~10 s; runs after the quick tests")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: order kept
 
 
 @pytest.fixture(scope="module")

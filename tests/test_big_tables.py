@@ -19,7 +19,7 @@ from tests.harness import pytest_timeout, run_ranks
 GIB = 2**30
 TOTAL_GB, TABLES, DIM, CACHE_ROWS, BATCH, IDS, STEPS = 1.0, 4, 64, 20_000, 256, 4, 20
 TIMEOUT = 240
-pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 
 
 def _batches(rows: int, n: int) -> list:

@@ -25,6 +25,8 @@ import pytest
 
 from tests.harness import run_ranks
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # -- part 1: the no-drain checkpoint ----------------------------------------------------------

@@ -21,6 +21,8 @@ import pytest
 
 from examples.dlrm import train as train_script
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "criteo_tiny.tsv"
 TORCHRUN = Path(sys.executable).parent / "torchrun"

@@ -33,7 +33,7 @@ from tests.harness import pytest_timeout
 
 TIMEOUT = 240
 STEPS = 5
-pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 
 # torchrec 1.8's TrainPipelinePT2 sets these before compiling; its CompAutograd class these:
 TORCHREC_DYNAMO = {
