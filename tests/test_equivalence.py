@@ -52,7 +52,7 @@ def test_bitwise_equal_to_plain_loop(pool, pipe_name, kind, sharding):
     for rank, r in enumerate(pool.run(_case, pipe_name, kind, sharding, timeout=TIMEOUT)):
         assert r["outputs_equal"], f"rank {rank}: per-step outputs differ from the plain loop"
         assert r["params_equal"], f"rank {rank}: final parameters differ from the plain loop"
-        assert r["n_params"] > 0
+        assert r["n_params"] > 0, f"rank {rank}: no parameters compared"
         assert r["stopped"], f"rank {rank}: no StopIteration after {STEPS} outputs"
         if pipe_name != "TrainPipelineBase":
             # equivalence must come from pipelining every sharded module, not from falling back

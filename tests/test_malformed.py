@@ -91,9 +91,8 @@ def test_a_malformed_kjt_on_one_rank_stops_every_rank_naming_it(pool, pipe_name,
     problem = PROBLEMS[how].format(sample=results[1]["sample"])
     for rank, r in enumerate(results):
         assert r["error"] is not None, f"rank {rank}: trained every batch, no error"
-        assert (
-            f"batch {at} of rank 1's dataloader: the KeyedJaggedTensor at batch.sparse_features" in r["error"]
-        )
+        where = f"batch {at} of rank 1's dataloader: the KeyedJaggedTensor at batch.sparse_features"
+        assert where in r["error"], f"rank {rank}: the error names neither batch nor KJT: {r['error']}"
         assert problem in r["error"], r["error"]
         assert "check_kjts=False" in r["error"], r["error"]
         expected = TRAINED_BEFORE[pipe_name] if at == 5 else TRAINED_BEFORE[pipe_name] - 4

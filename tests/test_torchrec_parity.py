@@ -178,8 +178,8 @@ def test_execute_all_batches_false_drops_what_torchrec_drops(pool, name):
 @pytest.mark.parametrize("name", PIPELINES[1:])
 @pytest.mark.parametrize("sharding", ["table_wise", "row_wise"])
 def test_postprocs_called_with_collections(pool, name, sharding):
-    for r in pool.run(_collections, name, sharding, timeout=TIMEOUT):
-        assert r["not_pipelined"] == []
+    for rank, r in enumerate(pool.run(_collections, name, sharding, timeout=TIMEOUT)):
+        assert r["not_pipelined"] == [], f"rank {rank}: {r['not_pipelined']} fell back to their own forward"
         assert r["paths"] == {
             "user_ebc": "shift([batch.features.user, batch.dense], {'by': 1})",
             "item_ebc": "pick({'kjts': (batch.features.item, batch.features.user), 'index': 0})",
