@@ -26,10 +26,11 @@ from rewrite.direct import match_direct
 from rewrite.forwards import site_key
 from rewrite.paths import parse_path
 from rewrite.record import ObservedCall, Recording
+from rewrite.report import ModuleReport, RewriteReport, SiteReport
 from rewrite.sites import ExplicitInput, SiteInput, difference, explicit_entries
 from rewrite.trace import trace_call_sites
 
-__all__ = ["Finding", "Method", "complete", "find_inputs"]
+__all__ = ["Finding", "Method", "complete", "find_inputs", "report_of"]
 
 Method = Literal["auto", "explicit", "trace", "direct", "record"]
 
@@ -202,7 +203,37 @@ def _mismatch(
             args, kwargs = site.args.build(batch, postproc, cache)
         except Exception as e:  # any failure of a user's function or a program's step
             return f"call site {site_key(fqn, i)}: replaying it fails: {type(e).__name__}: {e}"
-        diff = difference((list(args), kwargs), (list(call.args), call.kwargs), "arguments")
+        diff = difference(list(args), list(call.args), "arguments") or difference(
+            kwargs, call.kwargs, "keyword arguments"
+        )
         if diff is not None:
             return f"call site {site_key(fqn, i)}: {diff}"
     return None
+
+
+def report_of(findings: dict[str, Finding], trace_error: str | None, notes: list[str]) -> RewriteReport:
+    """The report of `findings` (see `RewriteReport`)."""
+    report = RewriteReport(trace_error=trace_error, notes=notes)
+    for fqn, finding in findings.items():
+        sites = [
+            SiteReport(
+                key=site_key(fqn, i),
+                program=None if s.args is None else str(s.args),
+                reason=s.reason,
+                source=s.source,
+            )
+            for i, s in enumerate(finding.sites)
+        ]
+        bad = next((s for s in sites if s.reason is not None), None)
+        reason = None
+        if bad is not None:
+            reason = bad.detail() if len(sites) == 1 else f"call site {bad.key}: {bad.detail()}"
+        elif finding.pending:
+            reason = "to be checked against the recording of the first batch's forward (Rewrite.record)"
+        path = "; ".join(s.program for s in sites) if bad is None else None
+        report.modules.append(
+            ModuleReport(
+                fqn=fqn, pipelined=finding.found, method=finding.method, path=path, reason=reason, sites=sites
+            )
+        )
+    return report

@@ -20,8 +20,7 @@ from typing import Any
 from torch import nn
 from torchrec.distributed.types import ShardedModule
 
-from rewrite.arginfo import CallArgs
-from rewrite.find import Finding, Method, complete, find_inputs
+from rewrite.find import Finding, Method, complete, find_inputs, report_of
 from rewrite.forwards import (
     ContextSlot,
     LookupPipelinedForward,
@@ -31,19 +30,11 @@ from rewrite.forwards import (
     site_key,
 )
 from rewrite.record import record_calls
-from rewrite.report import ModuleReport, RewriteReport, SiteReport
-from rewrite.sites import ExplicitInput
+from rewrite.report import RewriteReport
+from rewrite.sites import CallSite, PipelinedModule
 from rewrite.splits import input_dists_ready, install_fused_splits
 
-__all__ = [
-    "CallSite",
-    "Method",
-    "PipelinedModule",
-    "Rewrite",
-    "outermost_sharded",
-    "rewrite_model",
-    "unwrap_model",
-]
+__all__ = ["Method", "Rewrite", "outermost_sharded", "rewrite_model", "unwrap_model"]
 
 _MISSING = object()
 
@@ -62,40 +53,15 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         model = inner
 
 
-@dataclass(frozen=True, slots=True)
-class CallSite:
-    """One call of a pipelined sharded module in forward, and how its input comes from the batch."""
-
-    key: str
-    """`site_key(fqn, index)`: what the pipeline keys this call's module context and input_dist by."""
-    fqn: str
-    index: int
-    """Its place among the module's calls in one forward, from 0."""
-    module: ShardedModule
-    args: CallArgs | ExplicitInput
-    """`args.build(batch, postproc, cache) -> (args, kwargs)`: its arguments for a batch."""
-
-
 @dataclass(kw_only=True, slots=True)
-class PipelinedModule:
-    """A sharded module whose forward was hijacked, and its call sites."""
-
-    fqn: str
-    module: ShardedModule
-    args: CallArgs | ExplicitInput
-    """Its first call site's program (key `fqn`): all a module called once needs."""
-    sites: tuple[CallSite, ...] = ()
-
-
-@dataclass(kw_only=True, slots=True)
-class _Pending:
-    """What completing a Rewrite after the recorded forward needs."""
+class _Findings:
+    """What `rewrite_model` found, kept until the forwards are hijacked (after the recording)."""
 
     root: nn.Module
     sharded: dict[str, ShardedModule]
     findings: dict[str, Finding]
     trace_error: str | None
-    install: Callable[[dict[str, Finding]], None]
+    forward_type: type
     strict: bool
 
 
@@ -110,7 +76,7 @@ class Rewrite:
     """Postproc modules run ahead with input_dist, by FQN."""
     _named: dict[str, nn.Module] = field(default_factory=dict)
     _slot: ContextSlot | None = None
-    _pending: _Pending | None = None
+    _pending: _Findings | None = None
     _saved: list[tuple[nn.Module, Any, bool]] = field(default_factory=list)
     _undo_fuse: Callable[[], None] | None = None
 
@@ -163,11 +129,7 @@ class Rewrite:
             yield
         cache: dict = {}
         notes = complete(pending.findings, recording, batch, lambda c, b: self.run_postproc(c, b, cache))
-        self._pending = None
-        self.report = _report(pending.findings, pending.trace_error, notes)
-        if pending.strict:
-            self.report.check_strict()
-        pending.install(pending.findings)
+        self._finish(pending, notes)
 
     def fuse_splits(self) -> bool:
         """Fuse the splits all-to-alls once every input dist exists; True when fused."""
@@ -216,27 +178,28 @@ class Rewrite:
         if isinstance(module, ShardedModule):
             module.is_pipelined = True
 
-    def _install(
-        self, findings: dict[str, Finding], sharded: dict[str, ShardedModule], forward_type: type
-    ) -> None:
+    def _finish(self, found: _Findings, notes: list[str]) -> None:
+        """The final report, the strict check, then every found module's forward hijacked."""
+        self._pending = None
+        self.report = report_of(found.findings, found.trace_error, notes)
+        if found.strict:
+            self.report.check_strict()
         slot = self._slot
-        for fqn, finding in findings.items():
+        for fqn, finding in found.findings.items():
             if not finding.found:
                 continue
-            module = sharded[fqn]
+            module = found.sharded[fqn]
             sites = tuple(
                 CallSite(key=site_key(fqn, i), fqn=fqn, index=i, module=module, args=s.args)
                 for i, s in enumerate(finding.sites)
             )
             self.modules.append(PipelinedModule(fqn=fqn, module=module, args=sites[0].args, sites=sites))
             slot.expect(fqn, tuple(s.key for s in sites))
-            self._hijack(module, forward_type(fqn, module, slot))
+            self._hijack(module, found.forward_type(fqn, module, slot))
             for call in (c for s in sites for c in s.args.postprocs()):
                 if call.fqn not in self.postprocs:
-                    self.postprocs[call.fqn] = self._named[call.fqn]
-                    self._hijack(
-                        self._named[call.fqn], PostprocForward(call.fqn, self._named[call.fqn], slot)
-                    )
+                    module = self.postprocs[call.fqn] = self._named[call.fqn]
+                    self._hijack(module, PostprocForward(call.fqn, module, slot))
 
 
 def rewrite_model(
@@ -297,32 +260,24 @@ def rewrite_model(
         record=record,
     )
     rewrite = Rewrite(
-        report=_report(findings, trace_error, []),
-        modules=[],
-        postprocs={},
-        _named=dict(root.named_modules()),
-        _slot=slot,
+        report=RewriteReport(), modules=[], postprocs={}, _named=dict(root.named_modules()), _slot=slot
     )
     forward_type = (
         LookupPipelinedForward if lookup else PrefetchPipelinedForward if prefetch else PipelinedForward
     )
-
-    def install(final: dict[str, Finding]) -> None:
-        rewrite._install(final, sharded, forward_type)
-
+    found = _Findings(
+        root=root,
+        sharded=sharded,
+        findings=findings,
+        trace_error=trace_error,
+        forward_type=forward_type,
+        strict=strict,
+    )
     if any(f.pending for f in findings.values()):
-        rewrite._pending = _Pending(
-            root=root,
-            sharded=sharded,
-            findings=findings,
-            trace_error=trace_error,
-            install=install,
-            strict=strict,
-        )
-        return rewrite
-    if strict:
-        rewrite.report.check_strict()
-    install(findings)
+        rewrite._pending = found
+        rewrite.report = report_of(findings, trace_error, [])
+    else:
+        rewrite._finish(found, [])
     return rewrite
 
 
@@ -338,30 +293,3 @@ def outermost_sharded(root: nn.Module) -> dict[str, ShardedModule]:
         if isinstance(module, ShardedModule) and not any(fqn.startswith(f"{p}.") for p in found):
             found[fqn] = module
     return found
-
-
-def _report(findings: dict[str, Finding], trace_error: str | None, notes: list[str]) -> RewriteReport:
-    report = RewriteReport(trace_error=trace_error, notes=notes)
-    for fqn, finding in findings.items():
-        sites = [
-            SiteReport(
-                key=site_key(fqn, i),
-                program=None if s.args is None else str(s.args),
-                reason=s.reason,
-                source=s.source,
-            )
-            for i, s in enumerate(finding.sites)
-        ]
-        bad = next((s for s in sites if s.reason is not None), None)
-        reason = None
-        if bad is not None:
-            reason = bad.detail() if len(sites) == 1 else f"call site {bad.key}: {bad.detail()}"
-        elif finding.pending:
-            reason = "to be checked against the recording of the first batch's forward (Rewrite.record)"
-        path = "; ".join(s.program for s in sites) if bad is None else None
-        report.modules.append(
-            ModuleReport(
-                fqn=fqn, pipelined=finding.found, method=finding.method, path=path, reason=reason, sites=sites
-            )
-        )
-    return report

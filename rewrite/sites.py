@@ -2,7 +2,8 @@
 
 A sharded module called k times in one forward has k call sites, in call order. `SiteInput` is what
 a finding method (explicit, traced, direct, recorded) says about one site: the program that computes
-its arguments from the batch, or why there is none. `ExplicitInput` replays a user's function, and
+its arguments from the batch, or why there is none; `CallSite` is a pipelined one, and
+`PipelinedModule` a hijacked module with its sites. `ExplicitInput` replays a user's function, and
 `difference` compares a replayed input with what forward really passed.
 """
 
@@ -16,12 +17,15 @@ from typing import Any
 
 import torch
 import torchrec
+from torch import nn
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from rewrite.arginfo import CallArgs, PathError, PostprocCall
 
 __all__ = [
+    "CallSite",
     "ExplicitInput",
+    "PipelinedModule",
     "SiteInput",
     "difference",
     "explicit_entries",
@@ -65,7 +69,7 @@ class ExplicitInput:
         return []
 
     def __str__(self) -> str:
-        name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
+        name = getattr(self.fn, "__name__", type(self.fn).__name__)
         return f"{name}(batch)[{self.index}]"
 
 
@@ -154,8 +158,19 @@ def _jagged(expected: Any, got: Any, where: str) -> str | None:
     for name in ("lengths", "values", "weights_or_none"):
         e, g = getattr(expected, name)(), getattr(got, name)()
         if not _equal(e, g):
-            return f"{where}: {name.removesuffix('_or_none')} differ"
+            return f"{where}: {name.removesuffix('_or_none')} differ ({_first_change(e, g)})"
     return None
+
+
+def _first_change(expected: Any, got: Any) -> str:
+    if expected is None or got is None:
+        return (
+            f"{'none' if got is None else 'some'} passed, {'none' if expected is None else 'some'} replayed"
+        )
+    if expected.shape != got.shape:
+        return f"shape {tuple(got.shape)} passed, {tuple(expected.shape)} replayed"
+    i = int((expected.flatten() != got.flatten()).nonzero()[0])
+    return f"at {i}: {got.flatten()[i].item()} passed, {expected.flatten()[i].item()} replayed"
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -193,3 +208,28 @@ def user_source() -> str | None:
     while frame is not None and is_library(frame.f_code.co_filename):
         frame = frame.f_back
     return None if frame is None else show_source(frame.f_code.co_filename, frame.f_lineno)
+
+
+@dataclass(frozen=True, slots=True)
+class CallSite:
+    """One call of a pipelined sharded module in forward, and how its input comes from the batch."""
+
+    key: str
+    """`site_key(fqn, index)`: what the pipeline keys this call's module context and input_dist by."""
+    fqn: str
+    index: int
+    """Its place among the module's calls in one forward, from 0."""
+    module: nn.Module
+    args: CallArgs | ExplicitInput
+    """`args.build(batch, postproc, cache) -> (args, kwargs)`: its arguments for a batch."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PipelinedModule:
+    """A sharded module whose forward was hijacked, and its call sites."""
+
+    fqn: str
+    module: nn.Module
+    args: CallArgs | ExplicitInput
+    """Its first call site's program (key `fqn`): all a module called once needs."""
+    sites: tuple[CallSite, ...] = ()

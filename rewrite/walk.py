@@ -54,7 +54,8 @@ class Walker:
     calls: Counter[str]
     """How many times the traced forward calls each leaf module."""
     pipeline_postproc: bool
-    memo: dict[fx.Node, ArgInfo] = field(default_factory=dict)
+    memo: dict[fx.Node, ArgInfo | _Reject] = field(default_factory=dict)
+    """The program of each node walked, or why it has none."""
 
     def site(self, node: fx.Node) -> SiteInput:
         """The call site `node` (a call_module of a sharded module)."""
@@ -75,8 +76,14 @@ class Walker:
     def arg_info(self, value: object) -> ArgInfo:
         if isinstance(value, fx.Node):
             if value not in self.memo:
-                self.memo[value] = self._node(value)
-            return self.memo[value]
+                try:
+                    self.memo[value] = self._node(value)
+                except _Reject as e:
+                    self.memo[value] = e
+            found = self.memo[value]
+            if isinstance(found, _Reject):
+                raise found
+            return found
         if not _holds_node(value):
             return ArgInfo((Const(_plain(value)),))
         if isinstance(value, dict):
@@ -109,17 +116,24 @@ class Walker:
             if _is_namedtuple(node.target) and not node.kwargs:
                 # fx records a namedtuple argument as a call of its class on the fields
                 return ArgInfo(source=Pack(node.target, self.items(node.args)))
-        raise _Reject(_why_not(node), node)
+        root = self._first_impure(node)
+        raise _Reject(_why_not(root), root)
+
+    def _first_impure(self, node: fx.Node) -> fx.Node:
+        """The operation closest to the batch, upstream of `node`, that cannot be replayed (for a
+        reason that names `values().max()` rather than the arithmetic that uses it)."""
+        for parent in node.all_input_nodes:
+            try:
+                self.arg_info(parent)
+            except _Reject as e:
+                return e.node if e.node is not None else parent
+        return node
 
     def _method(self, node: fx.Node) -> ArgInfo:
+        if node.target not in METHODS:
+            root = self._first_impure(node)
+            raise _Reject(_why_not(root), root)
         name = node.target
-        if name not in METHODS:
-            raise _Reject(
-                f"input is computed by call_method {name!r} inside forward ({node.format_node()}), "
-                "which is not a pure KeyedJaggedTensor / JaggedTensor operation: a value computed "
-                "from the batch's data cannot be replayed ahead",
-                node,
-            )
         args, kwargs = node.args[1:], node.kwargs
         if _holds_node(args) or _holds_node(kwargs):
             raise _Reject(
@@ -186,7 +200,8 @@ def _why_not(node: fx.Node) -> str:
         )
     what = getattr(node.target, "__name__", node.target)
     return (
-        f"input is computed by {node.op} {what!r} inside forward ({node.format_node()}); only "
-        "attribute/item access, pure KeyedJaggedTensor / JaggedTensor operations and "
-        "constructions, or a parameter-free module, can be run ahead"
+        f"input is computed by {node.op} {what!r} inside forward ({node.format_node()}), which is "
+        "not a pure step: only attribute/item access, pure KeyedJaggedTensor / JaggedTensor "
+        "methods and constructions (rewrite.ops), or a parameter-free module, are run ahead; a "
+        "value computed from the batch's data (such as values().max()) is not"
     )

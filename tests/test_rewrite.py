@@ -311,7 +311,7 @@ class TorchFunction(Model):
 @pytest.mark.parametrize(
     ("model_type", "reason"),
     [
-        (FromValuesMax, "call_function 'mod'"),
+        (FromValuesMax, "call_method 'max'"),
         (TrainableInput, "trainable parameters"),
         (FromAttribute, "not derived from the batch"),
         (TorchFunction, "call_function 'flip'"),
