@@ -81,18 +81,8 @@ def find_inputs(
     rest = [fqn for fqn in sharded if fqn not in found]
     trace_error = None
     if rest and method in ("auto", "trace"):
-        try:
-            traced = trace_call_sites(
-                root, {n: sharded[n] for n in sharded}, pipeline_postproc=pipeline_postproc, sample=batch
-            )
-        except Exception as e:  # fx raises many types on untraceable code
-            trace_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            if method == "trace":
-                found.update({n: _reject(f"fx trace failed: {trace_error}") for n in rest})
-        else:
-            for fqn in rest:
-                if fqn in traced.called or method == "trace":
-                    found[fqn] = Finding(method="traced", sites=traced.sites[fqn])
+        traced, trace_error = _trace(root, sharded, rest, batch, method, pipeline_postproc)
+        found.update(traced)
         rest = [fqn for fqn in rest if fqn not in found]
     if rest and method in ("auto", "direct"):
         direct, why = match_direct(batch, {n: sharded[n] for n in rest})
@@ -110,6 +100,27 @@ def find_inputs(
         rest = []
     found.update({n: _reject(f"no explicit path given (method={method!r})") for n in rest})
     return {fqn: found[fqn] for fqn in sharded}, trace_error
+
+
+def _trace(
+    root: nn.Module,
+    sharded: dict[str, nn.Module],
+    rest: list[str],
+    batch: Any,
+    method: Method,
+    postproc: bool,
+) -> tuple[dict[str, Finding], str | None]:
+    """The traced modules of `rest` (all of them with `method="trace"`), and the trace's error."""
+    try:
+        traced = trace_call_sites(root, sharded, pipeline_postproc=postproc, sample=batch)
+    except Exception as e:  # fx raises many types on untraceable code
+        error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return ({n: _reject(f"fx trace failed: {error}") for n in rest} if method == "trace" else {}), error
+    return {
+        n: Finding(method="traced", sites=traced.sites[n])
+        for n in rest
+        if n in traced.called or method == "trace"
+    }, None
 
 
 def _explicit(fqn: str, spec: Any, sharded: dict[str, nn.Module], batch: Any, record: bool) -> Finding:
