@@ -43,10 +43,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     """Peel DistributedModelParallel and DDP/FSDP-style wrappers (anything with `.module`)."""
     while True:
         inner = getattr(model, "_dmp_wrapped_module", None)
-        if inner is None and type(model).__name__ in (
-            "DistributedDataParallel",
-            "FullyShardedDataParallel",
-        ):
+        if inner is None and type(model).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel"):
             inner = model.module
         if not isinstance(inner, nn.Module):
             return model
@@ -84,6 +81,12 @@ class Rewrite:
     def sites(self) -> list[CallSite]:
         """Every call site of every pipelined module: what input_dist runs for, once per batch."""
         return [site for m in self.modules for site in m.sites]
+
+    def signature(self) -> str:
+        """Each pipelined call site's key and program, one a line. Every rank must have the same
+        before the first input_dist: a forward whose calls depend on the data can record
+        differently on different ranks, and the input all-to-alls would then not match."""
+        return "\n".join(f"{site.key}: {site.args}" for site in self.sites)
 
     @property
     def needs_recording(self) -> bool:

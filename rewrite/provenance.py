@@ -26,6 +26,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from rewrite.arginfo import ArgInfo, Build, Call, CallArgs, Const, Item, Pack
 from rewrite.direct import children
 from rewrite.ops import METHODS
+from rewrite.sites import user_source
 
 __all__ = ["Provenance", "Untracked"]
 
@@ -167,7 +168,7 @@ class Provenance:
                 kwargs={k: self.arg_info(v) for k, v in kwargs.items()},
             )
         except Untracked as e:
-            self._mark(result, f"{name}(...) built from {e}", source or e.source)
+            self._mark(result, f"{name}(...) built from {e}", e.source or source)
             return
         self._result(result, ArgInfo(source=Build(name, call)))
 
@@ -193,7 +194,9 @@ class Provenance:
         ):
             self.method(args[0], name, args[1:], kwargs, result)
         else:
-            reason, source = taints[0] if taints else (f"a value computed from {known[0]} by {name}", None)
+            reason, source = (
+                taints[0] if taints else (f"a value computed from {known[0]} by {name}", user_source())
+            )
             for out in pytree.tree_leaves(result):
                 if isinstance(out, torch.Tensor):
                     self._mark(out, reason, source)

@@ -115,7 +115,7 @@ class Patterns(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         if self.untraceable and batch.dense.sum() > -1:  # always true; fx cannot trace it
-            batch = batch
+            pass
         outs = [module(features) for module, features in self.calls(batch)]
         return sum((i + 1) * out.sum() for i, out in enumerate(outs))  # call order matters
 
@@ -236,6 +236,7 @@ def test_recording_finds_the_same_programs_where_the_trace_fails(pattern):
     assert torch.equal(out, plain), pattern
     assert {s.key: s.program for s in rw.report.sites} == PATTERNS[pattern][1], pattern
     assert {m.method for m in rw.report.modules} == {"recorded"}, pattern
+    assert rw.signature().splitlines() == [f"{k}: {p}" for k, p in PATTERNS[pattern][1].items()], pattern
     assert_replay_matches_forward(model, rw, b1, pattern)
     # negative twin: without the recording, the programs are not found
     rw = rewrite_model(model, b0, slot=ContextSlot())
@@ -278,7 +279,7 @@ class Rejected(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         if self.untraceable and batch.dense.sum() > -1:
-            batch = batch
+            pass
         n, make = batch.lengths, KeyedJaggedTensor
         if self.how == "parameter":
             kjt = make(keys=["w"], values=self.ids, lengths=torch.tensor([1, 3]))  # parameter
