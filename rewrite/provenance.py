@@ -234,6 +234,9 @@ class Provenance:
                 self._scalars.setdefault(leaf, how)
 
     def _mark(self, value: Any, reason: str, source: str | None) -> None:
+        if isinstance(value, (*_ATOMS, int, float)):  # interned: not known by identity
+            self._read(value, reason)
+            return
         try:
             held: Any = weakref.ref(value)
         except TypeError:  # lists, dicts: held strongly, they are small
