@@ -113,12 +113,11 @@ class Rewrite:
         """Run the model's forward on `batch` inside this block to complete a pending Rewrite.
 
         Contract: while `needs_recording`, nothing is hijacked and `modules` is empty, so the
-        forward inside runs unpipelined (the plain loop's numbers), and no input_dist may have been
-        started for any batch. On normal exit the recorded calls complete the rewrite: modules found
-        by recording get their programs, explicit functions and direct guesses are checked against
-        what forward passed, the report is final, and the forwards are hijacked; input_dist starts
-        with the next batch. If forward raises, every recording patch is undone and the Rewrite
-        stays pending. Without `needs_recording` the block just runs.
+        forward inside runs unpipelined (the plain loop's numbers); no input_dist may have started
+        for any batch. On normal exit the recorded calls complete the rewrite (programs found,
+        explicit functions and direct guesses checked, final report, forwards hijacked); input_dist
+        starts with the next batch. If forward raises, every recording patch is undone and the
+        Rewrite stays pending. Without `needs_recording` the block just runs.
 
         Raises:
             PathError: an explicit input differs from what forward passed (on exit).
@@ -279,6 +278,10 @@ def rewrite_model(
     if any(f.pending for f in findings.values()):
         rewrite._pending = found
         rewrite.report = report_of(findings, trace_error, [])
+        if strict:  # what no recording can change fails now
+            RewriteReport(
+                modules=[m for m in rewrite.report.modules if not findings[m.fqn].pending]
+            ).check_strict()
     else:
         rewrite._finish(found, [])
     return rewrite
