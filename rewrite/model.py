@@ -5,9 +5,8 @@ instance attribute `forward` holding a hijacked forward. Detaching deletes exact
 (or restores the instance attribute that was there before), so the detached model computes what it
 did before the rewrite, and `state_dict()` keys never change, since hijacked forwards are not modules.
 
-A module called k times in one forward has k call sites (`CallSite`), each with its own program and
-its own input_dist per batch. Where only a recorded forward can tell (`record=True`), the Rewrite
-is pending until the caller ran the first batch's forward in `Rewrite.record`.
+A module called k times in one forward has k call sites (`CallSite`). Where only a recorded forward
+can tell (`record=True`), the Rewrite waits for the first batch's forward in `Rewrite.record`.
 """
 
 from __future__ import annotations
