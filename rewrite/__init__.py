@@ -1,8 +1,9 @@
 """Forward hijacking for sharded TorchRec models.
 
-`rewrite_model` finds, for each sharded module, how its input comes out of the batch (an ArgInfo:
-explicit path, fx trace, or direct lookup), replaces its forward with one that consumes what the
-pipeline prepared, and returns a `Rewrite` whose `restore()` puts the model back exactly. This
+`rewrite_model` finds, for each call of each sharded module in forward, how its input comes out of
+the batch (an ArgInfo: a small program of pure steps, found from an explicit path or function, the
+fx trace, direct lookup, or a recorded first forward), replaces its forward with one that consumes
+what the pipeline prepared, and returns a `Rewrite` whose `restore()` puts the model back exactly. This
 package knows nothing of streams or pipelines; the forwards read the context interface defined in
 `rewrite.forwards`.
 """
@@ -10,15 +11,18 @@ package knows nothing of streams or pipelines; the forwards read the context int
 from rewrite.arginfo import (
     ArgInfo,
     Attr,
+    Build,
+    Call,
     CallArgs,
     Const,
     Item,
+    Pack,
     PathError,
     PostprocCall,
-    parse_path,
 )
 from rewrite.direct import find_kjts
 from rewrite.forwards import (
+    CallCountError,
     ContextSlot,
     ForwardContext,
     LookupPipelinedForward,
@@ -26,9 +30,14 @@ from rewrite.forwards import (
     PipelinedForward,
     PostprocForward,
     PrefetchPipelinedForward,
+    site_key,
 )
-from rewrite.model import PipelinedModule, Rewrite, outermost_sharded, rewrite_model, unwrap_model
-from rewrite.report import ModuleReport, RewriteError, RewriteReport
+from rewrite.model import Rewrite, outermost_sharded, rewrite_model, unwrap_model
+from rewrite.ops import CONSTRUCTORS, METHODS
+from rewrite.paths import parse_path
+from rewrite.record import record_calls
+from rewrite.report import ModuleReport, RewriteError, RewriteReport, SiteReport
+from rewrite.sites import CallSite, ExplicitInput, PipelinedModule, SiteInput
 from rewrite.splits import (
     fuse_splits_requests,
     input_dists_ready,
@@ -36,19 +45,27 @@ from rewrite.splits import (
     kjt_all_to_alls,
     one_by_one,
 )
-from rewrite.trace import Tracer
+from rewrite.trace import Tracer, trace_call_sites
 
 __all__ = [
+    "CONSTRUCTORS",
+    "METHODS",
     "ArgInfo",
     "Attr",
+    "Build",
+    "Call",
     "CallArgs",
+    "CallCountError",
+    "CallSite",
     "Const",
     "ContextSlot",
+    "ExplicitInput",
     "ForwardContext",
     "Item",
     "LookupPipelinedForward",
     "ModuleReport",
     "NotPreparedError",
+    "Pack",
     "PathError",
     "PipelinedForward",
     "PipelinedModule",
@@ -58,6 +75,8 @@ __all__ = [
     "Rewrite",
     "RewriteError",
     "RewriteReport",
+    "SiteInput",
+    "SiteReport",
     "Tracer",
     "find_kjts",
     "fuse_splits_requests",
@@ -67,6 +86,9 @@ __all__ = [
     "one_by_one",
     "outermost_sharded",
     "parse_path",
+    "record_calls",
     "rewrite_model",
+    "site_key",
+    "trace_call_sites",
     "unwrap_model",
 ]

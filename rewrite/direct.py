@@ -20,7 +20,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from rewrite.arginfo import ArgInfo, Attr, CallArgs, Item, Step
 
-__all__ = ["expected_features", "find_kjts", "match_direct"]
+__all__ = ["children", "expected_features", "find_kjts", "match_direct"]
 
 _MAX_DEPTH = 8
 
@@ -39,11 +39,13 @@ def _walk(value: Any, steps: list[Step], depth: int, seen: set[int]) -> Iterator
     if id(value) in seen:
         return
     seen.add(id(value))
-    for step, child in _children(value):
+    for step, child in children(value):
         yield from _walk(child, [*steps, step], depth + 1, seen)
 
 
-def _children(value: Any) -> Iterator[tuple[Step, Any]]:
+def children(value: Any) -> Iterator[tuple[Step, Any]]:
+    """The step to each value directly inside `value` (dict items, list/tuple items, dataclass
+    fields, public attributes), with the value."""
     if isinstance(value, dict):
         for k, v in value.items():
             if isinstance(k, (str, int)):

@@ -2,8 +2,10 @@
 
 rewrite/ does not know about streams or pipelines. A hijacked forward asks the context the pipeline
 put in its `ContextSlot` for what was prepared for this batch; the context is responsible for waiting
-and for the cross-stream hand-off. A forward called when nothing was prepared fails with a message
-that says how to run the model directly.
+and for the cross-stream hand-off. A sharded module called k times in one forward has k call sites;
+the slot counts the calls, so that call j takes what was prepared under the key of site j
+(`site_key`). A forward called when nothing was prepared fails with a message that says how to run
+the model directly.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, Protocol
 from torch import nn
 
 __all__ = [
+    "CallCountError",
     "ContextSlot",
     "ForwardContext",
     "LookupPipelinedForward",
@@ -20,6 +23,7 @@ __all__ = [
     "PipelinedForward",
     "PostprocForward",
     "PrefetchPipelinedForward",
+    "site_key",
 ]
 
 
@@ -27,43 +31,127 @@ class NotPreparedError(RuntimeError):
     """A hijacked forward ran without the pipeline having prepared its input."""
 
 
+class CallCountError(NotPreparedError):
+    """A pipelined module was called more, or fewer, times in one forward than it has call sites."""
+
+
+def site_key(fqn: str, index: int) -> str:
+    """The key of call `index` (from 0) of sharded module `fqn` in one forward: `fqn` itself for the
+    first call, `fqn@1`, `fqn@2`, ... for the next ones. Contexts key what they prepare by it."""
+    return fqn if index == 0 else f"{fqn}@{index}"
+
+
 class ForwardContext(Protocol):
     """What the pipeline's per-batch context offers the hijacked forwards.
 
-    Each `take_*` method returns None when nothing is prepared under that name (for instance a
-    second call of the same module in one forward); a returned value is removed from the context.
+    `key` is a call site's key (`site_key`: the module's FQN for its first call). Each `take_*`
+    method returns None when nothing is prepared under that key; a returned value is removed from
+    the context.
     """
 
-    def take_input_dist(self, fqn: str) -> tuple[Any, Any] | None:
-        """`(module_ctx, dist_input)` once the input_dist of `fqn` is complete and usable on the
-        current stream (waits for the all-to-all)."""
+    def take_input_dist(self, key: str) -> tuple[Any, Any] | None:
+        """`(module_ctx, dist_input)` once the input_dist of call site `key` is complete and usable
+        on the current stream (waits for the all-to-all)."""
 
-    def take_prefetched(self, fqn: str) -> tuple[Any, Any] | None:
+    def take_prefetched(self, key: str) -> tuple[Any, Any] | None:
         """`(module_ctx, dist_input)` after the prefetch stage; never waits on communication."""
 
     def postproc_result(self, fqn: str) -> Any | None:
         """The output of postproc module `fqn` computed ahead for this batch."""
 
-    def take_lookup(self, fqn: str) -> Any | None:
-        """The output of `compute_and_output_dist` of `fqn`, run ahead of forward by the pipeline
-        (embedding lookup pipelines); usable on the current stream."""
+    def take_lookup(self, key: str) -> Any | None:
+        """The output of `compute_and_output_dist` of call site `key`, run ahead of forward by the
+        pipeline (embedding lookup pipelines); usable on the current stream."""
 
 
 class ContextSlot:
-    """Holds the context of the batch whose forward is running; None between forwards."""
+    """Holds the context of the batch whose forward is running (None between forwards), and counts
+    the calls of each pipelined module in that forward.
 
-    __slots__ = ("current",)
+    Contract for the pipeline: set `current` before the model's forward (that starts the count) and
+    back to None after it; once forward returned, call `check_calls()` before using its output.
+    """
+
+    __slots__ = ("_calls", "_current", "_keys", "_taken", "_total")
 
     def __init__(self) -> None:
-        self.current: ForwardContext | None = None
+        self._current: ForwardContext | None = None
+        self._keys: dict[str, tuple[str, ...]] = {}
+        self._calls: dict[str, int] = {}
+        self._taken = 0
+        self._total = 0
+
+    @property
+    def current(self) -> ForwardContext | None:
+        return self._current
+
+    @current.setter
+    def current(self, ctx: ForwardContext | None) -> None:
+        if ctx is not None:  # a new forward: its calls are counted from zero
+            self._calls.clear()
+            self._taken = 0
+        self._current = ctx
+
+    def expect(self, fqn: str, keys: tuple[str, ...]) -> None:
+        """Module `fqn` is called once per key in each forward (`rewrite_model` registers it)."""
+        self.forget(fqn)
+        self._keys[fqn] = keys
+        self._total += len(keys)
+
+    def forget(self, fqn: str) -> None:
+        """Module `fqn` is no longer pipelined (`Rewrite.restore`)."""
+        self._total -= len(self._keys.pop(fqn, ()))
+
+    def site_key(self, fqn: str, what: str = "The input") -> str:
+        """The key of this call of module `fqn` in the current forward; counts the call.
+
+        Raises:
+            CallCountError: `fqn` was already called once per call site in this forward.
+        """
+        keys = self._keys[fqn]
+        index = self._calls.get(fqn, 0)
+        if index >= len(keys):
+            raise CallCountError(
+                f"{what} of sharded module {fqn!r} is not prepared for its call number {index + 1} "
+                f"in this forward: the rewrite found {len(keys)} call site(s) for it, so only "
+                f"{len(keys)} input(s) were prepared. Either the model was called again with the "
+                "same context (call pipeline.detach() to run it outside the pipeline), or the "
+                "number of calls of the module changed between batches, which a pipelined module "
+                "must not do."
+            )
+        self._calls[fqn] = index + 1
+        self._taken += 1
+        return keys[index]
+
+    def check_calls(self) -> None:
+        """Check that the last forward called every pipelined module once per call site.
+
+        Raises:
+            CallCountError: a module was called fewer times than it has call sites: its calls may
+                have taken inputs prepared for other calls, so the forward's output is not to be
+                used.
+        """
+        if self._taken == self._total:
+            return
+        short = [
+            f"{fqn!r}: {self._calls.get(fqn, 0)} call(s) for {len(keys)} call site(s)"
+            for fqn, keys in self._keys.items()
+            if self._calls.get(fqn, 0) < len(keys)
+        ]
+        raise CallCountError(
+            "the forward called pipelined sharded modules fewer times than the rewrite found call "
+            f"sites for them ({'; '.join(short)}); a call may have taken the input prepared for "
+            "another call, so this forward's output is not used. The number of calls of a "
+            "pipelined module must not change between batches."
+        )
 
 
-def _not_prepared(fqn: str, what: str) -> NotPreparedError:
+def _not_prepared(key: str, what: str) -> NotPreparedError:
     return NotPreparedError(
-        f"{what} of sharded module {fqn!r} is not prepared for this call. Either the model was "
-        "called directly while a pipeline is attached to it, or the module ran twice in one "
-        "forward. To run the model outside the pipeline, call pipeline.detach() first (the next "
-        "progress() re-attaches)."
+        f"{what} of sharded module call site {key!r} is not prepared for this call. Either the "
+        "model was called directly while a pipeline is attached to it, or the pipeline did not "
+        "prepare this call site. To run the model outside the pipeline, call pipeline.detach() "
+        "first (the next progress() re-attaches)."
     )
 
 
@@ -78,12 +166,18 @@ class _HijackedForward:
         self.module = module
         self.slot = slot
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def _prepared(self, take: str, what: str) -> Any:
         ctx = self.slot.current
-        prepared = None if ctx is None else getattr(ctx, self._take)(self.fqn)
+        if ctx is None:
+            raise _not_prepared(self.fqn, what)
+        key = self.slot.site_key(self.fqn, what)
+        prepared = getattr(ctx, take)(key)
         if prepared is None:
-            raise _not_prepared(self.fqn, self._what)
-        module_ctx, dist_input = prepared
+            raise _not_prepared(key, what)
+        return prepared
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module_ctx, dist_input = self._prepared(self._take, self._what)
         return self.module.compute_and_output_dist(module_ctx, dist_input)
 
     def __repr__(self) -> str:
@@ -108,11 +202,7 @@ class LookupPipelinedForward(_HijackedForward):
     """Returns the lookup (`compute_and_output_dist`) the pipeline already ran for this batch."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        ctx = self.slot.current
-        result = None if ctx is None else ctx.take_lookup(self.fqn)
-        if result is None:
-            raise _not_prepared(self.fqn, "The embedding lookup")
-        return result
+        return self._prepared("take_lookup", "The embedding lookup")
 
 
 class PostprocForward(_HijackedForward):

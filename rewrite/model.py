@@ -4,33 +4,37 @@ The model's code never changes: each sharded module (and each pipelined postproc
 instance attribute `forward` holding a hijacked forward. Detaching deletes exactly those attributes
 (or restores the instance attribute that was there before), so the detached model computes what it
 did before the rewrite, and `state_dict()` keys never change, since hijacked forwards are not modules.
+
+A module called k times in one forward has k call sites (`CallSite`). Where only a recorded forward
+can tell (`record=True`), the Rewrite waits for the first batch's forward in `Rewrite.record`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from torch import nn
 from torchrec.distributed.types import ShardedModule
 
-from rewrite.arginfo import CallArgs, PathError, parse_path
-from rewrite.direct import match_direct
+from rewrite.find import Finding, Method, complete, find_inputs, report_of
 from rewrite.forwards import (
     ContextSlot,
     LookupPipelinedForward,
     PipelinedForward,
     PostprocForward,
     PrefetchPipelinedForward,
+    site_key,
 )
-from rewrite.report import ModuleReport, RewriteReport
+from rewrite.record import record_calls
+from rewrite.report import RewriteReport
+from rewrite.sites import CallSite, PipelinedModule
 from rewrite.splits import input_dists_ready, install_fused_splits
-from rewrite.trace import trace_arg_infos
 
-__all__ = ["Method", "PipelinedModule", "Rewrite", "outermost_sharded", "rewrite_model", "unwrap_model"]
+__all__ = ["Method", "Rewrite", "outermost_sharded", "rewrite_model", "unwrap_model"]
 
-Method = Literal["auto", "explicit", "trace", "direct"]
 _MISSING = object()
 
 
@@ -38,10 +42,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     """Peel DistributedModelParallel and DDP/FSDP-style wrappers (anything with `.module`)."""
     while True:
         inner = getattr(model, "_dmp_wrapped_module", None)
-        if inner is None and type(model).__name__ in (
-            "DistributedDataParallel",
-            "FullyShardedDataParallel",
-        ):
+        if inner is None and type(model).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel"):
             inner = model.module
         if not isinstance(inner, nn.Module):
             return model
@@ -49,12 +50,15 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 @dataclass(kw_only=True, slots=True)
-class PipelinedModule:
-    """A sharded module whose forward was hijacked, and how to build its input from a batch."""
+class _Findings:
+    """What `rewrite_model` found, kept until the forwards are hijacked (after the recording)."""
 
-    fqn: str
-    module: ShardedModule
-    args: CallArgs
+    root: nn.Module
+    sharded: dict[str, ShardedModule]
+    findings: dict[str, Finding]
+    trace_error: str | None
+    forward_type: type
+    strict: bool
 
 
 @dataclass(kw_only=True, slots=True)
@@ -63,10 +67,70 @@ class Rewrite:
 
     report: RewriteReport
     modules: list[PipelinedModule]
+    """The pipelined modules (empty while `needs_recording`)."""
     postprocs: dict[str, nn.Module]
     """Postproc modules run ahead with input_dist, by FQN."""
+    _named: dict[str, nn.Module] = field(default_factory=dict)
+    _slot: ContextSlot | None = None
+    _pending: _Findings | None = None
     _saved: list[tuple[nn.Module, Any, bool]] = field(default_factory=list)
     _undo_fuse: Callable[[], None] | None = None
+
+    @property
+    def sites(self) -> list[CallSite]:
+        """Every call site of every pipelined module: what input_dist runs for, once per batch."""
+        return [site for m in self.modules for site in m.sites]
+
+    def signature(self) -> str:
+        """Each pipelined call site's key and program, one a line. Every rank must have the same
+        before the first input_dist: a forward whose calls depend on the data can record
+        differently on different ranks, and the input all-to-alls would then not match."""
+        return "\n".join(f"{site.key}: {site.args}" for site in self.sites)
+
+    @property
+    def needs_recording(self) -> bool:
+        """The first forward must run in `record` before anything is pipelined."""
+        return self._pending is not None
+
+    def site_inputs(
+        self, batch: Any, postproc_results: dict[str, Any]
+    ) -> Iterator[tuple[CallSite, list, dict]]:
+        """Each call site with its `(args, kwargs)` for `batch`, as forward will pass them: postprocs
+        run once per batch into `postproc_results` (keyed by FQN), and a program that several call
+        sites share is computed once."""
+        cache: dict = {}
+
+        def postproc(call: Any, b: Any) -> Any:
+            return self.run_postproc(call, b, postproc_results)
+
+        for site in self.sites:
+            args, kwargs = site.args.build(batch, postproc, cache)
+            yield site, args, kwargs
+
+    @contextmanager
+    def record(self, batch: Any) -> Iterator[None]:
+        """Run the model's forward on `batch` inside this block to complete a pending Rewrite.
+
+        Contract: while `needs_recording`, nothing is hijacked and `modules` is empty, so the
+        forward inside runs unpipelined (the plain loop's numbers); no input_dist may have started
+        for any batch. On normal exit the recorded calls complete the rewrite (programs found,
+        explicit functions and direct guesses checked, final report, forwards hijacked); input_dist
+        starts with the next batch. If forward raises, every recording patch is undone and the
+        Rewrite stays pending. Without `needs_recording` the block just runs.
+
+        Raises:
+            PathError: an explicit input differs from what forward passed (on exit).
+            RewriteError: strict mode and some module cannot be pipelined (on exit).
+        """
+        pending = self._pending
+        if pending is None:
+            yield
+            return
+        with record_calls(pending.root, batch, pending.sharded) as recording:
+            yield
+        cache: dict = {}
+        notes = complete(pending.findings, recording, batch, lambda c, b: self.run_postproc(c, b, cache))
+        self._finish(pending, notes)
 
     def fuse_splits(self) -> bool:
         """Fuse the splits all-to-alls once every input dist exists; True when fused."""
@@ -77,6 +141,7 @@ class Rewrite:
 
     def restore(self) -> None:
         """Put back every original forward and remove everything the rewrite added."""
+        self._pending = None
         if self._undo_fuse is not None:
             self._undo_fuse()
             self._undo_fuse = None
@@ -88,20 +153,23 @@ class Rewrite:
             if isinstance(module, ShardedModule):
                 module.is_pipelined = was_pipelined
         self._saved.clear()
+        if self._slot is not None:
+            for m in self.modules:
+                self._slot.forget(m.fqn)
 
     def run_postproc(self, call: Any, batch: Any, cache: dict[str, Any]) -> Any:
         """Run postproc `call` on `batch` with its original forward, once per batch (`cache`)."""
         if call.fqn not in cache:
             args, kwargs = call.args.build(batch, lambda c, b: self.run_postproc(c, b, cache))
-            original = self._original_forward(self.postprocs[call.fqn])
+            original = self._original_forward(self._named[call.fqn])
             cache[call.fqn] = original(*args, **kwargs)
         return cache[call.fqn]
 
     def _original_forward(self, module: nn.Module) -> Callable[..., Any]:
         for saved, previous, _ in self._saved:
-            if saved is module and previous is not _MISSING:
-                return previous
-        return type(module).forward.__get__(module)
+            if saved is module:
+                return type(module).forward.__get__(module) if previous is _MISSING else previous
+        return module.forward
 
     def _hijack(self, module: nn.Module, forward: Any) -> None:
         self._saved.append(
@@ -110,6 +178,29 @@ class Rewrite:
         module.forward = forward
         if isinstance(module, ShardedModule):
             module.is_pipelined = True
+
+    def _finish(self, found: _Findings, notes: list[str]) -> None:
+        """The final report, the strict check, then every found module's forward hijacked."""
+        self._pending = None
+        self.report = report_of(found.findings, found.trace_error, notes)
+        if found.strict:
+            self.report.check_strict()
+        slot = self._slot
+        for fqn, finding in found.findings.items():
+            if not finding.found:
+                continue
+            module = found.sharded[fqn]
+            sites = tuple(
+                CallSite(key=site_key(fqn, i), fqn=fqn, index=i, module=module, args=s.args)
+                for i, s in enumerate(finding.sites)
+            )
+            self.modules.append(PipelinedModule(fqn=fqn, module=module, args=sites[0].args, sites=sites))
+            slot.expect(fqn, tuple(s.key for s in sites))
+            self._hijack(module, found.forward_type(fqn, module, slot))
+            for call in (c for s in sites for c in s.args.postprocs()):
+                if call.fqn not in self.postprocs:
+                    module = self.postprocs[call.fqn] = self._named[call.fqn]
+                    self._hijack(module, PostprocForward(call.fqn, module, slot))
 
 
 def rewrite_model(
@@ -120,52 +211,78 @@ def rewrite_model(
     prefetch: bool = False,
     lookup: bool = False,
     method: Method = "auto",
-    paths: dict[str, str] | None = None,
+    paths: dict[str, Any] | None = None,
     pipeline_postproc: bool = False,
     strict: bool = False,
+    record: bool = False,
 ) -> Rewrite:
     """Hijack the forward of every sharded module whose input can be built from the batch.
 
     Args:
         model: the model the pipeline calls (DistributedModelParallel or the plain module).
         batch: a sample batch, as the model will receive it (on the device).
-        slot: where the pipeline puts the current batch's context for the hijacked forwards.
+        slot: where the pipeline puts the current batch's context for the hijacked forwards; it
+            also counts each module's calls per forward (`ContextSlot.check_calls`).
         prefetch: install `PrefetchPipelinedForward` (inputs come from the prefetch stage).
         lookup: install `LookupPipelinedForward` (the pipeline runs `compute_and_output_dist`
             itself, ahead of forward).
-        method: "auto" (explicit paths, then fx trace, falling back to direct lookup when the
-            trace fails), or only "explicit", "trace" or "direct".
-        paths: `{module_fqn: path}` for explicit ArgInfos, e.g. `{"sparse_arch.ebc":
-            "sparse_features"}`; FQNs are relative to the unwrapped model.
+        method: "auto" (explicit, then fx trace, then direct lookup where the trace fails or does
+            not see a module called, then recording), or only "explicit", "trace", "direct" or
+            "record".
+        paths: explicit inputs by module FQN (relative to the unwrapped model): a path
+            (`"sparse_features"`, or a torchrec-style ArgInfo of attribute and item steps), or a
+            function from a batch to the module's inputs, one entry per call in forward (a
+            KeyedJaggedTensor, or an `(args, kwargs)` pair): `lambda b: [b.history, b.candidates]`.
+            Functions are checked against the recorded first forward (they need `record`).
         pipeline_postproc: run parameter-free modules that transform the batch ahead with
             input_dist (traced method only) instead of leaving their consumer unpipelined.
         strict: raise instead of leaving a module running its original forward.
+        record: the caller runs the first forward in `Rewrite.record` when `needs_recording`;
+            without it, modules only a recorded forward could resolve stay unpipelined.
 
     Returns:
         The Rewrite; `Rewrite.restore()` undoes it exactly.
 
     Raises:
-        PathError: an explicit path is malformed, names no sharded module, or does not lead to a
-            KeyedJaggedTensor in the batch.
-        RewriteError: strict mode and some module cannot be pipelined.
+        PathError: an explicit path or function is malformed, names no sharded module, or does
+            not lead to a KeyedJaggedTensor in the batch.
+        RewriteError: strict mode and some module cannot be pipelined (with `record`, possibly
+            only when the recording completes).
     """
     root = unwrap_model(model)
     sharded = outermost_sharded(root)
-    found, report = _find_arg_infos(root, sharded, batch, method, paths or {}, pipeline_postproc)
-    if strict:
-        report.check_strict()
-    rewrite = Rewrite(report=report, modules=[], postprocs={})
-    modules = dict(root.named_modules())
+    findings, trace_error = find_inputs(
+        root,
+        sharded,
+        batch,
+        method=method,
+        paths=paths or {},
+        pipeline_postproc=pipeline_postproc,
+        record=record,
+    )
+    rewrite = Rewrite(
+        report=RewriteReport(), modules=[], postprocs={}, _named=dict(root.named_modules()), _slot=slot
+    )
     forward_type = (
         LookupPipelinedForward if lookup else PrefetchPipelinedForward if prefetch else PipelinedForward
     )
-    for fqn, (args, _) in found.items():
-        rewrite.modules.append(PipelinedModule(fqn=fqn, module=sharded[fqn], args=args))
-        rewrite._hijack(sharded[fqn], forward_type(fqn, sharded[fqn], slot))
-        for call in args.postprocs():
-            if call.fqn not in rewrite.postprocs:
-                rewrite.postprocs[call.fqn] = modules[call.fqn]
-                rewrite._hijack(modules[call.fqn], PostprocForward(call.fqn, modules[call.fqn], slot))
+    found = _Findings(
+        root=root,
+        sharded=sharded,
+        findings=findings,
+        trace_error=trace_error,
+        forward_type=forward_type,
+        strict=strict,
+    )
+    if any(f.pending for f in findings.values()):
+        rewrite._pending = found
+        rewrite.report = report_of(findings, trace_error, [])
+        if strict:  # what no recording can change fails now
+            RewriteReport(
+                modules=[m for m in rewrite.report.modules if not findings[m.fqn].pending]
+            ).check_strict()
+    else:
+        rewrite._finish(found, [])
     return rewrite
 
 
@@ -181,66 +298,3 @@ def outermost_sharded(root: nn.Module) -> dict[str, ShardedModule]:
         if isinstance(module, ShardedModule) and not any(fqn.startswith(f"{p}.") for p in found):
             found[fqn] = module
     return found
-
-
-def _find_arg_infos(
-    root: nn.Module,
-    sharded: dict[str, nn.Module],
-    batch: Any,
-    method: Method,
-    paths: dict[str, str],
-    pipeline_postproc: bool,
-) -> tuple[dict[str, tuple[CallArgs, str]], RewriteReport]:
-    found = {fqn: (args, "explicit") for fqn, args in _explicit(paths, sharded, batch).items()}
-    rejected: dict[str, str] = {}
-    report = RewriteReport()
-    rest = {n: m for n, m in sharded.items() if n not in found}
-    if rest and method in ("auto", "trace"):
-        try:
-            traced = trace_arg_infos(root, sharded, pipeline_postproc=pipeline_postproc)
-        except Exception as e:  # fx raises many types on untraceable code
-            report.trace_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            if method == "trace":
-                rejected.update({n: f"fx trace failed: {report.trace_error}" for n in rest})
-                rest = {}
-        else:
-            found.update({n: (a, "traced") for n, a in traced.found.items() if n in rest})
-            rejected.update({n: r for n, r in traced.rejected.items() if n in rest})
-            rest = {}
-    if rest and method in ("auto", "direct"):
-        direct, why = match_direct(batch, rest)
-        found.update({n: (a, "direct") for n, a in direct.items()})
-        rejected.update(why)
-        rest = {}
-    rejected.update({n: f"no explicit path given (method={method!r})" for n in rest})
-    for fqn in sharded:
-        if fqn in found:
-            args, how = found[fqn]
-            report.modules.append(ModuleReport(fqn=fqn, pipelined=True, method=how, path=str(args)))
-        else:
-            report.modules.append(ModuleReport(fqn=fqn, pipelined=False, reason=rejected[fqn]))
-    return found, report
-
-
-def _explicit(paths: dict[str, Any], sharded: dict[str, nn.Module], batch: Any) -> dict:
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    out = {}
-    for fqn, text in paths.items():
-        if fqn not in sharded:
-            raise PathError(
-                f"explicit path given for {fqn!r}, which is not a sharded module; sharded modules "
-                f"(names relative to the unwrapped model): {sorted(sharded)}"
-            )
-        # a torchrec-style ArgInfo (rewrite.torchrec_args) gives its own path
-        info = text.to_path() if hasattr(text, "to_path") else parse_path(text)
-        try:
-            value = info.resolve(batch)
-        except Exception as e:
-            raise PathError(f"path {text!r} for {fqn!r} does not resolve on the batch: {e!r}") from e
-        if not isinstance(value, KeyedJaggedTensor):
-            raise PathError(
-                f"path {text!r} for {fqn!r} leads to a {type(value).__name__}, not a KeyedJaggedTensor"
-            )
-        out[fqn] = CallArgs(args=(info,))
-    return out

@@ -1,43 +1,37 @@
-"""Find ArgInfos by torch.fx symbolic trace of the model's forward.
+"""Find each sharded module's call sites and their programs by torch.fx symbolic trace.
 
 Sharded modules, and modules that contain no sharded module, are leaves: the trace only walks the
-glue code between the batch and the sharded calls. From each sharded-module call the walk goes back
-through getattr / getitem to the batch placeholder. A parameter-free leaf module on that path is a
-postproc module, whose own arguments are walked the same way. A list, tuple or dict argument (fx
-records it as such, holding nodes; a namedtuple as a call of its class) becomes a `Pack` whose items
-are walked one by one, nested collections included. A leaf with trainable parameters, any other
-operation, a value not derived from the batch, or an aggregate that cannot be rebuilt (a slice or
-range of batch values, a dataclass built in forward) makes the module unpipelineable, with the
-reason.
+glue code between the batch and the sharded calls (`rewrite.walk` turns it into programs). A module
+called k times gives k call sites, in trace order. The static KeyedJaggedTensor / JaggedTensor
+constructors are patched for the trace so that each records one node (`rewrite.ops`), and nodes
+carry the user's source line, which rejections name. Each traced program is replayed once on the
+sample batch: one that fails there (say `.split()` on a tensor) is rejected with the error.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import operator
+import traceback
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import fx, nn
 
-from rewrite.arginfo import ArgInfo, Attr, CallArgs, Const, Item, Pack, PostprocCall, Step
+from rewrite.ops import traceable_constructors
+from rewrite.sites import SiteInput, is_library
+from rewrite.walk import Walker
 
-__all__ = ["TraceResult", "Tracer", "trace_arg_infos"]
+__all__ = ["TraceResult", "Tracer", "trace_call_sites"]
 
 
 @dataclass(kw_only=True, slots=True)
 class TraceResult:
-    """Outcome of tracing, per sharded module FQN (relative to the unwrapped model)."""
+    """Outcome of tracing: per sharded module FQN (relative to the unwrapped model), its call sites
+    in call order (one site with a reason when the traced forward never calls it)."""
 
-    found: dict[str, CallArgs] = field(default_factory=dict)
-    """Modules whose call arguments were traced back to the batch."""
-    rejected: dict[str, str] = field(default_factory=dict)
-    """Modules that cannot be pipelined, with the reason."""
-
-
-class _Reject(Exception):
-    pass
+    sites: dict[str, list[SiteInput]] = field(default_factory=dict)
+    called: set[str] = field(default_factory=set)
+    """Modules the traced forward calls."""
 
 
 class Tracer(fx.Tracer):
@@ -67,156 +61,74 @@ class Tracer(fx.Tracer):
 
 
 class _LeafTracer(fx.Tracer):
+    proxy_buffer_attributes = False
+
     def __init__(self, sharded: set[str], with_sharded: set[str]) -> None:
         super().__init__()
+        self.record_stack_traces = True
         self._sharded = sharded
         self._with_sharded = with_sharded  # FQNs of modules that are or contain a sharded module
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return qualname in self._sharded or qualname not in self._with_sharded
 
+    def _filter_traceback_frames(self, summary: traceback.StackSummary) -> traceback.StackSummary:
+        """Keep only the innermost frame of the user's code (the line a rejection names)."""
+        user = [f for f in summary if not is_library(f.filename)]
+        return traceback.StackSummary.from_list(user[-1:])
 
-def trace_arg_infos(
-    model: nn.Module, sharded: dict[str, nn.Module], *, pipeline_postproc: bool
+
+def trace_call_sites(
+    model: nn.Module, sharded: dict[str, nn.Module], *, pipeline_postproc: bool, sample: Any = None
 ) -> TraceResult:
-    """Trace `model.forward(batch)` and derive a CallArgs for each sharded module.
+    """Trace `model.forward(batch)` and derive the program of each call site of each sharded module.
 
     Args:
         model: the unwrapped model (no DistributedModelParallel / DDP wrapper).
         sharded: the sharded modules by FQN relative to `model`.
         pipeline_postproc: whether parameter-free modules between the batch and a sharded module
             may be pipelined (run ahead with input_dist); otherwise such a module is rejected.
+        sample: a batch to replay each program on once (None: not checked).
 
     Raises:
-        Exception: whatever torch.fx raises when the forward cannot be traced (the caller falls
-            back to direct lookup).
+        Exception: whatever torch.fx raises when the forward cannot be traced.
     """
     with_sharded = {""}
     for fqn in sharded:
         parts = fqn.split(".")
         with_sharded.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
-    graph = _LeafTracer(set(sharded), with_sharded).trace(model)
+    with traceable_constructors():
+        graph = _LeafTracer(set(sharded), with_sharded).trace(model)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    calls = [n for n in graph.nodes if n.op == "call_module" and n.target in sharded]
-    counts = Counter(n.target for n in calls)
-    modules = dict(model.named_modules())
-    result = TraceResult()
-    for fqn in sharded:
-        if counts[fqn] == 0:
-            result.rejected[fqn] = "not called by the traced forward of the model"
-        elif counts[fqn] > 1:
-            result.rejected[fqn] = (
-                f"called {counts[fqn]} times in one forward; a pipelined module's input_dist "
-                "result can be consumed only once per batch"
-            )
     module_calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
-    walker = _Walker(placeholders[:1], modules, module_calls, pipeline_postproc)
-    for node in calls:
-        if node.target in result.rejected:
-            continue
-        try:
-            result.found[node.target] = walker.call_args(node)
-        except _Reject as e:
-            result.rejected[node.target] = str(e)
+    walker = Walker(
+        placeholders[0] if placeholders else None,
+        dict(model.named_modules()),
+        module_calls,
+        pipeline_postproc,
+    )
+    result = TraceResult()
+    for node in graph.nodes:
+        if node.op == "call_module" and node.target in sharded:
+            site = walker.site(node)
+            if sample is not None and site.args is not None and not site.args.postprocs():
+                site = _replayed(site, sample)
+            result.sites.setdefault(node.target, []).append(site)
+            result.called.add(node.target)
+    for fqn in sharded:
+        result.sites.setdefault(fqn, [SiteInput(reason="not called by the traced forward of the model")])
     return result
 
 
-@dataclass(slots=True)
-class _Walker:
-    batch: list[fx.Node]
-    modules: dict[str, nn.Module]
-    calls: Counter[str]
-    """How many times the traced forward calls each leaf module."""
-    pipeline_postproc: bool
-
-    def call_args(self, node: fx.Node) -> CallArgs:
-        return CallArgs(
-            args=self.items(node.args),
-            kwargs={k: self.arg_info(v) for k, v in node.kwargs.items()},
+def _replayed(site: SiteInput, sample: Any) -> SiteInput:
+    """`site`, or its rejection when its program fails on the sample batch."""
+    if site.args.is_path:
+        return site
+    try:
+        site.args.build(sample, None, {})
+    except Exception as e:  # any failure of the program's steps
+        return SiteInput(
+            reason=f"replaying `{site.args}` on the sample batch fails: {type(e).__name__}: {e}",
+            source=site.source,
         )
-
-    def arg_info(self, value: object) -> ArgInfo:
-        if isinstance(value, (list, tuple, dict)):
-            return ArgInfo(source=self.pack(value))
-        if not isinstance(value, fx.Node):
-            if _holds_node(value):
-                raise _Reject(
-                    f"input passes a {type(value).__name__} built from batch values; only lists, "
-                    "tuples and dicts of batch values can be rebuilt ahead"
-                )
-            return ArgInfo((Const(value),))
-        steps: list[Step] = []
-        node = value
-        while True:
-            if node.op == "placeholder":
-                if node not in self.batch:
-                    raise _Reject(f"input comes from forward argument {node.name!r}, not the batch")
-                return ArgInfo(tuple(reversed(steps)))
-            if node.op == "call_function" and node.target in (getattr, operator.getitem):
-                if not isinstance(node.args[1], (str, int)):
-                    raise _Reject(f"input indexed by a computed key at {node.format_node()}")
-                step_type = Attr if node.target is getattr else Item
-                steps.append(step_type(node.args[1]))
-                node = node.args[0]
-                continue
-            if node.op == "call_module":
-                return ArgInfo(tuple(reversed(steps)), source=self.postproc(node))
-            if node.op == "call_function" and _is_namedtuple(node.target) and not node.kwargs:
-                # fx records a namedtuple argument as a call of its class on the fields
-                return ArgInfo(tuple(reversed(steps)), source=Pack(node.target, self.items(node.args)))
-            raise _Reject(_why_not_from_batch(node))
-
-    def pack(self, value: list | tuple | dict) -> Pack:
-        """A Pack rebuilding `value` (fx's immutable list/dict become a plain list/dict)."""
-        if isinstance(value, dict):
-            return Pack(dict, self.items(value.values()), keys=tuple(value))
-        return Pack(type(value) if isinstance(value, tuple) else list, self.items(value))
-
-    def items(self, values: Iterable[object]) -> tuple[ArgInfo, ...]:
-        return tuple(self.arg_info(v) for v in values)
-
-    def postproc(self, node: fx.Node) -> PostprocCall:
-        module = self.modules[node.target]
-        if any(p.requires_grad for p in module.parameters()):
-            raise _Reject(
-                f"input is computed by module {node.target!r}, which has trainable parameters; "
-                "it must run in forward, so its output cannot be distributed ahead"
-            )
-        if not self.pipeline_postproc:
-            raise _Reject(
-                f"input is computed by parameter-free module {node.target!r} (a postproc); "
-                "pass pipeline_postproc=True to run it ahead with input_dist"
-            )
-        if self.calls[node.target] > 1:
-            raise _Reject(
-                f"input is computed by postproc module {node.target!r}, which forward calls "
-                f"{self.calls[node.target]} times; its output is computed once per batch ahead, so "
-                "every call would return the same value"
-            )
-        return PostprocCall(node.target, self.call_args(node))
-
-
-def _is_namedtuple(target: object) -> bool:
-    return isinstance(target, type) and issubclass(target, tuple) and hasattr(target, "_fields")
-
-
-def _holds_node(value: object) -> bool:
-    """Whether an aggregate fx keeps in a node's arguments (a slice, a range) holds a node."""
-    found: list[fx.Node] = []
-    fx.node.map_arg(value, found.append)
-    return bool(found)
-
-
-def _why_not_from_batch(node: fx.Node) -> str:
-    if node.op == "get_attr":
-        return f"input is the model attribute {node.target!r}, not derived from the batch"
-    if node.op == "call_function" and dataclasses.is_dataclass(node.target):
-        return (
-            f"input is a {node.target.__name__} dataclass built inside forward ({node.format_node()}); "
-            "only lists, tuples and dicts of batch values can be rebuilt ahead"
-        )
-    what = getattr(node.target, "__name__", node.target)
-    return (
-        f"input is computed by {node.op} {what!r} inside forward ({node.format_node()}); only "
-        "attribute/item access on the batch, or a parameter-free module, can be run ahead"
-    )
+    return site

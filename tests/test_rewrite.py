@@ -260,11 +260,12 @@ def test_direct_ignores_unrelated_kjts_and_reports_ambiguity():
 # -- patterns that cannot be pipelined ----------------------------------------------------------
 
 
-class CalledTwice(Model):
+class FromValuesMax(Model):
     def forward(self, batch):
-        return (
-            self.a(batch.inner.kjt).sum() + self.a(batch.inner.kjt).sum() + self.b(batch.by_name["u"]).sum()
-        )
+        features = batch.inner.kjt
+        ids = features.values() % features.values().max()  # a value computed from batch data
+        rebuilt = KeyedJaggedTensor(keys=features.keys(), values=ids, lengths=features.lengths())
+        return self.a(rebuilt).sum() + self.b(batch.by_name["u"]).sum()
 
 
 class TrainableInput(Model):
@@ -298,18 +299,22 @@ class FromAttribute(Model):
         return self.a(self.fixed).sum() + self.b(batch.by_name["u"]).sum()
 
 
-class KJTMethod(Model):
+class TorchFunction(Model):
     def forward(self, batch):
-        return self.a(batch.inner.kjt.permute([0])).sum() + self.b(batch.by_name["u"]).sum()
+        features = batch.inner.kjt
+        rebuilt = KeyedJaggedTensor(
+            keys=["x"], values=torch.flip(features.values(), [0]), lengths=features.lengths()
+        )
+        return self.a(rebuilt).sum() + self.b(batch.by_name["u"]).sum()
 
 
 @pytest.mark.parametrize(
     ("model_type", "reason"),
     [
-        (CalledTwice, "called 2 times"),
+        (FromValuesMax, "call_method 'max'"),
         (TrainableInput, "trainable parameters"),
         (FromAttribute, "not derived from the batch"),
-        (KJTMethod, "call_method 'permute'"),
+        (TorchFunction, "call_function 'flip'"),
     ],
 )
 def test_rejected_patterns_keep_original_forward(model_type, reason):
