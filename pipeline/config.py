@@ -96,15 +96,18 @@ class RewriteOptions:
     """How the sharded modules' forwards are found and replaced (docs/rewrite.md)."""
 
     method: str = "auto"
-    """"auto" (explicit paths, then fx trace, then direct lookup), "explicit", "trace" or
-    "direct"."""
+    """"auto" (explicit paths, then fx trace, then direct lookup where the trace fails, then a
+    recording of the first batch's forward), or only "explicit", "trace", "direct" or "record"."""
     arg_paths: dict[str, Any] | None = None
-    """Explicit `{sharded_module_fqn: path}`, e.g. `{"sparse_arch.ebc": "sparse"}`; FQNs are
-    relative to the unwrapped model (see `rewrite_report`). A path may also be a torchrec-style
-    `pipeline.ArgInfo` of attribute and item steps."""
+    """Explicit inputs per sharded module FQN (relative to the unwrapped model, as
+    `rewrite_report` names them): a path in the batch (`{"sparse_arch.ebc": "sparse"}`), a
+    torchrec-style `pipeline.ArgInfo` of attribute and item steps, or a function from a batch to
+    a list with one entry per call of the module in forward, each a KeyedJaggedTensor or an
+    `(args, kwargs)` pair (`{"ebc": lambda b: [b.history, b.candidates]}`), which the first
+    batch's real forward checks."""
 
     def __post_init__(self) -> None:
-        _one_of("rewrite_method", self.method, ("auto", "explicit", "trace", "direct"))
+        _one_of("rewrite_method", self.method, ("auto", "explicit", "trace", "direct", "record"))
 
 
 @dataclass(kw_only=True, slots=True)

@@ -222,6 +222,43 @@ def test_comp_autograd_equals_the_compiled_autograd_loop(pool):
         assert r["not_pipelined"] == [], r
 
 
+def _comp_autograd_user_case(rank: int, world_size: int, pattern: str) -> dict:
+    """CompAutograd on a model users write (tests/user_models.py): its call sites pipelined."""
+    from tests import models, user_models
+
+    options = {"backend": "aot_eager", "dynamic": True, "fullgraph": False}
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
+        model, opt = user_models.build(pattern)
+        ref_model, ref_opt = user_models.build(pattern)
+    pipe = pipeline.TrainPipelineSparseDistCompAutograd(
+        model, opt, torch.device("cpu"), compiled_autograd_options=options
+    )
+    outputs, stopped = models.outputs_then_stop(pipe, iter(user_models.batches(STEPS, rank)), STEPS)
+    expected = _compiled_autograd_loop(ref_model, ref_opt, user_models.batches(STEPS, rank), options)
+    report = pipe.rewrite_report
+    return {
+        **_compare(expected, outputs, ref_model, model),
+        "n": len(outputs),
+        "stopped": stopped,
+        "pipelined_sites": sum(len(m.sites) for m in report.modules if m.pipelined),
+        "not_pipelined": [m.fqn for m in report.not_pipelined],
+    }
+
+
+PATTERN = "split"
+
+
+def test_comp_autograd_pipelines_every_call_site_of_a_shared_collection(pool):
+    from tests.user_models import SITES
+
+    results = pool.run(_comp_autograd_user_case, PATTERN, timeout=TIMEOUT)
+    _check(results, bitwise=True)
+    for rank, r in enumerate(results):
+        assert r["not_pipelined"] == [], f"rank {rank}: {r['not_pipelined']} not pipelined"
+        assert r["pipelined_sites"] == SITES[PATTERN], f"rank {rank}: {r['pipelined_sites']} call sites"
+
+
 def test_comp_autograd_refuses_the_cpp_reducer_and_names_the_fix(pool):
     for r in pool.run(_cpp_reducer_case, timeout=TIMEOUT):
         assert r["error"] is not None and 'optimize_ddp = "python_reducer"' in r["error"], r

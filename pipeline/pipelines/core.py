@@ -26,12 +26,14 @@ from pipeline.config import RankOptions
 from pipeline.ranks import AgreedError, Lane, LaneState, Ranks, backward_spans_world
 from pipeline.stages.context import BatchContext
 from pipeline.stages.copy import to_device, to_device_in_place
+from pipeline.stages.input_dist import InputDist
 from pipeline.stages.labels import label, run_stage
 from pipeline.stages.loader_state import capture, resume_state
 from pipeline.stages.streams import Streams, streams_for
-from rewrite import ContextSlot
 
 __all__ = ["PipelineCore", "refuse_jit"]
+
+_NOTHING = contextlib.nullcontext()
 
 
 def refuse_jit(apply_jit: bool) -> None:
@@ -247,9 +249,15 @@ class PipelineCore(TrainPipeline):
         lane.inflight.append(ctx)
         return True
 
-    def _forward(self, ctx: BatchContext, *, train: bool, slot: ContextSlot | None = None) -> tuple[Any, Any]:
-        """The forward stage of `ctx`'s batch, with `slot` holding `ctx` for the hijacked forwards;
-        in training, after `zero_grad`. Returns `(losses or None, output)`."""
+    def _forward(
+        self, ctx: BatchContext, *, train: bool, input_dist: InputDist | None = None
+    ) -> tuple[Any, Any]:
+        """The forward stage of `ctx`'s batch; in training, after `zero_grad`. With `input_dist`, its
+        slot holds `ctx` for the hijacked forwards (whose calls are checked after forward), and a
+        forward the rewrite waits for runs unpipelined, recorded. Returns `(losses or None,
+        output)`."""
+        slot = input_dist.slot if input_dist is not None else None
+        recording = input_dist.recording(ctx) if input_dist is not None else None
         streams = self._streams
         streams.handoff(ctx.batch, streams.memcpy)
         streams.consumed(ctx.batch)
@@ -259,11 +267,17 @@ class PipelineCore(TrainPipeline):
         if slot is not None:
             slot.current = ctx
         try:
-            with run_stage(streams, "forward", ctx.index), torch.set_grad_enabled(training):
+            with (
+                run_stage(streams, "forward", ctx.index),
+                torch.set_grad_enabled(training),
+                recording or _NOTHING,
+            ):
                 result = self._model_fwd(ctx.batch)
         finally:
             if slot is not None:
                 slot.current = None
+        if slot is not None and recording is None:
+            slot.check_calls()  # a module called fewer times than it has call sites: no output
         if not training:
             # torchrec returns `output` of `(loss, output)` in eval too; any other return value
             # (a model that returns only predictions in eval) is passed through as it is.

@@ -123,7 +123,7 @@ class EvalPipelineSparseDist(InputDistCore):
         if len(lane.inflight) < 3:
             self._enqueue(lane)
         nxt = input_dist.start_next(lane)
-        _, output = self._forward(ctx, train=False, slot=input_dist.slot)
+        _, output = self._forward(ctx, train=False, input_dist=input_dist)
         if nxt is not None:
             input_dist.wait_splits(nxt)  # a no-op after early splits
         lane.inflight.popleft()

@@ -146,7 +146,7 @@ class TrainPipelineFusedSparseDist(InputDistCore):
             self._enqueue(lane)
         nxt = input_dist.start_next(lane)
         lookup.run(ctx)  # a no-op when it ran first
-        losses, output = self._forward(ctx, train=True, slot=input_dist.slot)
+        losses, output = self._forward(ctx, train=True, input_dist=input_dist)
         if copy_late and len(lane.inflight) < 3:
             self._enqueue(lane)
         if nxt is not None:

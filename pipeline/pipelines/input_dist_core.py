@@ -86,7 +86,7 @@ class InputDistCore(PipelineCore):
         if not copy_after_forward and len(lane.inflight) < 3:
             self._enqueue(lane)
         nxt = input_dist.start_next(lane)
-        losses, output = self._forward(ctx, train=True, slot=input_dist.slot)
+        losses, output = self._forward(ctx, train=True, input_dist=input_dist)
         if copy_after_forward and len(lane.inflight) < 3:
             self._enqueue(lane)  # after forward: on a GPU the copy does not compete with lookups
         if nxt is not None:

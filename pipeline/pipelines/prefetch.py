@@ -164,7 +164,7 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
             # is under way, and reads during forward too; the rows batch i uses are pinned
             prefetch.submit_early(nxt)
         prefetch.wait(ctx)  # submits it first if it did not run ahead
-        losses, output = self._forward(ctx, train=True, slot=input_dist.slot)
+        losses, output = self._forward(ctx, train=True, input_dist=input_dist)
         if nxt is not None:
             input_dist.wait_splits(nxt)  # a no-op after early splits
         if nxt is not None and prefetch.ahead:

@@ -173,7 +173,7 @@ class TrainPipelineSemiSync(InputDistCore):
         third = lane.inflight[2] if self._start(lane, 2) else None
         if third is not None and input_dist.early_splits:
             input_dist.wait_splits(third)
-        losses, output = self._forward(ctx, train=True, slot=input_dist.slot)
+        losses, output = self._forward(ctx, train=True, input_dist=input_dist)
         nxt = lane.inflight[1] if len(lane.inflight) > 1 else None
         if nxt is not None and semi:
             lookup.run(nxt)  # before the embedding update of batch i: one step stale

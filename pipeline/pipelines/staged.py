@@ -17,6 +17,7 @@ done, as in TrainPipelineSparseDist's torchrec ("late") order.
 from __future__ import annotations
 
 import logging
+import sys
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -245,6 +246,8 @@ class SparseDataDistUtil:
         """Batches whose input_dist started, oldest (the next forward's) first."""
         self._hooks: list[Any] = []
         self._next_index = 0
+        self._recording: Any = None
+        """The recording context of the forward that runs (a no-op once the rewrite is complete)."""
 
     @property
     def rewrite_report(self) -> Any:
@@ -258,7 +261,8 @@ class SparseDataDistUtil:
         if not self._hooks:
             self._hooks = [
                 self.model.register_forward_pre_hook(self._before_forward),
-                self.model.register_forward_hook(self._after_forward),
+                # always: a forward that raised must still end a recording (it patches torchrec)
+                self.model.register_forward_hook(self._after_forward, always_call=True),
             ]
         self._contexts.append(ctx)
         return batch
@@ -272,10 +276,22 @@ class SparseDataDistUtil:
         """Nothing to do: the hooks stop finding batches once the last one is consumed."""
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
-        self._input_dist.slot.current = self._contexts[0] if self._contexts else None
+        ctx = self._contexts[0] if self._contexts else None
+        if ctx is not None and not ctx.started:  # it waited for the recorded forward to start
+            self._input_dist.start(ctx)
+            self._input_dist.wait_splits(ctx)
+        self._input_dist.slot.current = ctx
+        self._recording = self._input_dist.recording(ctx) if ctx is not None else None
+        if self._recording is not None:
+            self._recording.__enter__()
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         self._input_dist.slot.current = None
+        recording, self._recording = self._recording, None
+        if recording is not None:
+            recording.__exit__(*sys.exc_info())  # raising inside forward: the exception, else Nones
+        elif sys.exc_info()[0] is None:
+            self._input_dist.slot.check_calls()
         if self._contexts:
             self._contexts.popleft()
         if self._contexts:  # the next batch's values all-to-all runs during backward

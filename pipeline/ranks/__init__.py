@@ -14,7 +14,14 @@ from pipeline.ranks.kjt_check import KJTCheck
 from pipeline.ranks.lane import Lane, LaneState, Ticket
 from pipeline.ranks.protocol import Ranks, WorldMark
 from pipeline.ranks.seen import WorldCollectiveHooks, backward_spans_world, spans_world
-from pipeline.ranks.status import AgreedError, BatchKeysError, MalformedBatchError, Status, UnevenDataError
+from pipeline.ranks.status import (
+    AgreedError,
+    BatchKeysError,
+    MalformedBatchError,
+    RewriteMismatchError,
+    Status,
+    UnevenDataError,
+)
 from pipeline.ranks.votes import Vote, Votes
 
 __all__ = [
@@ -28,6 +35,7 @@ __all__ = [
     "MalformedBatchError",
     "PeerFailedError",
     "Ranks",
+    "RewriteMismatchError",
     "Status",
     "StoreFlags",
     "Ticket",

@@ -42,6 +42,7 @@ from pipeline.ranks.seen import WorldCollectiveHooks
 from pipeline.ranks.status import (
     BatchKeysError,
     MalformedBatchError,
+    RewriteMismatchError,
     Status,
     UnevenDataError,
     keys_message,
@@ -200,6 +201,23 @@ class Ranks:
             return statuses
         self.votes += 1
         return self._votes.vote(ticket.status).wait()
+
+    def agree_on(self, what: str, text: str) -> None:
+        """Check that every rank has the same `text` (once, before a collective that depends on it).
+
+        Raises:
+            RewriteMismatchError: on every rank, naming the ranks whose `text` differs.
+        """
+        if not self.voting:
+            return
+        texts = self._votes.gather(text)
+        if len(set(texts)) > 1:
+            shown = "\n".join(f"  rank {r}:\n    " + t.replace("\n", "\n    ") for r, t in enumerate(texts))
+            raise RewriteMismatchError(
+                f"the ranks found different {what}, so their input all-to-alls would not match:\n"
+                f"{shown}\nMake the model's calls of its sharded modules the same on every rank "
+                "(no branch on batch data before them), or give explicit arg_paths."
+            )
 
     # -- the one cross-rank rule --------------------------------------------------------------
 

@@ -52,6 +52,11 @@ class BatchKeysError(AgreedError, ValueError):
     """A batch's KeyedJaggedTensor keys differ from those the model was sharded for."""
 
 
+class RewriteMismatchError(AgreedError):
+    """The ranks found different call sites or programs for the model's sharded modules (a forward
+    whose calls depend on the data recorded differently): their input all-to-alls would not match."""
+
+
 class MalformedBatchError(AgreedError, ValueError):
     """A batch's KeyedJaggedTensor is malformed (`pipeline.ranks.kjt_check`)."""
 

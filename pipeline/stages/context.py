@@ -27,7 +27,8 @@ class BatchContext:
     batch: Any = None
     """Written by copy (on memcpy); read by input_dist start (data_dist) and forward (default)."""
     module_contexts: dict[str, Any] = field(default_factory=dict)
-    """Written by input_dist start; read by forward (or prefetch)."""
+    """Written by input_dist start, per call site key (`rewrite.site_key`: the module's FQN for its
+    first call in forward, `fqn@1`... for the next); read by forward (or prefetch, or lookup)."""
     postproc_results: dict[str, Any] = field(default_factory=dict)
     """Written by input_dist start (pipelined postprocs run ahead); read by forward."""
     splits_requests: list[tuple[list[str], Any]] = field(default_factory=list)
@@ -48,10 +49,10 @@ class BatchContext:
     """Written at fetch: the dataloader's `state_dict()` from before this batch was fetched (None
     without one); read by `dataloader_state()` (`pipeline.stages.loader_state`)."""
 
-    def take_input_dist(self, fqn: str) -> tuple[Any, Any] | None:
-        """Pop module `fqn`'s input_dist result, wait for it on data_dist and hand it (and the module
-        context) to the current stream. None if nothing is prepared under `fqn`."""
-        request = self.input_dist_requests.pop(fqn, None)
+    def take_input_dist(self, key: str) -> tuple[Any, Any] | None:
+        """Pop call site `key`'s input_dist result, wait for it on data_dist and hand it (and the
+        module context) to the current stream. None if nothing is prepared under `key`."""
+        request = self.input_dist_requests.pop(key, None)
         if request is None:
             return None
         streams = self.streams
@@ -59,16 +60,16 @@ class BatchContext:
             with streams.use(streams.data_dist):
                 data = request.wait()
                 streams.produced(data)
-            module_ctx = self.module_contexts.pop(fqn)
+            module_ctx = self.module_contexts.pop(key)
             streams.handoff(data, streams.data_dist)
             streams.handoff(module_ctx, streams.data_dist)
         streams.consumed(data)
         return module_ctx, data
 
-    def take_prefetched(self, fqn: str) -> tuple[Any, Any] | None:
+    def take_prefetched(self, key: str) -> tuple[Any, Any] | None:
         return None
 
-    def take_lookup(self, fqn: str) -> Any | None:
+    def take_lookup(self, key: str) -> Any | None:
         return None
 
     def postproc_result(self, fqn: str) -> Any | None:
@@ -95,8 +96,8 @@ class PrefetchBatchContext(BatchContext):
     """Written by prefetch (on the prefetch stream): (module context, post-prefetch input) per
     module; read (popped) by forward's `take_prefetched`, which never waits on communication."""
 
-    def take_prefetched(self, fqn: str) -> tuple[Any, Any] | None:
-        prepared = self.prefetched.pop(fqn, None)
+    def take_prefetched(self, key: str) -> tuple[Any, Any] | None:
+        prepared = self.prefetched.pop(key, None)
         if prepared is not None:
             module_ctx, data = prepared
             self.streams.handoff(data, self.streams.prefetch)
@@ -115,8 +116,8 @@ class LookupBatchContext(BatchContext):
     looked_up: bool = False
     """The lookup stage ran for this batch."""
 
-    def take_lookup(self, fqn: str) -> Any | None:
-        prepared = self.lookups.pop(fqn, None)
+    def take_lookup(self, key: str) -> Any | None:
+        prepared = self.lookups.pop(key, None)
         if prepared is None:
             return None
         module_ctx, data, output = prepared

@@ -27,6 +27,7 @@ from pipeline.stages.schedule import SCHEDULES
 from pipeline.stages.streams import Streams
 from pipeline.stages.tuner import Tuner
 from rewrite import (
+    CallSite,
     ContextSlot,
     PipelinedModule,
     Rewrite,
@@ -96,6 +97,10 @@ class InputDist:
         self._groups = InputDistGroups(ranks.new_group if ranks is not None else dist.new_group)
         self._undo: list[Callable[[], None]] = []
         self._undo_groups: Callable[[], None] | None = None
+        self._settled = False
+        """The complete rewrite was checked across ranks (`_settle`)."""
+        self._free_early = False
+        """`free_features_storage_early` applies (every call site's input is a path in the batch)."""
 
     @property
     def report(self) -> RewriteReport | None:
@@ -105,6 +110,11 @@ class InputDist:
     def modules(self) -> list[PipelinedModule]:
         """The pipelined sharded modules (none before the first batch)."""
         return self.rewrite.modules if self.rewrite is not None else []
+
+    @property
+    def sites(self) -> list[CallSite]:
+        """Every call of a pipelined sharded module in one forward (none before the first batch)."""
+        return self.rewrite.sites if self.rewrite is not None else []
 
     @property
     def early_splits(self) -> bool:
@@ -138,7 +148,8 @@ class InputDist:
             self.tuner.interrupt()
 
     def attach(self, batch: Any) -> Rewrite:
-        """Rewrite the model's sharded modules, once, with `batch` as the sample."""
+        """Rewrite the model's sharded modules, once, with `batch` as the sample. The rewrite may
+        wait for the first forward to be recorded (`recording`) before anything is pipelined."""
         if self.rewrite is None:
             options = self._options
             self.rewrite = rewrite_model(
@@ -151,10 +162,36 @@ class InputDist:
                 paths=options.arg_paths,
                 pipeline_postproc=self._pipeline_postproc,
                 strict=self._strict,
+                record=True,
             )
-            if self._memory.free_features_storage_early:
-                self._undo.append(free_features_early(pm.module for pm in self.rewrite.modules))
+            self._settled = False
         return self.rewrite
+
+    def recording(self, ctx: BatchContext) -> Any:
+        """While the rewrite waits for a recorded forward: the context manager to run the forward of
+        `ctx`'s batch in (unpipelined, the plain loop's numbers; it completes the rewrite). None
+        otherwise: the forward is pipelined, and its calls are to be checked after it."""
+        rewrite = self.attach(ctx.batch)
+        return rewrite.record(ctx.batch) if rewrite.needs_recording else None
+
+    def _settle(self, rewrite: Rewrite) -> None:
+        """Once the rewrite is complete: every rank must have found the same call sites, and the
+        memory flag that frees the batch's features applies only where forward never reads them."""
+        self._settled = True
+        if self._ranks is not None:
+            self._ranks.agree_on("call sites of the sharded modules", rewrite.signature())
+        if not self._memory.free_features_storage_early:
+            return
+        computed = [site.key for site in rewrite.sites if not site.args.is_path]
+        if computed:
+            rewrite.report.notes.append(
+                "free_features_storage_early is off: forward computes the input of "
+                f"{', '.join(computed)} from the batch's tensors, which freeing would break"
+            )
+            self._free_early = False
+        else:
+            self._undo.append(free_features_early(pm.module for pm in rewrite.modules))
+            self._free_early = True
 
     def detach(self) -> None:
         """Restore every original forward and process group; the next `start` re-attaches."""
@@ -164,33 +201,35 @@ class InputDist:
         if self.rewrite is not None:
             self.rewrite.restore()
             self.rewrite = None
+        self._settled = self._free_early = False
         self.slot.current = None
 
     def start(self, ctx: BatchContext) -> None:
-        """Launch the splits all-to-all of every pipelined module for `ctx`'s batch."""
+        """Launch the splits all-to-all of every pipelined call site for `ctx`'s batch (nothing while
+        the rewrite waits for a recorded forward: the batch is started by a later `fill`)."""
         if ctx.started:
             return
         streams = self._streams
         rewrite = self.attach(ctx.batch)
+        if rewrite.needs_recording:
+            return
+        if not self._settled:
+            self._settle(rewrite)
         fused = not self._one_rank and rewrite.fuse_splits()
         if fused:
             self._place_all_to_alls(rewrite)
-
-        def postproc(call: Any, batch: Any) -> Any:
-            return rewrite.run_postproc(call, batch, ctx.postproc_results)
 
         with run_stage(streams, "input_dist::start", ctx.index, streams.data_dist):
             streams.handoff(ctx.batch, streams.memcpy)
             streams.consumed(ctx.batch)
             requests = {}
-            for pm in rewrite.modules:
-                args, kwargs = pm.args.build(ctx.batch, postproc)
-                args, kwargs = pm.module.preprocess_input(args, kwargs)
-                module_ctx = ctx.module_contexts[pm.fqn] = pm.module.create_context()
-                requests[pm.fqn] = pm.module.input_dist(module_ctx, *args, **kwargs)
+            for site, args, kwargs in rewrite.site_inputs(ctx.batch, ctx.postproc_results):
+                args, kwargs = site.module.preprocess_input(args, kwargs)
+                module_ctx = ctx.module_contexts[site.key] = site.module.create_context()
+                requests[site.key] = site.module.input_dist(module_ctx, *args, **kwargs)
             for result in ctx.postproc_results.values():
                 streams.produced(result)
-            if self._memory.free_features_storage_early:  # every module has its own permuted copy
+            if self._free_early:  # every module has its own permuted copy
                 self.freed_bytes += release_features(ctx.module_contexts.values())
             if fused:
                 ctx.splits_requests, groups = fuse_splits_requests(requests, ctx.module_contexts)

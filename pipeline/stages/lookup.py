@@ -71,14 +71,14 @@ class LookupStage:
             run_stage(streams, "lookup", ctx.index, self._stream),
             torch.set_grad_enabled(self._model.training),
         ):
-            for pm in input_dist.modules:
-                prepared = ctx.take_input_dist(pm.fqn)
+            for site in input_dist.sites:
+                prepared = ctx.take_input_dist(site.key)
                 if prepared is None:
                     continue
                 module_ctx, data = prepared
-                output = pm.module.compute_and_output_dist(module_ctx, data)
+                output = site.module.compute_and_output_dist(module_ctx, data)
                 streams.produced(output)
-                ctx.lookups[pm.fqn] = (module_ctx, data, output)
+                ctx.lookups[site.key] = (module_ctx, data, output)
         ctx.looked_up = True
 
     def shares_optimizer(self) -> bool:

@@ -92,19 +92,19 @@ class PrefetchStage:
         work = 0.0
         self._input_dist.release_inputs(ctx)
         with run_stage(streams, "prefetch", ctx.index), torch.no_grad():
-            for pm in self._input_dist.modules:
-                prepared = ctx.take_input_dist(pm.fqn)
+            for site in self._input_dist.sites:
+                prepared = ctx.take_input_dist(site.key)
                 if prepared is None:
                     continue
                 module_ctx, data = prepared
-                if pm.fqn in self._working:
+                if site.fqn in self._working:
                     start = time.perf_counter()
-                    with label(f"pipeline::prefetch::{pm.fqn}#{ctx.index}"):
-                        pm.module.prefetch(dist_input=data, forward_stream=forward_stream, ctx=module_ctx)
+                    with label(f"pipeline::prefetch::{site.key}#{ctx.index}"):
+                        site.module.prefetch(dist_input=data, forward_stream=forward_stream, ctx=module_ctx)
                     work += time.perf_counter() - start
                 streams.produced(data)
                 streams.produced(module_ctx)
-                ctx.prefetched[pm.fqn] = (module_ctx, data)
+                ctx.prefetched[site.key] = (module_ctx, data)
         if self._auto:
             self._work_ms.append(work * 1e3)
 
