@@ -245,8 +245,12 @@ class InputDist:
         """`clear_data_dist_inputs`: wait for `ctx`'s values all-to-alls and free what they sent
         (before the batch's input is taken)."""
         if self._memory.clear_data_dist_inputs and ctx.started:
-            with self._streams.use(self._streams.data_dist):
-                self.freed_bytes += release_sent_inputs(ctx.input_dist_requests.values())
+            self.clear_inputs(ctx)
+
+    def clear_inputs(self, ctx: BatchContext) -> None:
+        """Wait for `ctx`'s values all-to-alls and free what they sent, whatever the flags say."""
+        with self._streams.use(self._streams.data_dist):
+            self.freed_bytes += release_sent_inputs(ctx.input_dist_requests.values())
 
     def _place_all_to_alls(self, rewrite: Rewrite) -> None:
         """Input all-to-alls on their own groups or on torchrec's, as the schedule says."""
