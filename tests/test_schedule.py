@@ -48,7 +48,7 @@ def test_schedules_are_the_two_choices_crossed():
 def test_decide_keeps_baseline_without_a_win_in_every_round():
     rounds = [{"late": 10.0, "early": 9.5}, {"late": 10.0, "early": 9.5}, {"late": 10.0, "early": 10.5}]
     d = decide(rounds, baseline="late", margin=0.03)
-    assert d.choice == "late" and "kept late" in d.reason
+    assert d.choice == "late" and d.reason == ""  # numbers only: tuner_text words it
     assert d.ratios["early"] == pytest.approx([0.95, 0.95, 1.05])
 
 
@@ -75,7 +75,6 @@ def test_decide_takes_the_best_winner_and_drops_invalid_rounds():
     ]
     d = decide(rounds, baseline="late", margin=0.03)
     assert d.choice == "early" and len(d.ratios["early"]) == 2
-    assert "2 paired rounds" in d.reason
 
 
 def test_plan_is_interleaved_and_rotated():
@@ -202,7 +201,7 @@ def test_first_round_rules_out_a_much_slower_schedule():
     after_first_round = schedules[2 + 4 + 4 * 4 :]
     assert "early-shared" not in after_first_round and "late" in after_first_round
     assert tuner.tuning_steps == 2 + 4 + 4 * 4 + 2 * 3 * 4
-    assert "early-shared 1.67x the best" in tuner.reason
+    assert "early-shared (1.67x the best step time)" in tuner.reason
     assert set(tuner.medians_ms) == set(FOUR)  # the ruled-out one keeps its first-round figure
 
 
@@ -221,7 +220,7 @@ def test_a_much_slower_baseline_is_ruled_out_and_the_rounds_best_takes_its_place
     after_first_round = schedules[2 + 4 + 4 * 4 : -1]
     assert set(after_first_round) == {"early", "late-own"}
     assert tuner.tuning_steps == 2 + 4 + 4 * 4 + 2 * 2 * 4
-    assert "late 1.40x the best" in tuner.reason and tuner.decisions[-1][1].baseline == "early"
+    assert "late (1.40x the best step time)" in tuner.reason and tuner.decisions[-1][1].baseline == "early"
     # the slower baseline may still win when it is not ruled out: 1.2x is under drop_above
     tuner, _, _ = _run({"late": 0.012, "early": 0.010, "late-own": 0.02, "early-shared": 0.02})
     assert tuner.choice == "early" and tuner.decisions[-1][1].baseline == "late"
@@ -247,10 +246,11 @@ def test_state_dict_round_trip_skips_tuning():
     state = tuner.state_dict()
     fresh = Tuner(clock=FakeClock(), agree=lambda v: v)
     fresh.load_state_dict(state)
+    assert repr(fresh) == repr(tuner), "a loaded tuner says something else"
     assert [fresh.next_schedule() for _ in range(3)] == ["early"] * 3  # no warm-up, no trials
     assert fresh.decisions == tuner.decisions and fresh.medians_ms == tuner.medians_ms
-    assert "chose 'early'" in repr(fresh) and not fresh.tuning
-    assert repr(fresh).endswith(f"re-check at step {state['next_check']})")
+    assert not fresh.tuning
+    assert f"re-checks against the runner-up at step {state['next_check']}" in repr(fresh)
     with pytest.raises(ValueError, match="sideways"):
         fresh.load_state_dict({**state, "choice": "sideways"})
 
@@ -258,10 +258,11 @@ def test_state_dict_round_trip_skips_tuning():
 def test_repr_says_it_is_still_tuning_and_for_how_long():
     tuner = Tuner()
     assert tuner.tuning
-    assert repr(tuner).startswith("Tuner(tuning late, early, late-own, early-shared: at most 54 more steps")
+    assert repr(tuner).startswith("Tuner(tuning: compares when the next batch's input_dist waits")
+    assert "decides in at most 54 more steps; late runs now)" in repr(tuner)
     for _ in range(10):
         tuner.next_schedule()
-    assert tuner.steps_left == 44 and "at most 44 more" in repr(tuner)
+    assert tuner.steps_left == 44 and "at most 44 more steps; late runs now" in repr(tuner)
 
 
 def test_settle_keeps_a_choice_without_trials_or_rechecks():

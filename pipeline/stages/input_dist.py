@@ -26,6 +26,7 @@ from pipeline.stages.memory import MemoryFlags, free_features_early, release_fea
 from pipeline.stages.schedule import SCHEDULES
 from pipeline.stages.streams import Streams
 from pipeline.stages.tuner import Tuner
+from pipeline.stages.tuner_text import ONE_RANK, schedule_words
 from rewrite import (
     ContextSlot,
     PipelinedModule,
@@ -87,9 +88,7 @@ class InputDist:
         """One rank: the input all-to-alls move nothing between ranks, so the splits are not fused
         into an all-to-all of their own and every schedule does the same work."""
         if self._one_rank and self.tuner is not None:
-            self.tuner.settle(
-                "late", "one rank: the input all-to-alls move nothing, so every schedule does the same work"
-            )
+            self.tuner.settle("late", f"kept {schedule_words('late')}: {ONE_RANK}")
         self.freed_bytes = 0
         """Bytes released by the memory flags so far."""
         self._ranks = ranks
