@@ -23,6 +23,7 @@ from pipeline.ranks import Lane, Ranks
 from pipeline.stages.context import BatchContext
 from pipeline.stages.labels import run_stage
 from pipeline.stages.memory import MemoryFlags, free_features_early, release_features, release_sent_inputs
+from pipeline.stages.not_pipelined import warn_not_pipelined
 from pipeline.stages.schedule import SCHEDULES
 from pipeline.stages.streams import Streams
 from pipeline.stages.tuner import Tuner
@@ -94,6 +95,8 @@ class InputDist:
         self._ranks = ranks
         self._groups = InputDistGroups(ranks.new_group if ranks is not None else dist.new_group)
         self._undo: list[Callable[[], None]] = []
+        self._warned: set[str] = set()
+        """The sharded modules warned about as not pipelined (once each, not at a re-attach)."""
         self._undo_groups: Callable[[], None] | None = None
 
     @property
@@ -137,7 +140,8 @@ class InputDist:
             self.tuner.interrupt()
 
     def attach(self, batch: Any) -> Rewrite:
-        """Rewrite the model's sharded modules, once, with `batch` as the sample."""
+        """Rewrite the model's sharded modules, once, with `batch` as the sample; warn about each
+        one that is not pipelined (`NotPipelinedWarning`, once per module)."""
         if self.rewrite is None:
             options = self._options
             self.rewrite = rewrite_model(
@@ -151,6 +155,8 @@ class InputDist:
                 pipeline_postproc=self._pipeline_postproc,
                 strict=self._strict,
             )
+            report = self.rewrite.report
+            warn_not_pipelined(report, self._warned, pipeline_postproc=self._pipeline_postproc)
             if self._memory.free_features_storage_early:
                 self._undo.append(free_features_early(pm.module for pm in self.rewrite.modules))
         return self.rewrite
