@@ -12,9 +12,6 @@
 import os
 from typing import List, Optional
 
-import click
-import faiss  # @manual=//faiss/python:pyfaiss_gpu
-import faiss.contrib.torch_utils  # @manual=//faiss/contrib:faiss_contrib_gpu
 import torch
 from torch import distributed as dist
 from torch.distributed.optim import (
@@ -22,7 +19,7 @@ from torch.distributed.optim import (
 )
 from torchrec import inference as trec_infer
 from torchrec.datasets.movielens import DEFAULT_RATINGS_COLUMN_NAMES
-from torchrec.distributed import TrainPipelineSparseDist
+from torchrec_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.inference.state_dict_transform import (
     state_dict_gather,
@@ -40,9 +37,6 @@ try:
     # @manual=//torchrec/github/examples/retrieval/data:dataloader
     from data.dataloader import get_dataloader  # pyrefly: ignore[missing-import]
 
-    # @manual=//torchrec/github/examples/retrieval:knn_index
-    from knn_index import get_index  # pyrefly: ignore[missing-import]
-
     # @manual=//torchrec/github/examples/retrieval/modules:two_tower
     from modules.two_tower import (  # pyrefly: ignore[missing-import]
         TwoTower,
@@ -54,21 +48,13 @@ except ImportError:
 # internal import
 try:
     from .data.dataloader import get_dataloader  # noqa F811
-    from .knn_index import get_index  # noqa F811
     from .modules.two_tower import TwoTower, TwoTowerTrainTask  # noqa F811
 except ImportError:
     pass
 
 
-@click.command()
-@click.option(
-    "--save_dir",
-    type=click.STRING,
-    default=None,
-    help="Directory to save model and faiss index. If None, nothing is saved",
-)
-def main(save_dir: Optional[str]) -> None:
-    train(save_dir=save_dir)
+def main() -> None:
+    train()
 
 
 def train(
@@ -194,42 +180,6 @@ def train(
         two_tower_train_cpu = two_tower_train_cpu.to_empty(device="cpu")
     state_dict_gather(cpu_state_dict, two_tower_train_cpu.state_dict())
     dist.barrier()
-
-    # Create and train FAISS index for the item (movie) tower on CPU
-    if rank == 0:
-        index = get_index(
-            embedding_dim=embedding_dim,
-            num_centroids=num_centroids,
-            num_probe=num_probe,
-            num_subquantizers=num_subquantizers,
-            bits_per_code=bits_per_code,
-            device=torch.device("cpu"),
-        )
-
-        values = torch.tensor(list(range(num_embeddings)), device=torch.device("cpu"))
-        kjt = KeyedJaggedTensor(
-            keys=two_tower_column_names,
-            values=values,
-            lengths=torch.tensor(
-                [0] * num_embeddings + [1] * num_embeddings,
-                device=torch.device("cpu"),
-            ),
-        )
-
-        # Get the embeddings of the item(movie) tower by querying model
-        with torch.no_grad():
-            lookups = two_tower_cpu.ebc(kjt)[two_tower_column_names[1]]
-            item_embeddings = two_tower_cpu.candidate_proj(lookups)
-        index.train(item_embeddings)
-        index.add(item_embeddings)
-
-        if save_dir is not None:
-            save_dir = save_dir.rstrip("/")
-            quant_model = trec_infer.modules.quantize_embeddings(
-                model, dtype=torch.qint8, inplace=True
-            )
-            torch.save(quant_model.state_dict(), f"{save_dir}/model.pt")
-            faiss.write_index(index, f"{save_dir}/faiss.index")
 
 
 if __name__ == "__main__":

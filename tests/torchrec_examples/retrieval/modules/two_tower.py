@@ -9,8 +9,6 @@
 
 from typing import Any, List, Mapping, Optional, OrderedDict, Tuple, Union
 
-import faiss  # @manual=//faiss/python:pyfaiss_gpu
-import faiss.contrib.torch_utils  # @manual=//faiss/contrib:faiss_contrib_gpu
 import torch
 from torch import nn
 from torchrec.datasets.utils import Batch
@@ -145,98 +143,3 @@ class TwoTowerTrainTask(nn.Module):
         logits = (query_embedding * candidate_embedding).sum(dim=1).squeeze()
         loss = self.loss_fn(logits, batch.labels.float())
         return loss, (loss.detach(), logits.detach(), batch.labels.detach())
-
-
-class TwoTowerRetrieval(nn.Module):
-    """
-    Simple TwoTower (UV) Model. Embeds two different entities (query and candidate) into the same space.
-    Similar to the TwoTower model above, but is meant for retrieval. Specifically, this module
-    also contiains a FAISS index, used to KNN search the K closest entities of tower 2. It separates query
-    and candidate into separate EmbeddingBagCollections
-
-    Args:
-        faiss_index (Union[faiss.GpuIndexIVFPQ, faiss.IndexIVFPQ]): faiss index to search candidate
-        query_ebc (EmbeddingBagCollection): embedding_bag_collection with one EmbeddingBag
-        candidate_ebc (EmbeddingBagCollection): embedding_bag_collection with one EmbeddingBag
-        layer_sizes (List[int]): list of the layer_sizes for the MLP
-        k (int): number of tower 2 nearest neighbors to score
-        device (Optional[torch.device])
-
-    Example::
-
-        m = TwoTowerRetrieval(index, query_ebc, candidate_ebc, [16, 8], 100, device)
-    """
-
-    def __init__(
-        self,
-        faiss_index: Union[faiss.GpuIndexIVFPQ, faiss.IndexIVFPQ],
-        query_ebc: EmbeddingBagCollection,
-        candidate_ebc: EmbeddingBagCollection,
-        layer_sizes: List[int],
-        k: int,
-        device: Optional[torch.device] = None,
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
-        super().__init__()
-        self.embedding_dim: int = query_ebc.embedding_bag_configs()[0].embedding_dim
-        assert (
-            candidate_ebc.embedding_bag_configs()[0].embedding_dim == self.embedding_dim
-        ), "Both EmbeddingBagCollections must have the same dimension"
-        self.candidate_feature_names: List[str] = candidate_ebc.embedding_bag_configs()[
-            0
-        ].feature_names
-        self.query_ebc = query_ebc
-        self.candidate_ebc = candidate_ebc
-        self.query_proj = MLP(
-            in_size=self.embedding_dim,
-            layer_sizes=layer_sizes,
-            device=device,
-            dtype=dtype,
-        )
-        self.candidate_proj = MLP(
-            in_size=self.embedding_dim,
-            layer_sizes=layer_sizes,
-            device=device,
-            dtype=dtype,
-        )
-        self.faiss_index: Union[faiss.GpuIndexIVFPQ, faiss.IndexIVFPQ] = faiss_index
-        self.k = k
-        self.device = device
-
-    def forward(self, query_kjt: KeyedJaggedTensor) -> torch.Tensor:
-        """
-        Args:
-            query_kjt (KeyedJaggedTensor): KJT containing query_ids to query
-
-        Returns:
-            torch.Tensor: logits
-        """
-        batch_size = query_kjt.stride()
-        # tower 1 lookup
-        query_embedding = self.query_proj(self.query_ebc(query_kjt).values())
-
-        # KNN lookup
-        distances = torch.empty((batch_size, self.k), device=self.device)
-        candidates = torch.empty(
-            (batch_size, self.k), device=self.device, dtype=torch.int64
-        )
-        query_embedding = query_embedding.to(torch.float32)  # required by faiss
-        self.faiss_index.search(query_embedding, self.k, D=distances, I=candidates)
-
-        # candidate lookup
-        candidate_kjt = KeyedJaggedTensor(
-            keys=self.candidate_feature_names,
-            values=candidates.reshape(-1),
-            lengths=torch.tensor([self.k] * batch_size),
-        )
-        candidate_embedding = self.candidate_proj(
-            self.candidate_ebc(candidate_kjt).values()
-        )
-
-        # return logit (dot product)
-        return (query_embedding * candidate_embedding).sum(dim=1).squeeze()
-
-    #  inconsistently.
-    # pyrefly: ignore[bad-override]
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool) -> None:
-        super().load_state_dict(state_dict, strict)
