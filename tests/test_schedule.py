@@ -21,7 +21,7 @@ class FakeClock:
         return self.now
 
 
-def _run(cost, steps: int | None = None, **kw) -> tuple[Tuner, list[str], list[list[float]]]:
+def run_tuner(cost, steps: int | None = None, **kw) -> tuple[Tuner, list[str], list[list[float]]]:
     """Step a tuner; a step under schedule s takes cost(s, step) seconds. Until its first decision, or
     for `steps` steps."""
     clock = FakeClock()
@@ -78,7 +78,7 @@ def test_decide_takes_the_best_winner_and_drops_invalid_rounds():
 
 
 def test_plan_is_interleaved_and_rotated():
-    _, schedules, _ = _run(
+    _, schedules, _ = run_tuner(
         {s: 0.01 for s in FOUR}, warmup=2, block=2, rounds=2, settle=1, visit=0, recheck_after=0
     )
     blocks = [schedules[2 + 2 * i] for i in range(8)]
@@ -89,7 +89,7 @@ def test_plan_is_interleaved_and_rotated():
 
 @pytest.mark.parametrize("faster", FOUR)
 def test_keeps_the_significantly_faster_schedule(faster):
-    tuner, _, sums = _run({s: 0.010 if s == faster else 0.012 for s in FOUR})
+    tuner, _, sums = run_tuner({s: 0.010 if s == faster else 0.012 for s in FOUR})
     assert len(sums) == 2  # two agreements: after the first round (to rule losers out), at the decision
     assert tuner.choice == faster
     assert tuner.medians_ms[faster] == pytest.approx(10.0)
@@ -103,7 +103,7 @@ def test_noise_without_a_consistent_gain_keeps_torchrecs_order():
             return 0.010
         return 0.008 if (step // 16) % 2 else 0.012
 
-    tuner, _, _ = _run(cost, warmup=3, block=5, settle=2, visit=2)
+    tuner, _, _ = run_tuner(cost, warmup=3, block=5, settle=2, visit=2)
     assert tuner.choice == "late"
     assert tuner.reason.startswith("kept late")
 
@@ -117,7 +117,7 @@ def test_first_steps_of_each_block_and_the_visits_are_not_timed():
         slow = visiting or settling
         return 5.0 if slow and schedule == "early" else {"early": 0.010, "late": 0.020}[schedule]
 
-    tuner, schedules, _ = _run(
+    tuner, schedules, _ = run_tuner(
         cost, candidates=("late", "early"), warmup=0, rounds=2, visit=2, block=5, settle=2
     )
     assert schedules[:4] == ["late", "late", "early", "early"]  # the visits
@@ -126,7 +126,7 @@ def test_first_steps_of_each_block_and_the_visits_are_not_timed():
 
 
 def test_tuning_steps_are_counted():
-    tuner, schedules, _ = _run({s: 0.01 for s in FOUR}, warmup=3, block=5, rounds=3)
+    tuner, schedules, _ = run_tuner({s: 0.01 for s in FOUR}, warmup=3, block=5, rounds=3)
     assert tuner.tuning_steps == 3 + 4 * 1 + 3 * 4 * 5 == len(schedules) - 1
 
 
@@ -137,7 +137,7 @@ def test_recheck_switches_when_the_runner_up_becomes_faster():
             return 0.005
         return {"early": 0.008, "late-own": 0.009}.get(schedule, 0.010)
 
-    tuner, schedules, sums = _run(cost, steps=200, recheck_after=60, recheck_rounds=2, block=4)
+    tuner, schedules, sums = run_tuner(cost, steps=200, recheck_after=60, recheck_rounds=2, block=4)
     first, second = tuner.decisions
     assert first[1].choice == "early" and second[1].choice == "late-own"
     assert second[0] == first[0] + 60 + 2 * 2 * 4
@@ -147,7 +147,7 @@ def test_recheck_switches_when_the_runner_up_becomes_faster():
 
 
 def test_recheck_keeps_the_choice_without_significant_evidence():
-    tuner, _, _ = _run(
+    tuner, _, _ = run_tuner(
         {"early": 0.008, "late-own": 0.009, "late": 0.01, "early-shared": 0.01}, steps=300, recheck_after=60
     )
     assert [d.choice for _, d in tuner.decisions] == ["early", "early", "early"]  # intervals 60, 120
@@ -189,14 +189,14 @@ def test_rejects_bad_settings():
 
 def test_default_tuning_is_short():
     # warm-up 2, a visit of each of 4 schedules, 3 rounds of 4-step blocks: 54 steps at most
-    tuner, schedules, _ = _run({s: 0.01 for s in FOUR})
+    tuner, schedules, _ = run_tuner({s: 0.01 for s in FOUR})
     assert len(schedules) - 1 == tuner.tuning_steps == 2 + 4 + 3 * 4 * 4
 
 
 def test_first_round_rules_out_a_much_slower_schedule():
     # early-shared is 1.5x the best in the first round: it runs no more rounds, and is named
     costs = {"late": 0.010, "early": 0.009, "late-own": 0.0105, "early-shared": 0.015}
-    tuner, schedules, _ = _run(costs)
+    tuner, schedules, _ = run_tuner(costs)
     assert tuner.choice == "early"
     after_first_round = schedules[2 + 4 + 4 * 4 :]
     assert "early-shared" not in after_first_round and "late" in after_first_round
@@ -207,7 +207,7 @@ def test_first_round_rules_out_a_much_slower_schedule():
 
 def test_a_baseline_alone_after_the_first_round_is_kept_at_once():
     costs = {"late": 0.010, "early": 0.02, "late-own": 0.02, "early-shared": 0.02}
-    tuner, _schedules, _ = _run(costs)
+    tuner, _schedules, _ = run_tuner(costs)
     assert tuner.choice == "late" and tuner.tuning_steps == 2 + 4 + 4 * 4
 
 
@@ -215,14 +215,14 @@ def test_a_much_slower_baseline_is_ruled_out_and_the_rounds_best_takes_its_place
     # late (torchrec's order, the baseline) is 1.4x early in the first round: it runs no more
     # rounds, and early is compared with late-own in the next two
     costs = {"late": 0.014, "early": 0.010, "late-own": 0.0105, "early-shared": 0.02}
-    tuner, schedules, _ = _run(costs)
+    tuner, schedules, _ = run_tuner(costs)
     assert tuner.choice == "early"
     after_first_round = schedules[2 + 4 + 4 * 4 : -1]
     assert set(after_first_round) == {"early", "late-own"}
     assert tuner.tuning_steps == 2 + 4 + 4 * 4 + 2 * 2 * 4
     assert "late (1.40x the best step time)" in tuner.reason and tuner.decisions[-1][1].baseline == "early"
     # the slower baseline may still win when it is not ruled out: 1.2x is under drop_above
-    tuner, _, _ = _run({"late": 0.012, "early": 0.010, "late-own": 0.02, "early-shared": 0.02})
+    tuner, _, _ = run_tuner({"late": 0.012, "early": 0.010, "late-own": 0.02, "early-shared": 0.02})
     assert tuner.choice == "early" and tuner.decisions[-1][1].baseline == "late"
 
 
@@ -241,7 +241,7 @@ def test_decided_tuner_reads_no_clock_until_the_recheck():
 
 def test_state_dict_round_trip_skips_tuning():
     costs = {"late": 0.012, "early": 0.010, "late-own": 0.012, "early-shared": 0.012}
-    tuner, _schedules, _ = _run(costs, steps=120, recheck_after=100)
+    tuner, _schedules, _ = run_tuner(costs, steps=120, recheck_after=100)
     assert Tuner().state_dict() == {}  # nothing decided yet: nothing to keep
     state = tuner.state_dict()
     fresh = Tuner(clock=FakeClock(), agree=lambda v: v)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pipeline.stages import tuner_text
 from pipeline.stages.schedule import SCHEDULES
 from pipeline.stages.tuner import Tuner
-from tests.test_schedule import FakeClock, _run
+from tests.test_schedule import FakeClock, run_tuner
 
 FOUR = ("late", "early", "late-own", "early-shared")
 
@@ -45,7 +45,7 @@ def test_still_tuning_says_what_is_compared_for_how_long_and_what_runs():
 
 
 def test_chosen_says_what_by_how_much_over_how_many_rounds_and_when_it_rechecks():
-    tuner, _, _ = _run({"late": 0.010, "early": 0.009, "late-own": 0.0098, "early-shared": 0.0099})
+    tuner, _, _ = run_tuner({"late": 0.010, "early": 0.009, "late-own": 0.0098, "early-shared": 0.0099})
     assert tuner.choice == "early"
     assert tuner.reason == (
         "early (splits before forward, own process group) is 10.0 % faster than late (torchrec's order) "
@@ -59,7 +59,7 @@ def test_chosen_says_what_by_how_much_over_how_many_rounds_and_when_it_rechecks(
 
 
 def test_kept_says_the_margin_and_how_each_other_schedule_did():
-    tuner, _, _ = _run({"late": 0.010, "early": 0.0101, "late-own": 0.0099, "early-shared": 0.010})
+    tuner, _, _ = run_tuner({"late": 0.010, "early": 0.0101, "late-own": 0.0099, "early-shared": 0.010})
     assert tuner.choice == "late"
     assert tuner.reason == (
         "kept late (torchrec's order): no other schedule was faster by more than 3 % in the median and "
@@ -69,12 +69,12 @@ def test_kept_says_the_margin_and_how_each_other_schedule_did():
 
 
 def test_ruled_out_names_each_schedule_and_its_first_round_ratio():
-    tuner, _, _ = _run({"late": 0.010, "early": 0.009, "late-own": 0.0105, "early-shared": 0.015})
+    tuner, _, _ = run_tuner({"late": 0.010, "early": 0.009, "late-own": 0.0105, "early-shared": 0.015})
     assert tuner.reason.endswith(
         "; ruled out after the first round as much slower: early-shared (1.67x the best step time)"
     ), tuner.reason
     # every other schedule ruled out: nothing is left to re-check
-    tuner, _, _ = _run({"late": 0.010, "early": 0.02, "late-own": 0.02, "early-shared": 0.02})
+    tuner, _, _ = run_tuner({"late": 0.010, "early": 0.02, "late-own": 0.02, "early-shared": 0.02})
     alone = "kept late (torchrec's order), the only schedule left after the first round"
     assert tuner.reason.startswith(alone), tuner.reason
     assert repr(tuner).endswith("; never re-checks)"), repr(tuner)
@@ -109,7 +109,7 @@ def test_no_valid_rounds_without_rechecks_says_it_does_not_tune_again():
 
 
 def test_negative_twin_uninterrupted_steps_are_valid_rounds():
-    tuner, _, _ = _run({s: 0.01 for s in FOUR})
+    tuner, _, _ = run_tuner({s: 0.01 for s in FOUR})
     assert "no valid rounds" not in tuner.reason and "3 paired rounds" in tuner.reason
 
 
