@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from torch import nn
+from torchrec.distributed.train_pipeline import backward_injection
 
 from pipeline.ranks import Lane, Ranks
 from pipeline.stages.context import BatchContext
@@ -174,11 +175,12 @@ class SparseDistMethods:
         """Make the hijacked forwards read `context` (the batch whose forward runs next)."""
         self._input_dist.slot.current = context
 
-    def register_backward_hook(self, site: Any, work: Callable[[Any], None]) -> None:
-        """Run `work(self)` during backward at `site` (torchrec's `InjectionSite`): torchrec's own
-        `backward_injection.register_backward_hook` on the unwrapped model."""
-        from torchrec.distributed.train_pipeline import backward_injection  # torchrec >= 1.8
-
+    def register_backward_hook(
+        self, site: backward_injection.InjectionSite, work: Callable[[Any], None]
+    ) -> None:
+        """Run `work(self)` during each backward at `site`: torchrec's own
+        `backward_injection.register_backward_hook` on the unwrapped model (FQNs as the user's
+        model names them)."""
         backward_injection.register_backward_hook(site, unwrap_model(self._model), lambda grad: work(self))
 
 
