@@ -32,8 +32,8 @@ test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: setup
-	$(BIN)/ruff check pipeline rewrite tiered timeline tests examples benchmarks
-	$(BIN)/ruff format --check pipeline rewrite tiered timeline tests examples benchmarks
+	$(BIN)/ruff check pipeline rewrite tiered timeline tests examples benchmarks torchrec_pipeline.py
+	$(BIN)/ruff format --check pipeline rewrite tiered timeline tests examples benchmarks torchrec_pipeline.py
 
 # DLRM on 2 local ranks (gloo on CPU, NCCL on GPUs) with the prefetch pipeline: synthetic Criteo-like
 # data, loss/AUC/throughput as it trains, then the plain loop on the same config (--compare plain),

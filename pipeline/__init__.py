@@ -46,6 +46,7 @@ from pipeline.ranks import (
     UnevenDataError,
 )
 from pipeline.stages.context import TrainPipelineContext
+from pipeline.stages.not_pipelined import NotPipelinedWarning
 from pipeline.stages.streams import CudaStreams, Streams, ThreadStreams
 from pipeline.stages.tuner import Tuner
 from pipeline.testing import HandoffError, RecordingStreams
@@ -68,6 +69,7 @@ __all__ = [
     "In",
     "InputDistOptions",
     "MalformedBatchError",
+    "NotPipelinedWarning",
     "NotPreparedError",
     "Out",
     "PeerFailedError",

@@ -90,9 +90,15 @@ class TrainPipelineBase(PipelineCore):
     def _step(self, lane: Lane) -> Any:
         ctx = lane.inflight[0]
         self._enqueue(lane)  # copy of i+1 overlaps compute of i
+        self._wait_for_batch(ctx.batch)
         losses, output = self._forward(ctx, train=True)
         if losses is not None:
-            self._backward(ctx, losses)
-            self._optimizer_step(ctx)
+            self._backward_stage(ctx, losses)
+            self._optimizer_stage(ctx)
         lane.inflight.popleft()
         return output
+
+    def _wait_for_batch(self, cur_batch: Any) -> None:
+        """Make `cur_batch`, copied to the device on the memcpy stream, usable on the caller's
+        (torchrec's subclass point, with its signature on this class); called before forward."""
+        self._wait_copied(cur_batch)

@@ -120,6 +120,11 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
         """The torch.compile arguments of the backward graph."""
         self._step_context = _CompiledAutograd(torch.compile(**options))
 
+    def get_compiled_autograd_ctx(self) -> contextlib.AbstractContextManager[None]:
+        """The context each step runs in (torchrec's method, for a custom `progress()`): torchrec's
+        synchronous collectives and compiled autograd with `compiled_autograd_options`."""
+        return self._step_context()
+
 
 class _CompiledAutograd:
     """The context of each CompAutograd step: sync collectives, compiled autograd, the settings."""

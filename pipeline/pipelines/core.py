@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torchrec.distributed.model_parallel import DMPCollection
 
+from pipeline.compat.arguments import sync_interval
+from pipeline.compat.hooks import SubclassPoints
 from pipeline.compat.types import TrainPipeline
 from pipeline.config import RankOptions
 from pipeline.ranks import AgreedError, Lane, LaneState, Ranks, backward_spans_world
@@ -31,27 +32,19 @@ from pipeline.stages.labels import label, run_stage
 from pipeline.stages.loader_state import capture, resume_state
 from pipeline.stages.streams import Streams, streams_for
 
-__all__ = ["PipelineCore", "refuse_jit"]
+__all__ = ["PipelineCore"]
 
 _NOTHING = contextlib.nullcontext()
 
 
-def refuse_jit(apply_jit: bool) -> None:
-    """torchrec's `apply_jit` (TorchScript the pipelined modules) is not supported here.
-
-    Raises:
-        ValueError: `apply_jit` is True.
-    """
-    if apply_jit:
-        raise ValueError("apply_jit=True is not supported (no TorchScript); leave it False")
-
-
-class PipelineCore(TrainPipeline):
+class PipelineCore(SubclassPoints, TrainPipeline):
     """The machinery every pipeline class shares (a torchrec `TrainPipeline`).
 
     A class built on it declares its constructor (torchrec's parameters, then ours, keyword-only),
     calls this one, composes its components, and implements `_fill` (what must be in flight before
-    a step) and `_step` (one step), each once, in its own module.
+    a step) and `_step` (one step), each once, in its own module. The steps call torchrec's
+    subclass points (`pipeline.compat.hooks`): a user's override of `_next_batch`, `_backward`,
+    `_optimizer_step` or `_wait_for_batch` is honoured.
 
     Args:
         model: the model the pipeline runs.
@@ -92,13 +85,15 @@ class PipelineCore(TrainPipeline):
         self._execute_all_batches = execute_all_batches
         self._inplace_copy = enable_inplace_copy_batch
         self._streams: Streams = streams if streams is not None else streams_for(device)
-        self._ranks = Ranks(ranks, model=model)
+        self._ranks = Ranks(ranks, model=model, next_batch=self._next_batch)  # a subclass's, if any
         self._backward_spans_world: bool | None = None
         """Backward runs a collective over every rank that has completed when it returns (known at
         the first backward)."""
         self._context_type = context_type
         self._lookahead = lookahead
-        self._sync_interval = _sync_interval(model, dmp_collection_sync_interval_batches)
+        interval = dmp_collection_sync_interval_batches
+        self._dmp_collection_sync_interval_batches = sync_interval(model, interval)
+        """torchrec's name: None unless the model is a `DMPCollection` (read by `sync_embeddings`)."""
         self._on_host = device.type == "cpu"
         """Batches stay where the dataloader made them (on the host, `.to("cpu")` moves nothing)."""
         self._step_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
@@ -141,10 +136,7 @@ class PipelineCore(TrainPipeline):
         Raises:
             StopIteration: every batch of `dataloader_iter` has been processed.
         """
-        lane = self._lanes.get(id(dataloader_iter))
-        if lane is None or lane.iterator is not dataloader_iter:
-            lane = self._lanes[id(dataloader_iter)] = self._ranks.open_lane(dataloader_iter)
-        self._ranks.enter(lane)
+        lane = self._enter(dataloader_iter)
         try:
             draining = lane.state is LaneState.DRAINING
             if not (self._execute_all_batches or draining) and not self._look_ahead(lane):
@@ -214,6 +206,14 @@ class PipelineCore(TrainPipeline):
             reset()
         self._lanes.clear()
 
+    def _enter(self, dataloader_iter: Iterator[Any]) -> Lane:
+        """The lane of `dataloader_iter` (opened on first use), whose step runs now."""
+        lane = self._lanes.get(id(dataloader_iter))
+        if lane is None or lane.iterator is not dataloader_iter:
+            lane = self._lanes[id(dataloader_iter)] = self._ranks.open_lane(dataloader_iter)
+        self._ranks.enter(lane)
+        return lane
+
     def _look_ahead(self, lane: Lane) -> bool:
         """Copy batches until `_lookahead` batches follow the head; False if the dataloader ends
         first. Only copies: nothing is started on the batches that may be dropped."""
@@ -226,12 +226,22 @@ class PipelineCore(TrainPipeline):
     # -- the stages every pipeline runs -------------------------------------------------------
 
     def _enqueue(self, lane: Lane) -> bool:
-        """Fetch the next batch (`Ranks.fetch`) and copy it to the device: the copy stage. False
+        """Fetch the next batch and copy it to the device, into the lane: the copy stage. False
         when nothing was added."""
+        ctx = self._fetch_and_copy(lane, in_place=self._inplace_copy)
+        if ctx is None:
+            return False
+        lane.inflight.append(ctx)
+        return True
+
+    def _fetch_and_copy(self, lane: Lane, *, in_place: bool) -> BatchContext | None:
+        """The next batch of `lane` (`Ranks.fetch`, which records this rank's `Status` for it),
+        copied to the device in a new context (its batch is None for a placeholder); None when
+        nothing is to be added."""
         loader_state = capture(lane.iterator)  # a no-drain checkpoint resumes from here
         fetched = self._ranks.fetch(lane)
         if fetched is None:
-            return False
+            return None
         batch, ticket = fetched
         ctx = self._context_type(index=self._next_index, streams=self._streams, ticket=ticket)
         ctx.loader_state = loader_state
@@ -241,26 +251,23 @@ class PipelineCore(TrainPipeline):
             with run_stage(streams, "copy", ctx.index, streams.memcpy):
                 if self._on_host:
                     ctx.batch = batch  # a host batch is already where it goes: no walk, no new objects
-                elif self._inplace_copy:
+                elif in_place:
                     ctx.batch = to_device_in_place(batch, self._device, streams)
                 else:
                     ctx.batch = to_device(batch, self._device, non_blocking=True)
                 streams.produced(ctx.batch)
-        lane.inflight.append(ctx)
-        return True
+        return ctx
 
     def _forward(
         self, ctx: BatchContext, *, train: bool, input_dist: InputDist | None = None
     ) -> tuple[Any, Any]:
-        """The forward stage of `ctx`'s batch; in training, after `zero_grad`. With `input_dist`, its
-        slot holds `ctx` for the hijacked forwards (whose calls are checked after forward), and a
-        forward the rewrite waits for runs unpipelined, recorded. Returns `(losses or None,
-        output)`."""
+        """The forward stage of `ctx`'s batch (waited for by `_wait_for_batch`); in training, after
+        `zero_grad`. With `input_dist`, its slot holds `ctx` for the hijacked forwards (whose calls
+        are checked after forward), and a forward the rewrite waits for runs unpipelined,
+        recorded. Returns `(losses or None, output)`."""
         slot = input_dist.slot if input_dist is not None else None
         recording = input_dist.recording(ctx) if input_dist is not None else None
         streams = self._streams
-        streams.handoff(ctx.batch, streams.memcpy)
-        streams.consumed(ctx.batch)
         training = train and self._model.training
         if training:
             self._optimizer.zero_grad()
@@ -290,44 +297,32 @@ class PipelineCore(TrainPipeline):
             )
         return result
 
-    def _backward(self, ctx: BatchContext, losses: Any) -> None:
+    def _wait_copied(self, batch: Any) -> None:
+        """Make the copy stage's `batch` usable on the caller's stream (what `_wait_for_batch`
+        does by default)."""
+        streams = self._streams
+        streams.handoff(batch, streams.memcpy)
+        streams.consumed(batch)
+
+    def _backward_stage(self, ctx: BatchContext, losses: Any) -> None:
+        """The backward stage of `ctx`'s batch: `_backward(losses)`, labelled, with its collective
+        over every rank reported to the ranks' protocol."""
         if self._backward_spans_world is None:
             self._backward_spans_world = self._on_host and backward_spans_world(self._model)
         mark = self._ranks.world_collective_issued() if self._backward_spans_world else None
         with run_stage(self._streams, "backward", ctx.index):
-            # a scalar loss needs no sum (one kernel launch less), and the gradient is the same
-            loss = losses if isinstance(losses, torch.Tensor) and losses.dim() == 0 else torch.sum(losses)
-            loss.backward()
+            self._backward(losses)
         self._ranks.world_collective_completed(mark)
 
     def _sync_replicas(self, ctx: BatchContext) -> None:
         """After backward: a `DMPCollection` (2D sharding) syncs its replicas' embeddings and
         optimizer states every `dmp_collection_sync_interval_batches` batches, as torchrec's."""
-        if self._sync_interval is not None and ctx.index % self._sync_interval == 0:
+        interval = self._dmp_collection_sync_interval_batches
+        if interval is not None and ctx.index % interval == 0:
             with label("pipeline::dmp_collection_sync"):
                 self._model.sync()
 
-    def _optimizer_step(self, ctx: BatchContext) -> None:
+    def _optimizer_stage(self, ctx: BatchContext) -> None:
+        """The optimizer stage of `ctx`'s batch: `_optimizer_step()`, labelled."""
         with run_stage(self._streams, "optimizer", ctx.index):
-            self._optimizer.step()
-
-
-def _sync_interval(model: nn.Module, interval: int | None) -> int | None:
-    """The replicas' sync interval for `model`: None unless it is a DMPCollection.
-
-    Raises:
-        ValueError: not None or a positive int; or other than torchrec's default (1) or None on
-            any other model.
-    """
-    if interval is not None and (not isinstance(interval, int) or interval < 1):
-        raise ValueError(
-            f"dmp_collection_sync_interval_batches must be None or a positive int; got {interval!r}"
-        )
-    if isinstance(model, DMPCollection):
-        return interval
-    if interval not in (None, 1):
-        raise ValueError(
-            f"dmp_collection_sync_interval_batches={interval!r} syncs the replicas of a DMPCollection "
-            f"(2D sharding), but the model is a {type(model).__name__}; leave it at 1 or None"
-        )
-    return None
+            self._optimizer_step()

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from pipeline.compat.arguments import refuse_jit
 from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
-from pipeline.pipelines.core import refuse_jit
 from pipeline.pipelines.input_dist_core import InputDistCore
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
@@ -123,6 +123,7 @@ class EvalPipelineSparseDist(InputDistCore):
         if len(lane.inflight) < 3:
             self._enqueue(lane)
         nxt = input_dist.start_next(lane)
+        self._wait_for_batch()
         _, output = self._forward(ctx, train=False, input_dist=input_dist)
         if nxt is not None:
             input_dist.wait_splits(nxt)  # a no-op after early splits

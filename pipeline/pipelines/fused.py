@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
+from pipeline.compat.arguments import refuse_jit
+from pipeline.compat.methods import FusedMethods
 from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
-from pipeline.pipelines.core import refuse_jit
 from pipeline.pipelines.input_dist_core import InputDistCore
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
@@ -30,7 +31,7 @@ __all__ = ["TrainPipelineFusedSparseDist"]
 _LOOKUP_STREAMS = ("data_dist", "new", "current")
 
 
-class TrainPipelineFusedSparseDist(InputDistCore):
+class TrainPipelineFusedSparseDist(FusedMethods, InputDistCore):
     """SparseDist whose embedding lookup of batch i runs at the start of step i, ahead of forward.
 
     Numerics: bit for bit the plain loop's (zero_grad, forward, backward, step per batch), for
@@ -114,7 +115,7 @@ class TrainPipelineFusedSparseDist(InputDistCore):
             context_type=LookupBatchContext,
             lookahead=2,
         )
-        self._copy_after_forward = enqueue_batch_after_forward
+        self._enqueue_batch_after_forward = enqueue_batch_after_forward
         self._input_dist = self._make_input_dist(
             forward="lookup",
             rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
@@ -141,11 +142,12 @@ class TrainPipelineFusedSparseDist(InputDistCore):
         if self._lookup_first:
             lookup.run(ctx)
         input_dist.choose_schedule(self._model.training)
-        copy_late = self._copy_after_forward
+        copy_late = self._enqueue_batch_after_forward
         if not copy_late and len(lane.inflight) < 3:
             self._enqueue(lane)
         nxt = input_dist.start_next(lane)
         lookup.run(ctx)  # a no-op when it ran first
+        self._wait_for_batch()
         losses, output = self._forward(ctx, train=True, input_dist=input_dist)
         if copy_late and len(lane.inflight) < 3:
             self._enqueue(lane)
@@ -153,7 +155,7 @@ class TrainPipelineFusedSparseDist(InputDistCore):
             input_dist.wait_splits(nxt)  # a no-op after early splits
         if losses is not None:
             lookup.backward_and_step(
-                losses, lambda losses: self._backward(ctx, losses), lambda: self._optimizer_step(ctx)
+                losses, lambda losses: self._backward_stage(ctx, losses), lambda: self._optimizer_stage(ctx)
             )
         lane.inflight.popleft()
         return output

@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import nn
 
+from pipeline.compat.methods import SparseDistMethods
 from pipeline.config import InputDistOptions, RewriteOptions
 from pipeline.pipelines.core import PipelineCore
 from pipeline.ranks import Lane
@@ -21,8 +22,9 @@ from rewrite import RewriteReport
 __all__ = ["InputDistCore"]
 
 
-class InputDistCore(PipelineCore):
-    """A `PipelineCore` with an `InputDist` (made by `_make_input_dist` in the class's constructor)."""
+class InputDistCore(SparseDistMethods, PipelineCore):
+    """A `PipelineCore` with an `InputDist` (made by `_make_input_dist` in the class's constructor),
+    and torchrec's methods of its `TrainPipelineSparseDist` (`pipeline.compat.methods`)."""
 
     _input_dist: InputDist
 
@@ -75,6 +77,12 @@ class InputDistCore(PipelineCore):
         if model is not None and model is not self._model:
             raise ValueError("attach(model) takes the pipeline's own model; build a new pipeline for another")
 
+    def _wait_for_batch(self) -> None:
+        """Make the head batch (`self.batches[0]`), copied to the device on the memcpy stream,
+        usable on the caller's: torchrec's subclass point, with its signature on this family;
+        each step calls it before forward."""
+        self._wait_copied(self._ranks.lane.inflight[0].batch)
+
     def _sparse_dist_step(self, lane: Lane, *, copy_after_forward: bool) -> Any:
         """TrainPipelineSparseDist's step (also Prefetch's when no module has prefetch work): the
         copy of batch i+2 (after forward of i if `copy_after_forward`) and the input_dist of i+1
@@ -86,15 +94,16 @@ class InputDistCore(PipelineCore):
         if not copy_after_forward and len(lane.inflight) < 3:
             self._enqueue(lane)
         nxt = input_dist.start_next(lane)
+        self._wait_for_batch()
         losses, output = self._forward(ctx, train=True, input_dist=input_dist)
         if copy_after_forward and len(lane.inflight) < 3:
             self._enqueue(lane)  # after forward: on a GPU the copy does not compete with lookups
         if nxt is not None:
             input_dist.wait_splits(nxt)  # a no-op after early splits
         if losses is not None:
-            self._backward(ctx, losses)
+            self._backward_stage(ctx, losses)
             self._sync_replicas(ctx)
-            self._optimizer_step(ctx)
+            self._optimizer_stage(ctx)
         lane.inflight.popleft()
         return output
 
@@ -109,6 +118,7 @@ class InputDistCore(PipelineCore):
         memory: MemoryFlags,
     ) -> InputDist:
         """The class's `InputDist`, reset with the pipeline (`forward`: see `InputDist`)."""
+        self._clear_data_dist_inputs = memory.clear_data_dist_inputs  # torchrec's attribute
         input_dist = InputDist(
             self._model,
             self._streams,

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from pipeline.compat.arguments import refuse_jit
 from pipeline.config import InputDistOptions, PrefetchOptions, RankOptions, RewriteOptions, resolve
-from pipeline.pipelines.core import refuse_jit
 from pipeline.pipelines.input_dist_core import InputDistCore
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
@@ -164,6 +164,7 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
             # is under way, and reads during forward too; the rows batch i uses are pinned
             prefetch.submit_early(nxt)
         prefetch.wait(ctx)  # submits it first if it did not run ahead
+        self._wait_for_batch()
         losses, output = self._forward(ctx, train=True, input_dist=input_dist)
         if nxt is not None:
             input_dist.wait_splits(nxt)  # a no-op after early splits
@@ -172,8 +173,8 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
             # needs are pinned by the kernel, so backward of i cannot lose them
             prefetch.submit(nxt)
         if losses is not None:
-            self._backward(ctx, losses)
-            self._optimizer_step(ctx)
+            self._backward_stage(ctx, losses)
+            self._optimizer_stage(ctx)
         lane.inflight.popleft()
         return output
 

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from pipeline.compat.arguments import refuse_jit
+from pipeline.compat.methods import SemiSyncMethods
 from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
-from pipeline.pipelines.core import refuse_jit
 from pipeline.pipelines.input_dist_core import InputDistCore
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
@@ -31,7 +32,7 @@ __all__ = ["TrainPipelineSemiSync"]
 logger = logging.getLogger(__name__)
 
 
-class TrainPipelineSemiSync(InputDistCore):
+class TrainPipelineSemiSync(SemiSyncMethods, InputDistCore):
     """The embedding lookup of batch i+1 runs before backward of batch i, so it reads embeddings
     one update stale (torchrec 1.8's semi-synchronous training).
 
@@ -173,6 +174,7 @@ class TrainPipelineSemiSync(InputDistCore):
         third = lane.inflight[2] if self._start(lane, 2) else None
         if third is not None and input_dist.early_splits:
             input_dist.wait_splits(third)
+        self._wait_for_batch()
         losses, output = self._forward(ctx, train=True, input_dist=input_dist)
         nxt = lane.inflight[1] if len(lane.inflight) > 1 else None
         if nxt is not None and semi:
@@ -189,7 +191,7 @@ class TrainPipelineSemiSync(InputDistCore):
         return output
 
     def _backward_and_sync(self, ctx: BatchContext, losses: Any) -> None:
-        self._backward(ctx, losses)
+        self._backward_stage(ctx, losses)
         self._sync_replicas(ctx)
 
     def _stashed_step(self, ctx: BatchContext) -> None:
@@ -198,7 +200,7 @@ class TrainPipelineSemiSync(InputDistCore):
             self._swap_gradients()
             if ctx.index == self._start_batch:
                 return  # no stashed gradients yet
-        self._optimizer_step(ctx)
+        self._optimizer_stage(ctx)
 
     def _swap_gradients(self) -> None:
         """Stash this batch's dense gradients and put the previous batch's in their place."""

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from pipeline.compat.arguments import refuse_jit
 from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
-from pipeline.pipelines.core import refuse_jit
 from pipeline.pipelines.input_dist_core import InputDistCore
 from pipeline.ranks import Lane
 from pipeline.stages.context import BatchContext, TrainPipelineContext
@@ -115,7 +115,7 @@ class TrainPipelineSparseDist(InputDistCore):
             dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
             lookahead=2,  # torchrec's fetches batch i+2 during step i and stops when it is missing
         )
-        self._copy_after_forward = enqueue_batch_after_forward
+        self._enqueue_batch_after_forward = enqueue_batch_after_forward
         self._input_dist = self._make_input_dist(
             forward="input_dist",
             rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
@@ -129,4 +129,4 @@ class TrainPipelineSparseDist(InputDistCore):
         self._input_dist.fill(lane, self._enqueue)
 
     def _step(self, lane: Lane) -> Any:
-        return self._sparse_dist_step(lane, copy_after_forward=self._copy_after_forward)
+        return self._sparse_dist_step(lane, copy_after_forward=self._enqueue_batch_after_forward)

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.compat.arguments import refuse_jit
 from pipeline.compat.types import TrainPipeline
 from pipeline.config import InputDistOptions, RewriteOptions, resolve
-from pipeline.pipelines.core import refuse_jit
 from pipeline.stages.context import BatchContext
 from pipeline.stages.input_dist import InputDist
 from pipeline.stages.labels import label

@@ -75,10 +75,19 @@ class Ranks:
     Args:
         options: how the ranks agree (`RankOptions`).
         model: the model trained (its embedding tables bound the ids `check_kjts` accepts).
+        next_batch: takes the next batch from an iterator, None at its end (a pipeline's
+            `_next_batch`, which a subclass may override); by default `next(iterator, None)`.
     """
 
-    def __init__(self, options: RankOptions, *, model: torch.nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        options: RankOptions,
+        *,
+        model: torch.nn.Module | None = None,
+        next_batch: Callable[[Any], Any] | None = None,
+    ) -> None:
         self._options = options
+        self._next_batch: Callable[[Any], Any] = next_batch or _next_or_none
         self.keys = KeyCheck() if options.check_keys else None
         self.kjts = KJTCheck(model) if options.check_kjts else None
         self._votes = Votes(timeout=options.peer_timeout, new_group=self.new_group)
@@ -132,9 +141,13 @@ class Ranks:
         batch, status = None, Status.EXHAUSTED
         if lane.state is LaneState.OPEN:
             try:
-                batch, status = next(lane.iterator), Status.HAVE
-            except StopIteration:
+                batch = self._next_batch(lane.iterator)
+            except StopIteration:  # an override of `_next_batch` that calls next() itself
+                batch = None
+            if batch is None:
                 lane.state = LaneState.EXHAUSTED
+            else:
+                status = Status.HAVE
         if status == Status.EXHAUSTED and not self.voting:
             return None
         ticket = Ticket(seq=lane.enqueued, position=lane.fetched, status=status)
@@ -225,6 +238,11 @@ class Ranks:
         """A step of `lane` starts: the collectives reported until the next `enter` are its."""
         self._lane = lane
 
+    @property
+    def lane(self) -> Lane | None:
+        """The lane whose step runs now (the last `enter`), None before the first."""
+        return self._lane
+
     def world_collective_issued(self) -> WorldMark | None:
         """Call right after issuing a collective over every rank (on every rank, in the same
         order); pass what it returns to `world_collective_completed` once it completed."""
@@ -290,3 +308,7 @@ class Ranks:
         finally:
             if not every_rank_failed:  # a peer may be waiting in a collective for this rank
                 signal.abort()
+
+
+def _next_or_none(iterator: Any) -> Any:
+    return next(iterator, None)

@@ -23,9 +23,11 @@ from pipeline.ranks import Lane, Ranks
 from pipeline.stages.context import BatchContext
 from pipeline.stages.labels import run_stage
 from pipeline.stages.memory import MemoryFlags, free_features_early, release_features, release_sent_inputs
+from pipeline.stages.not_pipelined import warn_not_pipelined
 from pipeline.stages.schedule import SCHEDULES
 from pipeline.stages.streams import Streams
 from pipeline.stages.tuner import Tuner
+from pipeline.stages.tuner_text import ONE_RANK, schedule_words
 from rewrite import (
     CallSite,
     ContextSlot,
@@ -88,14 +90,14 @@ class InputDist:
         """One rank: the input all-to-alls move nothing between ranks, so the splits are not fused
         into an all-to-all of their own and every schedule does the same work."""
         if self._one_rank and self.tuner is not None:
-            self.tuner.settle(
-                "late", "one rank: the input all-to-alls move nothing, so every schedule does the same work"
-            )
+            self.tuner.settle("late", f"kept {schedule_words('late')}: {ONE_RANK}")
         self.freed_bytes = 0
         """Bytes released by the memory flags so far."""
         self._ranks = ranks
         self._groups = InputDistGroups(ranks.new_group if ranks is not None else dist.new_group)
         self._undo: list[Callable[[], None]] = []
+        self._warned: set[str] = set()
+        """The sharded modules warned about as not pipelined (once each, not at a re-attach)."""
         self._undo_groups: Callable[[], None] | None = None
         self._settled = False
         """The complete rewrite was checked across ranks (`_settle`)."""
@@ -175,9 +177,12 @@ class InputDist:
         return rewrite.record(ctx.batch) if rewrite.needs_recording else None
 
     def _settle(self, rewrite: Rewrite) -> None:
-        """Once the rewrite is complete: every rank must have found the same call sites, and the
-        memory flag that frees the batch's features applies only where forward never reads them."""
+        """Once the rewrite is complete: warn about each module that is not pipelined
+        (`NotPipelinedWarning`, once per module); every rank must have found the same call sites;
+        the memory flag that frees the batch's features applies only where forward never reads
+        them."""
         self._settled = True
+        warn_not_pipelined(rewrite.report, self._warned, pipeline_postproc=self._pipeline_postproc)
         if self._ranks is not None:
             self._ranks.agree_on("call sites of the sharded modules", rewrite.signature())
         if not self._memory.free_features_storage_early:
@@ -284,8 +289,12 @@ class InputDist:
         """`clear_data_dist_inputs`: wait for `ctx`'s values all-to-alls and free what they sent
         (before the batch's input is taken)."""
         if self._memory.clear_data_dist_inputs and ctx.started:
-            with self._streams.use(self._streams.data_dist):
-                self.freed_bytes += release_sent_inputs(ctx.input_dist_requests.values())
+            self.clear_inputs(ctx)
+
+    def clear_inputs(self, ctx: BatchContext) -> None:
+        """Wait for `ctx`'s values all-to-alls and free what they sent, whatever the flags say."""
+        with self._streams.use(self._streams.data_dist):
+            self.freed_bytes += release_sent_inputs(ctx.input_dist_requests.values())
 
     def _place_all_to_alls(self, rewrite: Rewrite) -> None:
         """Input all-to-alls on their own groups or on torchrec's, as the schedule says."""

@@ -103,6 +103,11 @@ class LookupStage:
         if self.shares_optimizer():
             self._fence()
 
+    def wait(self) -> None:
+        """Order the caller's stream after the lookups run so far (their outputs are handed off
+        one by one as forward takes them; this waits for all at once)."""
+        self._streams.handoff(None, self._stream)
+
     def _fence(self) -> None:
         """Order the data_dist stream (where lookups run by default) after the caller's work."""
         streams = self._streams

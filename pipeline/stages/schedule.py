@@ -60,7 +60,8 @@ class Decision:
     """The schedule the ratios are relative to."""
     ratios: dict[str, list[float]]
     """Per schedule, its block median over the baseline's in the same round, one per valid round."""
-    reason: str
+    reason: str = ""
+    """Why, in words (`pipeline.stages.tuner_text`; the tuner writes it)."""
 
 
 def decide(rounds: list[dict[str, float]], *, baseline: str, margin: float) -> Decision:
@@ -77,7 +78,8 @@ def decide(rounds: list[dict[str, float]], *, baseline: str, margin: float) -> D
         margin: the relative gain the median ratio must show (0.03: 3 % faster).
 
     Returns:
-        The choice; among several significant winners, the lowest median ratio.
+        The choice; among several significant winners, the lowest median ratio. Its `reason` is
+        left to the caller (`pipeline.stages.tuner_text.decision_reason` words it).
     """
     valid = [r for r in rounds if baseline in r and all(math.isfinite(v) and v > 0 for v in r.values())]
     names = [s for s in (rounds[0] if rounds else {}) if s != baseline]
@@ -90,19 +92,5 @@ def decide(rounds: list[dict[str, float]], *, baseline: str, margin: float) -> D
         return losses == 0 or (losses == 1 and len(r) >= 3 and statistics.median(r) < 1 - 3 * margin)
 
     winners = {s: statistics.median(r) for s, r in ratios.items() if significant(r)}
-    if not winners:
-        best = {s: statistics.median(r) for s, r in ratios.items() if r}
-        detail = ", ".join(f"{s} {v:.3f}x" for s, v in best.items()) or "no valid rounds"
-        return Decision(
-            choice=baseline,
-            baseline=baseline,
-            ratios=ratios,
-            reason=f"kept {baseline}: none significantly faster in {len(valid)} rounds ({detail})",
-        )
-    choice = min(winners, key=winners.get)
-    return Decision(
-        choice=choice,
-        baseline=baseline,
-        ratios=ratios,
-        reason=f"{choice}: {winners[choice]:.3f}x {baseline} (median of {len(valid)} paired rounds)",
-    )
+    choice = min(winners, key=winners.get) if winners else baseline
+    return Decision(choice=choice, baseline=baseline, ratios=ratios)

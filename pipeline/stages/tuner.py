@@ -12,46 +12,17 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from pipeline.stages import tuner_text as text
 from pipeline.stages.schedule import SCHEDULES, Decision, decide
+from pipeline.stages.tuner_phase import Phase
 
 __all__ = ["Tuner"]
-
-
-@dataclass(kw_only=True, slots=True)
-class _Phase:
-    """One tuning phase: rounds of blocks, each candidate once per round in a rotated order."""
-
-    candidates: list[str]
-    baseline: str
-    rounds: int
-    """Rounds the phase runs (a first tuning may stop its losers after the first)."""
-    plan: list[tuple[str, int, bool]] = field(default_factory=list)
-    """(schedule, round, timed) per step: a first tuning plans its first round, then the rest."""
-    times: dict[tuple[int, str], list[float]] = field(default_factory=dict)
-    agreed: dict[int, dict[str, float]] = field(default_factory=dict)
-    """Per round already agreed across ranks, each candidate's summed block median."""
-    dropped: dict[str, float] = field(default_factory=dict)
-    """Candidates ruled out after the first round, with their ratio to that round's best."""
-
-    def add_round(self, k: int, *, block: int, settle: int) -> None:
-        shift = k % len(self.candidates)
-        for name in self.candidates[shift:] + self.candidates[:shift]:  # no schedule always first
-            # the first `settle` steps carry the switch (batches in flight started under the
-            # previous schedule) and are not timed
-            self.plan += [(name, k, i >= settle) for i in range(block)]
-
-    def medians(self, k: int) -> list[float]:
-        """Round k's median step time per candidate (inf where none was timed)."""
-        return [
-            statistics.median(self.times[k, s]) if self.times.get((k, s)) else math.inf
-            for s in self.candidates
-        ]
 
 
 class Tuner:
@@ -71,6 +42,8 @@ class Tuner:
     Re-check: `recheck_after` steps after a decision, the choice and the runner-up run `recheck_rounds`
     paired rounds; the runner-up replaces the choice only if it wins by the same rule. The interval
     then doubles (300, 600, 1200, ... steps by default). Between checks a step costs one comparison.
+    A tuning whose every round was interrupted keeps the baseline and, at the next look, tunes the
+    same candidates again. `reason` and `repr()` say it in words (`pipeline.stages.tuner_text`).
 
     Args:
         candidates: schedules to compare (names from `SCHEDULES`).
@@ -113,12 +86,10 @@ class Tuner:
         self._recheck_rounds, self._interval = recheck_rounds, recheck_after
         self._clock = clock
         self._agree = agree or _all_reduce_sum
-        phase = _Phase(candidates=list(candidates), baseline=baseline, rounds=rounds)
-        phase.plan = [(baseline, -1, False)] * warmup + [
-            (s, -1, False) for s in candidates for _ in range(visit)
-        ]
-        phase.add_round(0, block=block, settle=settle)
-        self._phase: _Phase | None = phase
+        self._rounds = rounds
+        self._phase: Phase | None = self._tuning(list(candidates), baseline, warmup=warmup, visit=visit)
+        self._again: list[str] | None = None
+        """The candidates of a tuning without valid rounds: the next look tunes them again."""
         self._pos = 0
         self._steps = 0
         self._next_check: int | None = None
@@ -156,14 +127,15 @@ class Tuner:
         return len(self._phase.plan) - self._pos + max(later, 0)
 
     def __repr__(self) -> str:
-        if self._phase is not None:
-            what = "re-checking" if self.decisions else "tuning"
-            return (
-                f"Tuner({what} {', '.join(self._phase.candidates)}: at most {self.steps_left} more "
-                f"steps; schedule so far {self.choice or self._phase.baseline!r})"
-            )
-        after = f"; re-check at step {self._next_check}" if self._next_check else ""
-        return f"Tuner(chose {self.choice!r} at step {self.decisions[-1][0]}: {self.reason}{after})"
+        phase = self._phase
+        if phase is not None:
+            running = self.choice or phase.baseline
+            if 0 < self._pos <= len(phase.plan):
+                running = phase.plan[self._pos - 1][0]
+            return text.tuning_repr(phase.kind, phase.candidates, steps_left=self.steps_left, running=running)
+        # after a tuning without valid rounds, the reason says when it tunes again
+        look = None if self._again is not None else text.next_look(self._next_check, self._steps)
+        return text.decided_repr(self.decisions[-1][0], self.reason or "", look)
 
     def next_schedule(self) -> str:
         """Called at the start of each training step; the schedule to run it under."""
@@ -206,6 +178,8 @@ class Tuner:
 
     def interrupt(self) -> None:
         """A step ended abnormally (or an eval step ran between): do not time across it."""
+        if self._last is not None and self._phase is not None:
+            self._phase.interrupted += 1
         self._last = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -221,6 +195,7 @@ class Tuner:
             "steps": self._steps,
             "next_check": self._next_check,
             "interval": self._interval,
+            "again": self._again,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -236,9 +211,26 @@ class Tuner:
         self.medians_ms = dict(state["medians_ms"])
         self.decisions = [(step, Decision(**d)) for step, d in state["decisions"]]
         self._steps, self._next_check, self._interval = state["steps"], state["next_check"], state["interval"]
+        self._again = state.get("again")
         self._phase, self._pos, self._last = None, 0, None
 
+    def _tuning(
+        self, candidates: list[str], baseline: str, *, warmup: int, visit: int, kind: str = "tuning"
+    ) -> Phase:
+        """A tuning phase of `candidates`: warm-up and visits (untimed), then its first round; the
+        others are planned after it (`_end_of_round`)."""
+        phase = Phase(candidates=candidates, baseline=baseline, kind=kind, rounds=self._rounds)
+        visits = [(s, -1, False) for s in candidates for _ in range(visit)]
+        phase.plan = [(baseline, -1, False)] * warmup + visits
+        phase.add_round(0, block=self._block, settle=self._settle)
+        return phase
+
     def _start_recheck(self) -> None:
+        self._pos = 0
+        if self._again is not None:  # the last tuning had no valid rounds: tune again
+            again = self._tuning(self._again, self.choice, warmup=0, visit=0, kind="tuning again")
+            self._phase, self._again = again, None
+            return
         last = self.decisions[-1][1]
         ratios = {s: statistics.median(r) for s, r in last.ratios.items() if r}
         ratios[last.baseline] = 1.0
@@ -246,12 +238,14 @@ class Tuner:
         if not others:
             self._next_check = None
             return
-        self._phase = _Phase(
-            candidates=[self.choice, others[0][1]], baseline=self.choice, rounds=self._recheck_rounds
+        self._phase = Phase(
+            candidates=[self.choice, others[0][1]],
+            baseline=self.choice,
+            kind="re-checking",
+            rounds=self._recheck_rounds,
         )
         for k in range(self._recheck_rounds):
             self._phase.add_round(k, block=self._block, settle=self._settle)
-        self._pos = 0
 
     def _end_of_round(self) -> None:
         """The plan ran out: agree on the rounds run, then drop losers and go on, or decide."""
@@ -273,7 +267,7 @@ class Tuner:
                 return
         self._conclude(phase)
 
-    def _drop_losers(self, phase: _Phase) -> None:
+    def _drop_losers(self, phase: Phase) -> None:
         first = phase.agreed[0]
         best = min((v for v in first.values() if math.isfinite(v)), default=math.inf)
         if not (math.isfinite(best) and best > 0):
@@ -285,12 +279,9 @@ class Tuner:
         if phase.baseline in phase.dropped:  # the round's best is kept without further evidence
             phase.baseline = min(phase.candidates, key=first.__getitem__)
 
-    def _conclude(self, phase: _Phase) -> None:
+    def _conclude(self, phase: Phase) -> None:
         per_round = [{s: phase.agreed[k][s] for s in phase.candidates} for k in sorted(phase.agreed)]
         decision = decide(per_round, baseline=phase.baseline, margin=self._margin)
-        if phase.dropped:
-            ruled_out = ", ".join(f"{s} {r:.2f}x the best" for s, r in phase.dropped.items())
-            decision.reason += f"; ruled out after the first round: {ruled_out}"
         for s in set(phase.agreed[0]):
             finite = [r[s] for r in phase.agreed.values() if s in r and math.isfinite(r[s])]
             if finite:
@@ -298,9 +289,21 @@ class Tuner:
         self.decisions.append((self._steps, decision))
         self.choice = decision.choice
         self._phase = None
-        if self._interval > 0:
+        valid = any(decision.ratios.values())
+        if not valid and len(phase.candidates) > 1:
+            self._again = [*phase.candidates, *phase.dropped]
+        self._next_check = None
+        if self._interval > 0 and (valid or self._again is not None):  # else nothing to re-check
             self._next_check = self._steps + self._interval
             self._interval *= 2
+        if self._again is None:
+            decision.reason = text.decision_reason(decision, margin=self._margin)
+        else:
+            decision.reason = text.no_valid_rounds(
+                phase.baseline, interrupted=phase.interrupted, again_at=self._next_check
+            )
+        if phase.dropped:
+            decision.reason += f"; {text.ruled_out(phase.dropped)}"
 
 
 def _all_reduce_sum(values: list[float]) -> list[float]:

@@ -1,0 +1,1 @@
+"""torchrec's example trainers, vendored as test fixtures (README.md: where from, what changed)."""
