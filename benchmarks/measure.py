@@ -177,8 +177,8 @@ class AgreementClock:
         targets = {
             ranks.KeyCheck: ("check",),
             ranks.KJTCheck: ("check",),
-            ranks.StoreFlags: ("raise_flag", "statuses", "read_ahead"),
-            ranks.Agreement: ("vote",),
+            ranks.StoreFlags: ("raise_flag", "statuses", "read_in_background"),
+            ranks.Votes: ("vote",),
             ranks.Vote: ("wait",),
         }
         for owner, names in targets.items():

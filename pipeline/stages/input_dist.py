@@ -122,6 +122,8 @@ class InputDist:
     def attach(self, batch: Any) -> Rewrite:
         """Rewrite the model's sharded modules, once, with `batch` as the sample."""
         if self.rewrite is None:
+            if self.tuner is not None:  # before the rewrite: the prediction runs the model's forward
+                self.tuner.start_from_prediction(self._model, batch)
             options = self._options
             self.rewrite = rewrite_model(
                 self._model,

@@ -1,9 +1,11 @@
 """The "auto" input_dist schedule: a Tuner that chooses among `pipeline.stages.schedule.SCHEDULES` by paired,
 interleaved measurement of real training steps, cheaply, and can be saved with a checkpoint.
 
-Every step a worse schedule runs is lost time, so the trials are short and a schedule that the first
-round already rules out (more than `drop_above` times the best of that round) runs no more rounds.
-A restarted job reloads the decision (`state_dict()`) instead of tuning again.
+Every step a worse schedule runs is lost time, so the trials are short, a schedule that the first
+round already rules out (more than `drop_above` times the best of that round) runs no more rounds,
+and with a `predictor` (the cost model, `pipeline.predictor`) the tuner starts on the predicted best
+and measures only the schedules predicted within `noise` of it (`pipeline.stages.prediction`): none
+when the model is sure. A restarted job reloads the decision (`state_dict()`) instead of tuning again.
 """
 
 from __future__ import annotations
@@ -12,46 +14,14 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
+from pipeline.stages.prediction import start_from
 from pipeline.stages.schedule import SCHEDULES, Decision, decide
+from pipeline.stages.trials import Phase, all_reduce_sum
 
 __all__ = ["Tuner"]
-
-
-@dataclass(kw_only=True, slots=True)
-class _Phase:
-    """One tuning phase: rounds of blocks, each candidate once per round in a rotated order."""
-
-    candidates: list[str]
-    baseline: str
-    rounds: int
-    """Rounds the phase runs (a first tuning may stop its losers after the first)."""
-    plan: list[tuple[str, int, bool]] = field(default_factory=list)
-    """(schedule, round, timed) per step: a first tuning plans its first round, then the rest."""
-    times: dict[tuple[int, str], list[float]] = field(default_factory=dict)
-    agreed: dict[int, dict[str, float]] = field(default_factory=dict)
-    """Per round already agreed across ranks, each candidate's summed block median."""
-    dropped: dict[str, float] = field(default_factory=dict)
-    """Candidates ruled out after the first round, with their ratio to that round's best."""
-
-    def add_round(self, k: int, *, block: int, settle: int) -> None:
-        shift = k % len(self.candidates)
-        for name in self.candidates[shift:] + self.candidates[:shift]:  # no schedule always first
-            # the first `settle` steps carry the switch (batches in flight started under the
-            # previous schedule) and are not timed
-            self.plan += [(name, k, i >= settle) for i in range(block)]
-
-    def medians(self, k: int) -> list[float]:
-        """Round k's median step time per candidate (inf where none was timed)."""
-        return [
-            statistics.median(self.times[k, s]) if self.times.get((k, s)) else math.inf
-            for s in self.candidates
-        ]
 
 
 class Tuner:
@@ -64,9 +34,9 @@ class Tuner:
     block medians, and candidates slower than `drop_above` times that round's best stop there (the
     baseline too: that round's best then takes its place). After `rounds` rounds, `decide` keeps the
     baseline unless another schedule is significantly faster. A step's time runs from the start of
-    one `progress()` to the start of the next, so what the caller does between steps counts, as in
-    real training. The ranks agree by
-    summing their block medians with an all_reduce, so all of them switch at the same step.
+    one `progress()` to the start of the next (what the caller does between steps counts). The ranks
+    agree by summing their block medians with an all_reduce, so all of them switch at the same step.
+    With a `predictor`, `start_from_prediction` (at the first batch) narrows the candidates first.
 
     Re-check: `recheck_after` steps after a decision, the choice and the runner-up run `recheck_rounds`
     paired rounds; the runner-up replaces the choice only if it wins by the same rule. The interval
@@ -87,6 +57,10 @@ class Tuner:
         recheck_rounds: rounds of a re-check.
         clock: seconds, monotonic (tests inject a fake one).
         agree: sums a list of floats over the ranks (tests inject one without a process group).
+        predictor: `predictor(model, batch)` -> predicted step ms per schedule, or None; called
+            once on every rank at the first batch (it may run collectives: `pipeline.predictor`'s
+            probes the link). None: every candidate is measured.
+        noise: schedules predicted within this fraction of the best are measured.
     """
 
     def __init__(
@@ -105,20 +79,18 @@ class Tuner:
         recheck_rounds: int = 2,
         clock: Callable[[], float] = time.perf_counter,
         agree: Callable[[list[float]], list[float]] | None = None,
+        predictor: Callable[[Any, Any], dict[str, float] | None] | None = None,
+        noise: float = 0.05,
     ) -> None:
         unknown = set(candidates) - set(SCHEDULES)
         if unknown or baseline not in candidates or not 0 < settle < block or rounds < 1 or visit < 0:
             raise ValueError(f"bad tuner settings: candidates {candidates}, baseline {baseline!r}")
         self._block, self._settle, self._margin, self._drop = block, settle, margin, drop_above
         self._recheck_rounds, self._interval = recheck_rounds, recheck_after
+        self._warmup, self._visit, self._predictor, self._noise = warmup, visit, predictor, noise
         self._clock = clock
-        self._agree = agree or _all_reduce_sum
-        phase = _Phase(candidates=list(candidates), baseline=baseline, rounds=rounds)
-        phase.plan = [(baseline, -1, False)] * warmup + [
-            (s, -1, False) for s in candidates for _ in range(visit)
-        ]
-        phase.add_round(0, block=block, settle=settle)
-        self._phase: _Phase | None = phase
+        self._agree = agree or all_reduce_sum
+        self._phase: Phase | None = self._first_phase(list(candidates), baseline, rounds)
         self._pos = 0
         self._steps = 0
         self._next_check: int | None = None
@@ -134,6 +106,42 @@ class Tuner:
         """Steps run under a tuning or re-check plan so far (warm-up included)."""
         self.tuning_steps_by_schedule: dict[str, int] = {}
         """`tuning_steps` per schedule they ran under (what tuning cost is computed from)."""
+        self.predicted_ms: dict[str, float] = {}
+        """Per schedule, the predicted step in ms (averaged over ranks), if a predictor gave one."""
+
+    def _first_phase(self, candidates: list[str], baseline: str, rounds: int) -> Phase:
+        phase = Phase(candidates=candidates, baseline=baseline, rounds=rounds)
+        visits = [(s, -1, False) for s in candidates for _ in range(self._visit)]
+        phase.plan = [(baseline, -1, False)] * self._warmup + visits
+        phase.add_round(0, block=self._block, settle=self._settle)
+        return phase
+
+    def start_from_prediction(self, model: Any, batch: Any) -> None:
+        """Once, on every rank, before the first step: start on the predicted best schedule and
+        measure only those predicted within `noise` of it; with none, decide now (no trials). The
+        ranks average the predictions first, so all of them plan alike. A no-op without a predictor,
+        after the first step, or once a decision is loaded."""
+        predictor, self._predictor = self._predictor, None
+        if predictor is None or self._steps or self.decisions or self._phase is None:
+            return
+        try:
+            predicted = predictor(model, batch) or {}
+        except Exception:  # a failed prediction leaves the trials as they were, on every rank
+            predicted = {}
+        candidates = self._phase.candidates
+        *summed, ranks = self._agree([float(predicted.get(s, math.nan)) for s in candidates] + [1.0])
+        averaged = {s: v / ranks for s, v in zip(candidates, summed, strict=True)}
+        start = start_from(averaged, tuple(candidates), noise=self._noise)
+        if start is None:
+            return
+        self.predicted_ms = averaged
+        if len(start.trials) > 1:
+            self._phase = self._first_phase(list(start.trials), start.best, self._phase.rounds)
+            self._phase.reason = start.reason
+            return
+        decision = Decision(choice=start.best, baseline=start.best, ratios={}, reason=start.reason)
+        self.choice, self._phase, self._next_check = start.best, None, None  # sure: no trials, no re-check
+        self.decisions.append((0, decision))
 
     @property
     def reason(self) -> str | None:
@@ -206,6 +214,7 @@ class Tuner:
             "steps": self._steps,
             "next_check": self._next_check,
             "interval": self._interval,
+            "predicted_ms": dict(self.predicted_ms),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -221,7 +230,8 @@ class Tuner:
         self.medians_ms = dict(state["medians_ms"])
         self.decisions = [(step, Decision(**d)) for step, d in state["decisions"]]
         self._steps, self._next_check, self._interval = state["steps"], state["next_check"], state["interval"]
-        self._phase, self._pos, self._last = None, 0, None
+        self.predicted_ms = dict(state.get("predicted_ms", {}))
+        self._phase, self._pos, self._last, self._predictor = None, 0, None, None
 
     def _start_recheck(self) -> None:
         last = self.decisions[-1][1]
@@ -231,7 +241,7 @@ class Tuner:
         if not others:
             self._next_check = None
             return
-        self._phase = _Phase(
+        self._phase = Phase(
             candidates=[self.choice, others[0][1]], baseline=self.choice, rounds=self._recheck_rounds
         )
         for k in range(self._recheck_rounds):
@@ -258,7 +268,7 @@ class Tuner:
                 return
         self._conclude(phase)
 
-    def _drop_losers(self, phase: _Phase) -> None:
+    def _drop_losers(self, phase: Phase) -> None:
         first = phase.agreed[0]
         best = min((v for v in first.values() if math.isfinite(v)), default=math.inf)
         if not (math.isfinite(best) and best > 0):
@@ -270,12 +280,14 @@ class Tuner:
         if phase.baseline in phase.dropped:  # the round's best is kept without further evidence
             phase.baseline = min(phase.candidates, key=first.__getitem__)
 
-    def _conclude(self, phase: _Phase) -> None:
+    def _conclude(self, phase: Phase) -> None:
         per_round = [{s: phase.agreed[k][s] for s in phase.candidates} for k in sorted(phase.agreed)]
         decision = decide(per_round, baseline=phase.baseline, margin=self._margin)
         if phase.dropped:
             ruled_out = ", ".join(f"{s} {r:.2f}x the best" for s, r in phase.dropped.items())
             decision.reason += f"; ruled out after the first round: {ruled_out}"
+        if phase.reason:
+            decision.reason = f"{phase.reason}; {decision.reason}"
         for s in set(phase.agreed[0]):
             finite = [r[s] for r in phase.agreed.values() if s in r and math.isfinite(r[s])]
             if finite:
@@ -286,13 +298,3 @@ class Tuner:
         if self._interval > 0:
             self._next_check = self._steps + self._interval
             self._interval *= 2
-
-
-def _all_reduce_sum(values: list[float]) -> list[float]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return values
-    backend = dist.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return tensor.tolist()

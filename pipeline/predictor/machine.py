@@ -1,0 +1,191 @@
+"""What one operation costs on this machine (`MachineCosts`), measured once by micro-benchmarks
+(`pipeline.predictor.calibrate`, in a process of its own) and cached in a file keyed by the machine's
+facts: `~/.cache/torchrec-pipeline/costs-<host>.json` (`$TORCHREC_PIPELINE_CACHE` moves the folder).
+
+The micro-benchmarks run torchrec's own code at one rank (a sharded EmbeddingBagCollection's lookup
+and its backward with the fused optimizer, KeyedJaggedTensor permutes), a stack of linear layers,
+an optimizer step, a gloo all-to-all call, and a two-process all-to-all over loopback TCP (the
+`loopback` link). Each is timed at a few sizes and fitted as a fixed cost plus costs per unit.
+Several ranks of one job may ask at once: a file lock lets one measure and the others read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.predictor.link import Link
+
+__all__ = ["CollectiveCost", "MachineCosts", "cache_path", "machine_costs", "machine_facts"]
+
+_VERSION = 2
+"""Bumped when the micro-benchmarks change: older cache files are measured again."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CollectiveCost:
+    """One collective at its smallest, between two ranks of this machine."""
+
+    host: float
+    """CPU seconds of the thread that calls it (torchrec's and gloo's host work)."""
+    latency: float
+    """Wall seconds beyond `host` (the round trip to the peer)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MachineCosts:
+    """Seconds per operation on one rank of this machine (one intra-op thread unless `facts` say
+    otherwise). A cost `x_call` is paid once per call, `x_table` per table, `x_id` per id, `x_elem`
+    per id and column."""
+
+    lookup_fwd_call: float
+    lookup_fwd_table: float
+    lookup_fwd_id: float
+    lookup_fwd_elem: float
+    """The pooled embedding lookup of one sharded module (its table-batched kernel)."""
+    lookup_bwd_call: float
+    lookup_bwd_table: float
+    lookup_bwd_id: float
+    lookup_bwd_elem: float
+    """Its backward, the fused optimizer's update included."""
+    permute_call: float
+    permute_id: float
+    """A KeyedJaggedTensor permute: grouping a batch's ids by destination rank before the values
+    all-to-all, and putting the received ids back in feature order after it."""
+    input_dist_call: float
+    """torchrec's host work to start one module's input_dist (contexts, awaitables, the splits)."""
+    output_call: float
+    """torchrec's host work around one module's output all-to-all (forward or backward)."""
+    dense_op: float
+    dense_flop: float
+    """Forward and backward of a small dense operation (a linear layer, an activation, a loss),
+    and per floating-point operation: the fallback where the model's dense part cannot be timed
+    itself (`pipeline.predictor.dense`)."""
+    optimizer_tensor: float
+    optimizer_param: float
+    """The dense optimizer's step: per parameter tensor and per parameter."""
+    a2a_call: float
+    """One gloo all-to-all call's host cost, nothing sent."""
+    kjt_check_id: float
+    """The ranks' check of each batch's ids (`RankOptions.check_kjts`), per id."""
+    loopback: Link
+    """Two processes on this machine over loopback TCP (the `loopback` link)."""
+    start: CollectiveCost
+    splits: CollectiveCost
+    values: CollectiveCost
+    """A sharded module's input_dist at two ranks: starting it (issues the splits all-to-all),
+    waiting for the splits (issues the values all-to-all), waiting for the values (the assembly)."""
+    output: CollectiveCost
+    """Its pooled-embedding all-to-all."""
+    allreduce: CollectiveCost
+    """A small all-reduce (one DDP bucket)."""
+    facts: dict[str, Any]
+    """The machine facts it was measured under (`machine_facts()`)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> MachineCosts:
+        loopback = {**raw["loopback"], "curve": tuple(tuple(p) for p in raw["loopback"].get("curve", ()))}
+        pairs = {k: CollectiveCost(**raw[k]) for k in ("start", "splits", "values", "output", "allreduce")}
+        return cls(**{**raw, **pairs, "loopback": Link(**loopback)})
+
+
+def machine_facts() -> dict[str, Any]:
+    """What the costs depend on: host, CPU model, cores, intra-op threads, library versions."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "version": _VERSION,
+        "host": socket.gethostname(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "torchrec": _version("torchrec"),
+        "fbgemm": _version("fbgemm-gpu-cpu") or _version("fbgemm-gpu"),
+    }
+
+
+def cache_path(facts: dict[str, Any] | None = None) -> Path:
+    """Where this machine's costs are kept."""
+    folder = Path(os.environ.get("TORCHREC_PIPELINE_CACHE") or Path.home() / ".cache" / "torchrec-pipeline")
+    host = (facts or machine_facts())["host"]
+    return folder / f"costs-{host}.json"
+
+
+def machine_costs(*, refresh: bool = False, path: Path | None = None, timeout: float = 300.0) -> MachineCosts:
+    """This machine's costs: read from the cache, or measured now (about 10-20 s, in a child
+    process) and cached. A cache written under other facts (another CPU, thread count or library
+    version) is measured again.
+
+    Args:
+        refresh: measure even if the cache holds costs for these facts.
+        path: the cache file (default `cache_path()`).
+        timeout: seconds the measuring process may take.
+
+    Raises:
+        RuntimeError: the measuring process failed; its output is in the message.
+    """
+    facts = machine_facts()
+    path = path or cache_path(facts)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one rank measures, the others wait and read
+        if not refresh and (cached := _read(path, facts)) is not None:
+            return cached
+        costs = _measure(facts, timeout)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(costs.to_json(), indent=1))
+        tmp.replace(path)
+        return costs
+
+
+def _read(path: Path, facts: dict[str, Any]) -> MachineCosts | None:
+    try:
+        costs = MachineCosts.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return costs if costs.facts == facts else None
+
+
+def _measure(facts: dict[str, Any], timeout: float) -> MachineCosts:
+    with tempfile.TemporaryDirectory(prefix="pipeline-costs-") as tmp:
+        out = Path(tmp) / "costs.json"
+        argv = [sys.executable, "-m", "pipeline.predictor.calibrate", str(out), str(facts["threads"])]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+        if done.returncode != 0 or not out.exists():
+            raise RuntimeError(
+                f"measuring this machine's costs failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
+            )
+        raw = json.loads(out.read_text())
+    return MachineCosts.from_json({**raw, "facts": facts})
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
