@@ -166,6 +166,8 @@ def _table(rows: list[tuple[str, str, int, Any]]) -> str:
 
 
 def _plot(rows: list[tuple[str, str, int, Any]], path: str) -> None:
+    """Per config and link: each pipeline's predicted step over Base's against world size, and the
+    winner where it changes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -181,23 +183,25 @@ def _plot(rows: list[tuple[str, str, int, Any]], path: str) -> None:
         series = [(w, p) for c, lk, w, p in rows if c == config and lk == link]
         worlds = [w for w, _ in series]
         for pipeline in _PIPELINES:
-            ax.plot(worlds, [p.best(pipeline).step_ms for _, p in series], marker="o", label=pipeline)
+            ratios = [p.best(pipeline).step_ms / p.best("base").step_ms for _, p in series]
+            ax.plot(worlds, ratios, marker="o", label=pipeline)
+        last = None
         for w, p in series:
-            ax.annotate(
-                p.winner.pipeline,
-                (w, p.winner.step_ms),
-                fontsize=7,
-                xytext=(0, -12),
-                textcoords="offset points",
-                ha="center",
-            )
+            if p.winner.name != last:
+                ratio = p.winner.step_ms / p.best("base").step_ms
+                ax.annotate(
+                    p.winner.name, (w, ratio), fontsize=7, xytext=(0, -14), textcoords="offset points"
+                )
+                last = p.winner.name
+        base_ms = ", ".join(f"{p.best('base').step_ms:.0f}" for _, p in series)
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"{config}, {link}", fontsize=9)
+        ax.set_title(f"{config}, {link}\nBase ms: {base_ms}", fontsize=8)
         ax.set_xlabel("world size")
-        ax.set_ylabel("predicted step ms")
+        ax.set_ylabel("step / Base's step")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("predicted step per pipeline (best schedule); label: the winner", fontsize=10)
+    fig.suptitle(
+        "predicted step per pipeline (its best schedule) over Base's; labels: the winner", fontsize=10
+    )
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -274,3 +274,13 @@ def test_timing_the_dense_part_changes_nothing_of_the_model():
     assert all(p.grad is None for p in model.parameters()), "no gradient written"
     assert torch.equal(rng, torch.get_rng_state()), "the random generator put back (dropout drew from it)"
     assert time_dense(nn.Identity(), batch) is None, "a forward without a loss: no timing, no error"
+
+
+def test_on_a_gpu_the_lookups_come_from_torchrecs_planner_estimator():
+    from pipeline.predictor.planner import gpu_lookup
+
+    small = dataclasses.replace(workload(2), device="cuda")
+    heavy = dataclasses.replace(small, batch_size=small.batch_size * 10)
+    forward, backward, _ = gpu_lookup(small)
+    assert 0 < forward < 1e-3 and backward > forward, "a small table on a GPU: well under a millisecond"
+    assert gpu_lookup(heavy)[0] > forward, "10x the ids: a longer lookup"

@@ -19,6 +19,7 @@ from pipeline.predictor.costs import stage_costs
 from pipeline.predictor.dense import DenseTimes, time_dense
 from pipeline.predictor.link import Link, parse_link, probe_link
 from pipeline.predictor.machine import MachineCosts, machine_costs
+from pipeline.predictor.planner import gpu_lookup
 from pipeline.predictor.programs import PIPELINES, run_pipeline
 from pipeline.predictor.workload import Workload, workload_of
 from pipeline.stages.schedule import SCHEDULES
@@ -70,8 +71,10 @@ class Prediction:
 
     @property
     def winner(self) -> PipelineStep:
-        """The fastest pipeline and schedule."""
-        return min(self.steps, key=lambda s: s.step_ms)
+        """The fastest pipeline and schedule; of those within 0.5 % of it, the first in `steps`
+        (the simpler class: Base, SparseDist, Prefetch, Fused, SemiSync)."""
+        fastest = min(s.step_ms for s in self.steps)
+        return next(s for s in self.steps if s.step_ms <= fastest * 1.005)
 
     def best(self, pipeline: str) -> PipelineStep:
         """`pipeline`'s fastest schedule."""
@@ -178,7 +181,8 @@ def predict_workload(
     if dense is not None and dense_batch_size and dense_batch_size != workload.batch_size:
         scale = workload.batch_size / dense_batch_size
         dense = DenseTimes(forward=dense.forward * scale, backward=dense.backward * scale)
-    costs = stage_costs(workload, machine, link, dense=dense)
+    gpu = gpu_lookup(workload) if workload.device == "cuda" else None
+    costs = stage_costs(workload, machine, link, dense=dense, gpu_lookup=gpu)
     steps = []
     for pipeline in pipelines:
         for schedule in (None,) if pipeline == "base" else tuple(SCHEDULES):
