@@ -5,6 +5,7 @@ timing leaving the model as it was. One process, no process group."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -284,3 +285,29 @@ def test_on_a_gpu_the_lookups_come_from_torchrecs_planner_estimator():
     forward, backward, _ = gpu_lookup(small)
     assert 0 < forward < 1e-3 and backward > forward, "a small table on a GPU: well under a millisecond"
     assert gpu_lookup(heavy)[0] > forward, "10x the ids: a longer lookup"
+
+
+def test_machine_costs_are_cached_per_set_of_facts(tmp_path, monkeypatch):
+    from pipeline.predictor import machine
+    from pipeline.predictor.machine import CollectiveCost, MachineCosts, machine_costs, machine_facts
+
+    zero = CollectiveCost(host=0.0, latency=1e-4)
+    numbers = {f.name: 1e-9 for f in dataclasses.fields(MachineCosts) if f.type == "float"}
+
+    def costs_for(facts: dict) -> MachineCosts:
+        return MachineCosts(**numbers, loopback=LOOPBACK, start=zero, splits=zero, values=zero, output=zero,
+                            allreduce=zero, facts=facts)  # fmt: skip
+
+    measured = []
+    monkeypatch.setattr(
+        machine, "_measure", lambda facts, timeout: measured.append(facts) or costs_for(facts)
+    )
+    path = tmp_path / "costs.json"
+    first = machine_costs(path=path)
+    assert measured == [machine_facts()] and first.facts == machine_facts(), "measured once"
+    assert machine_costs(path=path) == first and len(measured) == 1, "then read from the cache"
+    other = {**machine_facts(), "threads": 99}
+    monkeypatch.setattr(machine, "machine_facts", lambda: other)
+    machine_costs(path=path)
+    assert len(measured) == 2, "other facts (another thread count): measured again"
+    assert len(json.loads(path.read_text())) == 2, "and kept beside the first"

@@ -30,9 +30,10 @@ from torch import nn
 
 from pipeline.predictor.link import link_from_curve, time_alltoalls
 
-__all__ = ["main"]
+__all__ = ["main", "tiny_step_seconds"]
 
 _RUNS = 15
+_MANY = 26
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[Any, tuple[float, float]]:
@@ -41,8 +42,9 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, tuple[float, float]]:
     return out, (time.perf_counter() - wall, time.thread_time() - thread)
 
 
-def _collectives(agree: Callable[[list[float]], list[float]]) -> dict[str, dict[str, float]]:
-    """Per collective of a step: host seconds (the calling thread's CPU) and latency (wall beyond)."""
+def _collectives(agree: Callable[[list[float]], list[float]], tables: int) -> dict[str, dict[str, float]]:
+    """Per collective of a step on a module of `tables` tables (one feature each, half on each
+    rank): host seconds (the calling thread's CPU) and latency (wall beyond)."""
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -51,13 +53,13 @@ def _collectives(agree: Callable[[list[float]], list[float]]) -> dict[str, dict[
 
     configs = [
         EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=100, feature_names=[f"f{i}"])
-        for i in range(2)
+        for i in range(tables)
     ]
     ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
     sharder = EmbeddingBagCollectionSharder()
     plan = construct_module_sharding_plan(
         ebc,
-        per_param_sharding={"t0": table_wise(rank=0), "t1": table_wise(rank=1)},
+        per_param_sharding={c.name: table_wise(rank=i % 2) for i, c in enumerate(configs)},
         sharder=sharder,
         world_size=2,
         device_type="cpu",
@@ -70,7 +72,9 @@ def _collectives(agree: Callable[[list[float]], list[float]]) -> dict[str, dict[
     )
     sharded = dmp._dmp_wrapped_module["ebc"]
     kjt = KeyedJaggedTensor.from_lengths_sync(
-        keys=["f0", "f1"], values=torch.arange(16) % 100, lengths=torch.ones(16, dtype=torch.int32)
+        keys=[c.feature_names[0] for c in configs],
+        values=torch.arange(8 * tables) % 100,
+        lengths=torch.ones(8 * tables, dtype=torch.int32),
     )
     grads = torch.zeros(256)
     samples: dict[str, list[tuple[float, float]]] = {}
@@ -93,9 +97,69 @@ def _collectives(agree: Callable[[list[float]], list[float]]) -> dict[str, dict[
         samples.setdefault("allreduce", []).append(t)
     out = {}
     for name, runs in samples.items():
-        wall, host = agree([statistics.median(r[k] for r in runs[1:]) for k in range(2)])
+        fastest = min(runs[1:])  # the fastest round trip: what the collective costs, not the noise
+        wall, host = agree(list(fastest))
         out[name] = {"host": host, "latency": max(wall - host, 0.0)}
     return out
+
+
+class _Tiny(nn.Module):
+    """The smallest sharded training step: two tables of 4 columns and one linear layer."""
+
+    def __init__(self) -> None:
+        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+        super().__init__()
+        configs = [
+            EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=100, feature_names=[f"f{i}"])
+            for i in range(2)
+        ]
+        self.ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+        self.dense = nn.Linear(4, 8)
+
+    def forward(self, batch: tuple[Any, torch.Tensor]) -> torch.Tensor:
+        kjt, dense = batch
+        return torch.cat([self.ebc(kjt).values(), self.dense(dense)], dim=1).square().mean()
+
+
+def tiny_step_seconds(world_size: int, steps: int = 30) -> float:
+    """Median seconds of the plain loop's step on `_Tiny` sharded over the default process group
+    (one table per rank): what a training step costs at its smallest, collectives included."""
+    from torchrec import KeyedJaggedTensor
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    torch.manual_seed(0)
+    model = _Tiny()
+    apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), {"lr": 0.01})
+    sharder = EmbeddingBagCollectionSharder()
+    per_table = {"t0": table_wise(rank=0), "t1": table_wise(rank=1 % world_size)}
+    plan = construct_module_sharding_plan(
+        model.ebc, per_param_sharding=per_table, sharder=sharder, world_size=world_size, device_type="cpu"
+    )
+    dmp = DistributedModelParallel(
+        model, device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}), sharders=[sharder]
+    )
+    optimizer = torch.optim.SGD(dmp._dmp_wrapped_module.module.dense.parameters(), lr=0.01)
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["f0", "f1"], values=torch.arange(16) % 100, lengths=torch.ones(16, dtype=torch.int32)
+    )
+    batch = (kjt, torch.rand(8, 4))
+
+    def step() -> None:
+        optimizer.zero_grad()
+        dmp(batch).backward()
+        optimizer.step()
+
+    times = []
+    for _ in range(steps + 3):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[3:])
 
 
 def main(argv: list[str]) -> int:
@@ -112,7 +176,16 @@ def main(argv: list[str]) -> int:
             dist.all_reduce(summed)
             return [v / 2 for v in summed.tolist()]
 
-        collectives = _collectives(agree)
+        few, many = _collectives(agree, 2), _collectives(agree, _MANY)
+        collectives = {
+            name: {
+                "host": few[name]["host"],
+                "latency": few[name]["latency"],
+                "host_feature": max(many[name]["host"] - few[name]["host"], 0.0) / (_MANY - 2),
+            }
+            for name in few
+        }
+        step = agree([tiny_step_seconds(2)])[0]
         send = torch.zeros(2)
         call = _timed(lambda: dist.all_to_all_single(torch.empty_like(send), send))[1][1]
         cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -130,7 +203,12 @@ def main(argv: list[str]) -> int:
             "loopback", sizes, [t - call for t in seconds], 1, min(cpu, wall) / max(sent, 1)
         )
         if rank == 0:
-            out.write_text(json.dumps({"loopback": dataclasses.asdict(link), "collectives": collectives}))
+            result = {
+                "loopback": dataclasses.asdict(link),
+                "collectives": collectives,
+                "tiny_step_two_ranks": step,
+            }
+            out.write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
     return 0

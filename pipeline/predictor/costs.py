@@ -35,7 +35,7 @@ from pipeline.predictor.link import Link
 from pipeline.predictor.machine import CollectiveCost, MachineCosts
 from pipeline.predictor.workload import Workload
 
-__all__ = ["Collective", "RankLoad", "StageCosts", "rank_loads", "stage_costs"]
+__all__ = ["Collective", "RankLoad", "StageCosts", "rank_loads", "stage_costs", "step_overhead"]
 
 _FLOAT = 4
 _FIRST_BUCKET, _BUCKET = 1 << 20, 25 << 20  # DDP's gradient buckets
@@ -116,6 +116,9 @@ class StageCosts:
     dense_bwd: float
     allreduce: Collective
     optimizer: float
+    overhead: float
+    """Host, per step: what a step at several ranks costs beyond its collectives one by one
+    (`step_overhead`)."""
     cpu_share: float
     """Fraction of a core a transfer at full rate keeps busy (`Link.cpu_share`)."""
     batch_bytes: float
@@ -239,11 +242,25 @@ def stage_costs(
         dense_bwd=dense.backward,
         allreduce=_allreduce(w, m, link),
         optimizer=m.optimizer_tensor * w.dense_tensors + m.optimizer_param * w.dense_params,
+        overhead=step_overhead(m) if peers else 0.0,
         cpu_share=link.cpu_share(),
         batch_bytes=float(w.batch_bytes),
         values_bytes=max(x.values_in for x in loads),
         pooled_bytes=w.batch_size * sum(t.dim for t in w.tables for _ in t.features) * _FLOAT,
     )
+
+
+def step_overhead(m: MachineCosts) -> float:
+    """What the smallest sharded step costs at two ranks beyond its one-rank step and the two-rank
+    collectives measured one by one (DDP's hooks, the ranks' lockstep): the tiny model's step at two
+    ranks, less its step at one rank without that rank's input_dist and output bookkeeping, less the
+    two-rank input_dist, the pooled all-to-all forward and backward and the all-reduce."""
+    at_two = (
+        m.start.host + m.start.latency + m.splits.host + m.splits.latency + m.values.host + m.values.latency
+    )
+    at_two += 2 * (m.output.host + m.output.latency) + m.allreduce.host + m.allreduce.latency
+    at_one = m.input_dist_call + 2 * m.output_call
+    return max(m.tiny_step_two_ranks - (m.tiny_step_one_rank - at_one) - at_two, 0.0)
 
 
 def _dense_fallback(w: Workload, m: MachineCosts) -> DenseTimes:

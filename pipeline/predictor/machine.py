@@ -1,6 +1,7 @@
 """What one operation costs on this machine (`MachineCosts`), measured once by micro-benchmarks
-(`pipeline.predictor.calibrate`, in a process of its own) and cached in a file keyed by the machine's
-facts: `~/.cache/torchrec-pipeline/costs-<host>.json` (`$TORCHREC_PIPELINE_CACHE` moves the folder).
+(`pipeline.predictor.calibrate`, in a process of its own) and cached in a file, one entry per set of
+machine facts: `~/.cache/torchrec-pipeline/costs-<host>.json` (`$TORCHREC_PIPELINE_CACHE` moves the
+folder).
 
 The micro-benchmarks run torchrec's own code at one rank (a sharded EmbeddingBagCollection's lookup
 and its backward with the fused optimizer, KeyedJaggedTensor permutes), a stack of linear layers,
@@ -30,7 +31,7 @@ from pipeline.predictor.link import Link
 
 __all__ = ["CollectiveCost", "MachineCosts", "cache_path", "machine_costs", "machine_facts"]
 
-_VERSION = 2
+_VERSION = 4
 """Bumped when the micro-benchmarks change: older cache files are measured again."""
 
 
@@ -39,9 +40,12 @@ class CollectiveCost:
     """One collective at its smallest, between two ranks of this machine."""
 
     host: float
-    """CPU seconds of the thread that calls it (torchrec's and gloo's host work)."""
+    """CPU seconds of the thread that calls it (torchrec's and gloo's host work), for a module of
+    two features."""
     latency: float
     """Wall seconds beyond `host` (the round trip to the peer)."""
+    host_feature: float = 0.0
+    """`host` per feature beyond two (torchrec's work per feature: splits, permute indices)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,6 +95,11 @@ class MachineCosts:
     """Its pooled-embedding all-to-all."""
     allreduce: CollectiveCost
     """A small all-reduce (one DDP bucket)."""
+    tiny_step_one_rank: float
+    tiny_step_two_ranks: float
+    """The plain loop's step on the smallest sharded model (two tables, one linear layer) at one
+    and at two ranks: what two ranks cost beyond the collectives measured one by one
+    (`pipeline.predictor.costs.step_overhead`)."""
     facts: dict[str, Any]
     """The machine facts it was measured under (`machine_facts()`)."""
 
@@ -135,8 +144,8 @@ def cache_path(facts: dict[str, Any] | None = None) -> Path:
 
 def machine_costs(*, refresh: bool = False, path: Path | None = None, timeout: float = 300.0) -> MachineCosts:
     """This machine's costs: read from the cache, or measured now (about 10-20 s, in a child
-    process) and cached. A cache written under other facts (another CPU, thread count or library
-    version) is measured again.
+    process) and added to it. The cache keeps one entry per set of facts (a thread count, a library
+    version), so each is measured once.
 
     Args:
         refresh: measure even if the cache holds costs for these facts.
@@ -151,21 +160,24 @@ def machine_costs(*, refresh: bool = False, path: Path | None = None, timeout: f
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one rank measures, the others wait and read
-        if not refresh and (cached := _read(path, facts)) is not None:
+        entries = _read(path)
+        cached = next((e for e in entries if e.facts == facts), None)
+        if cached is not None and not refresh:
             return cached
         costs = _measure(facts, timeout)
+        kept = [e.to_json() for e in entries if e.facts != facts] + [costs.to_json()]
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(costs.to_json(), indent=1))
+        tmp.write_text(json.dumps(kept, indent=1))
         tmp.replace(path)
         return costs
 
 
-def _read(path: Path, facts: dict[str, Any]) -> MachineCosts | None:
+def _read(path: Path) -> list[MachineCosts]:
+    """The cache's entries; none if it is missing or unreadable (it is then measured again)."""
     try:
-        costs = MachineCosts.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
-    return costs if costs.facts == facts else None
+        return [MachineCosts.from_json(raw) for raw in json.loads(path.read_text())]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return []
 
 
 def _measure(facts: dict[str, Any], timeout: float) -> MachineCosts:

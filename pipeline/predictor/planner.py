@@ -37,7 +37,9 @@ def gpu_lookup(w: Workload) -> tuple[float, float, float]:
     """
     topology = Topology(world_size=w.world_size, compute_device="cuda", local_world_size=min(w.world_size, 8))
     configs = [
-        EmbeddingBagConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.rows, feature_names=list(t.features))
+        EmbeddingBagConfig(
+            name=t.name, embedding_dim=t.dim, num_embeddings=t.rows, feature_names=list(t.features)
+        )
         for t in w.tables
     ]
     constraints = {
@@ -60,7 +62,9 @@ def gpu_lookup(w: Workload) -> tuple[float, float, float]:
     for table in w.tables:
         option = options.get(table.name)
         if option is None:
-            raise ValueError(f"torchrec's estimator rates no {table.sharding}/{table.kernel} shard of {table.name}")
+            raise ValueError(
+                f"torchrec's estimator rates no {table.sharding}/{table.kernel} shard of {table.name}"
+            )
         for shard, rank in zip(option.shards, _ranks(table, len(option.shards)), strict=True):
             per_rank[rank][0] += shard.perf.fwd_compute
             per_rank[rank][1] += shard.perf.bwd_compute

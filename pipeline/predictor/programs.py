@@ -83,6 +83,9 @@ class _Builder:
     def forward(self, i: int) -> None:
         self.host("dense fwd", i, self.c.dense_fwd, ("output a2a", i))
 
+    def overhead(self, i: int) -> None:
+        self.host("step overhead", i, self.c.overhead)
+
     def backward_and_step(self, i: int) -> None:
         issued = self.host("dense bwd", i, self.c.dense_bwd + self.c.output_bwd.host)
         self.collective("output a2a bwd", i, self.c.output_bwd, "world", issued)
@@ -104,6 +107,7 @@ def program(pipeline: str, schedule: str, costs: StageCosts, steps: int = _STEPS
         b.group = "world"
         b.copy(0)
         for i in range(steps):
+            b.overhead(i)
             b.copy(i + 1)  # overlaps compute of i (on CUDA; on CPU it is inline)
             b.start(i)
             b.wait_splits(i)
@@ -120,6 +124,7 @@ def program(pipeline: str, schedule: str, costs: StageCosts, steps: int = _STEPS
     if pipeline in ("fused", "semi-sync"):
         b.lookup(0)
     for i in range(steps):
+        b.overhead(i)
         nxt = i + ahead
         if pipeline == "fused" and i > 0:
             b.lookup(i)  # first in the step, before the next batch's input_dist
