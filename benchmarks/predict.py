@@ -26,7 +26,7 @@ _PIPELINES = ("base", "sparse-dist", "prefetch", "fused", "semi-sync")
 class Predictor:
     """Predictions for benchmark configs, from models built at one rank in this process."""
 
-    def __init__(self, *, cores_per_rank: float | None) -> None:
+    def __init__(self, *, cores_per_rank: float | None, refresh: bool = False) -> None:
         import torch
         import torch.distributed as dist
 
@@ -36,7 +36,13 @@ class Predictor:
         if not dist.is_initialized():
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        self.machine = machine_costs()
+        self.machine = machine_costs(refresh=refresh)
+        if self.machine.load > 0.5:
+            print(
+                f"predict: warning: this machine's costs were measured under a load of "
+                f"{self.machine.load:.1f} per core; --refresh-costs on a quiet machine measures them again",
+                file=sys.stderr,
+            )
         self._cores = cores_per_rank
         self._built: dict[str, Any] = {}
 
@@ -105,6 +111,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cores-per-rank", type=float, help="cores a rank's threads share (default: 2 ranks a host)"
     )
+    p.add_argument("--refresh-costs", action="store_true", help="measure this machine's costs again (~15 s)")
     p.add_argument("--plot", default="out/predict/predict.png", help="where to write the plot ('' for none)")
     p.add_argument(
         "--validate", action="store_true", help="measure sweep points and compare (runs benchmarks)"
@@ -128,7 +135,7 @@ def _run(args: argparse.Namespace) -> int:
     from benchmarks.points import POINTS, get_point
 
     try:
-        predictor = Predictor(cores_per_rank=args.cores_per_rank)
+        predictor = Predictor(cores_per_rank=args.cores_per_rank, refresh=args.refresh_costs)
         if args.validate:
             points = [get_point(n) for n in args.points] if args.points else list(POINTS)
             return _validate(predictor, points, args)

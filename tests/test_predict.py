@@ -295,8 +295,8 @@ def test_machine_costs_are_cached_per_set_of_facts(tmp_path, monkeypatch):
     numbers = {f.name: 1e-9 for f in dataclasses.fields(MachineCosts) if f.type == "float"}
 
     def costs_for(facts: dict) -> MachineCosts:
-        return MachineCosts(**numbers, loopback=LOOPBACK, start=zero, splits=zero, values=zero, output=zero,
-                            allreduce=zero, facts=facts)  # fmt: skip
+        pairs = dict.fromkeys(("start", "splits", "values", "output", "allreduce"), zero)
+        return MachineCosts(**numbers, **pairs, loopback=LOOPBACK, facts=facts)
 
     measured = []
     monkeypatch.setattr(

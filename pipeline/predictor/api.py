@@ -178,6 +178,12 @@ def predict_workload(
     unknown = set(pipelines) - set(PIPELINES)
     if unknown:
         raise ValueError(f"unknown pipelines {sorted(unknown)}; choose from {', '.join(PIPELINES)}")
+    if machine.load > 0.5:
+        notes = [
+            *notes,
+            f"this machine's costs were measured under a load of {machine.load:.1f} per core: "
+            "measure them again on a quiet machine (machine_costs(refresh=True))",
+        ]
     if dense is not None and dense_batch_size and dense_batch_size != workload.batch_size:
         scale = workload.batch_size / dense_batch_size
         dense = DenseTimes(forward=dense.forward * scale, backward=dense.backward * scale)

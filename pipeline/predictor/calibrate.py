@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.predictor.calibrate_pair import tiny_step_seconds
+from pipeline.predictor.calibrate_pair import tiny_model, tiny_step_seconds
+from pipeline.predictor.dense import time_dense
 
 __all__ = ["main"]
 
@@ -219,6 +220,9 @@ def main(argv: list[str]) -> int:
     try:
         costs = {**_lookups(), **_permutes(), **_dense(), **_checks_and_calls()}
         costs["tiny_step_one_rank"] = tiny_step_seconds(1)
+        model, _, batch = tiny_model(1)
+        dense = time_dense(model, batch)
+        costs["tiny_dense"] = dense.forward + dense.backward if dense is not None else 0.0
     finally:
         dist.destroy_process_group()
     pair = _pair()

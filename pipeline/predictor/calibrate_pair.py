@@ -30,7 +30,7 @@ from torch import nn
 
 from pipeline.predictor.link import link_from_curve, time_alltoalls
 
-__all__ = ["main", "tiny_step_seconds"]
+__all__ = ["main", "tiny_model", "tiny_step_seconds"]
 
 _RUNS = 15
 _MANY = 26
@@ -122,9 +122,9 @@ class _Tiny(nn.Module):
         return torch.cat([self.ebc(kjt).values(), self.dense(dense)], dim=1).square().mean()
 
 
-def tiny_step_seconds(world_size: int, steps: int = 30) -> float:
-    """Median seconds of the plain loop's step on `_Tiny` sharded over the default process group
-    (one table per rank): what a training step costs at its smallest, collectives included."""
+def tiny_model(world_size: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """`_Tiny` sharded over the default process group (one table per rank), its dense optimizer and
+    a batch."""
     from torchrec import KeyedJaggedTensor
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -147,7 +147,13 @@ def tiny_step_seconds(world_size: int, steps: int = 30) -> float:
     kjt = KeyedJaggedTensor.from_lengths_sync(
         keys=["f0", "f1"], values=torch.arange(16) % 100, lengths=torch.ones(16, dtype=torch.int32)
     )
-    batch = (kjt, torch.rand(8, 4))
+    return dmp, optimizer, (kjt, torch.rand(8, 4))
+
+
+def tiny_step_seconds(world_size: int, steps: int = 30) -> float:
+    """Median seconds of the plain loop's step on `tiny_model`: what a training step costs at its
+    smallest, collectives included."""
+    dmp, optimizer, batch = tiny_model(world_size)
 
     def step() -> None:
         optimizer.zero_grad()

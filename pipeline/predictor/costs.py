@@ -117,8 +117,7 @@ class StageCosts:
     allreduce: Collective
     optimizer: float
     overhead: float
-    """Host, per step: what a step at several ranks costs beyond its collectives one by one
-    (`step_overhead`)."""
+    """Host, per step: what a step costs beyond its stages measured one by one (`step_overhead`)."""
     cpu_share: float
     """Fraction of a core a transfer at full rate keeps busy (`Link.cpu_share`)."""
     batch_bytes: float
@@ -242,7 +241,7 @@ def stage_costs(
         dense_bwd=dense.backward,
         allreduce=_allreduce(w, m, link),
         optimizer=m.optimizer_tensor * w.dense_tensors + m.optimizer_param * w.dense_params,
-        overhead=step_overhead(m) if peers else 0.0,
+        overhead=step_overhead(m, w.world_size),
         cpu_share=link.cpu_share(),
         batch_bytes=float(w.batch_bytes),
         values_bytes=max(x.values_in for x in loads),
@@ -250,17 +249,22 @@ def stage_costs(
     )
 
 
-def step_overhead(m: MachineCosts) -> float:
-    """What the smallest sharded step costs at two ranks beyond its one-rank step and the two-rank
-    collectives measured one by one (DDP's hooks, the ranks' lockstep): the tiny model's step at two
-    ranks, less its step at one rank without that rank's input_dist and output bookkeeping, less the
-    two-rank input_dist, the pooled all-to-all forward and backward and the all-reduce."""
-    at_two = (
-        m.start.host + m.start.latency + m.splits.host + m.splits.latency + m.values.host + m.values.latency
-    )
-    at_two += 2 * (m.output.host + m.output.latency) + m.allreduce.host + m.allreduce.latency
-    at_one = m.input_dist_call + 2 * m.output_call
-    return max(m.tiny_step_two_ranks - (m.tiny_step_one_rank - at_one) - at_two, 0.0)
+def step_overhead(m: MachineCosts, world_size: int) -> float:
+    """What a training step costs beyond its stages measured one by one (DistributedModelParallel's
+    and DDP's wrappers and hooks, autograd's setup; at several ranks the ranks' lockstep): the
+    smallest sharded model's step (two tables of 4 columns, 8 samples, one linear layer), less its
+    dense part, lookups and optimizer, and less its input_dist and pooled all-to-alls (at one rank
+    their host work, at two the collectives as measured one by one)."""
+    ids, elems = 16.0, 64.0
+    compute = m.tiny_dense + m.optimizer_tensor * 2 + m.optimizer_param * 40
+    compute += m.lookup_fwd_call + 2 * m.lookup_fwd_table + m.lookup_fwd_id * ids + m.lookup_fwd_elem * elems
+    compute += m.lookup_bwd_call + 2 * m.lookup_bwd_table + m.lookup_bwd_id * ids + m.lookup_bwd_elem * elems
+    if world_size == 1:
+        stages = m.input_dist_call + 3 * m.permute_call + 2 * m.output_call
+        return max(m.tiny_step_one_rank - compute - stages, 0.0)
+    stages = sum(c.host + c.latency for c in (m.start, m.splits, m.values, m.allreduce))
+    stages += 2 * (m.output.host + m.output.latency)
+    return max(m.tiny_step_two_ranks - compute - stages, 0.0)
 
 
 def _dense_fallback(w: Workload, m: MachineCosts) -> DenseTimes:

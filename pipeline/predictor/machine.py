@@ -31,7 +31,7 @@ from pipeline.predictor.link import Link
 
 __all__ = ["CollectiveCost", "MachineCosts", "cache_path", "machine_costs", "machine_facts"]
 
-_VERSION = 4
+_VERSION = 5
 """Bumped when the micro-benchmarks change: older cache files are measured again."""
 
 
@@ -97,11 +97,16 @@ class MachineCosts:
     """A small all-reduce (one DDP bucket)."""
     tiny_step_one_rank: float
     tiny_step_two_ranks: float
+    tiny_dense: float
     """The plain loop's step on the smallest sharded model (two tables, one linear layer) at one
-    and at two ranks: what two ranks cost beyond the collectives measured one by one
-    (`pipeline.predictor.costs.step_overhead`)."""
+    and at two ranks, and its dense forward and backward: what a step costs beyond its stages
+    measured one by one (`pipeline.predictor.costs.step_overhead`)."""
     facts: dict[str, Any]
     """The machine facts it was measured under (`machine_facts()`)."""
+    load: float = 0.0
+    """Runnable processes per core (the 1-minute load average over the cores) when it was measured:
+    above about 0.5 other work inflated the figures (`machine_costs(refresh=True)` on a quiet
+    machine measures again)."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -181,6 +186,7 @@ def _read(path: Path) -> list[MachineCosts]:
 
 
 def _measure(facts: dict[str, Any], timeout: float) -> MachineCosts:
+    load = _load()
     with tempfile.TemporaryDirectory(prefix="pipeline-costs-") as tmp:
         out = Path(tmp) / "costs.json"
         argv = [sys.executable, "-m", "pipeline.predictor.calibrate", str(out), str(facts["threads"])]
@@ -191,7 +197,14 @@ def _measure(facts: dict[str, Any], timeout: float) -> MachineCosts:
                 f"measuring this machine's costs failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
             )
         raw = json.loads(out.read_text())
-    return MachineCosts.from_json({**raw, "facts": facts})
+    return MachineCosts.from_json({**raw, "facts": facts, "load": max(load, _load())})
+
+
+def _load() -> float:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0]) / (os.cpu_count() or 1)
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _version(package: str) -> str | None:
