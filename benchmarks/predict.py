@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["Predictor", "main", "register"]
+__all__ = ["Predictor", "main", "register", "table"]
 
 _PIPELINES = ("base", "sparse-dist", "prefetch", "fused", "semi-sync")
 
@@ -143,7 +143,7 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"predict: {e}", file=sys.stderr)
         return 2
-    print(_table(rows))
+    print(table(rows))
     if args.plot:
         _plot(rows, args.plot)
         print(f"\nwrote {args.plot}")
@@ -162,7 +162,8 @@ def _predictions(predictor: Predictor, args: argparse.Namespace) -> list[tuple[s
     return rows
 
 
-def _table(rows: list[tuple[str, str, int, Any]]) -> str:
+def table(rows: list[tuple[str, str, int, Any]]) -> str:
+    """Rows of (config, link, world size, `Prediction`): each pipeline's best step, the winner."""
     head = f"{'config':<20} {'link':<10} {'ranks':>6} " + " ".join(f"{p:>12}" for p in _PIPELINES)
     lines = [head + "  winner (critical stage)", "-" * (len(head) + 26)]
     for config, link, world, prediction in rows:

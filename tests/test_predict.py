@@ -311,3 +311,41 @@ def test_machine_costs_are_cached_per_set_of_facts(tmp_path, monkeypatch):
     machine_costs(path=path)
     assert len(measured) == 2, "other facts (another thread count): measured again"
     assert len(json.loads(path.read_text())) == 2, "and kept beside the first"
+
+
+def test_the_cli_registers_as_a_command_and_prints_one_row_per_config_link_and_world_size():
+    import argparse
+
+    from benchmarks import predict as cli
+    from pipeline.predictor.api import predict_workload
+    from pipeline.predictor.machine import CollectiveCost, MachineCosts
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks")
+    cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["predict", "--config", "demo", "--world-size", "2", "64", "--link", "1gbit"])
+    assert args.command == "predict" and args.world_size == [2, 64] and callable(args.run)
+    zero = CollectiveCost(host=0.0, latency=1e-4)
+    numbers = {f.name: 1e-9 for f in dataclasses.fields(MachineCosts) if f.type == "float"}
+    pairs = dict.fromkeys(("start", "splits", "values", "output", "allreduce"), zero)
+    machine = MachineCosts(**numbers, **pairs, loopback=LOOPBACK, facts={})
+    rows = [
+        ("demo", "1gbit", w, predict_workload(workload(2).at_world_size(w), machine, "1gbit"))
+        for w in (2, 64)
+    ]
+    lines = cli.table(rows).splitlines()
+    assert len(lines) == 3 + 2 and all("demo" in line for line in lines[3:]), "a row per world size"
+
+
+def test_the_prefetch_stage_hides_the_cache_fill_that_the_others_pay_in_their_lookup():
+    c = costs(**COMPUTE, prefetch=0.020)
+    assert run_pipeline("sparse-dist", "late", c, cores=2).step == pytest.approx(0.030, rel=1e-6), (
+        "SparseDist fills the cache inside its lookup: 10 ms of compute and 20 ms of fill"
+    )
+    # submitted after forward of i (prefetch_ahead), the fill of i+1 overlaps backward of i; the
+    # next forward waits for it: 5 ms of forward + 20 ms of fill
+    prefetch = run_pipeline("prefetch", "late", c, cores=2)
+    assert prefetch.step == pytest.approx(0.025, rel=1e-6), "Prefetch fills it beside backward"
+    assert prefetch.critical == "prefetch", "and forward waits for the fill"
+    assert run_pipeline("prefetch", "late", c, cores=1).step == pytest.approx(0.030, rel=1e-6), (
+        "one core: the worker and compute take turns, nothing is hidden"
+    )

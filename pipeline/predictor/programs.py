@@ -46,8 +46,10 @@ class Outcome:
 
 
 class _Builder:
-    def __init__(self, costs: StageCosts, group: str) -> None:
+    def __init__(self, costs: StageCosts, group: str, *, prefetch_stage: bool = False) -> None:
         self.c, self.group, self.tasks = costs, group, []
+        self.prefetch_stage = prefetch_stage
+        """The Prefetch class: the cache fill is a stage of its own (else part of the lookup)."""
 
     def host(self, name: str, batch: int, seconds: float, *after: Key, stage: str = "") -> Key:
         self.tasks.append(Task((name, batch), "host", seconds, after=after, stage=stage))
@@ -74,11 +76,25 @@ class _Builder:
         issued = self.host("input_dist::splits", j, self.c.splits_host, ("splits a2a", j))
         self.collective("values a2a", j, self.c.values, self.group, issued)
 
-    def lookup(self, j: int, *, stage: str = "input_dist::wait") -> Key:
-        """Assembly and lookup of batch j; issues its output all-to-all (not waited for)."""
-        self.host(stage, j, self.c.wait, ("values a2a", j))
-        issued = self.host("lookup fwd", j, self.c.lookup_fwd + self.c.output_fwd.host)
+    def lookup(self, j: int) -> Key:
+        """Assembly and lookup of batch j (its cache fill too, unless a prefetch stage did it);
+        issues its output all-to-all (not waited for)."""
+        if self.prefetch_stage:
+            self.host("input_dist::wait", j, 0.0, ("prefetch", j), stage="prefetch")
+            issued = self.host("lookup fwd", j, self.c.lookup_fwd + self.c.output_fwd.host)
+        else:
+            self.host("input_dist::wait", j, self.c.wait, ("values a2a", j))
+            issued = self.host("lookup fwd", j, self.c.lookup_fwd + self.c.prefetch + self.c.output_fwd.host)
         return self.collective("output a2a", j, self.c.output_fwd, "world", issued)
+
+    def prefetch(self, j: int, *after: Key) -> None:
+        """The prefetch stage of batch j on its own stream or worker: the assembly, then the cache
+        fill, once its values arrived (and after `after`: where the class submits it)."""
+        self.tasks.append(
+            Task(
+                ("prefetch", j), "prefetch", self.c.wait + self.c.prefetch, after=(("values a2a", j), *after)
+            )
+        )
 
     def forward(self, i: int) -> None:
         self.host("dense fwd", i, self.c.dense_fwd, ("output a2a", i))
@@ -101,7 +117,9 @@ def program(pipeline: str, schedule: str, costs: StageCosts, steps: int = _STEPS
     if pipeline not in PIPELINES:
         raise ValueError(f"unknown pipeline {pipeline!r}; choose from {', '.join(PIPELINES)}")
     s = SCHEDULES[schedule]
-    b = _Builder(costs, "own" if s.own_group else "world")
+    # a prefetch stage with no cache to fill runs inline, where forward would wait (prefetch.py)
+    worker = pipeline == "prefetch" and costs.prefetch > 0
+    b = _Builder(costs, "own" if s.own_group else "world", prefetch_stage=worker)
     early = s.early_splits
     if pipeline == "base":
         b.group = "world"
@@ -123,6 +141,8 @@ def program(pipeline: str, schedule: str, costs: StageCosts, steps: int = _STEPS
             b.wait_splits(j)
     if pipeline in ("fused", "semi-sync"):
         b.lookup(0)
+    if worker:
+        b.prefetch(0)
     for i in range(steps):
         b.overhead(i)
         nxt = i + ahead
@@ -132,13 +152,17 @@ def program(pipeline: str, schedule: str, costs: StageCosts, steps: int = _STEPS
         b.start(nxt)
         if early:
             b.wait_splits(nxt)
+            if worker:
+                b.prefetch(nxt, ("input_dist::splits", nxt))  # on the worker from here on
         if pipeline in ("sparse-dist", "prefetch"):
-            b.lookup(i, stage="prefetch" if pipeline == "prefetch" else "input_dist::wait")
+            b.lookup(i)
         b.forward(i)
         if pipeline == "semi-sync":
             b.lookup(i + 1)  # before backward of i: embeddings one step stale
         if not early:
             b.wait_splits(nxt)
+            if worker:
+                b.prefetch(nxt, ("dense fwd", i))  # prefetch_ahead: beside backward of i
         b.backward_and_step(i)
     return b.tasks
 
