@@ -12,6 +12,7 @@ the same tables on `w` ranks (the rule is in its docstring).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -256,16 +257,14 @@ def _dense_structure(inner: nn.Module, sharded: dict[str, nn.Module]) -> tuple[l
             2 * len(leaves),
             f"fx trace failed ({type(e).__name__}); dense operations counted by module",
         )
-    ops = sum(
-        1
-        for n in graph.nodes
-        if n.op in ("call_function", "call_method", "call_module") and not _sharded_call(n, sharded)
-    )
-    return layers, ops, ""
+    return layers, sum(1 for n in graph.nodes if _dense_op(n, sharded)), ""
 
 
-def _sharded_call(node: fx.Node, sharded: dict[str, nn.Module]) -> bool:
-    return node.op == "call_module" and node.target in sharded
+def _dense_op(node: fx.Node, sharded: dict[str, nn.Module]) -> bool:
+    """An operation on tensors outside the sharded modules (not an attribute or item access)."""
+    if node.op == "call_module":
+        return node.target not in sharded
+    return node.op in ("call_function", "call_method") and node.target not in (getattr, operator.getitem)
 
 
 def _nbytes(value: Any, seen: set[int] | None = None) -> int:
