@@ -207,19 +207,24 @@ def report(checks: list[Check], *, noise: float) -> list[str]:
 
 
 def _winner_line(group: list[Check], noise: float) -> str:
-    predicted = min(group, key=lambda c: c.predicted_ms)
+    """Right if the measured fastest is among those predicted within `noise` of the predicted
+    fastest; else how much slower the best of those measured, WRONG beyond `noise`."""
+    fastest = min(c.predicted_ms for c in group)
+    predicted = [c for c in group if c.predicted_ms <= fastest * (1 + noise)]
     measured = min(group, key=lambda c: c.measured_ms)
-    gap = predicted.measured_ms / measured.measured_ms - 1
-    if predicted is measured:
+    best_of_predicted = min(predicted, key=lambda c: c.measured_ms)
+    gap = best_of_predicted.measured_ms / measured.measured_ms - 1
+    if measured in predicted:
         verdict = "right"
     elif gap <= noise:
         verdict = f"within noise ({gap:.1%} <= {noise:.0%})"
     else:
         verdict = f"WRONG ({gap:.1%} slower than the measured best)"
-    return (
-        f"winner {group[0].point} at {group[0].world_size}: predicted {predicted.variant}, "
-        f"measured {measured.variant}: {verdict}"
+    named = ", ".join(c.variant for c in predicted[:3]) + (
+        f" and {len(predicted) - 3} more" if len(predicted) > 3 else ""
     )
+    where = f"{group[0].point} at {group[0].world_size}"
+    return f"winner {where}: predicted {named}; measured {measured.variant}: {verdict}"
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--probe"]:

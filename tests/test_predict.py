@@ -349,3 +349,17 @@ def test_the_prefetch_stage_hides_the_cache_fill_that_the_others_pay_in_their_lo
     assert run_pipeline("prefetch", "late", c, cores=1).step == pytest.approx(0.030, rel=1e-6), (
         "one core: the worker and compute take turns, nothing is hidden"
     )
+
+
+def test_the_validation_judges_the_winner_among_those_predicted_within_noise():
+    from benchmarks.predict_validate import Check, report
+
+    def check(variant: str, predicted: float, measured: float) -> Check:
+        return Check(point="p", world_size=2, variant=variant, predicted_ms=predicted, measured_ms=measured)
+
+    tie = [check("a", 10.0, 12.0), check("b", 10.2, 10.0), check("c", 15.0, 16.0)]
+    assert report(tie, noise=0.05)[-1].endswith(": right"), "b was predicted within noise of a"
+    wrong = [check("a", 10.0, 12.0), check("b", 11.0, 10.0)]
+    assert "WRONG (20.0% slower" in report(wrong, noise=0.05)[-1], "b was predicted 10 % slower"
+    lines = report(wrong, noise=0.05)
+    assert any("|error| median 13.3%, worst 16.7%" in line for line in lines), lines

@@ -178,7 +178,7 @@ def predict_workload(
     unknown = set(pipelines) - set(PIPELINES)
     if unknown:
         raise ValueError(f"unknown pipelines {sorted(unknown)}; choose from {', '.join(PIPELINES)}")
-    if machine.load > 0.5:
+    if machine.load > 0.5:  # machine_costs() measures again once the machine is quiet
         notes = [
             *notes,
             f"this machine's costs were measured under a load of {machine.load:.1f} per core: "

@@ -32,6 +32,8 @@ from pipeline.predictor.link import Link
 __all__ = ["CollectiveCost", "MachineCosts", "cache_path", "machine_costs", "machine_facts"]
 
 _VERSION = 5
+_BUSY, _QUIET = 0.5, 0.25
+"""Runnable processes per core above which measured costs are suspect, and below which to measure."""
 """Bumped when the micro-benchmarks change: older cache files are measured again."""
 
 
@@ -150,7 +152,8 @@ def cache_path(facts: dict[str, Any] | None = None) -> Path:
 def machine_costs(*, refresh: bool = False, path: Path | None = None, timeout: float = 300.0) -> MachineCosts:
     """This machine's costs: read from the cache, or measured now (about 10-20 s, in a child
     process) and added to it. The cache keeps one entry per set of facts (a thread count, a library
-    version), so each is measured once.
+    version), so each is measured once; an entry measured under load (over 0.5 runnable processes
+    per core) is measured again the first time the machine is quiet (under 0.25).
 
     Args:
         refresh: measure even if the cache holds costs for these facts.
@@ -167,7 +170,8 @@ def machine_costs(*, refresh: bool = False, path: Path | None = None, timeout: f
         fcntl.flock(lock, fcntl.LOCK_EX)  # one rank measures, the others wait and read
         entries = _read(path)
         cached = next((e for e in entries if e.facts == facts), None)
-        if cached is not None and not refresh:
+        noisy = cached is not None and cached.load > _BUSY and _load() < _QUIET  # measured under load
+        if cached is not None and not refresh and not noisy:
             return cached
         costs = _measure(facts, timeout)
         kept = [e.to_json() for e in entries if e.facts != facts] + [costs.to_json()]
