@@ -363,3 +363,13 @@ def test_the_validation_judges_the_winner_among_those_predicted_within_noise():
     assert "WRONG (20.0% slower" in report(wrong, noise=0.05)[-1], "b was predicted 10 % slower"
     lines = report(wrong, noise=0.05)
     assert any("|error| median 13.3%, worst 16.7%" in line for line in lines), lines
+
+
+def test_on_cuda_the_copy_of_a_later_batch_overlaps_compute():
+    c = costs(**COMPUTE, copy_device=0.004)
+    assert run_pipeline("sparse-dist", "early", c, cores=2).step == pytest.approx(0.010, rel=1e-6), (
+        "the copy of i+2 runs on the memcpy stream beside the compute of i"
+    )
+    assert run_pipeline("sparse-dist", "early", costs(**COMPUTE, copy_device=0.015), cores=2).step == (
+        pytest.approx(0.015, rel=1e-6)
+    ), "a copy longer than the step bounds it"

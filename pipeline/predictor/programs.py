@@ -66,10 +66,15 @@ class _Builder:
 
     # the stages, by the names of the classes' steps
     def copy(self, j: int) -> None:
-        self.host("copy", j, self.c.copy)
+        issued = self.host("copy", j, self.c.copy)
+        if self.c.copy_device > 0:  # CUDA: the transfer on the memcpy stream
+            self.tasks.append(
+                Task(("h2d", j), "memcpy", self.c.copy_device, uses=(), after=(issued,), stage="copy")
+            )
 
     def start(self, j: int) -> None:
-        issued = self.host("input_dist::start", j, self.c.start)
+        copied = (("h2d", j),) if self.c.copy_device > 0 else ()
+        issued = self.host("input_dist::start", j, self.c.start, *copied)
         self.collective("splits a2a", j, self.c.splits, self.group, issued)
 
     def wait_splits(self, j: int) -> None:
