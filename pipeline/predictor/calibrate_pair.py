@@ -33,7 +33,9 @@ from pipeline.predictor.link import link_from_curve, time_alltoalls
 __all__ = ["main", "tiny_model", "tiny_step_seconds"]
 
 _RUNS = 15
-_MANY = 26
+_DIM = 4
+_FEW, _MANY, _BIG = (2, 8, 1), (26, 8, 1), (8, 256, 40)
+"""(tables, samples, ids per sample) of the three modules the collectives are measured on."""
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[Any, tuple[float, float]]:
@@ -42,9 +44,12 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, tuple[float, float]]:
     return out, (time.perf_counter() - wall, time.thread_time() - thread)
 
 
-def _collectives(agree: Callable[[list[float]], list[float]], tables: int) -> dict[str, dict[str, float]]:
+def _collectives(
+    agree: Callable[[list[float]], list[float]], tables: int, batch: int, pooling: int
+) -> dict[str, dict[str, float]]:
     """Per collective of a step on a module of `tables` tables (one feature each, half on each
-    rank): host seconds (the calling thread's CPU) and latency (wall beyond)."""
+    rank) and batches of `batch` samples of `pooling` ids: host seconds (the calling thread's CPU)
+    and latency (wall beyond)."""
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -52,7 +57,7 @@ def _collectives(agree: Callable[[list[float]], list[float]], tables: int) -> di
     from torchrec.distributed.types import ShardingPlan
 
     configs = [
-        EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=100, feature_names=[f"f{i}"])
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=_DIM, num_embeddings=1000, feature_names=[f"f{i}"])
         for i in range(tables)
     ]
     ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
@@ -73,8 +78,8 @@ def _collectives(agree: Callable[[list[float]], list[float]], tables: int) -> di
     sharded = dmp._dmp_wrapped_module["ebc"]
     kjt = KeyedJaggedTensor.from_lengths_sync(
         keys=[c.feature_names[0] for c in configs],
-        values=torch.arange(8 * tables) % 100,
-        lengths=torch.ones(8 * tables, dtype=torch.int32),
+        values=torch.randint(0, 1000, (batch * tables * pooling,)),
+        lengths=torch.full((batch * tables,), pooling, dtype=torch.int32),
     )
     grads = torch.zeros(256)
     samples: dict[str, list[tuple[float, float]]] = {}
@@ -100,6 +105,31 @@ def _collectives(agree: Callable[[list[float]], list[float]], tables: int) -> di
         fastest = min(runs[1:])  # the fastest round trip: what the collective costs, not the noise
         wall, host = agree(list(fastest))
         out[name] = {"host": host, "latency": max(wall - host, 0.0)}
+    return out
+
+
+def _units(tables: int, batch: int, pooling: int) -> dict[str, float]:
+    """What each collective's host work grows with: this rank's ids (start, splits), the ids it
+    receives (values), the pooled floats it sends back (output)."""
+    ids = tables * batch * pooling / 2  # this rank's ids for the peer's tables, and as many back
+    pooled = 2 * batch * (tables / 2) * _DIM
+    return {"start": 2 * ids, "splits": 2 * ids, "values": 2 * ids, "output": pooled, "allreduce": 0.0}
+
+
+def _fit_collectives(few: dict, many: dict, big: dict) -> dict[str, dict[str, float]]:
+    """Each collective's host cost as fixed + per feature beyond two + per unit (`_units`)."""
+    out = {}
+    u_few, u_big = _units(*_FEW), _units(*_BIG)
+    for name in few:
+        per_feature = max(many[name]["host"] - few[name]["host"], 0.0) / (_MANY[0] - _FEW[0])
+        grown = big[name]["host"] - few[name]["host"] - per_feature * (_BIG[0] - _FEW[0])
+        span = u_big[name] - u_few[name]
+        out[name] = {
+            "host": few[name]["host"],
+            "latency": few[name]["latency"],
+            "host_feature": per_feature,
+            "host_unit": max(grown, 0.0) / span if span > 0 else 0.0,
+        }
     return out
 
 
@@ -182,15 +212,7 @@ def main(argv: list[str]) -> int:
             dist.all_reduce(summed)
             return [v / 2 for v in summed.tolist()]
 
-        few, many = _collectives(agree, 2), _collectives(agree, _MANY)
-        collectives = {
-            name: {
-                "host": few[name]["host"],
-                "latency": few[name]["latency"],
-                "host_feature": max(many[name]["host"] - few[name]["host"], 0.0) / (_MANY - 2),
-            }
-            for name in few
-        }
+        collectives = _fit_collectives(*(_collectives(agree, *shape) for shape in (_FEW, _MANY, _BIG)))
         step = agree([tiny_step_seconds(2)])[0]
         send = torch.zeros(2)
         call = _timed(lambda: dist.all_to_all_single(torch.empty_like(send), send))[1][1]
@@ -204,7 +226,7 @@ def main(argv: list[str]) -> int:
             max_bytes=16 << 20,
         )
         cpu, wall = agree([time.process_time() - cpu0, time.perf_counter() - wall0])
-        sent = sum(6 * s for s in sizes)  # each size ran 6 times, to one peer
+        sent = sum(6 * s for s in sizes)  # each size ran 6 times (one untimed), to one peer
         link = link_from_curve(
             "loopback", sizes, [t - call for t in seconds], 1, min(cpu, wall) / max(sent, 1)
         )

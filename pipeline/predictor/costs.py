@@ -27,6 +27,7 @@ Where each number comes from:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -221,10 +222,18 @@ def stage_costs(
         splits_host, wait = 0.0, modules * m.permute_call + m.permute_id * received
         output = Collective(host=modules * m.output_call, latency=0.0, wire=0.0)
     else:  # the host parts are each stage's own (the collectives are waited for by the next)
-        start = modules * m.start.host + m.permute_id * local
-        splits_host = modules * m.splits.host
-        wait = modules * m.values.host + m.permute_id * received
-        output = collective(m.output, pooled)
+        extra = max(len(w.features) - 2 * modules, 0)  # features beyond the measured module's two
+        pooled_elems = max(x.pooled_out for x in loads) / _FLOAT * w.world_size / peers  # self included
+
+        def host(c: CollectiveCost, units: float) -> float:
+            return modules * c.host + extra * c.host_feature + units * c.host_unit
+
+        start = host(m.start, local)
+        splits_host = host(m.splits, local)
+        wait = host(m.values, received)
+        output = dataclasses.replace(
+            collective(m.output, pooled, host=False), host=host(m.output, pooled_elems)
+        )
     return StageCosts(
         copy=m.kjt_check_id * local,
         copy_device=w.batch_bytes / 20e9 if w.device == "cuda" else 0.0,

@@ -155,7 +155,7 @@ def time_alltoalls(
     budget_s: float,
     max_bytes: int,
 ) -> tuple[list[int], list[float]]:
-    """Median seconds of all-to-alls of growing size: bytes per peer 0, then 4 KiB growing 4x,
+    """Median seconds of all-to-alls of growing size: bytes per peer 0, then 4 KiB growing 2x,
     until one takes a tenth of `budget_s` or reaches `max_bytes`; 5 runs each, after a barrier.
     `agree` averages a list of floats over the ranks: every rank stops at the same size and
     returns the same figures.
@@ -183,4 +183,4 @@ def time_alltoalls(
         times.append(agree([statistics.median(runs)])[0])
         if times[-1] > budget_s / 10 or size >= max_bytes:
             return sizes, times
-        size = max(4096, size * 4)
+        size = max(4096, size * 2)

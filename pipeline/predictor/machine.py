@@ -31,7 +31,7 @@ from pipeline.predictor.link import Link
 
 __all__ = ["CollectiveCost", "MachineCosts", "cache_path", "machine_costs", "machine_facts"]
 
-_VERSION = 5
+_VERSION = 6
 _BUSY, _QUIET = 0.5, 0.25
 """Runnable processes per core above which measured costs are suspect, and below which to measure."""
 """Bumped when the micro-benchmarks change: older cache files are measured again."""
@@ -48,6 +48,9 @@ class CollectiveCost:
     """Wall seconds beyond `host` (the round trip to the peer)."""
     host_feature: float = 0.0
     """`host` per feature beyond two (torchrec's work per feature: splits, permute indices)."""
+    host_unit: float = 0.0
+    """`host` per id of this rank's batch (start, splits), per id received (values: the assembly),
+    per pooled float sent (output): torchrec's permutes and copies around the all-to-all."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
