@@ -202,6 +202,9 @@ def _plot(rows: list[tuple[str, str, int, Any]], path: str) -> None:
                 )
                 last = p.winner.name
         base_ms = ", ".join(f"{p.best('base').step_ms:.0f}" for _, p in series)
+        lowest = min(p.best(q).step_ms / p.best("base").step_ms for _, p in series for q in _PIPELINES)
+        ax.set_ylim(min(lowest - 0.05, 0.9), 1.05)
+        ax.ticklabel_format(axis="y", useOffset=False)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{config}, {link}\nBase ms: {base_ms}", fontsize=8)
         ax.set_xlabel("world size")

@@ -9,20 +9,12 @@ shard (one row per id for an EmbeddingCollection); a row-wise shard sends its pa
 sample of every rank. Every collective takes as long as its busiest rank (sending or receiving,
 whichever is more: the link is full duplex), so each figure is the maximum over ranks.
 
-Where each number comes from:
-- measured on this machine once (`MachineCosts`): the lookup per call, table, id and id x column,
-  forward and backward (torchrec's fused kernel on CPU); the permutes of the ids before and after
-  the values all-to-all; torchrec's host cost per module of starting an input_dist and of an output
-  all-to-all; a gloo all-to-all call; the dense optimizer per tensor and parameter; the KJT check;
-- measured on the model (`pipeline.predictor.dense.time_dense`): its dense forward and backward,
-  falling back to the micro-benchmarks' per-operation and per-FLOP costs;
-- the link (`Link`): latency per peer message and its transfer time per rank;
-- torchrec's planner (`pipeline.predictor.planner`), on CUDA only: the lookup and the prefetch
-  (cache fill) of each shard, from its perf estimators. They model GPU kernels as bytes over HBM or
-  host-memory bandwidth; on a CPU the lookup's cost is dominated by per-id and per-call host work
-  those formulas do not have, so there the measured figures are used instead. Their comms
-  figures are not used on either device: they are bandwidth only, with no per-message or per-call
-  cost, which is what bounds small all-to-alls and all-to-alls over many ranks.
+Where each number comes from: measured on this machine once (`MachineCosts`: the lookup, the
+collectives' host work and round trips at two ranks, the optimizer, the KJT check, the step's
+overhead); measured on the model (`pipeline.predictor.dense.time_dense`: its dense forward and
+backward, else the micro-benchmarks' per-operation and per-FLOP costs); the link (`Link`); and on
+CUDA only torchrec's planner estimator for the lookup and the cache fill (`pipeline.predictor.planner`
+says why only there).
 """
 
 from __future__ import annotations
