@@ -8,6 +8,8 @@ the next batch's lookup before this batch's backward (embeddings one step stale)
 `EvalPipelineSparseDist` is forward only, `StagedTrainPipeline` runs the caller's own stages
 (`SparseDataDistUtil` makes the input_dist one), `TrainPipelinePT2` compiles the model and
 `TrainPipelineSparseDistCompAutograd` compiles the backward. Stages and streams: `pipeline.stages`.
+`predict(model, sample_batch, world_size=..., link=...)` predicts each class's step before running
+it (`pipeline.predictor`).
 
 Every class is a torchrec `TrainPipeline` and takes torchrec's parameters in torchrec's order, then
 ours, keyword-only; our options are also `pipeline.config` objects (`RankOptions`,
@@ -38,6 +40,7 @@ from pipeline.pipelines.pt2 import TrainPipelinePT2
 from pipeline.pipelines.semi_sync import TrainPipelineSemiSync
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.pipelines.staged import PipelineStage, SparseDataDistUtil, StagedTrainPipeline
+from pipeline.predictor import Prediction, predict
 from pipeline.ranks import (
     AgreedError,
     BatchKeysError,
@@ -74,6 +77,7 @@ __all__ = [
     "Out",
     "PeerFailedError",
     "PipelineStage",
+    "Prediction",
     "PrefetchOptions",
     "PrefetchTrainPipelineSparseDist",
     "RankOptions",
@@ -97,4 +101,5 @@ __all__ = [
     "TrainPipelineSparseDistCompAutograd",
     "Tuner",
     "UnevenDataError",
+    "predict",
 ]

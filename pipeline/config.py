@@ -118,7 +118,9 @@ class InputDistOptions:
     """"auto", "early", "late" (torchrec's), "early-shared" or "late-own" (`pipeline.stages.schedule`).
     "early", "late-own" and "auto" create one more process group per input_dist group."""
     tuner: Tuner | None = None
-    """Under "auto", the `pipeline.Tuner` to use; None: `Tuner()`."""
+    """Under "auto", the `pipeline.Tuner` to use; None: one that starts from the cost model's
+    prediction (`Tuner(predictor=...)`, `pipeline.predictor.prior`) and measures only the schedules
+    it cannot tell apart."""
 
     def __post_init__(self) -> None:
         _one_of("input_dist_schedule", self.schedule, SCHEDULE_NAMES)

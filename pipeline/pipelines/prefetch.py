@@ -111,6 +111,7 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
             pipeline_postproc=pipeline_postproc,
             schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
             memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+            predict_as="prefetch",
         )
         ahead = resolve(prefetch, PrefetchOptions, prefetch_ahead=prefetch_ahead).prefetch_ahead
         self._prefetch = PrefetchStage(self._streams, self._input_dist, ahead=ahead)

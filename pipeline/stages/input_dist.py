@@ -153,6 +153,8 @@ class InputDist:
         """Rewrite the model's sharded modules, once, with `batch` as the sample. The rewrite may
         wait for the first forward to be recorded (`recording`) before anything is pipelined."""
         if self.rewrite is None:
+            if self.tuner is not None:  # before the rewrite: the prediction runs the model's forward
+                self.tuner.start_from_prediction(self._model, batch)
             options = self._options
             self.rewrite = rewrite_model(
                 self._model,
