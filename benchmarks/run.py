@@ -18,7 +18,7 @@ from typing import Any
 
 from benchmarks.configs import RUN_CONFIGS, get_config
 from benchmarks.launch import launch
-from benchmarks.link import emulated_link
+from benchmarks.link import emulated_link, parse_rate
 from benchmarks.measure import cpu_busy, machine
 from benchmarks.report import Paired, by_round, over_rounds, paired, publish
 from benchmarks.spec import VARIANTS, RunSpec, reference
@@ -77,6 +77,10 @@ def run_benchmark(spec: RunSpec, *, world_size: int, link: str | None, timeout: 
         LaunchError: a rank failed or timed out.
         ValueError: `--device cuda` with fewer GPUs than ranks.
     """
+    if link is not None:
+        parse_rate(link)  # before anything is created
+        if world_size != 2:
+            raise ValueError("an emulated link joins exactly 2 ranks: pass --world-size 2")
     if spec.device == "cuda":
         import torch
 
