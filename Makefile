@@ -89,7 +89,7 @@ bench: setup
 	$(BIN)/python -m benchmarks run $(BENCH_ARGS)
 
 # Process CPU and wall per step on a tiny model, each loop over the plain one, at 1 and 2 ranks; then
-# where our SparseDist's time goes, function by function (cProfile). About 8 minutes.
+# where our SparseDist's time goes, function by function (cProfile).
 OVERHEAD_ARGS ?= --rounds 5 --steps 300
 bench-overhead: setup
 	$(BIN)/python -m benchmarks overhead --world-size 1 $(OVERHEAD_ARGS)

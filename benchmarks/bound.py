@@ -61,9 +61,9 @@ class Captured:
     dense_numel: int = 0
 
 
-def _sharded(model: nn.Module) -> dict[str, ShardedEmbeddingBagCollection]:
-    modules = get_unwrapped_module(model).named_modules()
-    return {n: m for n, m in modules if isinstance(m, ShardedEmbeddingBagCollection)}
+def _sharded(model: nn.Module, kind: type = ShardedEmbeddingBagCollection) -> dict[str, Any]:
+    """The sharded modules of `kind` below DistributedModelParallel and DDP, by name."""
+    return {n: m for n, m in get_unwrapped_module(model).named_modules() if isinstance(m, kind)}
 
 
 def capture(model: nn.Module, optimizer: Any, batches: list[Any], device: torch.device) -> Captured:
@@ -152,14 +152,9 @@ def comm_alone(model: nn.Module, device: torch.device, captured: Captured) -> Ca
     return step
 
 
-def _tiered(model: nn.Module) -> dict[str, TieredShardedEmbeddingBagCollection]:
-    modules = get_unwrapped_module(model).named_modules()
-    return {n: m for n, m in modules if isinstance(m, TieredShardedEmbeddingBagCollection)}
-
-
 def warm(model: nn.Module) -> None:
     """Read every row of every table on disk of `model` into its cache (which must hold them all)."""
-    for ebc in _tiered(model).values():
+    for ebc in _sharded(model, TieredShardedEmbeddingBagCollection).values():
         for cache in (c for kernel in ebc.tiered_kernels() for c in kernel.caches):
             if cache.capacity < cache.store.rows:
                 raise ValueError(f"{cache.name}: {cache.capacity} slots for {cache.store.rows} rows")
@@ -169,7 +164,7 @@ def warm(model: nn.Module) -> None:
 
 def io_alone(model: nn.Module, captured: Captured) -> Callable[[Iterator[Any]], Any]:
     """A step function: the prefetch of the next captured batch alone (module docstring)."""
-    modules = _tiered(model)
+    modules = _sharded(model, TieredShardedEmbeddingBagCollection)
     if not modules:
         raise ValueError("io-alone needs tables on disk: run it on a config with cache_fraction")
     position = [0]

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import pstats
+import statistics
 import sys
 import time
 import warnings
@@ -72,7 +73,10 @@ def run_rank(spec: RunSpec, rank: int) -> list[dict[str, Any]]:
                 record.update(_run_one(spec, config, variant, batches, device, captured, round_index, rank))
                 records.append(record)
                 if rank == 0:
-                    print(f"[bench] {name} round {round_index} {variant}: {_brief(record)}", flush=True)
+                    brief = (
+                        record.get("message") or f"{1e3 * statistics.median(record['step_times_s']):.1f} ms"
+                    )
+                    print(f"[bench] {name} round {round_index} {variant}: {brief}", flush=True)
     return records
 
 
@@ -194,13 +198,6 @@ def _drain(runner: Runner, it: Iterator[Any]) -> None:
             runner.step(it)
     except StopIteration:
         pass
-
-
-def _brief(record: dict[str, Any]) -> str:
-    if record["status"] != "ok":
-        return record["message"]
-    times = sorted(record["step_times_s"])
-    return f"median {times[len(times) // 2] * 1e3:.1f} ms"
 
 
 def main(argv: list[str]) -> int:
