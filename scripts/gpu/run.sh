@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 python3 -c "import torch, fbgemm_gpu, torchrec; print(torch.__version__, fbgemm_gpu.__version__, torchrec.__version__)" 2>&1 | quiet | tee -a "$OUT/gpu.txt"
 bench() {  # name, seconds, configs...
   local name=$1 limit=$2; shift 2
-  timeout "$limit" python3 -m benchmarks.run --device cuda --world-size "${WORLD:-1}" --configs "$@" \
+  timeout "$limit" python3 -m benchmarks run --device cuda --world-size "${WORLD:-1}" --configs "$@" \
     --variants plain ours-base ours-sparse-dist ours-prefetch torchrec-base torchrec-sparse-dist torchrec-prefetch \
     --steps 100 --warmup 30 --auto-warmup 80 --rounds 3 --profile-steps 0 \
     --json "$OUT/$name.json" --md "$OUT/$name.md" 2>&1 | quiet | tee "$OUT/$name.log"
