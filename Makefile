@@ -1,16 +1,24 @@
 # `make setup` builds .venv from nothing but python3; every other target depends on it.
 # VARIANT=cpu|cuda forces the fbgemm build; by default CUDA is chosen when nvidia-smi works.
+# TORCHREC=1.9|1.8 picks the stack (default 1.9).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 VARIANT ?= $(shell nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
-TORCH_PIN := torch==2.13.0
-FBGEMM_cpu := fbgemm-gpu-cpu==1.8.0
-FBGEMM_cuda := fbgemm-gpu==1.8.0
-TORCHREC_PIN := torchrec==1.8.0
+TORCHREC ?= 1.9
+# The pins, one stack a line: torch, fbgemm-gpu[-cpu], torchrec. fbgemm is ABI-bound to one torch
+# release (fbgemm_gpu/__init__.py's compatibility table: 1.9 -> 2.14, 1.8 -> 2.13), so the three move
+# together. torch 2.14 has no +cpu build on the index: its default build brings CUDA libraries (~5 GB).
+STACK_1.9 := 2.14.1 1.9.0 1.9.2
+STACK_1.8 := 2.13.0 1.8.0 1.8.0
+STACK := $(or $(STACK_$(TORCHREC)),$(error TORCHREC=$(TORCHREC) is not a known stack: use 1.9 or 1.8))
+TORCH_PIN := torch==$(word 1,$(STACK))
+FBGEMM_cpu := fbgemm-gpu-cpu==$(word 2,$(STACK))
+FBGEMM_cuda := fbgemm-gpu==$(word 2,$(STACK))
+TORCHREC_PIN := torchrec==$(word 3,$(STACK))
 TORCHREC_NEEDS := tensordict torchmetrics==1.0.3 tqdm pyre-extensions numpy
 DEV_TOOLS := pytest pytest-timeout ruff matplotlib setuptools torchdata
-STAMP := $(VENV)/.setup-$(VARIANT)
+STAMP := $(VENV)/.setup-$(VARIANT)-torchrec$(TORCHREC)
 PYTEST_ARGS ?=
 
 .PHONY: setup test lint demo demo-faults bench bench-overhead bench-tiered hit-rates bench-sweep bench-big bench-agreement timeline clean
@@ -18,7 +26,7 @@ PYTEST_ARGS ?=
 setup: $(STAMP)
 
 # The stamp makes a second `make setup` take seconds: pip runs again only when this file or
-# pyproject.toml changed, or the variant is switched.
+# pyproject.toml changed, or the variant or the stack is switched.
 $(STAMP): Makefile pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH_PIN) $(FBGEMM_$(VARIANT)) $(TORCHREC_NEEDS) $(DEV_TOOLS)

@@ -34,7 +34,8 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
     Args (torchrec's, in its order): model, optimizer, device, execute_all_batches (under False
     the last two batches are dropped, as by SparseDist and torchrec's fixed class; torchrec 1.8.0
     drops four), apply_jit, pipeline_postproc, custom_model_fwd, enable_inplace_copy_batch,
-    free_features_storage_early, clear_data_dist_inputs: as in `TrainPipelineSparseDist`.
+    free_features_storage_early, clear_data_dist_inputs, async_inplace_copy: as in
+    `TrainPipelineSparseDist`.
 
     Keyword-only, ours:
         strict: fail on the first batch if a sharded module cannot be pipelined.
@@ -59,6 +60,7 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
         enable_inplace_copy_batch: bool = False,
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
+        async_inplace_copy: bool = False,
         *,
         prefetch: PrefetchOptions | None = None,
         prefetch_ahead: bool | str | None = None,
