@@ -6,11 +6,12 @@
     tiered      tables on disk at world size 1 and 2, Prefetch against its bound
     hit-rates   each cache policy's hit rate against Belady's optimum (offline, no I/O)
     big-tables  tables far larger than RAM, trained in one process; peak RSS
+    predict     each pipeline's predicted step over configs, world sizes, links; --validate: vs measured
     selfcheck   the benchmarks' own arithmetic and link setup, against fakes (no ranks, no root)
 
 A subcommand is a module with one function taking keyword arguments named as its flags' `dest`,
 plus `command` (the command line, for the report); `_SUBCOMMANDS` maps the name to its parser and
-function. To add one (e.g. `predict`): a module, a `_<name>(sub)` parser below, an entry in the map.
+function. To add one: a module, a `_<name>(sub)` parser below, an entry in the map.
 Exit status: 0 done; 1 a rank failed or a check missed; 2 could not start (bad flag, no link).
 """
 
@@ -127,6 +128,24 @@ def _big_tables(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", help="after training, save a checkpoint here and load it back")
 
 
+def _predict(p: argparse.ArgumentParser) -> None:
+    _common(p, steps=20, warmup=10, rounds=2, json="out/predict/predict.json, --validate: validate.json",
+            md="out/predict/predict.md, --validate: validate.md")  # fmt: skip
+    p.set_defaults(json=None, md=None)  # chosen by the mode, in benchmarks.predict
+    p.add_argument("--config", nargs="+", default=["demo", "sweep-1g-ids100", "compute-heavy"],
+                   metavar="NAME", help="configs (default demo sweep-1g-ids100 compute-heavy)")  # fmt: skip
+    p.add_argument("--world-size", nargs="+", type=int, default=[2, 8, 64, 512, 1024], metavar="N")
+    p.add_argument("--link", nargs="+", default=["1gbit", "10gbit"], metavar="LINK",
+                   help="loopback, 1gbit or rate:latency (25gbit:10us); default 1gbit 10gbit")  # fmt: skip
+    p.add_argument("--cores-per-rank", type=float, help="cores of a rank (default: 2 ranks a host)")
+    p.add_argument("--refresh-costs", action="store_true", help="measure this machine's costs again (~15 s)")
+    p.add_argument("--plot", default="out/predict/predict.png", help="the plot ('' for none)")
+    p.add_argument("--validate", action="store_true", help="run sweep points and compare (a benchmark)")
+    p.add_argument("--points", nargs="+", default=[], metavar="NAME", help="points (default all 14)")
+    p.add_argument("--validate-world-size", nargs="+", type=int, default=[2, 1], metavar="N",
+                   help="1 (loopback) and/or 2 (each point's link, emulated: root); default 2 1")  # fmt: skip
+
+
 def _selfcheck(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="also write each check's outcome here")
 
@@ -147,6 +166,7 @@ _SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callabl
     "tiered": (_tiered, _function("tiered", "tiered")),
     "hit-rates": (_hit_rates, _function("hit_rates", "hit_rates")),
     "big-tables": (_big_tables, _function("big_tables", "big_tables")),
+    "predict": (_predict, _function("predict", "predict")),
     "selfcheck": (_selfcheck, _function("selfcheck", "selfcheck")),
 }
 

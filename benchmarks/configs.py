@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["CONFIGS", "RUN_CONFIGS", "SWEEP_LINKS", "TIERED_CONFIGS", "BenchConfig", "get_config"]
+__all__ = ["CONFIGS", "RUN_CONFIGS", "SWEEP_LINKS", "TIERED_CONFIGS", "BenchConfig", "get_config",
+           "sweep_points"]  # fmt: skip
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -146,3 +147,16 @@ def get_config(name: str) -> BenchConfig:
     if found is None:
         raise ValueError(f"unknown config {name!r}; choose from {', '.join(CONFIGS)}")
     return found
+
+
+def sweep_points(points: list[str]) -> list[str]:
+    """The configs of the sweep points named (all 14 if none), `sweep-` prefix or not.
+
+    Raises:
+        ValueError: a name is not a sweep point; the message lists them.
+    """
+    names = [get_config(p).name for p in points] if points else list(SWEEP_LINKS)
+    unknown = [n for n in names if n not in SWEEP_LINKS]
+    if unknown:
+        raise ValueError(f"not sweep points: {', '.join(unknown)}; choose from {', '.join(SWEEP_LINKS)}")
+    return names

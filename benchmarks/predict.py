@@ -1,249 +1,213 @@
-"""`python -m benchmarks.predict` (the `predict` command of `python -m benchmarks`): each pipeline's
-predicted step (`pipeline.predictor`) for benchmark configs over world sizes and links, as a table and
-a plot; with `--validate`, predicted against measured on sweep points.
+"""`python -m benchmarks predict`: each pipeline's predicted step (`pipeline.predict`) for benchmark
+configs over world sizes and links, as a table and a plot; with `--validate`, predicted against measured.
 
-    python -m benchmarks.predict --config sweep-1g-ids100 demo --world-size 2 8 64 512 1024 \
-        --link 1gbit 10gbit --plot out/predict/predict.png
-    python -m benchmarks.predict --validate --points lo-tiny 1g-ids100 --steps 20 --rounds 2
-
-A config's model is built once at one rank in this process (a process group of one over an
-in-memory store), its dense part timed; its tables are then placed on each world size. Exit status
-2: a bad flag or name; 1: a validation run failed.
+The table's predictions are made in this process: each config's model built at one rank (a process
+group of one over an in-memory store), its dense part timed once, its tables placed again on each
+world size (`pipeline.predictor`). The validation runs each sweep point's variants with `run`'s
+machinery (`benchmarks.run.run_benchmark`, paired rounds); before the rounds the ranks call
+`pipeline.predict` on a fresh model of the point, as a job would (the link probed: at 2 ranks, the
+emulated one), and each run's prediction is set beside its measured median step.
 """
 
 from __future__ import annotations
 
-import argparse
+import logging
 import os
-import sys
+import statistics
+import warnings
+from collections import Counter
 from typing import Any
 
-__all__ = ["Predictor", "main", "register", "table"]
+from benchmarks.configs import SWEEP_LINKS, get_config, sweep_points
+from benchmarks.measure import machine
+from benchmarks.report import Paired, by_round, over_rounds, paired, publish
+from benchmarks.run import run_benchmark
+from benchmarks.spec import SCHEDULES, RunSpec, parse_variant
 
-_PIPELINES = ("base", "sparse-dist", "prefetch", "fused", "semi-sync")
+__all__ = ["PIPELINES", "VALIDATE_VARIANTS", "predict", "prediction_name", "prediction_table",
+           "validation_table", "winner"]  # fmt: skip
 
-
-class Predictor:
-    """Predictions for benchmark configs, from models built at one rank in this process."""
-
-    def __init__(self, *, cores_per_rank: float | None, refresh: bool = False) -> None:
-        import torch
-        import torch.distributed as dist
-
-        from pipeline.predictor import machine_costs
-
-        torch.set_num_threads(1)  # as each benchmark rank runs
-        if not dist.is_initialized():
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        self.machine = machine_costs(refresh=refresh)
-        if self.machine.load > 0.5:
-            print(
-                f"predict: warning: this machine's costs were measured under a load of "
-                f"{self.machine.load:.1f} per core; --refresh-costs on a quiet machine measures them again",
-                file=sys.stderr,
-            )
-        self._cores = cores_per_rank
-        self._built: dict[str, Any] = {}
-
-    def _model(self, name: str) -> tuple[Any, Any]:
-        if name not in self._built:
-            import torch
-
-            from benchmarks.configs import get_config
-            from benchmarks.model import build_model, make_batches
-            from pipeline.predictor import time_dense, workload_of
-
-            config = get_config(name)
-            built = build_model(config, device=torch.device("cpu"))
-            batch = make_batches(config, count=1, rank=0)[0]
-            self._built[name] = (workload_of(built.model, batch), time_dense(built.model, batch))
-        return self._built[name]
-
-    def link(self, rate: str | None) -> Any:
-        """`rate` as the benchmark emulates it, probed (None: loopback)."""
-        from benchmarks.predict_validate import probe_emulated
-
-        return probe_emulated(rate, self.machine)
-
-    def predict(self, point: Any, world_size: int, link: Any, *, config: str | None = None) -> Any:
-        from pipeline.predictor import predict_workload
-
-        workload, dense = self._model(config or point.name)
-        workload = workload.at_world_size(world_size)
-        cores = self._cores or (os.cpu_count() or 1) / min(world_size, 2)  # 2 ranks a host, as here
-        return predict_workload(workload, self.machine, link or "loopback", dense=dense, cores_per_rank=cores)
+PIPELINES = ("base", "sparse-dist", "prefetch", "fused", "semi-sync")
+VALIDATE_VARIANTS = ("ours-base", *(f"ours-sparse-dist@{s}" for s in SCHEDULES), "ours-prefetch@late",
+                     "ours-fused-sparse-dist", "ours-semi-sync")  # fmt: skip
+"""Measured per point. Forced schedules are predicted as such; Fused and SemiSync run "auto" and are
+predicted under the schedule they ended on."""
+Row = tuple[str, str, int, Any]
+"""(config, link, world size, `pipeline.Prediction`)."""
 
 
-def register(subparsers: Any) -> None:
-    """Add the `predict` command to a `python -m benchmarks` parser's subparsers."""
-    parser = subparsers.add_parser("predict", help=__doc__.splitlines()[0], description=__doc__)
-    _arguments(parser)
-    parser.set_defaults(run=_run)
+def predict(*, config: list[str], world_size: list[int], link: list[str], cores_per_rank: float | None,
+            refresh_costs: bool, plot: str, validate: bool, points: list[str], validate_world_size: list[int],
+            steps: int, warmup: int, rounds: int, seed: int, timeout: float, json: str | None,
+            md: str | None, command: str) -> int:  # fmt: skip
+    """The `predict` subcommand: the table and the plot, or with `validate` predicted against measured."""
+    import torch
 
+    from pipeline.predictor import machine_costs
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.predict",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _arguments(parser)
-    return _run(parser.parse_args(sys.argv[1:] if argv is None else argv))
-
-
-def _arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--config",
-        nargs="+",
-        default=["demo", "sweep-1g-ids100", "compute-heavy"],
-        metavar="NAME",
-        help="benchmark configs or sweep points to predict (default: demo sweep-1g-ids100 compute-heavy)",
-    )
-    p.add_argument("--world-size", nargs="+", type=int, default=[2, 8, 64, 512, 1024], metavar="N")
-    p.add_argument(
-        "--link",
-        nargs="+",
-        default=["1gbit", "10gbit"],
-        metavar="LINK",
-        help="loopback, a rate (1gbit) or rate:latency (25gbit:10us); default 1gbit 10gbit",
-    )
-    p.add_argument(
-        "--cores-per-rank", type=float, help="cores a rank's threads share (default: 2 ranks a host)"
-    )
-    p.add_argument("--refresh-costs", action="store_true", help="measure this machine's costs again (~15 s)")
-    p.add_argument("--plot", default="out/predict/predict.png", help="where to write the plot ('' for none)")
-    p.add_argument(
-        "--validate", action="store_true", help="measure sweep points and compare (runs benchmarks)"
-    )
-    p.add_argument("--points", nargs="+", metavar="NAME", help="sweep points to validate (default all)")
-    p.add_argument(
-        "--validate-world-size",
-        nargs="+",
-        type=int,
-        default=[2, 1],
-        metavar="N",
-        help="world sizes to validate at: 1 and/or 2 (default both)",
-    )
-    p.add_argument("--steps", type=int, default=20, help="validation: timed steps per run")
-    p.add_argument("--warmup", type=int, default=10, help="validation: untimed steps before them")
-    p.add_argument("--rounds", type=int, default=2, help="validation: rounds per point")
-    p.add_argument("--noise", type=float, default=0.05, help="validation: gap under which winners tie")
-
-
-def _run(args: argparse.Namespace) -> int:
-    from benchmarks.points import POINTS, get_point
-
-    try:
-        predictor = Predictor(cores_per_rank=args.cores_per_rank, refresh=args.refresh_costs)
-        if args.validate:
-            points = [get_point(n) for n in args.points] if args.points else list(POINTS)
-            return _validate(predictor, points, args)
-        rows = _predictions(predictor, args)
-    except ValueError as e:
-        print(f"predict: {e}", file=sys.stderr)
-        return 2
-    print(table(rows))
-    if args.plot:
-        _plot(rows, args.plot)
-        print(f"\nwrote {args.plot}")
+    torch.set_num_threads(1)  # as every benchmark rank runs: the costs are cached per thread count
+    costs = machine_costs(refresh=refresh_costs)
+    mode = "validate" if validate else "predict"
+    json, md = (f"out/predict/{mode}.{s}" if p is None else p for p, s in ((json, "json"), (md, "md")))
+    if validate:
+        return _validate(sweep_points(points), validate_world_size, steps=steps, warmup=warmup, rounds=rounds,
+                         seed=seed, timeout=timeout, json=json, md=md, command=command)  # fmt: skip
+    rows = predictions(config, world_size, link, costs, cores_per_rank)
+    meta = {"command": command, "machine": machine()}
+    notes = ["ms: each pipeline's predicted step under its best input_dist schedule; winner: the fastest "
+             "pipeline and schedule, and the stage it spends most of its step on.",
+             *sorted({n for *_, p in rows for n in p.notes})]  # fmt: skip
+    result = {"meta": meta, "predictions": [
+        {"config": c, "link": lk, "world_size": w, "winner": p.winner.name, "critical": p.winner.critical,
+         "step_ms": {s.name: s.step_ms for s in p.steps}} for c, lk, w, p in rows]}  # fmt: skip
+    publish(result, meta, "Predicted steps", *prediction_table(rows), notes, json_path=json, md_path=md)
+    if plot:
+        plot_predictions(rows, plot)
+        print(f"wrote {plot}")
     return 0
 
 
-def _predictions(predictor: Predictor, args: argparse.Namespace) -> list[tuple[str, str, int, Any]]:
-    from pipeline.predictor import parse_link
+def _validate(names: list[str], world_sizes: list[int], *, steps: int, warmup: int, rounds: int, seed: int,
+              timeout: float, json: str, md: str, command: str) -> int:  # fmt: skip
+    """Run the points' variants at each world size (the ranks predict first), then the report."""
+    if not set(world_sizes) <= {1, 2}:
+        raise ValueError("--validate-world-size: 1 (one rank, loopback) or 2 (each point's link)")
+    runs, meta = [], {}
+    for world in world_sizes:
+        links = {n: SWEEP_LINKS[n] if world == 2 else None for n in names}
+        for rate in dict.fromkeys(links.values()):
+            spec = RunSpec(configs=tuple(n for n in names if links[n] == rate), variants=VALIDATE_VARIANTS,
+                           steps=steps, warmup=warmup, auto_warmup=warmup, rounds=rounds, profile_steps=0,
+                           seed=seed, predict=True)  # fmt: skip
+            result = run_benchmark(spec, world_size=world, link=rate, timeout=timeout, command=command)
+            runs += [{**r, "world_size": world} for r in result["runs"]]
+            meta = {**result["meta"], "where": "1 rank: loopback; 2 ranks: each point's link"}
+    publish({"meta": meta, "runs": runs}, meta, "Predicted against measured", *validation_table(runs),
+            json_path=json, md_path=md)  # fmt: skip
+    return 0
 
+
+def predictions(configs: list[str], world_sizes: list[int], links: list[str], costs: Any,
+                cores_per_rank: float | None) -> list[Row]:  # fmt: skip
+    """Each config at each link and world size, from its model built once at one rank here."""
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.models import build_model, make_batches
+    from pipeline.predictor import predict_workload, time_dense, workload_of
+
+    warnings.filterwarnings("ignore")  # torchrec's planner and DMP warn on every build, as in the worker
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     rows = []
-    for config in args.config:
-        for name in args.link:
-            link = parse_link(name, loopback=predictor.machine.loopback)
-            for world in args.world_size:
-                rows.append((config, name, world, predictor.predict(None, world, link, config=config)))
+    try:
+        for name in configs:
+            built = build_model(get_config(name), device=torch.device("cpu"))
+            batch = make_batches(get_config(name), count=1, rank=0)[0]
+            workload, dense = workload_of(built.model, batch), time_dense(built.model, batch)
+            for rate in links:
+                for world in world_sizes:
+                    cores = cores_per_rank or (os.cpu_count() or 1) / min(world, 2)  # 2 ranks a host, as here
+                    placed = workload.at_world_size(world)
+                    prediction = predict_workload(placed, costs, rate, dense=dense, cores_per_rank=cores)
+                    rows.append((name, rate, world, prediction))
+    finally:
+        dist.destroy_process_group()
     return rows
 
 
-def table(rows: list[tuple[str, str, int, Any]]) -> str:
-    """Rows of (config, link, world size, `Prediction`): each pipeline's best step, the winner."""
-    head = f"{'config':<20} {'link':<10} {'ranks':>6} " + " ".join(f"{p:>12}" for p in _PIPELINES)
-    lines = [head + "  winner (critical stage)", "-" * (len(head) + 26)]
-    for config, link, world, prediction in rows:
-        cells = " ".join(f"{prediction.best(p).step_ms:>12.2f}" for p in _PIPELINES)
-        w = prediction.winner
-        lines.append(f"{config:<20} {link:<10} {world:>6} {cells}  {w.name} ({w.critical})")
-    return "step ms per pipeline (its best input_dist schedule)\n" + "\n".join(lines)
+def prediction_table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
+    """One line per (config, link, world size): each pipeline's best step, and the winner."""
+    columns = ["config / link / ranks", *(f"{p} ms" for p in PIPELINES), "winner (critical stage)"]
+    cells = [[f"{c} / {lk} / {w}", *(f"{p.best(q).step_ms:.2f}" for q in PIPELINES),
+              f"{p.winner.name} ({p.winner.critical})"] for c, lk, w, p in rows]  # fmt: skip
+    return columns, cells
 
 
-def _plot(rows: list[tuple[str, str, int, Any]], path: str) -> None:
-    """Per config and link: each pipeline's predicted step over Base's against world size, and the
-    winner where it changes."""
+def plot_predictions(rows: list[Row], path: str) -> None:
+    """Per config and link: each pipeline's predicted step over Base's against the world size, with
+    the winner named where it changes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    configs = list(dict.fromkeys(r[0] for r in rows))
-    links = list(dict.fromkeys(r[1] for r in rows))
-    fig, axes = plt.subplots(
-        len(configs), len(links), figsize=(5 * len(links), 3.6 * len(configs)), squeeze=False
-    )
-    for (ci, config), (li, link) in ((c, lk) for c in enumerate(configs) for lk in enumerate(links)):
-        ax = axes[ci][li]
-        series = [(w, p) for c, lk, w, p in rows if c == config and lk == link]
-        worlds = [w for w, _ in series]
-        for pipeline in _PIPELINES:
+    configs, links = list(dict.fromkeys(r[0] for r in rows)), list(dict.fromkeys(r[1] for r in rows))
+    fig, axes = plt.subplots(len(configs), len(links), figsize=(5 * len(links), 3.6 * len(configs)),
+                             squeeze=False)  # fmt: skip
+    for (ci, config), (li, rate) in ((c, lk) for c in enumerate(configs) for lk in enumerate(links)):
+        ax, series = axes[ci][li], [(w, p) for c, lk, w, p in rows if (c, lk) == (config, rate)]
+        lowest = 1.0
+        for pipeline in PIPELINES:
             ratios = [p.best(pipeline).step_ms / p.best("base").step_ms for _, p in series]
-            ax.plot(worlds, ratios, marker="o", label=pipeline)
+            ax.plot([w for w, _ in series], ratios, marker="o", label=pipeline)
+            lowest = min(lowest, *ratios)
         last = None
         for w, p in series:
             if p.winner.name != last:
-                ratio = p.winner.step_ms / p.best("base").step_ms
-                ax.annotate(
-                    p.winner.name, (w, ratio), fontsize=7, xytext=(0, -14), textcoords="offset points"
-                )
+                ax.annotate(p.winner.name, (w, p.winner.step_ms / p.best("base").step_ms), fontsize=7,
+                            xytext=(0, -14), textcoords="offset points")  # fmt: skip
                 last = p.winner.name
-        base_ms = ", ".join(f"{p.best('base').step_ms:.0f}" for _, p in series)
-        lowest = min(p.best(q).step_ms / p.best("base").step_ms for _, p in series for q in _PIPELINES)
-        ax.set_ylim(min(lowest - 0.05, 0.9), 1.05)
-        ax.ticklabel_format(axis="y", useOffset=False)
+        base = ", ".join(f"{p.best('base').step_ms:.0f}" for _, p in series)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{config}, {link}\nBase ms: {base_ms}", fontsize=8)
-        ax.set_xlabel("world size")
-        ax.set_ylabel("step / Base's step")
+        ax.set_ylim(min(lowest - 0.05, 0.9), 1.05)  # a flat panel (every pipeline ties) stays readable
+        ax.ticklabel_format(axis="y", useOffset=False)
+        ax.set(title=f"{config}, {rate}\nBase ms: {base}", xlabel="world size", ylabel="step / Base's step")
+        ax.title.set_fontsize(8)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(
-        "predicted step per pipeline (its best schedule) over Base's; labels: the winner", fontsize=10
-    )
+    fig.suptitle("predicted step per pipeline (best schedule) over Base's; labels: the winner", fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
-def _validate(predictor: Predictor, points: list[Any], args: argparse.Namespace) -> int:
-    from benchmarks.launch import LaunchError
-    from benchmarks.link import LinkUnavailable
-    from benchmarks.predict_validate import report, validate
-    from benchmarks.run import cpu_busy
-
-    busy = cpu_busy()
-    load = open("/proc/loadavg").read().split()[:3]
-    print(f"[validate] CPUs {busy:.0%} busy, load average {' '.join(load)} before start", flush=True)
-    try:
-        checks = validate(
-            points,
-            world_sizes=tuple(args.validate_world_size),
-            steps=args.steps,
-            warmup=args.warmup,
-            rounds=args.rounds,
-            predictor=predictor,
-        )
-    except (LaunchError, LinkUnavailable) as e:
-        print(f"predict: {e}", file=sys.stderr)
-        return 1
-    print("\n".join(report(checks, noise=args.noise)))
-    load = open("/proc/loadavg").read().split()[:3]
-    print(f"load average after: {' '.join(load)} (wall-time figures on a busy machine are not final)")
-    return 0
+def prediction_name(variant: str, schedule: str | None) -> str:
+    """The `PipelineStep.name` that predicts our `variant` run under `schedule` (its forced one first)."""
+    name, forced, _ = parse_variant(variant)
+    pipeline = name.removeprefix("ours-").replace("fused-sparse-dist", "fused")
+    return pipeline if pipeline == "base" else f"{pipeline}@{forced or schedule or 'late'}"
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def winner(predicted: dict[str, float], rounds: dict[Any, dict[str, float]]) -> str:
+    """Is the predicted fastest variant the measured fastest (median over `rounds`)? Where it is not,
+    the two are told apart only if their paired ratio is above 1 in every round (the gap exceeds the
+    rounds' spread): "WRONG"; else a tie within the spread."""
+    ours = min(predicted, key=predicted.__getitem__)
+    medians = {v: statistics.median(r[v] for r in rounds.values() if v in r) for v in predicted}
+    best = min(medians, key=medians.__getitem__)
+    said = f"predicted {ours}, measured {best}"
+    if ours == best:
+        return f"{said}: right"
+    gap = paired(rounds, ours, best)
+    if gap is None:
+        return f"{said}: never in the same round"
+    if gap.low <= 1:
+        return f"{said}: a tie within the rounds' spread ({ours} / {best} {gap:.3f})"
+    return f"{said}: WRONG ({ours} / {best} {gap:.3f}, slower in every round)"
+
+
+def validation_table(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], list[str]]:
+    """Per (world size, point, variant): predicted and measured step, the error; in the notes the
+    median and worst |error| per world size and the winner per point (`winner`)."""
+    cells, errors, verdicts = [], {}, []
+    for world, point in dict.fromkeys((r["world_size"], r["config"]) for r in runs):
+        mine = [r for r in runs if (r["world_size"], r["config"]) == (world, point) and r["status"] == "ok"]
+        rounds, predicted = by_round(mine, "step_ms"), {}
+        for variant in dict.fromkeys(r["variant"] for r in mine):
+            ran = [r for r in mine if r["variant"] == variant]
+            kept = Counter(r["schedule"] for r in ran if r.get("schedule")).most_common(1)
+            name = prediction_name(variant, kept[0][0] if kept else None)
+            predicted[variant] = ran[0]["predicted_ms"][name]
+            measured: Paired = over_rounds([r[variant] for r in rounds.values() if variant in r])  # type: ignore[assignment]
+            error = predicted[variant] / measured.median - 1
+            errors.setdefault(world, []).append(abs(error))
+            where = f"{world} / {point.removeprefix('sweep-')} / {variant}"
+            cells.append([where, f"{predicted[variant]:.2f}", f"{measured:.2f}", f"{error:+.1%}"])
+        verdicts.append(f"winner, {point.removeprefix('sweep-')} at {world}: {winner(predicted, rounds)}")
+    notes = [f"{w} rank(s): |error| median {statistics.median(e):.1%}, worst {max(e):.1%} over {len(e)} runs"
+             for w, e in errors.items()]  # fmt: skip
+    notes.append("error: predicted over the measured median, minus 1. A winner is WRONG only where the "
+                 "predicted fastest was slower than the measured one in every round (paired).")  # fmt: skip
+    return ["ranks / point / variant", "predicted ms", "measured ms", "error"], cells, [*notes, *verdicts]

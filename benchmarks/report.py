@@ -69,11 +69,17 @@ def by_round(runs: list[dict[str, Any]], key: str) -> dict[int, dict[str, float]
 
 
 def header(meta: Mapping[str, Any]) -> list[str]:
-    """The lines that head every table: command, machine, rounds, what the spread is."""
+    """The lines that head every table: command, machine, and where runs were timed, the rounds and
+    what the spread is."""
     busy = meta.get("cpu_busy_before")
-    return [
+    lines = [
         f"Command: `{meta['command']}`",
         f"Machine: {meta['machine']}" + ("" if busy is None else f"; CPUs {busy:.0%} busy before the start"),
+    ]
+    if "rounds" not in meta:  # nothing measured (a prediction, a replay)
+        return lines
+    return [
+        *lines,
         f"Rounds: {meta['rounds']} (order rotated), {meta['steps']} timed steps per run after "
         f"{meta['warmup']} untimed; {meta.get('where', '')}",
         "Figures: median over rounds [lowest, highest round]; a ratio or difference is taken within "

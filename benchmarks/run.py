@@ -26,6 +26,8 @@ from benchmarks.spec import VARIANTS, RunSpec, reference
 __all__ = ["Row", "merge_ranks", "run", "run_benchmark", "summarize"]
 
 _MIB = 2**20
+_DICTS = ("tuner", "cprofile", "predicted_ms")
+"""The structured fields of a record kept from rank 0."""
 _MAX_OVER_RANKS = ("cpu_ms", "peak_bytes", "tensor_peak_bytes", "wait_in_forward_ms", "forward_ms",
                    "store_read_ms", "prefetch_ms")  # fmt: skip
 
@@ -111,9 +113,7 @@ def merge_ranks(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         first = records[0]
         if len({(r["config"], r["variant"], r["round"]) for r in records}) != 1:
             raise ValueError("ranks disagree on the order of the runs")
-        one = {
-            k: v for k, v in first.items() if not isinstance(v, (list, dict)) or k in ("tuner", "cprofile")
-        }
+        one = {k: v for k, v in first.items() if not isinstance(v, (list, dict)) or k in _DICTS}
         if first["status"] == "ok":
             one["step_times_s"] = [max(ts) for ts in zip(*(r["step_times_s"] for r in records), strict=True)]
             one["wall_ms"] = 1e3 * statistics.mean(one["step_times_s"])

@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from benchmarks.configs import SWEEP_LINKS, get_config
+from benchmarks.configs import SWEEP_LINKS, sweep_points
 from benchmarks.report import Paired, by_round, markdown_table, paired, publish
 from benchmarks.run import run_benchmark
 from benchmarks.spec import SCHEDULES, RunSpec
@@ -34,10 +34,7 @@ def sweep(*, points: list[str], steps: int, warmup: int, auto_warmup: int, round
           timeout: float, json: str | None, md: str | None, png: str | None,
           command: str) -> int:  # fmt: skip
     """The `sweep` subcommand: run the points, print the table, write the JSON, Markdown and PNG."""
-    names = [get_config(p).name for p in points] if points else list(SWEEP_LINKS)
-    unknown = [n for n in names if n not in SWEEP_LINKS]
-    if unknown:
-        raise ValueError(f"not sweep points: {', '.join(unknown)}; choose from {', '.join(SWEEP_LINKS)}")
+    names = sweep_points(points)
     runs, meta = [], {}
     for link in dict.fromkeys(SWEEP_LINKS[n] for n in names):
         group = tuple(n for n in names if SWEEP_LINKS[n] == link)

@@ -66,11 +66,14 @@ def run_rank(spec: RunSpec, rank: int) -> list[dict[str, Any]]:
             model, optimizer = _build(spec, config, "plain", device)
             captured = bound.capture(model, optimizer, batches[: spec.warmup + spec.steps], device)
             del model, optimizer
+        predicted = _predict(spec, config, device, batches[0]) if spec.predict else None
         for round_index in range(spec.rounds):
             for position, variant in enumerate(round_order(spec.variants, round_index)):
                 record = {"config": name, "variant": variant, "round": round_index, "position": position,
                           "batch_bytes": batch_nbytes(batches[0]), "status": "ok"}  # fmt: skip
                 record.update(_run_one(spec, config, variant, batches, device, captured, round_index, rank))
+                if predicted is not None:
+                    record["predicted_ms"] = predicted
                 records.append(record)
                 if rank == 0:
                     brief = (
@@ -87,6 +90,15 @@ def _build(spec: RunSpec, config: BenchConfig, variant: str, device: torch.devic
     store.mkdir(parents=True, exist_ok=True)
     built = build_model(config, device=device, seed=spec.seed, store_dir=str(store))
     return built.model, built.optimizer
+
+
+def _predict(spec: RunSpec, config: BenchConfig, device: torch.device, batch: Any) -> dict[str, float]:
+    """Each pipeline and schedule's step by `pipeline.predict` on a fresh model, as a job would call it
+    (a collective: the link is probed; the rank's cores are the machine's over the local ranks)."""
+    from pipeline import predict
+
+    model, _ = _build(spec, config, "plain", device)
+    return {s.name: s.step_ms for s in predict(model, batch).steps}
 
 
 def _run_one(spec: RunSpec, config: BenchConfig, variant: str, batches: list, device: torch.device,
