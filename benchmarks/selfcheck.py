@@ -1,8 +1,9 @@
 """`python -m benchmarks selfcheck`: the benchmarks' own pure parts, checked against fakes in a second.
 
 The arithmetic every report rests on (paired ratios, the profiled wait in forward, the bound's
-distance, the order of rounds, the variant names) and the emulated link's setup and cleanup against
-a fake `ip`/`tc` (no root, nothing created). These live here rather than in tests/ so that the tests
+distance, the order of rounds, the variant names, the prediction's table, the validation's errors and
+winner rule) and the emulated link's setup and cleanup against a fake `ip`/`tc` (no root, nothing
+created). These live here rather than in tests/ so that the tests
 never import the benchmarks: tests/test_bench.py runs this command and reads which checks passed.
 Each check raises AssertionError (or any error) on failure; the command prints one line per check.
 """
@@ -187,10 +188,65 @@ def rounds_and_variants() -> None:
             raise AssertionError(f"{bad!r} was taken for a variant")
 
 
+class _Prediction:
+    """Just enough of `pipeline.Prediction`: each pipeline's best step, the winner."""
+
+    def __init__(self, **ms: float) -> None:
+        self.ms = ms
+        fastest = min(ms, key=ms.__getitem__)
+        self.winner = SimpleNamespace(name=f"{fastest}@early", critical="values a2a")
+
+    def best(self, pipeline: str) -> SimpleNamespace:
+        return SimpleNamespace(step_ms=self.ms[pipeline])
+
+
+def prediction_table() -> None:
+    from benchmarks.predict import PIPELINES, prediction_table
+
+    ms = dict(zip(PIPELINES, (12.0, 10.0, 10.5, 9.0, 9.5), strict=True))
+    rows = [("tiny", "1gbit", 2, _Prediction(**ms)), ("tiny", "1gbit", 8, _Prediction(**{**ms, "base": 4.0}))]
+    columns, cells = prediction_table(rows)
+    assert len(columns) == 2 + len(PIPELINES), columns
+    assert [c[0] for c in cells] == ["tiny / 1gbit / 2", "tiny / 1gbit / 8"], "a row per world size"
+    assert cells[0][1:] == ["12.00", "10.00", "10.50", "9.00", "9.50", "fused@early (values a2a)"], cells[0]
+    assert cells[1][-1].startswith("base@"), "the winner of each row is its own"
+
+
+def validation_winner() -> None:
+    from benchmarks.predict import winner
+
+    predicted = {"a": 10.0, "b": 11.0}
+    rounds = {0: {"a": 10.0, "b": 12.0}, 1: {"a": 11.0, "b": 12.5}}
+    assert winner(predicted, rounds).endswith(": right"), "a predicted and measured fastest"
+    tie = {0: {"a": 10.0, "b": 9.0}, 1: {"a": 10.0, "b": 10.5}, 2: {"a": 10.0, "b": 9.8}}
+    assert "a tie within the rounds' spread" in winner(predicted, tie), "b faster in 2 rounds of 3: a tie"
+    wrong = {0: {"a": 12.0, "b": 10.0}, 1: {"a": 11.0, "b": 10.0}}
+    assert "WRONG (a / b 1.150 [1.100, 1.200]" in winner(predicted, wrong), winner(predicted, wrong)
+
+
+def validation_table() -> None:
+    from benchmarks.predict import prediction_name, validation_table
+
+    assert prediction_name("ours-sparse-dist@late-own", "early") == "sparse-dist@late-own", "forced first"
+    assert prediction_name("ours-fused-sparse-dist", "early") == "fused@early", "then what auto kept"
+    assert prediction_name("ours-base", None) == "base"
+    predicted = {"base": 20.0, "sparse-dist@early": 8.0, "fused@late": 12.0}
+    measured = (("ours-base", None, 16.0), ("ours-sparse-dist@early", "early", 10.0),
+                ("ours-fused-sparse-dist", "late", 12.0))  # fmt: skip
+    runs = [{"world_size": 2, "config": "sweep-lo-tiny", "variant": v, "round": i, "status": "ok",
+             "schedule": s, "step_times_s": [ms / 1e3] * 2, "predicted_ms": predicted}
+            for i in range(2) for v, s, ms in measured]  # fmt: skip
+    _, cells, notes = validation_table(runs)
+    assert [c[3] for c in cells] == ["+25.0%", "-20.0%", "+0.0%"], cells
+    assert notes[0] == "2 rank(s): |error| median 20.0%, worst 25.0% over 3 runs", notes
+    sd = "ours-sparse-dist@early"
+    assert notes[-1] == f"winner, lo-tiny at 2: predicted {sd}, measured {sd}: right", notes
+
+
 CHECKS: dict[str, Callable[[], None]] = {f.__name__: f for f in (
     link_rates, link_setup_and_cleanup, link_cleanup_when_setup_fails, link_cleanup_on_ctrl_c_and_sigterm,
     link_removes_only_dead_runs, link_says_why_it_cannot_run, paired_arithmetic, wait_in_forward,
-    tiered_distance, rounds_and_variants)}  # fmt: skip
+    tiered_distance, rounds_and_variants, prediction_table, validation_winner, validation_table)}  # fmt: skip
 
 
 def selfcheck(*, json: str | None, command: str) -> int:
