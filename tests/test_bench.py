@@ -30,6 +30,9 @@ SELFCHECKS = (
     "wait_in_forward",
     "tiered_distance",
     "rounds_and_variants",
+    "prediction_table",
+    "validation_winner",
+    "validation_table",
 )
 TINY = ["--steps", "2", "--warmup", "2", "--rounds", "1"]
 
@@ -218,6 +221,28 @@ def test_overhead_gives_each_loop_over_plain_and_its_cprofile(tmp_path: Path) ->
     profiled = bench("overhead", "--cprofile", "ours-sparse-dist", *TINY, "--only", "pipeline/")
     assert profiled.returncode == 0, profiled.stderr[-3000:]
     assert "| pipeline/" in profiled.stdout, f"no function of pipeline/ in the profile:\n{profiled.stdout}"
+
+
+def test_predict_gives_every_pipeline_at_each_config_link_and_world_size(tmp_path: Path) -> None:
+    out, md, png = tmp_path / "p.json", tmp_path / "p.md", tmp_path / "p.png"
+    where = ["--config", "tiny", "--world-size", "2", "8", "--link", "1gbit", "loopback"]
+    done = bench("predict", *where, "--json", str(out), "--md", str(md), "--plot", str(png))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["predictions"]
+    got = [(r["config"], r["link"], r["world_size"]) for r in rows]
+    assert got == [("tiny", link, w) for link in ("1gbit", "loopback") for w in (2, 8)], got
+    named = {"base", "sparse-dist@early", "prefetch@late", "fused@late-own", "semi-sync@early-shared"}
+    for r in rows:
+        steps, scenario = r["step_ms"], f"{r['link']} at {r['world_size']} ranks"
+        assert named <= set(steps), f"{scenario}: not every pipeline and schedule: {sorted(steps)}"
+        assert all(ms > 0 for ms in steps.values()), f"{scenario}: {steps}"
+        assert steps[r["winner"]] <= 1.005 * min(steps.values()), f"{scenario}: the winner is not the fastest"
+    for two, eight in ((rows[0], rows[1]), (rows[2], rows[3])):
+        assert eight["step_ms"]["base"] > two["step_ms"]["base"], f"{two['link']}: 8 ranks must be slower than 2"
+    assert "| tiny / 1gbit / 8 |" in md.read_text(), "the Markdown table has a row per world size"
+    assert png.read_bytes()[:4] == b"\x89PNG", "the plot was not written"
+    bad = bench("predict", "--config", "tiny", "--world-size", "2", "--link", "fast", "--plot", "")
+    assert bad.returncode == 2 and "not a link" in bad.stderr, f"a bad link: {bad.returncode} {bad.stderr}"
 
 
 def test_hit_rates_no_policy_beats_beladys_optimum(tmp_path: Path) -> None:

@@ -313,29 +313,6 @@ def test_machine_costs_are_cached_per_set_of_facts(tmp_path, monkeypatch):
     assert len(json.loads(path.read_text())) == 2, "and kept beside the first"
 
 
-def test_the_cli_registers_as_a_command_and_prints_one_row_per_config_link_and_world_size():
-    import argparse
-
-    from benchmarks import predict as cli
-    from pipeline.predictor.api import predict_workload
-    from pipeline.predictor.machine import CollectiveCost, MachineCosts
-
-    parser = argparse.ArgumentParser(prog="python -m benchmarks")
-    cli.register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["predict", "--config", "demo", "--world-size", "2", "64", "--link", "1gbit"])
-    assert args.command == "predict" and args.world_size == [2, 64] and callable(args.run)
-    zero = CollectiveCost(host=0.0, latency=1e-4)
-    numbers = {f.name: 1e-9 for f in dataclasses.fields(MachineCosts) if f.type == "float"}
-    pairs = dict.fromkeys(("start", "splits", "values", "output", "allreduce"), zero)
-    machine = MachineCosts(**numbers, **pairs, loopback=LOOPBACK, facts={})
-    rows = [
-        ("demo", "1gbit", w, predict_workload(workload(2).at_world_size(w), machine, "1gbit"))
-        for w in (2, 64)
-    ]
-    lines = cli.table(rows).splitlines()
-    assert len(lines) == 3 + 2 and all("demo" in line for line in lines[3:]), "a row per world size"
-
-
 def test_the_prefetch_stage_hides_the_cache_fill_that_the_others_pay_in_their_lookup():
     c = costs(**COMPUTE, prefetch=0.020)
     assert run_pipeline("sparse-dist", "late", c, cores=2).step == pytest.approx(0.030, rel=1e-6), (
@@ -349,20 +326,6 @@ def test_the_prefetch_stage_hides_the_cache_fill_that_the_others_pay_in_their_lo
     assert run_pipeline("prefetch", "late", c, cores=1).step == pytest.approx(0.030, rel=1e-6), (
         "one core: the worker and compute take turns, nothing is hidden"
     )
-
-
-def test_the_validation_judges_the_winner_among_those_predicted_within_noise():
-    from benchmarks.predict_validate import Check, report
-
-    def check(variant: str, predicted: float, measured: float) -> Check:
-        return Check(point="p", world_size=2, variant=variant, predicted_ms=predicted, measured_ms=measured)
-
-    tie = [check("a", 10.0, 12.0), check("b", 10.2, 10.0), check("c", 15.0, 16.0)]
-    assert report(tie, noise=0.05)[-1].endswith(": right"), "b was predicted within noise of a"
-    wrong = [check("a", 10.0, 12.0), check("b", 11.0, 10.0)]
-    assert "WRONG (20.0% slower" in report(wrong, noise=0.05)[-1], "b was predicted 10 % slower"
-    lines = report(wrong, noise=0.05)
-    assert any("|error| median 13.3%, worst 16.7%" in line for line in lines), lines
 
 
 def test_on_cuda_the_copy_of_a_later_batch_overlaps_compute():
