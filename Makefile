@@ -21,7 +21,7 @@ DEV_TOOLS := pytest pytest-timeout ruff matplotlib setuptools torchdata
 STAMP := $(VENV)/.setup-$(VARIANT)-torchrec$(TORCHREC)
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint demo demo-faults bench bench-overhead bench-tiered hit-rates bench-sweep bench-big bench-agreement timeline clean
+.PHONY: setup test lint demo demo-faults bench bench-overhead bench-tiered hit-rates bench-sweep bench-big bench-agreement predict timeline clean
 
 setup: $(STAMP)
 
@@ -134,6 +134,13 @@ bench-agreement: setup
 BIG_GB ?= 16
 bench-big: setup
 	$(BIN)/python -m benchmarks big-tables --total-gb $(BIG_GB) --store-dir $(BENCH_STORE_DIR)-big $(BIG_ARGS)
+
+# Each pipeline's predicted step (the cost model of pipeline.predict) for benchmark configs over world
+# sizes and links: a table and out/predict/predict.png. Times nothing but the dense part;
+# PREDICT_ARGS=--validate measures the sweep points against it (a benchmark, docs/benchmarks.md).
+PREDICT_ARGS ?= --world-size 2 8 64 512 1024 --link 1gbit 10gbit
+predict: setup
+	$(BIN)/python -m benchmarks predict $(PREDICT_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info
