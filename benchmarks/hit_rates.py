@@ -10,7 +10,7 @@ batch being loaded or of the one still in flight. No online policy can miss less
 (with a batch's rows all resident at once, MIN is optimal up to the order within a batch).
 
 Hits and misses count once per distinct row per batch, as `tiered.CacheStats` does, over batches
-`skip` to `batches` (the caches are full by then). Prints a Markdown table; `--md`/`--json` write it.
+`skip` to `batches` (the caches are full by then). Prints the table; `--md`/`--json` write it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from benchmarks.configs import get_config
 from benchmarks.measure import machine
 from benchmarks.models import make_batches
-from benchmarks.report import markdown_table, write
+from benchmarks.report import publish
 from tiered import POLICIES, RowCache, make_policy
 
 __all__ = ["belady_hits", "hit_rates", "id_streams", "policy_hits"]
@@ -131,28 +131,14 @@ def hit_rates(*, config: str, batches: int, skip: int, tables: int, fractions: l
                     totals += policy_hits(stream, chosen.num_embeddings, capacity, name, skip)
             column[name] = float(totals[0] / totals.sum())
         result[f"{fraction:g}"] = column
-    lines = [f"Command: `{command}`  ",
-             f"Machine: {machine()} (offline, deterministic: no rounds, no spread)  ",
-             f"Hit rate on `{config}`: {len(streams)} tables, batches {skip}-{batches}, seed {seed}", "",
-             *_table(result), ""]  # fmt: skip
-    print("\n".join(lines))
-    write(
-        {"command": command, "config": config, "hit_rate": result},
-        "\n".join(lines),
-        json_path=json,
-        md_path=md,
-    )
+    meta = {"command": command, "machine": f"{machine()} (offline, deterministic: no rounds, no spread)"}
+    rows = [[name, *(f"{column[name]:.3f}" for column in result.values())] for name in [*POLICIES, "belady"]]
+    notes = [f"hit rate on {config}: {len(streams)} tables, batches {skip}-{batches}, seed {seed}"]
+    for f, column in result.items():
+        value, name = max((v, n) for n, v in column.items() if n != "belady")
+        notes.append(f"{f} cached: the best policy, {name}, is at {value / column['belady']:.3f} of "
+                     f"Belady's ({column['belady'] - value:.3f} below)")  # fmt: skip
+    columns = ["policy", *(f"{f} cached" for f in result)]
+    publish({"meta": meta, "config": config, "hit_rate": result}, meta, "Cache hit rates", columns, rows,
+            notes, json_path=json, md_path=md)  # fmt: skip
     return 0
-
-
-def _table(result: dict[str, dict[str, float]]) -> list[str]:
-    fractions = list(result)
-    rows = [[name, *(f"{result[f][name]:.3f}" for f in fractions)] for name in result[fractions[0]]]
-    lines = markdown_table(["policy", *(f"{f} cached" for f in fractions)], rows)
-    best = {f: max((v, n) for n, v in result[f].items() if n != "belady") for f in fractions}
-    lines.append("")
-    for f, (value, name) in best.items():
-        optimum = result[f]["belady"]
-        lines.append(f"- {f} cached: the best policy, {name}, is at {value / optimum:.3f} of Belady's "
-                     f"({optimum - value:.3f} below)")  # fmt: skip
-    return lines

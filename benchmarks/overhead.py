@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from benchmarks.report import by_round, header, markdown_table, paired_difference, publish
+from benchmarks.report import by_round, cell, header, markdown_table, paired_difference, publish
 from benchmarks.run import run_benchmark
 from benchmarks.spec import RunSpec
 
@@ -53,7 +53,8 @@ def table(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], list[
         cells.append([
             variant, f"{statistics.median(r[variant] for r in wall.values() if variant in r):.3f}",
             f"{statistics.median(r[variant] for r in cpu.values() if variant in r):.3f}",
-            _signed(over[variant]), _signed(paired_difference(wall, variant, "plain") if base else None),
+            cell(over[variant], "+.3f"),
+            cell(paired_difference(wall, variant, "plain") if base else None, "+.3f"),
         ])  # fmt: skip
     notes = [f"{r['variant']}: {r['message']}" for r in runs if r["status"] != "ok" and r["round"] == 0]
     for ours, theirs in (("ours-base", "torchrec-base"), ("ours-sparse-dist", "torchrec-sparse-dist")):
@@ -63,10 +64,6 @@ def table(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], list[
                          f"{a.median / b.median:.2f} "
                          "(ratio of the medians)")  # fmt: skip
     return columns, cells, notes
-
-
-def _signed(p: Any) -> str:
-    return "-" if p is None else f"{p:+.3f}"
 
 
 def functions(runs: list[dict[str, Any]], top: int, sort: str, only: list[str]) -> list[str]:

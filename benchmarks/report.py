@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Paired", "by_round", "header", "markdown_table", "over_rounds", "paired", "paired_difference",
-           "publish", "text_table", "write"]  # fmt: skip
+__all__ = ["Paired", "by_round", "cell", "header", "markdown_table", "over_rounds", "paired",
+           "paired_difference", "publish", "text_table", "write"]  # fmt: skip
 
 Rounds = Mapping[Any, Mapping[str, float]]
 """Per round, a figure per variant (e.g. its median step time in ms)."""
@@ -85,6 +85,11 @@ def header(meta: Mapping[str, Any]) -> list[str]:
         "Figures: median over rounds [lowest, highest round]; a ratio or difference is taken within "
         "each round (paired), then the median over rounds.",
     ]
+
+
+def cell(value: Any, spec: str) -> str | None:
+    """`value` formatted with `spec` for a table cell; None (shown as "-") for no value."""
+    return None if value is None else format(value, spec)
 
 
 def _cells(rows: Sequence[Sequence[Any]]) -> list[list[str]]:

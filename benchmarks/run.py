@@ -20,7 +20,7 @@ from benchmarks.configs import RUN_CONFIGS, get_config
 from benchmarks.launch import launch
 from benchmarks.link import emulated_link, parse_rate
 from benchmarks.measure import cpu_busy, machine
-from benchmarks.report import Paired, by_round, over_rounds, paired, publish
+from benchmarks.report import Paired, by_round, cell, over_rounds, paired, publish
 from benchmarks.spec import VARIANTS, RunSpec, reference
 
 __all__ = ["Row", "merge_ranks", "run", "run_benchmark", "summarize"]
@@ -164,10 +164,6 @@ def _median(runs: list[dict[str, Any]], key: str, scale: float = 1.0) -> float |
     return statistics.median(values) if values else None
 
 
-def _f(value: float | None, spec: str) -> str | None:
-    return None if value is None else format(value, spec)
-
-
 def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str | None]], list[str]]:
     """The summary's columns, cells and notes (rows as in the JSON: `Paired` figures as dicts)."""
     disk = any(r["cache_hit_rate"] is not None for r in rows)
@@ -178,15 +174,15 @@ def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str | None]]
     for r in (r for r in rows if r["status"] == "ok"):
         p = {k: Paired(**r[k]) if r[k] else None for k in ("step_ms", "vs_plain", "vs_reference", "cpu_ms")}
         ref = p["vs_reference"] and f"{p['vs_reference']:.2f} ({r['reference']})"
-        line = [f"{r['config']} / {r['variant']}", f"{p['step_ms']:.1f}", _f(r["samples_per_s"], ",.0f"),
-                _f(p["vs_plain"], ".2f"), ref, f"{p['cpu_ms']:.1f}", _f(r["rss_mib"], ".1f"),
-                _f(r["tensor_mib"], ".1f"), _f(r["wait_in_forward_ms"], ".2f"),
-                _f(r["assembly_in_wait_ms"], ".2f"), r["schedule"]]  # fmt: skip
+        line = [f"{r['config']} / {r['variant']}", f"{p['step_ms']:.1f}", cell(r["samples_per_s"], ",.0f"),
+                cell(p["vs_plain"], ".2f"), ref, f"{p['cpu_ms']:.1f}", cell(r["rss_mib"], ".1f"),
+                cell(r["tensor_mib"], ".1f"), cell(r["wait_in_forward_ms"], ".2f"),
+                cell(r["assembly_in_wait_ms"], ".2f"), r["schedule"]]  # fmt: skip
         if disk:
             line += [
-                _f(r["cache_hit_rate"], ".3f"),
-                _f(r["store_read_ms"], ".1f"),
-                _f(r["prefetch_ms"], ".1f"),
+                cell(r["cache_hit_rate"], ".3f"),
+                cell(r["store_read_ms"], ".1f"),
+                cell(r["prefetch_ms"], ".1f"),
             ]
         cells.append(line)
     notes = [f"{r['config']} / {r['variant']}: {r['message']}" for r in rows if r["status"] != "ok"]

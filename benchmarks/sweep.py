@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.configs import SWEEP_LINKS, sweep_points
-from benchmarks.report import Paired, by_round, markdown_table, paired, publish
+from benchmarks.report import Paired, by_round, cell, markdown_table, paired, publish
 from benchmarks.run import run_benchmark
 from benchmarks.spec import SCHEDULES, RunSpec
 
@@ -97,10 +97,6 @@ def analyse(runs: list[dict[str, Any]], *, name: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _f(value: Any, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def table(points: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """The main table: per point, what bounds it, the paired ratios, the bound, the tuner."""
     columns = ["point", "link", "bound by", "compute ms", "comm ms", "torchrec SD ms", "ours SD / torchrec",
@@ -111,18 +107,18 @@ def table(points: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
         by = "-" if p["compute_ms"] is None else ("network" if p["comm_ms"] > p["compute_ms"] else "compute")
         kept = " ".join(f"{s} x{n}" for s, n in Counter(p["auto_kept"]).most_common())
         mark = "" if p["auto_right"] is None else (" ok" if p["auto_right"] else " not the fastest")
+        ratios = ("sd_vs_torchrec", "pf_vs_sd", "base_vs_plain", "sd_to_bound")
+        ms = (p["compute_ms"], p["comm_ms"], p["median_ms"].get(TR))
         cells.append([p["name"].removeprefix("sweep-"), p["link"] or "loopback", by,
-                      _f(p["compute_ms"], ".1f"), _f(p["comm_ms"], ".1f"), _f(p["median_ms"].get(TR), ".1f"),
-                      _f(p["sd_vs_torchrec"], ".2f"),
-                      _f(p["pf_vs_sd"], ".2f"), _f(p["base_vs_plain"], ".2f"), _f(p["sd_to_bound"], ".2f"),
-                      kept + mark, p["fastest_forced"] or "-", _f(p["tuning_cost"], ".2%")])  # fmt: skip
+                      *(cell(v, ".1f") for v in ms), *(cell(p[k], ".2f") for k in ratios), kept + mark,
+                      p["fastest_forced"] or "-", cell(p["tuning_cost"], ".2%")])  # fmt: skip
     return columns, cells
 
 
 def forced_table(points: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """Our SparseDist's median step per forced schedule, and what auto kept per round."""
     columns = ["point", *(f"{s} ms" for s in SCHEDULES), "auto (SD)", "auto (PF)"]
-    cells = [[p["name"].removeprefix("sweep-"), *(_f(p["median_ms"].get(v), ".1f") for v in FORCED),
+    cells = [[p["name"].removeprefix("sweep-"), *(cell(p["median_ms"].get(v), ".1f") for v in FORCED),
               ", ".join(p["auto_kept"]) or "-", ", ".join(p["auto_kept_pf"]) or "-"]
              for p in points]  # fmt: skip
     return columns, cells

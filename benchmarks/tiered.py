@@ -15,7 +15,7 @@ import statistics
 from typing import Any
 
 from benchmarks.configs import TIERED_CONFIGS
-from benchmarks.report import by_round, over_rounds, paired, publish
+from benchmarks.report import by_round, cell, over_rounds, paired, publish
 from benchmarks.run import run_benchmark
 from benchmarks.spec import RunSpec
 
@@ -53,15 +53,9 @@ def distance(steps: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
 
 def table(results: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
     """One line per world size and config."""
-    columns = [
-        "ranks / config",
-        "plain ms",
-        "SparseDist ms",
-        "Prefetch ms",
-        "I/O alone ms",
-        "compute alone ms",
-    ]
-    columns += ["Prefetch / bound", "Prefetch / plain", "CPU ms/step", "hit rate"]
+    columns = ["ranks / config", "plain ms", "SparseDist ms", "Prefetch ms", "I/O alone ms",
+               "compute alone ms", "Prefetch / bound", "Prefetch / plain", "CPU ms/step",
+               "hit rate"]  # fmt: skip
     cells = []
     for result in results:
         for config in dict.fromkeys(r["config"] for r in result["runs"]):
@@ -73,7 +67,7 @@ def table(results: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
             )
             cells.append([
                 f"{result['meta']['world_size']} / {config}", *(_ms(steps, v) for v in VARIANTS),
-                _f(paired(steps, PF, "bound")), _f(paired(steps, PF, "plain")),
+                cell(paired(steps, PF, "bound"), ".2f"), cell(paired(steps, PF, "plain"), ".2f"),
                 " / ".join(_ms(cpu, v) or "-" for v in ("plain", PF, "io-alone", "compute-alone")),
                 f"{hit.median:.3f}" if hit else None,
             ])  # fmt: skip
@@ -83,7 +77,3 @@ def table(results: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
 def _ms(rounds: dict[int, dict[str, float]], variant: str) -> str | None:
     values = [r[variant] for r in rounds.values() if variant in r]
     return f"{statistics.median(values):.1f}" if values else None
-
-
-def _f(p: Any) -> str | None:
-    return None if p is None else f"{p:.2f}"
