@@ -41,22 +41,15 @@ def _common(p: argparse.ArgumentParser, *, steps: int, warmup: int, rounds: int,
     p.add_argument("--md", default=md, help=f"the report, as Markdown (default {md}; '' for none)")
 
 
+def _names(p: argparse.ArgumentParser, flag: str, help: str) -> None:
+    """A flag taking names (configs, variants, points); none given: the subcommand's default ones."""
+    p.add_argument(flag, nargs="+", default=[], metavar="NAME", help=help)
+
+
 def _run(p: argparse.ArgumentParser) -> None:
     _common(p, steps=30, warmup=20, rounds=4, json="out/bench/results.json", md="out/bench/results.md")
-    p.add_argument(
-        "--configs",
-        nargs="+",
-        default=[],
-        metavar="NAME",
-        help="configs (default demo input-dist-heavy compute-heavy; all: benchmarks/configs.py)",
-    )
-    p.add_argument(
-        "--variants",
-        nargs="+",
-        default=[],
-        metavar="NAME",
-        help="NAME[@SCHEDULE][+FLAG...] (benchmarks/spec.py; default the 7 of docs/benchmarks.md)",
-    )
+    _names(p, "--configs", "configs (default: demo input-dist-heavy compute-heavy; benchmarks/configs.py)")
+    _names(p, "--variants", "NAME[@SCHEDULE][+FLAG...] (benchmarks/spec.py; default: docs/benchmarks.md's 7)")
     p.add_argument("--auto-warmup", type=int, default=55, help="untimed steps under auto-tuning (default 55)")
     p.add_argument("--profile-steps", type=int, default=5, help="steps of the profiled segment; 0: none")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: nccl, one GPU per rank")
@@ -69,33 +62,24 @@ def _run(p: argparse.ArgumentParser) -> None:
 def _overhead(p: argparse.ArgumentParser) -> None:
     _common(p, steps=300, warmup=120, rounds=5, json="", md="")
     p.add_argument("--world-size", type=int, default=1, help="ranks (default 1)")
-    p.add_argument("--variants", nargs="+", default=[], metavar="NAME",
-                   help="loops besides plain (default ours and torchrec's Base and SparseDist, ours "
-                        "Prefetch and FusedSparseDist); e.g. ours-base+nocheck")  # fmt: skip
+    _names(p, "--variants", "loops besides plain (default ours and torchrec's Base and SparseDist, ours "
+           "Prefetch and FusedSparseDist); e.g. ours-base+nocheck")  # fmt: skip
     p.add_argument("--cprofile", metavar="VARIANT", help="run this loop once under cProfile instead")
     p.add_argument("--top", type=int, default=30, help="cProfile rows shown (default 30)")
     p.add_argument("--sort", choices=("own", "cum"), default="own", help="cProfile rows by own or cumulative")
-    p.add_argument(
-        "--only", nargs="*", default=[], metavar="PREFIX", help="cProfile rows of these paths only"
-    )
+    p.add_argument("--only", nargs="*", default=[], metavar="PREFIX", help="rows of these paths only")
 
 
 def _sweep(p: argparse.ArgumentParser) -> None:
     _common(p, steps=20, warmup=5, rounds=3, json="out/sweep/sweep.json", md="out/sweep/sweep.md")
-    p.add_argument("--points", nargs="+", default=[], metavar="NAME", help="points (default all 14)")
+    _names(p, "--points", "points (default all 14)")
     p.add_argument("--auto-warmup", type=int, default=75, help="untimed steps under auto-tuning (default 75)")
     p.add_argument("--png", default="out/sweep/sweep.png", help="the plot ('' for none)")
 
 
 def _tiered(p: argparse.ArgumentParser) -> None:
     _common(p, steps=15, warmup=110, rounds=2, json="out/bench/tiered.json", md="out/bench/tiered.md")
-    p.add_argument(
-        "--configs",
-        nargs="+",
-        default=[],
-        metavar="NAME",
-        help="configs with tables on disk (default tiered tiered-skewed tiered-balanced)",
-    )
+    _names(p, "--configs", "configs with tables on disk (default tiered tiered-skewed tiered-balanced)")
     p.add_argument("--world-sizes", nargs="+", type=int, default=[1, 2], help="default 1 2")
     p.add_argument("--store-dir", default=_STORE, help="stores (local disk; $BENCH_STORE_DIR)")
 
@@ -105,9 +89,7 @@ def _hit_rates(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, default=1500, help="batches replayed (default 1500)")
     p.add_argument("--skip", type=int, default=500, help="batches before the counted ones (default 500)")
     p.add_argument("--tables", type=int, default=8, help="tables replayed (default 8)")
-    p.add_argument(
-        "--fractions", type=float, nargs="+", default=[], help="cache sizes (default the config's)"
-    )
+    p.add_argument("--fractions", type=float, nargs="+", default=[], help="cache sizes (default: config's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the result here")
     p.add_argument("--md", help="also write the table here")
@@ -141,7 +123,7 @@ def _predict(p: argparse.ArgumentParser) -> None:
     p.add_argument("--refresh-costs", action="store_true", help="measure this machine's costs again (~15 s)")
     p.add_argument("--plot", default="out/predict/predict.png", help="the plot ('' for none)")
     p.add_argument("--validate", action="store_true", help="run sweep points and compare (a benchmark)")
-    p.add_argument("--points", nargs="+", default=[], metavar="NAME", help="points (default all 14)")
+    _names(p, "--points", "points (default all 14)")
     p.add_argument("--validate-world-size", nargs="+", type=int, default=[2, 1], metavar="N",
                    help="1 (loopback) and/or 2 (each point's link, emulated: root); default 2 1")  # fmt: skip
 
