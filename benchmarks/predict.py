@@ -20,7 +20,7 @@ from typing import Any
 
 from benchmarks.configs import SWEEP_LINKS, get_config, sweep_points
 from benchmarks.measure import machine
-from benchmarks.report import Paired, by_round, over_rounds, paired, publish
+from benchmarks.report import Paired, by_round, over_rounds, paired, publish, pyplot, save_figure
 from benchmarks.run import run_benchmark
 from benchmarks.spec import SCHEDULES, RunSpec, parse_variant
 
@@ -63,7 +63,6 @@ def predict(*, config: list[str], world_size: list[int], link: list[str], cores_
     publish(result, meta, "Predicted steps", *prediction_table(rows), notes, json_path=json, md_path=md)
     if plot:
         plot_predictions(rows, plot)
-        print(f"wrote {plot}")
     return 0
 
 
@@ -128,14 +127,9 @@ def prediction_table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
 def plot_predictions(rows: list[Row], path: str) -> None:
     """Per config and link: each pipeline's predicted step over Base's against the world size, with
     the winner named where it changes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     configs, links = list(dict.fromkeys(r[0] for r in rows)), list(dict.fromkeys(r[1] for r in rows))
-    fig, axes = plt.subplots(len(configs), len(links), figsize=(5 * len(links), 3.6 * len(configs)),
-                             squeeze=False)  # fmt: skip
+    fig, axes = pyplot().subplots(len(configs), len(links), figsize=(5 * len(links), 3.6 * len(configs)),
+                                  squeeze=False)  # fmt: skip
     for (ci, config), (li, rate) in ((c, lk) for c in enumerate(configs) for lk in enumerate(links)):
         ax, series = axes[ci][li], [(w, p) for c, lk, w, p in rows if (c, lk) == (config, rate)]
         lowest = 1.0
@@ -157,10 +151,7 @@ def plot_predictions(rows: list[Row], path: str) -> None:
         ax.title.set_fontsize(8)
     axes[0][0].legend(fontsize=7)
     fig.suptitle("predicted step per pipeline (best schedule) over Base's; labels: the winner", fontsize=10)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def prediction_name(variant: str, schedule: str | None) -> str:

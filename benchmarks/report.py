@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Paired", "by_round", "cell", "header", "markdown_table", "over_rounds", "paired",
-           "paired_difference", "publish", "text_table", "write"]  # fmt: skip
+           "paired_difference", "publish", "pyplot", "save_figure", "text_table", "write"]  # fmt: skip
 
 Rounds = Mapping[Any, Mapping[str, float]]
 """Per round, a figure per variant (e.g. its median step time in ms)."""
@@ -126,6 +126,25 @@ def publish(result: dict[str, Any], meta: Mapping[str, Any], title: str, columns
     lines = [f"# {title}", "", *(f"{h}  " for h in header(meta)), "", *markdown_table(columns, cells), "",
              *(f"- {n}" for n in notes), "", *more]  # fmt: skip
     write(result, "\n".join(lines), json_path=json_path, md_path=md_path)
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files only (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: str) -> None:
+    """Lay out, write (its folder made) and close a figure of `pyplot()`; say where."""
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    print(f"wrote {path}")
 
 
 def write(result: dict[str, Any], markdown: str, *, json_path: str | None, md_path: str | None) -> None:

@@ -188,23 +188,17 @@ def rounds_and_variants() -> None:
             raise AssertionError(f"{bad!r} was taken for a variant")
 
 
-class _Prediction:
+def _prediction(**ms: float) -> SimpleNamespace:
     """Just enough of `pipeline.Prediction`: each pipeline's best step, the winner."""
-
-    def __init__(self, **ms: float) -> None:
-        self.ms = ms
-        fastest = min(ms, key=ms.__getitem__)
-        self.winner = SimpleNamespace(name=f"{fastest}@early", critical="values a2a")
-
-    def best(self, pipeline: str) -> SimpleNamespace:
-        return SimpleNamespace(step_ms=self.ms[pipeline])
+    winner = SimpleNamespace(name=f"{min(ms, key=ms.__getitem__)}@early", critical="values a2a")
+    return SimpleNamespace(best=lambda pipeline: SimpleNamespace(step_ms=ms[pipeline]), winner=winner)
 
 
 def prediction_table() -> None:
     from benchmarks.predict import PIPELINES, prediction_table
 
     ms = dict(zip(PIPELINES, (12.0, 10.0, 10.5, 9.0, 9.5), strict=True))
-    rows = [("tiny", "1gbit", 2, _Prediction(**ms)), ("tiny", "1gbit", 8, _Prediction(**{**ms, "base": 4.0}))]
+    rows = [("tiny", "1gbit", 2, _prediction(**ms)), ("tiny", "1gbit", 8, _prediction(**{**ms, "base": 4.0}))]
     columns, cells = prediction_table(rows)
     assert len(columns) == 2 + len(PIPELINES), columns
     assert [c[0] for c in cells] == ["tiny / 1gbit / 2", "tiny / 1gbit / 8"], "a row per world size"

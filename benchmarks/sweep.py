@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.configs import SWEEP_LINKS, sweep_points
-from benchmarks.report import Paired, by_round, cell, markdown_table, paired, publish
+from benchmarks.report import Paired, by_round, cell, markdown_table, paired, publish, pyplot, save_figure
 from benchmarks.run import run_benchmark
 from benchmarks.spec import SCHEDULES, RunSpec
 
@@ -126,13 +126,8 @@ def forced_table(points: list[dict[str, Any]]) -> tuple[list[str], list[list[str
 
 def plot(points: list[dict[str, Any]], path: str, title: str) -> None:
     """Each variant's paired ratio to torchrec's SparseDist per point, bars the rounds' range; the bound."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     shown = ("plain", "ours-base", SD, PF, *FORCED)
-    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(points) + 3), 5.5))
+    fig, ax = pyplot().subplots(figsize=(max(8, 0.9 * len(points) + 3), 5.5))
     width = 0.8 / len(shown)
     for i, variant in enumerate(shown):
         got: list[tuple[int, Paired]] = [(x, p["vs_torchrec"][variant]) for x, p in enumerate(points)
@@ -153,6 +148,4 @@ def plot(points: list[dict[str, Any]], path: str, title: str) -> None:
     ax.set_ylabel("step / torchrec SparseDist (paired median, bars: rounds' range)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
