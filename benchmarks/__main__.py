@@ -64,6 +64,8 @@ def _overhead(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=1, help="ranks (default 1)")
     _names(p, "--variants", "loops besides plain (default ours and torchrec's Base and SparseDist, ours "
            "Prefetch and FusedSparseDist); e.g. ours-base+nocheck")  # fmt: skip
+    _names(p, "--configs", "models (default tiny); tiny-split, tiny-built, tiny-shared: its forward written "
+           "the ways users write models, each compared with tiny")  # fmt: skip
     p.add_argument("--cprofile", metavar="VARIANT", help="run this loop once under cProfile instead")
     p.add_argument("--top", type=int, default=30, help="cProfile rows shown (default 30)")
     p.add_argument("--sort", choices=("own", "cum"), default="own", help="cProfile rows by own or cumulative")

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["CONFIGS", "RUN_CONFIGS", "SWEEP_LINKS", "TIERED_CONFIGS", "BenchConfig", "get_config",
+__all__ = ["CONFIGS", "HEADS", "RUN_CONFIGS", "SWEEP_LINKS", "TIERED_CONFIGS", "BenchConfig", "get_config",
            "sweep_points"]  # fmt: skip
+
+HEADS = ("dlrm", "linear", "linear-split", "linear-built", "linear-shared")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -42,7 +44,10 @@ class BenchConfig:
     num_dense: int = 13
     """Dense features per sample (DLRM takes 13)."""
     head: str = "dlrm"
-    """`dlrm`, or `linear`: one linear layer over the pooled embeddings and the dense features."""
+    """`dlrm`, or `linear`: one linear layer over the pooled embeddings and the dense features; or
+    `linear` written the way users write models: `linear-split` (the batch's KJT split between two
+    collections in forward), `linear-built` (a KJT built in forward from the batch's tensors) and
+    `linear-shared` (one collection of half the tables called on both halves of the features)."""
     sharding_types: tuple[str, ...] = ("table_wise", "column_wise")
     """What the planner may choose on CPU (gloo has no row-wise); on CUDA it chooses freely."""
     cache_fraction: float | None = None
@@ -56,8 +61,8 @@ class BenchConfig:
         for field in ("batch_size", "embedding_dim", "num_embeddings", "ids_per_feature", "num_tables"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{self.name}: {field} must be positive, got {getattr(self, field)}")
-        if self.head not in ("dlrm", "linear"):
-            raise ValueError(f"{self.name}: head must be dlrm or linear, got {self.head!r}")
+        if self.head not in HEADS:
+            raise ValueError(f"{self.name}: head must be one of {', '.join(HEADS)}, got {self.head!r}")
 
 
 _DEMO = BenchConfig(name="demo", description="the demo's DLRM: 1 id per feature, dim 16, 64-wide MLPs",
@@ -75,6 +80,10 @@ _GPU_LARGE = BenchConfig(
     batch_size=4096, embedding_dim=128, num_embeddings=500_000, ids_per_feature=10,
     dense_hidden=(1024, 512), over_hidden=(1024, 1024, 512),
 )  # fmt: skip
+_TINY = BenchConfig(name="tiny", description="4 tables of 1,000 rows x 8, batch 64, one linear layer: "
+                   "nothing to hide", batch_size=64, embedding_dim=8, num_embeddings=1_000,
+                   ids_per_feature=3, num_tables=4, num_dense=4, head="linear",
+                   sharding_types=("table_wise",))  # fmt: skip
 _LIST = [
     _DEMO,
     replace(_DEMO, name="input-dist-heavy", batch_size=256, embedding_dim=4, ids_per_feature=100,
@@ -83,10 +92,12 @@ _LIST = [
     replace(_DEMO, name="compute-heavy", batch_size=256, embedding_dim=64, dense_hidden=(512, 256),
             over_hidden=(1024, 1024, 512),
             description="1 id per feature, dim 64, 1024-wide MLPs: input_dist is a small part"),
-    BenchConfig(name="tiny", description="4 tables of 1,000 rows x 8, batch 64, one linear layer: "
-                "nothing to hide", batch_size=64, embedding_dim=8, num_embeddings=1_000,
-                ids_per_feature=3, num_tables=4, num_dense=4, head="linear",
-                sharding_types=("table_wise",)),
+    _TINY,
+    *(replace(_TINY, name=f"tiny-{p}", head=f"linear-{p}", description=f"tiny, its forward written "
+              f"the {p} way: {how}") for p, how in (
+        ("split", "the batch's KJT split between two collections"),
+        ("built", "a KJT built from the batch's values and lengths"),
+        ("shared", "one collection of 2 tables called on both halves of the features"))),
     _TIERED,
     replace(_TIERED, name="tiered-skewed", cache_fraction=0.02, id_skew=1.05,
             description="8 tables of 1M rows on disk, 2 % cached, power-law ids (exponent 1.05)"),

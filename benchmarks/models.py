@@ -32,7 +32,8 @@ from benchmarks.configs import BenchConfig
 from examples.dlrm.model import unsharded_dlrm
 from tiered import TIERED, TieredEmbeddingBagCollectionSharder, TieredOptions
 
-__all__ = ["BuiltModel", "Linear", "batch_nbytes", "build_model", "make_batches"]
+__all__ = ["BuiltModel", "Linear", "LinearBuilt", "LinearShared", "LinearSplit", "batch_nbytes",
+           "build_model", "make_batches"]  # fmt: skip
 
 _LR = 0.05
 
@@ -56,10 +57,58 @@ class Linear(nn.Module):
         self.linear = nn.Linear(config.num_tables * config.embedding_dim + config.num_dense, 1)
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        pooled = self.ebc(batch.sparse_features).values()
+        return self.head(self.ebc(batch.sparse_features).values(), batch)
+
+    def head(self, pooled: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.linear(torch.cat([pooled, batch.dense_features], dim=1)).squeeze(1)
         loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.float())
         return loss, logits.detach()
+
+
+class LinearSplit(Linear):
+    """`linear-split`: the batch's KJT split in forward between two collections of half the tables."""
+
+    def __init__(self, tables: list[EmbeddingBagConfig], config: BenchConfig) -> None:
+        half = len(tables) // 2
+        super().__init__(EmbeddingBagCollection(tables=tables[:half], device=torch.device("meta")), config)
+        self.second = EmbeddingBagCollection(tables=tables[half:], device=torch.device("meta"))
+        self.segments = [half, len(tables) - half]
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        first, second = batch.sparse_features.split(self.segments)
+        return self.head(torch.cat([self.ebc(first).values(), self.second(second).values()], dim=1), batch)
+
+
+class LinearBuilt(Linear):
+    """`linear-built`: forward builds the collection's KJT from the batch's values and lengths."""
+
+    def __init__(self, tables: list[EmbeddingBagConfig], config: BenchConfig) -> None:
+        super().__init__(EmbeddingBagCollection(tables=tables, device=torch.device("meta")), config)
+        self.keys = [f for t in tables for f in t.feature_names]
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        kjt = batch.sparse_features
+        built = KeyedJaggedTensor(keys=self.keys, values=kjt.values(), lengths=kjt.lengths())
+        return self.head(self.ebc(built).values(), batch)
+
+
+class LinearShared(Linear):
+    """`linear-shared`: one collection of the first half of the tables, called on the first half of
+    the features and again on the second half (renamed to the first half's keys)."""
+
+    def __init__(self, tables: list[EmbeddingBagConfig], config: BenchConfig) -> None:
+        half = len(tables) // 2
+        super().__init__(EmbeddingBagCollection(tables=tables[:half], device=torch.device("meta")), config)
+        self.keys = [f for t in tables[:half] for f in t.feature_names]
+        self.segments = [half, len(tables) - half]
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        first, second = batch.sparse_features.split(self.segments)
+        renamed = KeyedJaggedTensor(keys=self.keys, values=second.values(), lengths=second.lengths())
+        return self.head(torch.cat([self.ebc(first).values(), self.ebc(renamed).values()], dim=1), batch)
+
+
+_PATTERNS = {"linear-split": LinearSplit, "linear-built": LinearBuilt, "linear-shared": LinearShared}
 
 
 def build_model(
@@ -80,6 +129,9 @@ def build_model(
     if config.head == "linear":
         model: nn.Module = Linear(EmbeddingBagCollection(tables=tables, device=torch.device("meta")), config)
         ebc, fqn = model.ebc, "ebc"
+    elif config.head in _PATTERNS:
+        model = _PATTERNS[config.head](tables, config)
+        ebc, fqn = model.ebc, "ebc"
     else:
         model = unsharded_dlrm(tables, embedding_dim=config.embedding_dim, dense_hidden=config.dense_hidden,
                                over_hidden=config.over_hidden)  # fmt: skip
@@ -87,8 +139,12 @@ def build_model(
             model.model.sparse_arch.embedding_bag_collection,
             "model.sparse_arch.embedding_bag_collection",
         )
-    apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": _LR})
+    collections = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
+    embeddings = [p for c in collections for p in c.parameters()]
+    apply_optimizer_in_backward(torch.optim.SGD, embeddings, {"lr": _LR})
     if config.cache_fraction is not None and device.type == "cpu":
+        if len(collections) > 1:
+            raise ValueError(f"{config.name}: tables on disk take one collection, {config.head} has more")
         if not store_dir:
             raise ValueError(f"{config.name} keeps its tables on disk: give a store directory")
         sharder: Any = TieredEmbeddingBagCollectionSharder(

@@ -7,6 +7,10 @@ steps) and process CPU time (every thread: gloo's and the pipeline's too, the st
 over the plain loop's as a paired difference, and our overhead over torchrec's same class. At world
 size 2 the slower rank's figures. `--cprofile VARIANT` instead runs that loop once under cProfile on
 rank 0 and prints where its time goes, function by function.
+
+`--configs tiny tiny-split tiny-built tiny-shared` adds the tiny model written the ways users write
+models (its KJT split, built or shared inside forward, which the pipelines replay on the data path):
+each config's own rows, then each loop's CPU per step on that model over the same loop's on `tiny`.
 """
 
 from __future__ import annotations
@@ -24,13 +28,13 @@ VARIANTS = ("plain", "ours-base", "ours-sparse-dist", "ours-prefetch", "ours-fus
             "torchrec-base", "torchrec-sparse-dist")  # fmt: skip
 
 
-def overhead(*, world_size: int, variants: list[str], rounds: int, steps: int, warmup: int, seed: int,
-             timeout: float, cprofile: str | None, top: int, sort: str, only: list[str],
-             json: str | None, md: str | None, command: str) -> int:  # fmt: skip
+def overhead(*, world_size: int, variants: list[str], configs: list[str], rounds: int, steps: int,
+             warmup: int, seed: int, timeout: float, cprofile: str | None, top: int, sort: str,
+             only: list[str], json: str | None, md: str | None, command: str) -> int:  # fmt: skip
     """The `overhead` subcommand: print (and write) the table, or the cProfile rows of one loop."""
     chosen = tuple(dict.fromkeys(["plain", *(variants or VARIANTS)])) if not cprofile else (cprofile,)
-    spec = RunSpec(configs=("tiny",), variants=chosen, steps=steps, warmup=warmup, auto_warmup=warmup,
-                   rounds=1 if cprofile else rounds, profile_steps=0, seed=seed,
+    spec = RunSpec(configs=tuple(configs or ("tiny",)), variants=chosen, steps=steps, warmup=warmup,
+                   auto_warmup=warmup, rounds=1 if cprofile else rounds, profile_steps=0, seed=seed,
                    cprofile=cprofile)  # fmt: skip
     result = run_benchmark(spec, world_size=world_size, link=None, timeout=timeout, command=command)
     if cprofile:
@@ -41,29 +45,56 @@ def overhead(*, world_size: int, variants: list[str], rounds: int, steps: int, w
 
 
 def table(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], list[str]]:
-    """Per loop: wall and CPU ms per step, each over plain (paired); then ours over torchrec's."""
+    """Per config and loop: wall and CPU ms per step, each over plain (paired); then ours over
+    torchrec's, and each loop on a config over the same loop on `tiny`."""
+    columns = ["config", "loop", "wall ms/step", "CPU ms/step", "CPU over plain", "wall over plain", "sites"]
+    cells, notes, cpu_of = [], [], {}
+    for config in dict.fromkeys(r["config"] for r in runs):
+        mine = [r for r in runs if r["config"] == config]
+        more, over = _config_rows(config, mine)
+        cells += more
+        cpu_of[config] = {row[1]: float(row[3]) for row in more}
+        notes += [
+            f"{config} / {r['variant']}: {r['message']}"
+            for r in mine
+            if r["status"] != "ok" and r["round"] == 0
+        ]
+        notes += _ours_over_torchrec(config, over)
+    for config in (c for c in cpu_of if c != "tiny" and "tiny" in cpu_of):
+        ratios = [
+            f"{v} {cpu / cpu_of['tiny'][v]:.3f}" for v, cpu in cpu_of[config].items() if v in cpu_of["tiny"]
+        ]
+        notes.append(f"CPU per step on {config} / on tiny, same loop (ratio of medians): {', '.join(ratios)}")
+    return columns, cells, notes
+
+
+def _config_rows(config: str, runs: list[dict[str, Any]]) -> tuple[list[list[str]], dict[str, Any]]:
     cpu, wall = by_round(runs, "cpu_ms"), by_round(runs, "wall_ms")
-    columns = ["loop", "wall ms/step", "CPU ms/step", "CPU over plain", "wall over plain"]
     cells, over = [], {}
     for variant in dict.fromkeys(r["variant"] for r in runs):
         if not any(variant in r for r in cpu.values()):
             continue
         base = variant != "plain"
         over[variant] = paired_difference(cpu, variant, "plain") if base else None
+        sites = next((r.get("pipelined") for r in runs if r["variant"] == variant and r.get("pipelined")), "")
         cells.append([
-            variant, f"{statistics.median(r[variant] for r in wall.values() if variant in r):.3f}",
+            config, variant, f"{statistics.median(r[variant] for r in wall.values() if variant in r):.3f}",
             f"{statistics.median(r[variant] for r in cpu.values() if variant in r):.3f}",
             cell(over[variant], "+.3f"),
-            cell(paired_difference(wall, variant, "plain") if base else None, "+.3f"),
+            cell(paired_difference(wall, variant, "plain") if base else None, "+.3f"), sites or "",
         ])  # fmt: skip
-    notes = [f"{r['variant']}: {r['message']}" for r in runs if r["status"] != "ok" and r["round"] == 0]
+    return cells, over
+
+
+def _ours_over_torchrec(config: str, over: dict[str, Any]) -> list[str]:
+    notes = []
     for ours, theirs in (("ours-base", "torchrec-base"), ("ours-sparse-dist", "torchrec-sparse-dist")):
         a, b = over.get(ours), over.get(theirs)
         if a is not None and b is not None and b.median > 0:
-            notes.append(f"our {ours[5:]}'s CPU over plain / torchrec's {theirs[9:]}'s: "
+            notes.append(f"{config}: our {ours[5:]}'s CPU over plain / torchrec's {theirs[9:]}'s: "
                          f"{a.median / b.median:.2f} "
                          "(ratio of the medians)")  # fmt: skip
-    return columns, cells, notes
+    return notes
 
 
 def functions(runs: list[dict[str, Any]], top: int, sort: str, only: list[str]) -> list[str]:

@@ -134,6 +134,10 @@ def _run_one(spec: RunSpec, config: BenchConfig, variant: str, batches: list, de
     record.update(peak_bytes=peak(device) - baseline, baseline_bytes=baseline)
     pipe = runner.pipe
     record["schedule"] = getattr(pipe, "input_dist_schedule", None)
+    report = getattr(pipe, "rewrite_report", None)
+    if report is not None:  # a pipeline that fell back to forward costs less: say it beside its figures
+        sites = report.sites
+        record["pipelined"] = f"{sum(s.reason is None for s in sites)}/{len(sites)} call sites"
     tuner = getattr(pipe, "tuner", None)
     if tuner is not None:
         record["tuner"] = {"choice": tuner.choice, "reason": tuner.reason, "medians_ms": tuner.medians_ms,

@@ -215,12 +215,25 @@ def test_overhead_gives_each_loop_over_plain_and_its_cprofile(tmp_path: Path) ->
     assert {r["variant"] for r in runs} == {"plain", "ours-sparse-dist", "torchrec-sparse-dist"}
     assert all(r["wall_ms"] > 0 and r["cpu_ms"] > 0 for r in runs), runs
     lines = [line.split() for line in done.stdout.splitlines()]
-    head = next((line for line in lines if line[:1] == ["loop"]), [])
+    head = next((line for line in lines if line[:2] == ["config", "loop"]), [])
     assert {"CPU", "over", "plain"} <= set(head), f"no table of CPU over plain:\n{done.stdout}"
-    assert {line[0] for line in lines if line} >= {"plain", *loops}, f"a loop is missing:\n{done.stdout}"
+    rows = {line[1] for line in lines if line[:1] == ["tiny"]}
+    assert rows >= {"plain", *loops}, f"a loop is missing:\n{done.stdout}"
     profiled = bench("overhead", "--cprofile", "ours-sparse-dist", *TINY, "--only", "pipeline/")
     assert profiled.returncode == 0, profiled.stderr[-3000:]
     assert "| pipeline/" in profiled.stdout, f"no function of pipeline/ in the profile:\n{profiled.stdout}"
+
+
+def test_overhead_of_models_written_as_users_write_them_is_told_pipelined_and_against_tiny() -> None:
+    configs = {"tiny": "1/1", "tiny-split": "2/2", "tiny-built": "1/1", "tiny-shared": "2/2"}
+    done = bench("overhead", "--configs", *configs, "--variants", "ours-sparse-dist", *TINY)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line.split() for line in done.stdout.splitlines()]
+    for config, sites in configs.items():
+        row = next((line for line in lines if line[:2] == [config, "ours-sparse-dist"]), [])
+        assert row[-3:] == [sites, "call", "sites"], f"{config}: a call site not pipelined:\n{done.stdout}"
+        if config != "tiny":
+            assert f"CPU per step on {config} / on tiny" in done.stdout, f"{config}: no ratio to tiny"
 
 
 def test_predict_gives_every_pipeline_at_each_config_link_and_world_size(tmp_path: Path) -> None:
