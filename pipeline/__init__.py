@@ -18,6 +18,16 @@ train_pipeline package are here too (`ArgInfo`, `CallArgs`, `ArgInfoStepFactory`
 `DataLoadingThread`, `TrainPipelineContext`, `In`, `Out`, `StageOut`, gradient accumulation).
 """
 
+from pipeline.compat.backward_injection import (
+    BackwardHookWork,
+    FirstGradTensorFinder,
+    GradTensorFinder,
+    InjectionSite,
+    InjectionTargetType,
+    OutputDistTensorFinder,
+    register_backward_hook,
+    will_hook_fire,
+)
 from pipeline.compat.data_loading import DataLoadingThread
 from pipeline.compat.types import In, Out, StageOut, TrainPipeline
 from pipeline.config import (
@@ -27,6 +37,7 @@ from pipeline.config import (
     RewriteOptions,
     TorchCompileConfig,
 )
+from pipeline.pipelines.backward_opt import TrainPipelineSparseDistBwdOpt
 from pipeline.pipelines.base import TrainPipelineBase
 from pipeline.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
 from pipeline.pipelines.eval import EvalPipelineSparseDist
@@ -48,6 +59,7 @@ from pipeline.ranks import (
     PeerFailedError,
     UnevenDataError,
 )
+from pipeline.stages.backward_step import StepPlacement
 from pipeline.stages.context import TrainPipelineContext
 from pipeline.stages.not_pipelined import NotPipelinedWarning
 from pipeline.stages.streams import CudaStreams, Streams, ThreadStreams
@@ -61,20 +73,26 @@ __all__ = [
     "AgreedError",
     "ArgInfo",
     "ArgInfoStepFactory",
+    "BackwardHookWork",
     "BatchKeysError",
     "CallArgs",
     "CudaStreams",
     "DataLoadingThread",
     "EvalPipelineSparseDist",
+    "FirstGradTensorFinder",
+    "GradTensorFinder",
     "GradientAccumulationConfig",
     "GradientAccumulationWrapper",
     "HandoffError",
     "In",
+    "InjectionSite",
+    "InjectionTargetType",
     "InputDistOptions",
     "MalformedBatchError",
     "NotPipelinedWarning",
     "NotPreparedError",
     "Out",
+    "OutputDistTensorFinder",
     "PeerFailedError",
     "PipelineStage",
     "Prediction",
@@ -87,6 +105,7 @@ __all__ = [
     "SparseDataDistUtil",
     "StageOut",
     "StagedTrainPipeline",
+    "StepPlacement",
     "Streams",
     "ThreadStreams",
     "TorchCompileConfig",
@@ -98,8 +117,11 @@ __all__ = [
     "TrainPipelinePT2",
     "TrainPipelineSemiSync",
     "TrainPipelineSparseDist",
+    "TrainPipelineSparseDistBwdOpt",
     "TrainPipelineSparseDistCompAutograd",
     "Tuner",
     "UnevenDataError",
     "predict",
+    "register_backward_hook",
+    "will_hook_fire",
 ]
