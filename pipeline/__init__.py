@@ -49,8 +49,9 @@ from pipeline.pipelines.gradient_accumulation import (
 from pipeline.pipelines.prefetch import PrefetchTrainPipelineSparseDist
 from pipeline.pipelines.pt2 import TrainPipelinePT2
 from pipeline.pipelines.semi_sync import TrainPipelineSemiSync
+from pipeline.pipelines.sparse_data_dist import SparseDataDistUtil
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
-from pipeline.pipelines.staged import PipelineStage, SparseDataDistUtil, StagedTrainPipeline
+from pipeline.pipelines.staged import PipelineStage, StagedTrainPipeline
 from pipeline.predictor import Prediction, predict
 from pipeline.ranks import (
     AgreedError,
