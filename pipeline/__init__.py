@@ -7,7 +7,8 @@ host-to-device copy, `TrainPipelineSparseDist` adds input_dist (all-to-all) ahea
 the next batch's lookup before this batch's backward (embeddings one step stale),
 `EvalPipelineSparseDist` is forward only, `StagedTrainPipeline` runs the caller's own stages
 (`SparseDataDistUtil` makes the input_dist one), `TrainPipelinePT2` compiles the model and
-`TrainPipelineSparseDistCompAutograd` compiles the backward. Stages and streams: `pipeline.stages`.
+`TrainPipelineSparseDistCompAutograd` compiles the backward, `TrainPipelinePEC` (torchrec 1.9's name)
+looks every module up at the top of the step. Stages and streams: `pipeline.stages`.
 `predict(model, sample_batch, world_size=..., link=...)` predicts each class's step before running
 it (`pipeline.predictor`).
 
@@ -46,6 +47,7 @@ from pipeline.pipelines.gradient_accumulation import (
     GradientAccumulationConfig,
     GradientAccumulationWrapper,
 )
+from pipeline.pipelines.pec import TrainPipelinePEC
 from pipeline.pipelines.prefetch import PrefetchTrainPipelineSparseDist
 from pipeline.pipelines.pt2 import TrainPipelinePT2
 from pipeline.pipelines.semi_sync import TrainPipelineSemiSync
@@ -115,6 +117,7 @@ __all__ = [
     "TrainPipelineBase",
     "TrainPipelineContext",
     "TrainPipelineFusedSparseDist",
+    "TrainPipelinePEC",
     "TrainPipelinePT2",
     "TrainPipelineSemiSync",
     "TrainPipelineSparseDist",
