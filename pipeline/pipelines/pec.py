@@ -9,8 +9,9 @@ loop's numbers (fused embedding optimizers).
 
 Here every sharded module, PEC modules included, is looked up whole at the top of the step: the
 plain loop's numbers, without PEC's split of the ids. PEC modules build and run on CPU with torchrec
-1.9.2 (row-wise, gloo); the split is not implemented, and a note in `rewrite_report` names the PEC
-modules it would have applied to. With torchrec 1.8 (no PEC modules) the class is the same.
+1.9.2 and 1.8.0 (row-wise, gloo); the split is not implemented, and a note in `rewrite_report`
+names the PEC modules it would have applied to. torchrec 1.8 has PEC modules but no TrainPipelinePEC;
+this class is the same on both.
 """
 
 from __future__ import annotations
@@ -34,14 +35,14 @@ from pipeline.stages.tuner import Tuner
 
 try:
     from torchrec.distributed.pec_embedding import ShardedPECEmbeddingCollection
-except ImportError:  # torchrec before 1.9 has no PEC modules
+except ImportError:  # a torchrec without PEC modules
     ShardedPECEmbeddingCollection = None
 
 __all__ = ["TrainPipelinePEC", "pec_modules"]
 
 
 def pec_modules(model: torch.nn.Module) -> list[str]:
-    """The FQNs of the `ShardedPECEmbeddingCollection`s in `model` (none before torchrec 1.9)."""
+    """The FQNs of the `ShardedPECEmbeddingCollection`s in `model` (none where torchrec has none)."""
     if ShardedPECEmbeddingCollection is None:
         return []
     return [fqn for fqn, m in model.named_modules() if isinstance(m, ShardedPECEmbeddingCollection)]
