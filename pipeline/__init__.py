@@ -7,7 +7,8 @@ host-to-device copy, `TrainPipelineSparseDist` adds input_dist (all-to-all) ahea
 the next batch's lookup before this batch's backward (embeddings one step stale),
 `EvalPipelineSparseDist` is forward only, `StagedTrainPipeline` runs the caller's own stages
 (`SparseDataDistUtil` makes the input_dist one), `TrainPipelinePT2` compiles the model and
-`TrainPipelineSparseDistCompAutograd` compiles the backward. Stages and streams: `pipeline.stages`.
+`TrainPipelineSparseDistCompAutograd` compiles the backward, `TrainPipelinePEC` (torchrec 1.9's name)
+looks every module up at the top of the step. Stages and streams: `pipeline.stages`.
 `predict(model, sample_batch, world_size=..., link=...)` predicts each class's step before running
 it (`pipeline.predictor`).
 
@@ -18,6 +19,16 @@ train_pipeline package are here too (`ArgInfo`, `CallArgs`, `ArgInfoStepFactory`
 `DataLoadingThread`, `TrainPipelineContext`, `In`, `Out`, `StageOut`, gradient accumulation).
 """
 
+from pipeline.compat.backward_injection import (
+    BackwardHookWork,
+    FirstGradTensorFinder,
+    GradTensorFinder,
+    InjectionSite,
+    InjectionTargetType,
+    OutputDistTensorFinder,
+    register_backward_hook,
+    will_hook_fire,
+)
 from pipeline.compat.data_loading import DataLoadingThread
 from pipeline.compat.types import In, Out, StageOut, TrainPipeline
 from pipeline.config import (
@@ -27,6 +38,7 @@ from pipeline.config import (
     RewriteOptions,
     TorchCompileConfig,
 )
+from pipeline.pipelines.backward_opt import TrainPipelineSparseDistBwdOpt
 from pipeline.pipelines.base import TrainPipelineBase
 from pipeline.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
 from pipeline.pipelines.eval import EvalPipelineSparseDist
@@ -35,11 +47,13 @@ from pipeline.pipelines.gradient_accumulation import (
     GradientAccumulationConfig,
     GradientAccumulationWrapper,
 )
+from pipeline.pipelines.pec import TrainPipelinePEC
 from pipeline.pipelines.prefetch import PrefetchTrainPipelineSparseDist
 from pipeline.pipelines.pt2 import TrainPipelinePT2
 from pipeline.pipelines.semi_sync import TrainPipelineSemiSync
+from pipeline.pipelines.sparse_data_dist import SparseDataDistUtil
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
-from pipeline.pipelines.staged import PipelineStage, SparseDataDistUtil, StagedTrainPipeline
+from pipeline.pipelines.staged import PipelineStage, StagedTrainPipeline
 from pipeline.predictor import Prediction, predict
 from pipeline.ranks import (
     AgreedError,
@@ -48,6 +62,7 @@ from pipeline.ranks import (
     PeerFailedError,
     UnevenDataError,
 )
+from pipeline.stages.backward_step import StepPlacement
 from pipeline.stages.context import TrainPipelineContext
 from pipeline.stages.not_pipelined import NotPipelinedWarning
 from pipeline.stages.streams import CudaStreams, Streams, ThreadStreams
@@ -61,20 +76,26 @@ __all__ = [
     "AgreedError",
     "ArgInfo",
     "ArgInfoStepFactory",
+    "BackwardHookWork",
     "BatchKeysError",
     "CallArgs",
     "CudaStreams",
     "DataLoadingThread",
     "EvalPipelineSparseDist",
+    "FirstGradTensorFinder",
+    "GradTensorFinder",
     "GradientAccumulationConfig",
     "GradientAccumulationWrapper",
     "HandoffError",
     "In",
+    "InjectionSite",
+    "InjectionTargetType",
     "InputDistOptions",
     "MalformedBatchError",
     "NotPipelinedWarning",
     "NotPreparedError",
     "Out",
+    "OutputDistTensorFinder",
     "PeerFailedError",
     "PipelineStage",
     "Prediction",
@@ -87,6 +108,7 @@ __all__ = [
     "SparseDataDistUtil",
     "StageOut",
     "StagedTrainPipeline",
+    "StepPlacement",
     "Streams",
     "ThreadStreams",
     "TorchCompileConfig",
@@ -95,11 +117,15 @@ __all__ = [
     "TrainPipelineBase",
     "TrainPipelineContext",
     "TrainPipelineFusedSparseDist",
+    "TrainPipelinePEC",
     "TrainPipelinePT2",
     "TrainPipelineSemiSync",
     "TrainPipelineSparseDist",
+    "TrainPipelineSparseDistBwdOpt",
     "TrainPipelineSparseDistCompAutograd",
     "Tuner",
     "UnevenDataError",
     "predict",
+    "register_backward_hook",
+    "will_hook_fire",
 ]
