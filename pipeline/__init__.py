@@ -7,7 +7,12 @@ host-to-device copy, `TrainPipelineSparseDist` adds input_dist (all-to-all) ahea
 the next batch's lookup before this batch's backward (embeddings one step stale),
 `EvalPipelineSparseDist` is forward only, `StagedTrainPipeline` runs the caller's own stages
 (`SparseDataDistUtil` makes the input_dist one), `TrainPipelinePT2` compiles the model and
-`TrainPipelineSparseDistCompAutograd` compiles the backward. Stages and streams: `pipeline.stages`.
+`TrainPipelineSparseDistCompAutograd` compiles the backward. Beside them, torchrec's classes outside
+its package's exports: `TrainPipelineSparseDistLite` (one batch in flight),
+`TrainPipelineSparseDistT` (the copy dispatched from a thread), `TrainEvalHybridPipelineBase`
+(training and evaluation batches in one pipeline), `EvalPipelineFusedSparseDist` (forward only, the
+lookup ahead) and `EvalPipelineCPUSparse` (host embeddings, device forward). Stages and streams:
+`pipeline.stages`.
 `predict(model, sample_batch, world_size=..., link=...)` predicts each class's step before running
 it (`pipeline.predictor`).
 
@@ -19,7 +24,7 @@ train_pipeline package are here too (`ArgInfo`, `CallArgs`, `ArgInfoStepFactory`
 """
 
 from pipeline.compat.data_loading import DataLoadingThread
-from pipeline.compat.types import In, Out, StageOut, TrainPipeline
+from pipeline.compat.types import In, Out, PipelineState, StageOut, TrainPipeline
 from pipeline.config import (
     InputDistOptions,
     PrefetchOptions,
@@ -29,12 +34,17 @@ from pipeline.config import (
 )
 from pipeline.pipelines.base import TrainPipelineBase
 from pipeline.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
+from pipeline.pipelines.copy_thread import TrainPipelineSparseDistT
 from pipeline.pipelines.eval import EvalPipelineSparseDist
+from pipeline.pipelines.eval_cpu import EvalPipelineCPUSparse
+from pipeline.pipelines.eval_fused import EvalPipelineFusedSparseDist
 from pipeline.pipelines.fused import TrainPipelineFusedSparseDist
 from pipeline.pipelines.gradient_accumulation import (
     GradientAccumulationConfig,
     GradientAccumulationWrapper,
 )
+from pipeline.pipelines.hybrid import TrainEvalHybridPipelineBase
+from pipeline.pipelines.lite import TrainPipelineSparseDistLite
 from pipeline.pipelines.prefetch import PrefetchTrainPipelineSparseDist
 from pipeline.pipelines.pt2 import TrainPipelinePT2
 from pipeline.pipelines.semi_sync import TrainPipelineSemiSync
@@ -65,6 +75,8 @@ __all__ = [
     "CallArgs",
     "CudaStreams",
     "DataLoadingThread",
+    "EvalPipelineCPUSparse",
+    "EvalPipelineFusedSparseDist",
     "EvalPipelineSparseDist",
     "GradientAccumulationConfig",
     "GradientAccumulationWrapper",
@@ -77,6 +89,7 @@ __all__ = [
     "Out",
     "PeerFailedError",
     "PipelineStage",
+    "PipelineState",
     "Prediction",
     "PrefetchOptions",
     "PrefetchTrainPipelineSparseDist",
@@ -91,6 +104,7 @@ __all__ = [
     "ThreadStreams",
     "TorchCompileConfig",
     "Tracer",
+    "TrainEvalHybridPipelineBase",
     "TrainPipeline",
     "TrainPipelineBase",
     "TrainPipelineContext",
@@ -99,6 +113,8 @@ __all__ = [
     "TrainPipelineSemiSync",
     "TrainPipelineSparseDist",
     "TrainPipelineSparseDistCompAutograd",
+    "TrainPipelineSparseDistLite",
+    "TrainPipelineSparseDistT",
     "Tuner",
     "UnevenDataError",
     "predict",
