@@ -7,8 +7,13 @@ host-to-device copy, `TrainPipelineSparseDist` adds input_dist (all-to-all) ahea
 the next batch's lookup before this batch's backward (embeddings one step stale),
 `EvalPipelineSparseDist` is forward only, `StagedTrainPipeline` runs the caller's own stages
 (`SparseDataDistUtil` makes the input_dist one), `TrainPipelinePT2` compiles the model and
-`TrainPipelineSparseDistCompAutograd` compiles the backward, `TrainPipelinePEC` (torchrec 1.9's name)
-looks every module up at the top of the step. Stages and streams: `pipeline.stages`.
+`TrainPipelineSparseDistCompAutograd` compiles the backward. Beside them, torchrec's classes outside
+its package's exports: `TrainPipelineSparseDistLite` (one batch in flight),
+`TrainPipelineSparseDistT` (the copy dispatched from a thread), `TrainEvalHybridPipelineBase`
+(training and evaluation batches in one pipeline), `EvalPipelineFusedSparseDist` (forward only, the
+lookup ahead), `EvalPipelineCPUSparse` (host embeddings, device forward), `TrainPipelinePEC` (every
+module looked up at the top of the step) and `TrainPipelineSparseDistBwdOpt` (the dense step inside
+backward). Stages and streams: `pipeline.stages`.
 `predict(model, sample_batch, world_size=..., link=...)` predicts each class's step before running
 it (`pipeline.predictor`).
 
@@ -30,7 +35,7 @@ from pipeline.compat.backward_injection import (
     will_hook_fire,
 )
 from pipeline.compat.data_loading import DataLoadingThread
-from pipeline.compat.types import In, Out, StageOut, TrainPipeline
+from pipeline.compat.types import In, Out, PipelineState, StageOut, TrainPipeline
 from pipeline.config import (
     InputDistOptions,
     PrefetchOptions,
@@ -41,12 +46,17 @@ from pipeline.config import (
 from pipeline.pipelines.backward_opt import TrainPipelineSparseDistBwdOpt
 from pipeline.pipelines.base import TrainPipelineBase
 from pipeline.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
+from pipeline.pipelines.copy_thread import TrainPipelineSparseDistT
 from pipeline.pipelines.eval import EvalPipelineSparseDist
+from pipeline.pipelines.eval_cpu import EvalPipelineCPUSparse
+from pipeline.pipelines.eval_fused import EvalPipelineFusedSparseDist
 from pipeline.pipelines.fused import TrainPipelineFusedSparseDist
 from pipeline.pipelines.gradient_accumulation import (
     GradientAccumulationConfig,
     GradientAccumulationWrapper,
 )
+from pipeline.pipelines.hybrid import TrainEvalHybridPipelineBase
+from pipeline.pipelines.lite import TrainPipelineSparseDistLite
 from pipeline.pipelines.pec import TrainPipelinePEC
 from pipeline.pipelines.prefetch import PrefetchTrainPipelineSparseDist
 from pipeline.pipelines.pt2 import TrainPipelinePT2
@@ -81,6 +91,8 @@ __all__ = [
     "CallArgs",
     "CudaStreams",
     "DataLoadingThread",
+    "EvalPipelineCPUSparse",
+    "EvalPipelineFusedSparseDist",
     "EvalPipelineSparseDist",
     "FirstGradTensorFinder",
     "GradTensorFinder",
@@ -98,6 +110,7 @@ __all__ = [
     "OutputDistTensorFinder",
     "PeerFailedError",
     "PipelineStage",
+    "PipelineState",
     "Prediction",
     "PrefetchOptions",
     "PrefetchTrainPipelineSparseDist",
@@ -113,6 +126,7 @@ __all__ = [
     "ThreadStreams",
     "TorchCompileConfig",
     "Tracer",
+    "TrainEvalHybridPipelineBase",
     "TrainPipeline",
     "TrainPipelineBase",
     "TrainPipelineContext",
@@ -123,6 +137,8 @@ __all__ = [
     "TrainPipelineSparseDist",
     "TrainPipelineSparseDistBwdOpt",
     "TrainPipelineSparseDistCompAutograd",
+    "TrainPipelineSparseDistLite",
+    "TrainPipelineSparseDistT",
     "Tuner",
     "UnevenDataError",
     "predict",

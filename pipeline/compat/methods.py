@@ -36,7 +36,8 @@ __all__ = ["Batches", "FusedMethods", "SemiSyncMethods", "SparseDistMethods"]
 
 class Batches(Sequence[Any]):
     """torchrec's `batches`: the batches of `contexts`, oldest (the head, batch i) first; a
-    placeholder (this rank's data ended, another rank's may not have) is None, as in torchrec."""
+    placeholder (this rank's data ended, another rank's may not have) is None, as in torchrec. A
+    batch whose copy runs on a worker is waited for when read (torchrec's `FutureDeque`)."""
 
     __slots__ = ("_contexts",)
 
@@ -45,8 +46,13 @@ class Batches(Sequence[Any]):
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
-            return [c.batch for c in list(self._contexts)[i]]
-        return self._contexts[i].batch
+            return [self._batch(c) for c in list(self._contexts)[i]]
+        return self._batch(self._contexts[i])
+
+    @staticmethod
+    def _batch(context: BatchContext) -> Any:
+        context.wait_copy()
+        return context.batch
 
     def __len__(self) -> int:
         return len(self._contexts)

@@ -216,6 +216,7 @@ class InputDist:
         the rewrite waits for a recorded forward: the batch is started by a later `fill`)."""
         if ctx.started:
             return
+        ctx.wait_copy()  # the device batch, if its copy was dispatched on a worker
         streams = self._streams
         rewrite = self.attach(ctx.batch)
         if rewrite.needs_recording:

@@ -147,11 +147,12 @@ class CudaStreams(Streams):
 
     inert = False
 
-    def __init__(self, device: torch.device, *, prefetch: bool = True) -> None:
+    def __init__(self, device: torch.device, *, prefetch: bool = True, data_dist: bool = True) -> None:
         high = torch.cuda.Stream.priority_range()[1]  # lowest number is the highest priority
         self.device = device
         self.memcpy = torch.cuda.Stream(device=device, priority=high)
-        self.data_dist = torch.cuda.Stream(device=device, priority=high)
+        # without: input_dist runs on the caller's stream (no memory pool of another stream)
+        self.data_dist = torch.cuda.Stream(device=device, priority=high) if data_dist else None
         self.prefetch = torch.cuda.Stream(device=device) if prefetch else None
 
     def current(self) -> Any:
@@ -299,8 +300,9 @@ class ThreadStreams(Streams):
                 producer.join()
 
 
-def streams_for(device: torch.device, *, prefetch_thread: bool = False) -> Streams:
-    """Real streams on CUDA; on CPU none, or a prefetch worker thread if `prefetch_thread`."""
+def streams_for(device: torch.device, *, prefetch_thread: bool = False, data_dist: bool = True) -> Streams:
+    """Real streams on CUDA (without a data_dist stream unless `data_dist`); on CPU none, or a
+    prefetch worker thread if `prefetch_thread`."""
     if device.type == "cuda":
-        return CudaStreams(device)
+        return CudaStreams(device, data_dist=data_dist)
     return ThreadStreams() if prefetch_thread else Streams()
