@@ -47,6 +47,7 @@ from pipeline.ranks import (
 )
 from pipeline.stages.context import TrainPipelineContext
 from pipeline.stages.not_pipelined import NotPipelinedWarning
+from pipeline.stages.overlap import OverlapTrial
 from pipeline.stages.streams import CudaStreams, Streams, ThreadStreams
 from pipeline.stages.tuner import Tuner
 from pipeline.testing import HandoffError, RecordingStreams
@@ -72,6 +73,7 @@ __all__ = [
     "NotPipelinedWarning",
     "NotPreparedError",
     "Out",
+    "OverlapTrial",
     "PeerFailedError",
     "PipelineStage",
     "PrefetchOptions",
