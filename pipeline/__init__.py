@@ -75,6 +75,7 @@ from pipeline.ranks import (
 from pipeline.stages.backward_step import StepPlacement
 from pipeline.stages.context import TrainPipelineContext
 from pipeline.stages.not_pipelined import NotPipelinedWarning
+from pipeline.stages.overlap import OverlapTrial
 from pipeline.stages.streams import CudaStreams, Streams, ThreadStreams
 from pipeline.stages.tuner import Tuner
 from pipeline.testing import HandoffError, RecordingStreams
@@ -108,6 +109,7 @@ __all__ = [
     "NotPreparedError",
     "Out",
     "OutputDistTensorFinder",
+    "OverlapTrial",
     "PeerFailedError",
     "PipelineStage",
     "PipelineState",

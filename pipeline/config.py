@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
+    from pipeline.stages.overlap import OverlapTrial
     from pipeline.stages.tuner import Tuner
 
 __all__ = [
@@ -133,7 +134,10 @@ class PrefetchOptions:
     prefetch_ahead: bool | str = "auto"
     """True: the prefetch of batch i+1 is submitted right after forward of i (on CPU on a worker
     thread), overlapping backward and optimizer; False: just before forward of i+1; "auto": True
-    on CUDA, and on CPU while `prefetch()` takes at least `AHEAD_MIN_MS` a batch."""
+    on CUDA; on CPU False while `prefetch()` takes under `AHEAD_MIN_MS` a batch, else what `trial`
+    measures to be faster (`pipeline.stages.overlap`)."""
+    trial: OverlapTrial | None = None
+    """Under "auto" on CPU, the `pipeline.OverlapTrial` that decides; None: `OverlapTrial()`."""
 
     def __post_init__(self) -> None:
         _one_of("prefetch_ahead", self.prefetch_ahead, (True, False, "auto"))

@@ -8,6 +8,9 @@
 - An independent oracle: with SGD and with row-wise Adagrad, per-step outputs and every trained
   parameter equal those of torchrec's fused CPU kernel (fbgemm's CPU TBE) on the same batches, bit
   for bit, and a learning rate 1 % off or a step less does not.
+- The Prefetch pipeline under a short overlap trial (`pipeline.OverlapTrial`): every rank takes the
+  same decision at the same step, says it in the rewrite report, and stays bit for bit; where running
+  ahead is made 40 ms slower than inline, the stage falls back to inline.
 - state_dict holds the trained weights, and a restart from a checkpoint (model, fused and dense
   optimizer state, saved with torch.save) gives the same next outputs as an uninterrupted run.
 """
@@ -301,3 +304,70 @@ def test_restart_from_a_checkpoint_continues_bit_for_bit(pool):
         assert r["state_dict_holds_trained_weights"]
         assert r["resumed_equal"], "outputs after the restart differ from the uninterrupted run"
         assert r["reloaded_equal"], "loading a checkpoint into a trained model kept stale rows"
+
+
+def _under_a_trial(rank: int, world_size: int, ahead_ms: float, forced: bool = False) -> dict:
+    """The Prefetch pipeline on the tiered kernel under a short overlap trial (`forced`: with
+    `prefetch_ahead=True` instead, no trial); each `prefetch()` sleeps 2 ms inline and `ahead_ms`
+    on the worker thread."""
+    import time
+
+    import torch
+
+    import pipeline
+    from tests.models import bitwise_equal, outputs_then_stop, plain_loop
+
+    steps = 40
+    data = _batches(steps, rank)
+    with tempfile.TemporaryDirectory() as d:
+        ref, ref_opt = _build("table_wise", d)
+        expected, expected_state = plain_loop(ref, ref_opt, data), _state(ref)
+    with tempfile.TemporaryDirectory() as d:
+        model, opt = _build("table_wise", d)
+        trial = pipeline.OverlapTrial(warmup=2, block=3, settle=1, rounds=3)
+        mode = {"prefetch_ahead": True} if forced else {"prefetch_trial": trial}
+        pipe = pipeline.PrefetchTrainPipelineSparseDist(
+            model, opt, torch.device("cpu"), input_dist_schedule="late", **mode
+        )
+        ebc = model.module.model.sparse_arch.embedding_bag_collection
+        real = ebc.prefetch
+
+        def prefetch(*args, **kwargs):
+            time.sleep((ahead_ms if pipe.prefetch_ahead else 2.0) / 1e3)
+            return real(*args, **kwargs)
+
+        ebc.prefetch = prefetch
+        outputs, stopped = outputs_then_stop(pipe, iter(data), steps)
+        return {
+            "outputs": bitwise_equal(outputs, expected),
+            "params": bitwise_equal(_state(model), expected_state),
+            "stopped": stopped,
+            "ahead": None if trial.result is None else trial.result.ahead,
+            "ahead_at_end": pipe.prefetch_ahead,
+            "decided_at": trial.decided_at,
+            "reason": pipe.prefetch_reason,
+            "notes": [n for n in pipe.rewrite_report.notes if n.startswith("prefetch runs")],
+        }
+
+
+@pytest.mark.parametrize("ahead_ms", [40.0, 2.0], ids=["ahead-slower", "ahead-as-inline"])
+def test_overlap_trial_decides_alike_on_every_rank_and_stays_bit_for_bit(pool, ahead_ms):
+    results = pool.run(_under_a_trial, ahead_ms, timeout=TIMEOUT)
+    for rank, r in enumerate(results):
+        scenario = f"rank {rank}, prefetch {ahead_ms} ms ahead"
+        assert r["outputs"] and r["params"] and r["stopped"], f"{scenario}: not the plain loop bit for bit"
+        assert r["ahead"] is not None, f"{scenario}: the trial never decided"
+        assert r["notes"] == [r["reason"]], f"{scenario}: the report says {r['notes']}"
+    assert results[0]["decided_at"] == results[1]["decided_at"], "the ranks decided at different steps"
+    assert results[0]["ahead"] == results[1]["ahead"], "the ranks decided differently"
+    if ahead_ms > 2.0:
+        assert results[0]["ahead"] is False, f"a prefetch 38 ms slower ahead was kept: {results[0]['reason']}"
+        assert results[0]["reason"].startswith("prefetch runs inline"), results[0]["reason"]
+        assert results[0]["ahead_at_end"] is False, "the stage still runs ahead after the decision"
+
+
+def test_without_the_trial_a_slower_prefetch_ahead_is_kept(pool):
+    """The negative twin: `prefetch_ahead=True` runs no trial, and keeps the slower mode."""
+    for rank, r in enumerate(pool.run(_under_a_trial, 40.0, True, timeout=TIMEOUT)):
+        assert r["outputs"] and r["params"], f"rank {rank}: not the plain loop bit for bit"
+        assert r["ahead_at_end"] is True and r["reason"] is None, f"rank {rank}: {r}"

@@ -19,6 +19,7 @@ from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
 from pipeline.stages.context import PrefetchBatchContext
 from pipeline.stages.memory import MemoryFlags
+from pipeline.stages.overlap import OverlapTrial
 from pipeline.stages.prefetch import PrefetchStage, prefetch_does_work
 from pipeline.stages.streams import Streams, streams_for
 from pipeline.stages.tuner import Tuner
@@ -45,7 +46,7 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
         on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
             peer_timeout: the fields of `RankOptions` (`ranks` may give them).
         A keyword left None takes its options object's value, else that dataclass's default.
-        prefetch_ahead: the field of `PrefetchOptions` (`prefetch` may give it).
+        prefetch_ahead, prefetch_trial: the fields of `PrefetchOptions` (`prefetch` may give them).
     """
 
     def __init__(
@@ -64,6 +65,7 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
         *,
         prefetch: PrefetchOptions | None = None,
         prefetch_ahead: bool | str | None = None,
+        prefetch_trial: OverlapTrial | None = None,
         strict: bool = False,
         rewrite: RewriteOptions | None = None,
         rewrite_method: str | None = None,
@@ -115,8 +117,10 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
             memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
             predict_as="prefetch",
         )
-        ahead = resolve(prefetch, PrefetchOptions, prefetch_ahead=prefetch_ahead).prefetch_ahead
-        self._prefetch = PrefetchStage(self._streams, self._input_dist, ahead=ahead)
+        options = resolve(prefetch, PrefetchOptions, prefetch_ahead=prefetch_ahead, trial=prefetch_trial)
+        self._prefetch = PrefetchStage(
+            self._streams, self._input_dist, ahead=options.prefetch_ahead, trial=options.trial
+        )
         self._with_stage: bool | None = None
         """Some sharded module's `prefetch()` moves data (decided at the first batch); without,
         the pipeline runs `TrainPipelineSparseDist`'s step: no prefetch stage, no thread hop."""
@@ -125,6 +129,13 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
     def prefetch_ahead(self) -> bool:
         """Whether the prefetch stage of batch i+1 runs ahead, during backward of i."""
         return self._prefetch.ahead
+
+    @property
+    def prefetch_reason(self) -> str | None:
+        """Under "auto" on CPU, once its overlap trial has decided: why the prefetch stage runs ahead
+        or inline, in one line with what was measured (also a note of the rewrite report)."""
+        trial = self._prefetch.trial
+        return trial.result.reason if trial is not None and trial.result is not None else None
 
     @property
     def prefetch_mode(self) -> str | None:
@@ -159,6 +170,7 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
         ctx = lane.inflight[0]
         input_dist, prefetch = self._input_dist, self._prefetch
         input_dist.choose_schedule(self._model.training)
+        prefetch.start_step(self._model.training)  # under a trial: ahead or inline this step
         if len(lane.inflight) < 3:
             self._enqueue(lane)
         nxt = input_dist.start_next(lane)
