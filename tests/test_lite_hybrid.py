@@ -104,7 +104,8 @@ def _hybrid_loop(rank: int, world_size: int, who: str, sharding: str) -> dict:
         got[mode] += outputs
         modes += [getattr(pipe, "last_output_mode", None)] if outputs else []
         labels.append(
-            len(outputs) == n and all(torch.equal(o[2], lab) for o, lab in zip(outputs, expected_labels))
+            len(outputs) == n
+            and all(torch.equal(o[2], lab) for o, lab in zip(outputs, expected_labels, strict=True))
         )
     return {
         "train": models.bitwise_equal(got["expected_train"], got["train"]),
@@ -233,7 +234,9 @@ def test_copy_thread_dispatches_device_copies_on_its_worker():
     for name, on_worker in (("TrainPipelineSparseDistT", True), ("TrainPipelineSparseDist", False)):
         threads: list[str] = []
         model = _Echo()
-        pipe = getattr(pipeline, name)(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"))
+        pipe = getattr(pipeline, name)(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu")
+        )
         pipe._on_host = False  # copy as if to a device
         outputs = models.run_to_end(pipe, iter([Traced(i) for i in range(6)]))
         assert [int(o) for o in outputs] == list(range(6)), name
