@@ -335,6 +335,7 @@ def _under_a_trial(rank: int, world_size: int, costs: tuple, after: tuple | None
     until the first decision, `after[rank]` from then on. `mode`: `prefetch_ahead` ("auto", True or
     False); `local`: each rank decides on its own times only (no sum over ranks). Each `prefetch()`
     sleeps 1.5 ms, so that "auto" sees work to move (`PrefetchStage.AHEAD_MIN_MS`)."""
+    import threading
     import time
 
     import torch
@@ -364,11 +365,12 @@ def _under_a_trial(rank: int, world_size: int, costs: tuple, after: tuple | None
         real = ebc.prefetch
 
         def prefetch(*args, **kwargs):
+            on_main.append((len(outputs), threading.current_thread() is threading.main_thread()))
             time.sleep(1.5e-3)
             return real(*args, **kwargs)
 
+        it, outputs, decisions, modes, since, on_main = iter(data), [], [], [], 0, []
         ebc.prefetch = prefetch
-        it, outputs, decisions, modes, since = iter(data), [], [], [], 0
         for step in range(TRIAL_STEPS):
             outputs.append(pipe.progress(it))
             modes.append(pipe.prefetch_ahead)
@@ -386,6 +388,7 @@ def _under_a_trial(rank: int, world_size: int, costs: tuple, after: tuple | None
             "stopped": stopped,
             "decisions": decisions,
             "modes_after": modes[since:],
+            "on_main_after": {main for step, main in on_main if step > since},
             "reason": pipe.prefetch_reason,
             "notes": [n for n in pipe.rewrite_report.notes if n.startswith("prefetch runs")],
         }
@@ -413,6 +416,7 @@ def test_overlap_trial_decides_alike_on_every_rank_and_stays_bit_for_bit(pool, s
         assert r["outputs"] and r["params"] and r["stopped"], f"{where}: not the plain loop bit for bit"
         assert [a for _, a in r["decisions"]] == expected, f"{where}: decisions {r['decisions']}"
         assert set(r["modes_after"]) == {expected[-1]}, f"{where}: the stage did not follow the decision"
+        assert r["on_main_after"] == {not expected[-1]}, f"{where}: prefetch() on the main thread: {r}"
         changes = 1 + sum(a != b for a, b in itertools.pairwise(expected))  # a re-check alike adds none
         assert len(r["notes"]) == changes, f"{where}: the report notes {r['notes']}"
         words = "prefetch runs ahead on its worker" if expected[-1] else "prefetch runs inline: running"
@@ -440,3 +444,4 @@ def test_forced_prefetch_mode_runs_no_trial_and_stays_bit_for_bit(pool, forced):
         assert r["outputs"] and r["params"] and r["stopped"], f"{where}: not the plain loop bit for bit"
         assert r["decisions"] == [] and r["reason"] is None and r["notes"] == [], f"{where}: a trial ran"
         assert set(r["modes_after"]) == {forced}, f"{where}: the mode changed"
+        assert r["on_main_after"] == {not forced}, f"{where}: prefetch() ran on the main thread: {r}"
