@@ -120,6 +120,9 @@ def merge_ranks(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             one.update({k: max(r[k] for r in records) for k in _MAX_OVER_RANKS if k in first})
             if "cache_hit_rate" in first:
                 one["cache_hit_rate"] = statistics.mean(r["cache_hit_rate"] for r in records)
+            if "rows_read_per_step" in first:  # process CPU per row read or written, every rank's
+                rows = sum(r["rows_read_per_step"] + r["rows_written_per_step"] for r in records)
+                one["cpu_us_per_row"] = 1e3 * sum(r["cpu_ms"] for r in records) / rows if rows else None
             if "wait_in_forward_ms" in first:  # from the rank whose wait is reported
                 slowest = max(records, key=lambda r: r["wait_in_forward_ms"])
                 one["assembly_in_wait_ms"] = slowest["assembly_in_wait_ms"]

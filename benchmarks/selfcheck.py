@@ -180,6 +180,7 @@ def rounds_and_variants() -> None:
     orders = [round_order(VARIANTS, r) for r in range(3)]
     assert all(sorted(o) == sorted(VARIANTS) for o in orders) and len({o[0] for o in orders}) == 3, orders
     assert parse_variant("ours-sparse-dist@late+novote") == ("ours-sparse-dist", "late", ("novote",))
+    assert parse_variant("ours-prefetch+inline") == ("ours-prefetch", None, ("inline",))
     assert reference("ours-sparse-dist@late+novote") == "ours-sparse-dist@late"
     assert reference("ours-eval") == "torchrec-eval" and reference("plain") is None
     for bad in ("fast", "torchrec-base+novote", "ours-base@early", "ours-base+nope"):

@@ -34,8 +34,11 @@ FLAGS: dict[str, dict[str, bool]] = {
     "free-features": {"free_features_storage_early": True},
     "clear-inputs": {"clear_data_dist_inputs": True},
     "copy-after-forward": {"enqueue_batch_after_forward": True},
+    "ahead": {"prefetch_ahead": True},
+    "inline": {"prefetch_ahead": False},
 }
-"""`+FLAG`: constructor options of our pipelines (the ranks' checks off, torchrec's memory flags)."""
+"""`+FLAG`: constructor options of our pipelines (the ranks' checks off, torchrec's memory flags,
+Prefetch's stage forced ahead or inline instead of its overlap trial)."""
 _SCHEDULED = ("ours-sparse-dist", "ours-prefetch", "ours-fused-sparse-dist", "ours-semi-sync", "ours-eval")
 """Our classes that take `input_dist_schedule`; all but Eval tune it under "auto", the default."""
 CPU_UNSUPPORTED = ("torchrec-prefetch", "torchrec-fused-sparse-dist", "torchrec-semi-sync")

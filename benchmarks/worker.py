@@ -45,7 +45,7 @@ __all__ = ["run_rank"]
 
 _TAIL = 2  # batches beyond the measured ones, so the profiled steps still have i+1 and i+2 in flight
 _PRIMERS = ("plain", "ours-sparse-dist", "torchrec-sparse-dist")
-_CACHE_KEYS = ("hits", "misses", "read_seconds", "prefetch_seconds")
+_CACHE_KEYS = ("hits", "misses", "read_seconds", "prefetch_seconds", "rows_read", "rows_written")
 
 
 def run_rank(spec: RunSpec, rank: int) -> list[dict[str, Any]]:
@@ -134,6 +134,8 @@ def _run_one(spec: RunSpec, config: BenchConfig, variant: str, batches: list, de
     record.update(peak_bytes=peak(device) - baseline, baseline_bytes=baseline)
     pipe = runner.pipe
     record["schedule"] = getattr(pipe, "input_dist_schedule", None)
+    if hasattr(pipe, "prefetch_ahead"):  # Prefetch: the mode its overlap trial kept, and why
+        record.update(prefetch_ahead=pipe.prefetch_ahead, prefetch_reason=pipe.prefetch_reason)
     report = getattr(pipe, "rewrite_report", None)
     if report is not None:  # a pipeline that fell back to forward costs less: say it beside its figures
         sites = report.sites
@@ -167,7 +169,9 @@ def _timed(runner: Runner, it: Iterator[Any], spec: RunSpec, variant: str, rank:
         d = {k: v - before[k] for k, v in _cache_counters(tiered).items()}
         record.update(cache_hit_rate=d["hits"] / max(d["hits"] + d["misses"], 1),
                       store_read_ms=1e3 * d["read_seconds"] / spec.steps,
-                      prefetch_ms=1e3 * d["prefetch_seconds"] / spec.steps)  # fmt: skip
+                      prefetch_ms=1e3 * d["prefetch_seconds"] / spec.steps,
+                      rows_read_per_step=d["rows_read"] / spec.steps,  # CPU per row: cpu_ms over these
+                      rows_written_per_step=d["rows_written"] / spec.steps)  # fmt: skip
     if profiler is not None:
         record["cprofile"] = _functions(profiler, spec.steps)
     return record

@@ -199,6 +199,12 @@ def test_tables_on_disk_against_their_bound_at_one_rank(tmp_path: Path) -> None:
     assert runs["compute-alone"]["cache_hit_rate"] == 1.0, "compute alone must find every row cached"
     io = runs["io-alone"]
     assert io["store_read_ms"] > 0 and io["cache_hit_rate"] < 0.5, f"I/O alone must read the disk: {io}"
+    for variant in ("plain", "ours-prefetch", "io-alone"):
+        assert runs[variant]["rows_read_per_step"] > 0, f"{variant}: no rows read per step: {runs[variant]}"
+        assert runs[variant]["cpu_us_per_row"] > 0, f"{variant}: no CPU per row: {runs[variant]}"
+    assert runs["compute-alone"]["cpu_us_per_row"] is None, "compute alone reads no row: no CPU per row"
+    assert isinstance(runs["ours-prefetch"]["prefetch_ahead"], bool), "Prefetch's mode is not recorded"
+    assert "prefetch_ahead" not in runs["plain"], "the plain loop has no prefetch mode"
     step = {v: statistics.median(r["step_times_s"]) * 1e3 for v, r in runs.items()}
     distance = step["ours-prefetch"] / max(step["io-alone"], step["compute-alone"])
     report = md.read_text()

@@ -68,6 +68,31 @@ def test_small_gain_stays_inline():
     assert not trial.result.ahead, "1 % is within the margin: inline must be kept"
 
 
+def test_without_a_margin_a_small_gain_runs_ahead():
+    """The negative twin of the test above: the margin is what keeps a 1 % gain inline."""
+    trial, _, _ = run_trial({True: 0.099, False: 0.1}, {True: 0.05, False: 0.05}, steps=30, margin=0.0)
+    assert trial.result.ahead, "with margin 0 a gain in every round must run ahead"
+
+
+@pytest.mark.parametrize("interrupted", [True, False])
+def test_an_interrupted_step_is_not_timed(interrupted):
+    """An eval pass of 10 s between two timed ahead steps: `interrupt()` keeps it out of the trial
+    (ahead, 20 % faster, is kept); without it (the negative twin) the 10 s count as a step ahead."""
+    clocks = Clocks()
+    trial = OverlapTrial(
+        warmup=1, block=3, settle=1, rounds=1, clock=lambda: clocks.wall, cpu_clock=lambda: clocks.cpu,
+        agree=lambda v: v, cores=2, local_ranks=1,
+    )  # fmt: skip
+    for step in range(12):
+        ahead = trial.next_step()
+        clocks.wall += 0.08 if ahead else 0.1
+        if step == 2:  # a timed step ahead (step 0 settles the switch, 1 and 2 are timed)
+            clocks.wall += 10.0  # the eval pass
+            if interrupted:
+                trial.interrupt()
+    assert trial.result is not None and trial.result.ahead is interrupted, trial.result
+
+
 def test_plan_alternates_and_rotates_blocks_after_the_warmup():
     _, modes, _ = run_trial({True: 0.1, False: 0.1}, {True: 0.1, False: 0.1}, steps=21)
     blocks = ([True] * 3 + [False] * 3, [False] * 3 + [True] * 3, [True] * 3 + [False] * 3)

@@ -185,19 +185,28 @@ class RowStore:
         self.stats.read_seconds += time.perf_counter() - started
         return torch.from_numpy(weights), torch.from_numpy(state)
 
-    def write(self, rows: torch.Tensor, weights: torch.Tensor, state: torch.Tensor) -> None:
+    def write(
+        self, rows: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, *, owned: bool = False
+    ) -> None:
         """Queue `weights`/`state` of `rows` (sorted, unique) to be written to the file.
 
-        Returns once they are queued (copied); `read()` sees them at once, the file after `sync()`.
+        Returns once they are queued (copied, unless `owned`); `read()` sees them at once, the file
+        after `sync()`.
+
+        Args:
+            owned: the caller hands `weights` and `state` over and never changes them after: they
+                are queued as they are (the cache's write-back passes rows it has just gathered
+                from its slots; a second copy of every evicted row was CPU for nothing).
 
         Raises:
             StoreError: an earlier queued write failed (the store is then unusable).
         """
         self._raise_write_error()
+        keep = np.ascontiguousarray if owned else np.array  # np.array copies, the other only if it must
         entry = _Queued(
             rows.numpy().copy(),
-            np.array(weights.numpy(), dtype=np.float32, order="C"),
-            np.array(state.numpy(), dtype=np.float32, order="C"),
+            keep(weights.numpy(), dtype=np.float32),
+            keep(state.numpy(), dtype=np.float32),
         )
         with self._queue_lock:
             self._queued.append(entry)
