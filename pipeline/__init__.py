@@ -40,13 +40,16 @@ from pipeline.config import (
 from pipeline.pipelines.backward_opt import TrainPipelineSparseDistBwdOpt
 from pipeline.pipelines.base import TrainPipelineBase
 from pipeline.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
+from pipeline.pipelines.emb_stash import TrainPipelineSparseDistEmbStash
 from pipeline.pipelines.eval import EvalPipelineSparseDist
 from pipeline.pipelines.fused import TrainPipelineFusedSparseDist
 from pipeline.pipelines.gradient_accumulation import (
     GradientAccumulationConfig,
     GradientAccumulationWrapper,
 )
+from pipeline.pipelines.opt_stash import TrainPipelineSparseDistOptStash
 from pipeline.pipelines.prefetch import PrefetchTrainPipelineSparseDist
+from pipeline.pipelines.prefetch_ems import TrainPipelinePrefetchEMS
 from pipeline.pipelines.pt2 import TrainPipelinePT2
 from pipeline.pipelines.semi_sync import TrainPipelineSemiSync
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
@@ -115,10 +118,13 @@ __all__ = [
     "TrainPipelineContext",
     "TrainPipelineFusedSparseDist",
     "TrainPipelinePT2",
+    "TrainPipelinePrefetchEMS",
     "TrainPipelineSemiSync",
     "TrainPipelineSparseDist",
     "TrainPipelineSparseDistBwdOpt",
     "TrainPipelineSparseDistCompAutograd",
+    "TrainPipelineSparseDistEmbStash",
+    "TrainPipelineSparseDistOptStash",
     "Tuner",
     "UnevenDataError",
     "predict",
