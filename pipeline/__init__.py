@@ -47,6 +47,7 @@ from pipeline.pipelines.backward_opt import TrainPipelineSparseDistBwdOpt
 from pipeline.pipelines.base import TrainPipelineBase
 from pipeline.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
 from pipeline.pipelines.copy_thread import TrainPipelineSparseDistT
+from pipeline.pipelines.emb_stash import TrainPipelineSparseDistEmbStash
 from pipeline.pipelines.eval import EvalPipelineSparseDist
 from pipeline.pipelines.eval_cpu import EvalPipelineCPUSparse
 from pipeline.pipelines.eval_fused import EvalPipelineFusedSparseDist
@@ -57,8 +58,10 @@ from pipeline.pipelines.gradient_accumulation import (
 )
 from pipeline.pipelines.hybrid import TrainEvalHybridPipelineBase
 from pipeline.pipelines.lite import TrainPipelineSparseDistLite
+from pipeline.pipelines.opt_stash import TrainPipelineSparseDistOptStash
 from pipeline.pipelines.pec import TrainPipelinePEC
 from pipeline.pipelines.prefetch import PrefetchTrainPipelineSparseDist
+from pipeline.pipelines.prefetch_ems import TrainPipelinePrefetchEMS
 from pipeline.pipelines.pt2 import TrainPipelinePT2
 from pipeline.pipelines.semi_sync import TrainPipelineSemiSync
 from pipeline.pipelines.sparse_data_dist import SparseDataDistUtil
@@ -135,11 +138,14 @@ __all__ = [
     "TrainPipelineFusedSparseDist",
     "TrainPipelinePEC",
     "TrainPipelinePT2",
+    "TrainPipelinePrefetchEMS",
     "TrainPipelineSemiSync",
     "TrainPipelineSparseDist",
     "TrainPipelineSparseDistBwdOpt",
     "TrainPipelineSparseDistCompAutograd",
+    "TrainPipelineSparseDistEmbStash",
     "TrainPipelineSparseDistLite",
+    "TrainPipelineSparseDistOptStash",
     "TrainPipelineSparseDistT",
     "Tuner",
     "UnevenDataError",

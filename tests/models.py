@@ -173,13 +173,16 @@ def build(
     device: torch.device | None = None,
     cache: CacheParams | None = None,
     ddp: bool = True,
+    stash: tuple[str, ...] = (),
 ) -> tuple[DistributedModelParallel, torch.optim.Optimizer]:
     """The model of `kind`, sharded `sharding` (one of SHARDINGS) over the world group, on `device`
     (the CPU by default). With `cache`, the tables use torchrec's UVM-caching kernel (CUDA only).
-    Without `ddp`, the dense part is not wrapped in DDP (each rank trains its own copy of it)."""
+    Without `ddp`, the dense part is not wrapped in DDP (each rank trains its own copy of it).
+    The tables named in `stash` are marked `stash_weights=True`."""
     device = device or torch.device("cpu")
     model = unsharded(kind, seed)
     ebcs = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
+    mark_stashed(ebcs, stash)
     for ebc in ebcs:
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.5})
     sharders = [FeatureProcessedEmbeddingBagCollectionSharder(), EmbeddingBagCollectionSharder()]
@@ -210,6 +213,13 @@ def build(
     dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     opt = KeyedOptimizerWrapper(dense, lambda params: torch.optim.SGD(params, lr=0.1))
     return dmp, opt
+
+
+def mark_stashed(ebcs: list[EmbeddingBagCollection], names: tuple[str, ...]) -> None:
+    """Mark the tables `names` of `ebcs` `stash_weights=True` (before sharding)."""
+    for ebc in ebcs:
+        for config in ebc.embedding_bag_configs():
+            config.stash_weights = config.name in names
 
 
 class _NoDataParallel(DataParallelWrapper):
