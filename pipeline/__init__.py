@@ -35,7 +35,7 @@ from pipeline.compat.backward_injection import (
     will_hook_fire,
 )
 from pipeline.compat.data_loading import DataLoadingThread
-from pipeline.compat.types import In, Out, PipelineState, StageOut, TrainPipeline
+from pipeline.compat.types import In, ModelDetachedException, Out, PipelineState, StageOut, TrainPipeline
 from pipeline.config import (
     InputDistOptions,
     PrefetchOptions,
@@ -108,6 +108,7 @@ __all__ = [
     "InjectionTargetType",
     "InputDistOptions",
     "MalformedBatchError",
+    "ModelDetachedException",
     "NotPipelinedWarning",
     "NotPreparedError",
     "Out",
