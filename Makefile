@@ -21,7 +21,14 @@ DEV_TOOLS := pytest pytest-timeout ruff matplotlib setuptools torchdata
 STAMP := $(VENV)/.setup-$(VARIANT)-torchrec$(TORCHREC)
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint demo demo-faults bench bench-overhead bench-tiered hit-rates bench-sweep bench-big bench-agreement predict timeline clean
+# The tests that hold on the previous stack too (`make test-1.8`): torchrec's names and parameters,
+# parity with torchrec's classes, and every class bit for bit against the plain loop.
+TESTS_1.8 := tests/test_compat.py tests/test_compat_names.py tests/test_torchrec_modules.py \
+	tests/test_torchrec_parity.py tests/test_torchrec_methods.py tests/test_equivalence.py tests/test_family.py \
+	tests/test_lite_hybrid.py tests/test_eval_variants.py tests/test_backward_opt.py tests/test_stash.py \
+	tests/test_pec.py tests/test_staged_stages.py tests/test_user_models.py
+
+.PHONY: setup test test-1.8 lint demo demo-faults bench bench-overhead bench-tiered hit-rates bench-sweep bench-big bench-agreement predict timeline clean
 
 setup: $(STAMP)
 
@@ -38,6 +45,11 @@ $(STAMP): Makefile pyproject.toml
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# torchrec 1.8.0 / torch 2.13.0 in a venv of its own (.venv-1.8), and TESTS_1.8 on it. CI runs `test`.
+test-1.8:
+	$(MAKE) setup VENV=.venv-1.8 TORCHREC=1.8
+	.venv-1.8/bin/python -m pytest $(TESTS_1.8) $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check pipeline rewrite tiered timeline tests examples benchmarks torchrec_pipeline.py
