@@ -7,8 +7,11 @@ is their documented semantics, written here: each output is the model's own outp
 Table-wise and column-wise tables, distinct batches per rank, every option that changes the order
 of the stages (the lookup ahead or after the next batch's input_dist; pipeline depth 1 or 2; the
 sparse stage on a worker thread), the model in eval and in training mode; one output per batch, then
-StopIteration. The negative twin: the outputs one batch off must differ. Also: the stream hand-offs
-of all five of torchrec 1.9's unexported classes on `RecordingStreams`, with a broken twin.
+StopIteration; every call site pipelined (the rewrite report). The negative twin: the outputs one
+batch off must differ. Also, for all five of torchrec 1.9's unexported classes: the stream hand-offs
+on `RecordingStreams`, with a broken twin; and (one process) torchrec's constructor parameters, in
+its order with its defaults, and torchrec's base classes (skipped where the installed torchrec lacks
+the class).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from tests.harness import pytest_timeout
 
 SHARDINGS = ("table_wise", "column_wise")
 STEPS = 7
+SITES = {"dlrm": 1, "nested": 2}
+"""The sharded modules' call sites of each model kind (one call each): all must be pipelined."""
 FUSED_OPTIONS = {
     "": {},
     "prefetch": {"enable_embedding_lookup_prefetch": True},
@@ -77,7 +82,8 @@ def _eval_case(rank: int, world_size: int, name: str, kind: str, sharding: str, 
         "params": models.bitwise_equal(before, models.flat_tensors(model.state_dict())),
         "no_grad": all(p.grad is None for p in model.parameters()),
         "stopped": stopped,
-        "not_pipelined": [m.fqn for m in pipe.rewrite_report.not_pipelined],
+        "sites": [(s.key, m.pipelined) for m in pipe.rewrite_report.modules for s in m.sites],
+        "report": str(pipe.rewrite_report),
         "notes": list(pipe.rewrite_report.notes),
         "on_worker": sum(t.startswith("pipeline-sparse") for t in threads),
     }
@@ -109,7 +115,8 @@ def test_outputs_are_the_models_own(pool, name, kind, sharding, option, mode):
     results = pool.run(_eval_case, name, kind, sharding, option, mode, timeout=TIMEOUT)
     for rank, r in enumerate(results):
         where = f"{name} ({option or 'default'}), {kind} {sharding}, model in {mode} mode, rank {rank}"
-        assert r["not_pipelined"] == [], f"{where}: not pipelined: {r['not_pipelined']}"
+        pipelined = [key for key, ok in r["sites"] if ok]
+        assert len(pipelined) == len(r["sites"]) == SITES[kind], f"{where}: call sites\n{r['report']}"
         assert r["stopped"], f"{where}: no StopIteration after {STEPS} outputs"
         assert r["outputs"], f"{where}: outputs differ from the model's own"
         assert not r["shifted"], f"{where}: batches are not distinct: the comparison cannot fail"
@@ -176,3 +183,84 @@ def test_stream_hand_offs(pool, name):
         runs.pop("input_dist::splits", None)  # re-entered while waiting: at least once a batch
         assert runs == {s: STEPS for s in STAGES_OF[name] if s != "input_dist::splits"}, f"{where}: {runs}"
         assert b["error"] and "without a wait" in b["error"], f"{where}, a hand-off without a wait: {b}"
+
+
+# -- constructors and bases against torchrec's classes (one process) ---------------------------
+
+THEIR_MODULE = {
+    "TrainPipelineSparseDistLite": "train_pipelines",
+    "TrainPipelineSparseDistT": "experimental_pipelines",
+    "TrainEvalHybridPipelineBase": "experimental_pipelines",
+    "EvalPipelineFusedSparseDist": "train_pipelines",
+    "EvalPipelineCPUSparse": "experimental_pipelines",
+}
+LATER_TORCHREC = {"async_inplace_copy"}
+"""What torchrec 1.9 added (Lite, Hybrid): ours declares it in 1.9's place, also under 1.8."""
+
+
+def _theirs(name: str):
+    """torchrec's class `name`, or None where the installed torchrec has none."""
+    import importlib
+
+    return getattr(
+        importlib.import_module(f"torchrec.distributed.train_pipeline.{THEIR_MODULE[name]}"), name, None
+    )
+
+
+def _their_parameters(cls: type) -> list:
+    """torchrec's constructor parameters; for a `*args, **kwargs` constructor (EvalFused over
+    Fused), its base's, then its own keyword-only ones."""
+    import inspect
+
+    params = list(inspect.signature(cls).parameters.values())
+    if params and params[0].kind is inspect.Parameter.VAR_POSITIONAL:
+        own = [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        return _their_parameters(cls.__mro__[1]) + own
+    return params
+
+
+@pytest.mark.parametrize("name", THEIR_MODULE)
+def test_constructor_takes_torchrecs_parameters_in_order_with_its_defaults(name):
+    import inspect
+
+    import pipeline
+
+    theirs = _theirs(name)
+    if theirs is None:
+        pytest.skip(f"this torchrec has no {name}")
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    ours = list(inspect.signature(getattr(pipeline, name)).parameters.values())
+    their_params = _their_parameters(theirs)
+    our_positional = [p.name for p in ours if p.kind is positional]
+    their_positional = [p.name for p in their_params if p.kind is positional]
+    assert our_positional[: len(their_positional)] == their_positional, f"{name}: {our_positional}"
+    assert set(our_positional[len(their_positional) :]) <= LATER_TORCHREC, f"{name}: {our_positional}"
+    by_name = {p.name: p for p in ours}
+    for p in their_params:
+        mine = by_name.get(p.name)
+        assert mine is not None and mine.kind is p.kind, f"{name}.{p.name}: {mine} for torchrec's {p}"
+        # the context class default: each package's class of that name
+        expected = getattr(pipeline, p.default.__name__) if p.name == "context_type" else p.default
+        assert mine.default == expected, (
+            f"{name}.{p.name}: default {mine.default!r}, torchrec's {p.default!r}"
+        )
+    known = {p.name for p in their_params} | LATER_TORCHREC
+    extras = [p.name for p in ours if p.name not in known and p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    assert extras == [], f"{name}: our own parameters must be keyword-only: {extras}"
+
+
+@pytest.mark.parametrize("name", THEIR_MODULE)
+def test_subclass_of_what_torchrecs_class_derives_from(name):
+    import pipeline
+
+    theirs = _theirs(name)
+    if theirs is None:
+        pytest.skip(f"this torchrec has no {name}")
+    from torchrec.distributed.train_pipeline import TrainPipeline
+
+    ours = getattr(pipeline, name)
+    bases = [b.__name__ for b in theirs.__mro__[1:] if b.__name__.startswith("TrainPipeline")]
+    assert "TrainPipeline" in bases, f"torchrec's {name} derives from {bases}"
+    for base in bases:
+        assert issubclass(ours, getattr(pipeline, base)), f"{name} is no {base}"
+    assert issubclass(ours, TrainPipeline), f"{name} is no torchrec TrainPipeline"

@@ -5,12 +5,14 @@
   step), with a negative twin (one optimizer step less) that must differ; and torchrec's class of the
   same name, which runs on CPU.
 - T's copy on its worker thread (one process, the copy forced off the host).
-- Hybrid: training steps and two eval passes interleaved. The training outputs and parameters are
-  the plain loop's on the training batches alone; each eval output is the model's own (no_grad, eval
-  mode) for that eval batch at that point, and carries that batch's labels; `last_output_mode` tags
-  every output. The negative twin: torchrec's own class in the same loop returns a training
-  batch's labels among an eval pass's outputs, which the same check catches. In pure training it
-  equals torchrec's class; which batches run under `execute_all_batches` is torchrec's (one process).
+- Hybrid: training steps and two eval passes interleaved (`PHASES`): the second pass left half-way
+  for training and resumed, each pass run to its end (StopIteration, and again at once on the ended
+  iterator). The training outputs and parameters are the plain loop's on the training batches alone;
+  each eval output is the model's own (no_grad, eval mode) for that eval batch at that point, and
+  carries that batch's labels; `last_output_mode` tags every output. The negative twin: torchrec's
+  own class in the same loop returns a training batch's labels among the first eval pass's outputs,
+  which the same check catches. In pure training it equals torchrec's class; which batches run
+  under `execute_all_batches` is torchrec's (one process).
 """
 
 from __future__ import annotations
@@ -30,8 +32,21 @@ THEIR_MODULE = {
     "TrainPipelineSparseDistT": "experimental_pipelines",
     "TrainEvalHybridPipelineBase": "experimental_pipelines",
 }
-PHASES = (("train", 3), ("eval", 3), ("train", 3), ("eval", 2), ("train", 2))
-"""The hybrid loop: training steps, an eval pass to its end, ... (eval: the pass's length)."""
+TO_END = None
+"""An eval phase's `calls`: `progress()` until StopIteration (the end of its iterator)."""
+EVAL_PASSES = (3, 4)
+"""The batches of each eval pass (each pass its own iterator)."""
+PHASES = (
+    ("train", None, 3),
+    ("eval", 0, TO_END),  # a whole pass, then StopIteration
+    ("train", None, 3),
+    ("eval", 1, 2),  # half a pass: back to training mid-pass, its batches in flight
+    ("train", None, 2),
+    ("eval", 1, TO_END),  # the same iterator resumed: its other half, then StopIteration
+    ("eval", 1, TO_END),  # the ended iterator again: StopIteration at once
+    ("train", None, 2),
+)
+"""The hybrid loop: (mode, which eval pass, how many `progress()` calls)."""
 TIMEOUT = 150
 pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
 
@@ -70,61 +85,74 @@ def _against_torchrec(rank: int, world_size: int, name: str, sharding: str) -> d
     }
 
 
-def _hybrid_loop(rank: int, world_size: int, who: str, sharding: str) -> dict:
-    """PHASES with our hybrid pipeline (or torchrec's), against the same phases run directly."""
+def _hybrid_loop(rank: int, world_size: int, who: str, sharding: str, phases=PHASES) -> dict:
+    """`phases` with our hybrid pipeline (or torchrec's), against the same phases run directly: per
+    phase, the outputs' count, labels and mode tags, and the numbers of the whole run."""
     import torch
 
     import pipeline
     from tests import models
 
-    train = models.batches("dlrm", sum(n for m, n in PHASES if m == "train"), rank)
-    passes = [models.batches("dlrm", n, rank, seed=5 + k) for k, (m, n) in enumerate(PHASES) if m == "eval"]
+    # every phase's training batches, so that some are in flight when a shortened loop ends
+    train = models.batches("dlrm", sum(n for m, _, n in PHASES if m == "train"), rank)
+    passes = [models.batches("dlrm", n, rank, seed=5 + k) for k, n in enumerate(EVAL_PASSES)]
     ref, ref_opt = models.build("dlrm", sharding)
     model, opt = models.build("dlrm", sharding)
     cls = pipeline.TrainEvalHybridPipelineBase if who == "ours" else theirs("TrainEvalHybridPipelineBase")
     pipe = cls(model, opt, torch.device("cpu"))
-    train_it, taken, evals = iter(train), 0, iter(passes)
+    iterators = {None: iter(train), **{k: iter(p) for k, p in enumerate(passes)}}
+    taken = dict.fromkeys(iterators, 0)  # batches of each iterator the reference has run
     got: dict[str, list] = {"train": [], "eval": [], "expected_train": [], "expected_eval": []}
-    modes, labels = [], []
-    for mode, n in PHASES:
+    report = []
+    for i, (mode, source, calls) in enumerate(phases):
+        data = train if source is None else passes[source]
+        model.train(mode == "train")  # as torchrec's users switch
+        outputs, tags, stopped = _progress(pipe, iterators[source], calls)
+        model.train()
+        expected = data[taken[source] : taken[source] + len(outputs) if calls is not TO_END else None]
+        taken[source] += len(expected)
         if mode == "train":
-            got["expected_train"] += models.plain_loop(ref, ref_opt, train[taken : taken + n])
-            outputs = _progress(pipe, train_it, n)
-            expected_labels, taken = [b.labels for b in train[taken : taken + n]], taken + n
+            got["expected_train"] += models.plain_loop(ref, ref_opt, expected)
         else:
-            batches = next(evals)
             ref.eval()
             with torch.no_grad():
-                got["expected_eval"] += [ref(b)[1] for b in batches]
+                got["expected_eval"] += [ref(b)[1] for b in expected]
             ref.train()
-            model.eval()
-            outputs = models.run_to_end(pipe, iter(batches))
-            model.train()
-            expected_labels = [b.labels for b in batches]
         got[mode] += outputs
-        modes += [getattr(pipe, "last_output_mode", None)] if outputs else []
-        labels.append(
-            len(outputs) == n
-            and all(torch.equal(o[2], lab) for o, lab in zip(outputs, expected_labels, strict=True))
+        report.append(
+            {
+                "phase": _phase_name(i),
+                "count": (len(outputs), len(expected) if calls is TO_END else calls),
+                "stopped": stopped == (calls is TO_END),
+                "labels": len(outputs) == len(expected)
+                and all(torch.equal(o[2], b.labels) for o, b in zip(outputs, expected, strict=True)),
+                "tags": tags == [mode] * len(outputs),
+            }
         )
     return {
+        "phases": report,
         "train": models.bitwise_equal(got["expected_train"], got["train"]),
         "eval": models.bitwise_equal(got["expected_eval"], got["eval"]),
         "params": models.bitwise_equal(ref.state_dict(), model.state_dict()),
-        "labels": labels,
-        "modes": modes,
     }
 
 
-def _progress(pipe, it, n: int) -> list:
-    """Up to `n` outputs of `pipe.progress(it)` (fewer if it raises StopIteration first)."""
-    outputs = []
-    for _ in range(n):
+def _phase_name(i: int) -> str:
+    mode, source, calls = PHASES[i]
+    return f"{i} ({mode}, {'training' if source is None else f'pass {source}'}, {calls or 'to the end'})"
+
+
+def _progress(pipe, it, calls: int | None) -> tuple[list, list, bool]:
+    """`calls` calls of `pipe.progress(it)` (TO_END: until StopIteration, at most 100): the outputs,
+    `last_output_mode` after each, and whether StopIteration was raised."""
+    outputs, tags = [], []
+    for _ in range(calls if calls is not TO_END else 100):
         try:
             outputs.append(pipe.progress(it))
         except StopIteration:
-            break
-    return outputs
+            return outputs, tags, True
+        tags.append(getattr(pipe, "last_output_mode", None))
+    return outputs, tags, False
 
 
 def _on_ranks(rank: int, world_size: int, fn, *args):
@@ -154,22 +182,29 @@ def test_equals_torchrecs_own_class(pool, name, sharding):
 @pytest.mark.parametrize("sharding", SHARDINGS)
 def test_hybrid_interleaved_train_and_eval_outputs_are_labelled_right(pool, sharding):
     for rank, r in enumerate(pool.run(_hybrid_loop, "ours", sharding, timeout=TIMEOUT)):
+        for p in r["phases"]:
+            where = f"hybrid, dlrm {sharding}, rank {rank}, phase {p['phase']}"
+            assert p["count"][0] == p["count"][1], f"{where}: {p['count'][0]} outputs, not {p['count'][1]}"
+            assert p["stopped"], f"{where}: StopIteration where it should not be, or none at the end"
+            assert p["labels"], f"{where}: an output with another batch's labels"
+            assert p["tags"], f"{where}: an output tagged with the other mode (last_output_mode)"
         where = f"hybrid, dlrm {sharding}, rank {rank}"
-        assert all(r["labels"]), f"{where}: per phase, outputs with their batches' labels: {r['labels']}"
         assert r["train"], f"{where}: training outputs differ from the plain loop on the training batches"
         assert r["eval"], f"{where}: eval outputs differ from the model's own at that point"
         assert r["params"], f"{where}: parameters differ from the plain loop (an eval batch trained?)"
-        expected = [mode for mode, _ in PHASES]
-        assert r["modes"] == expected, f"{where}: last_output_mode {r['modes']}, expected {expected}"
 
 
 def test_torchrecs_hybrid_mislabels_in_the_same_loop(pool):
-    """The negative twin of the test above: the same check fails on torchrec's class."""
+    """The negative twin of the test above: the same check fails on torchrec's class (in the first
+    two phases: a training run, then an eval pass to its end)."""
     if theirs("TrainEvalHybridPipelineBase") is None:
         pytest.skip(f"torchrec {_torchrec_version()} has no TrainEvalHybridPipelineBase")
-    for rank, r in enumerate(pool.run(_hybrid_loop, "torchrec", "table_wise", timeout=TIMEOUT)):
+    results = pool.run(_hybrid_loop, "torchrec", "table_wise", PHASES[:2], timeout=TIMEOUT)
+    for rank, r in enumerate(results):
         # the first eval pass begins with the training batches that were in flight
-        assert not r["labels"][1], f"rank {rank}: torchrec's hybrid labelled the first eval pass right"
+        assert not r["phases"][1]["labels"], (
+            f"rank {rank}: torchrec's hybrid labelled the first eval pass right"
+        )
 
 
 def _torchrec_version() -> str:
