@@ -1,13 +1,13 @@
-"""The stashing pipelines on 2 gloo ranks: OptStash (the optimizer state in host memory between
-steps), EmbStash (marked embedding weights in host memory between lookup and backward) and
-PrefetchEMS (EmbStash with the prefetch of batch i+1 before backward of i).
+"""The embedding-stashing pipelines on 2 gloo ranks: EmbStash (marked embedding weights in host
+memory between lookup and backward) and PrefetchEMS (EmbStash with the prefetch of batch i+1 before
+backward of i). OptStash (the optimizer state): tests/test_opt_stash.py.
 
 Their documented semantics, checked on CPU: the numbers are the plain loop's, bit for bit (the
 memory comes back byte for byte before it is read); and the memory is really gone while it is
 lent: the storages are empty (0 bytes) at the points the docs say, and back where they say. The
 negative twin of the memory claim is TrainPipelineSparseDist on the same model, whose storages
-are never empty. Table-wise, column-wise, and both in one collection (tests/user_models.py);
-distinct batches per rank; one scenario a test.
+are never empty, and which stashes nothing. Table-wise, column-wise, and both in one collection
+(tests/user_models.py); every table marked, or one; distinct batches per rank; one scenario a test.
 """
 
 from __future__ import annotations
@@ -23,17 +23,6 @@ TIMEOUT = 150
 pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
 DLRM_TABLES = ("t0", "t1", "t2")
 USER_TABLES = ("st0", "st1", "st2", "ht0")
-EBC = "model.sparse_arch.embedding_bag_collection"
-
-
-def _adam(model):
-    """A dense optimizer with state (Adam), for the optimizer-state stash."""
-    import torch
-    from torchrec.optim.keyed import KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
-
-    dense = dict(in_backward_optimizer_filter(model.named_parameters()))
-    return KeyedOptimizerWrapper(dense, lambda params: torch.optim.Adam(params, lr=0.01))
 
 
 def _build(kind: str, sharding: str, stash: tuple[str, ...] = ()):
@@ -50,99 +39,6 @@ def _batches(kind: str, rank: int) -> list:
     if kind in user_models.PATTERNS:
         return user_models.batches(STEPS, rank)
     return models.batches(kind, STEPS, rank)
-
-
-def _storage_bytes(tensors) -> list[int]:
-    return [t.untyped_storage().nbytes() for t in tensors]
-
-
-# -- OptStash ---------------------------------------------------------------------------------
-
-
-def _opt_state(opt) -> list:
-    from pipeline.stages.stash import tensors_in
-
-    return tensors_in(opt.state)
-
-
-def _opt_stash_case(rank: int, world_size: int, kind: str, sharding: str, site: str, twin: bool) -> dict:
-    import torch
-    from torchrec.distributed.types import ShardingType
-
-    import pipeline
-    from tests import models
-
-    ref, _ = _build(kind, sharding)
-    ref_opt = _adam(ref)
-    expected = models.plain_loop(ref, ref_opt, _batches(kind, rank))
-    model, _ = _build(kind, sharding)
-    opt = _adam(model)
-    device = torch.device("cpu")
-    if twin:
-        pipe = pipeline.TrainPipelineSparseDist(model, opt, device)
-    else:
-        pipe = pipeline.TrainPipelineSparseDistOptStash(
-            model, opt, device, site, ShardingType(sharding), stash_min_bytes=0
-        )
-    seen: dict[str, list[int]] = {"before_site": [], "after_site": []}
-    if kind == "dlrm":  # the over arch is differentiated before the site, the dense arch after it
-        for name, fqn in (("before_site", "model.over_arch"), ("after_site", "model.dense_arch")):
-            where = pipeline.InjectionSite(
-                fqn, pipeline.FirstGradTensorFinder(), pipeline.InjectionTargetType.PARAM_GRAD
-            )
-            pipe.register_backward_hook(
-                where, lambda p, n=name: seen[n].append(sum(_storage_bytes(_opt_state(opt))))
-            )
-    it, outputs, between = iter(_batches(kind, rank)), [], []
-    for _ in range(STEPS):
-        outputs.append(pipe.progress(it))
-        between.append(sum(_storage_bytes(_opt_state(opt))))
-    try:
-        pipe.progress(it)
-        stopped = False
-    except StopIteration:
-        stopped = True
-    pipe.detach()  # gives the state back
-    return {
-        "outputs": models.bitwise_equal(expected, outputs),
-        "params": models.bitwise_equal(ref.state_dict(), model.state_dict()),
-        "state": models.bitwise_equal(_opt_state(ref_opt), _opt_state(opt)) and len(_opt_state(opt)) > 0,
-        "stopped": stopped,
-        "between": between,
-        "seen": seen,
-    }
-
-
-OPT_CASES = [
-    ("dlrm", "table_wise", EBC),
-    ("dlrm", "column_wise", EBC),
-    ("split", "table_wise", "a"),
-]
-
-
-@pytest.mark.parametrize(("kind", "sharding", "site"), OPT_CASES)
-def test_opt_stash_lends_the_state_between_steps_with_the_plain_loops_numbers(pool, kind, sharding, site):
-    for rank, r in enumerate(pool.run(_opt_stash_case, kind, sharding, site, False, timeout=TIMEOUT)):
-        where = f"OptStash on {kind} ({sharding}), rank {rank}"
-        assert r["stopped"], f"{where}: no StopIteration after {STEPS} outputs"
-        assert r["outputs"], f"{where}: per-step outputs differ from the plain loop"
-        assert r["params"], f"{where}: final parameters differ from the plain loop"
-        assert r["state"], f"{where}: the optimizer state given back differs from the plain loop's"
-        assert r["between"] == [0] * STEPS, f"{where}: state bytes left between steps: {r['between']}"
-        if kind == "dlrm":  # still lent before backward reaches the site, back after it
-            assert all(b > 0 for b in r["seen"]["after_site"][1:]), (
-                f"{where}: not restored at the site: {r['seen']}"
-            )
-            assert r["seen"]["before_site"][1:] == [0] * (STEPS - 1), f"{where}: restored early: {r['seen']}"
-
-
-def test_opt_stash_twin_sparse_dist_keeps_the_state(pool):
-    for rank, r in enumerate(pool.run(_opt_stash_case, "dlrm", "table_wise", EBC, True, timeout=TIMEOUT)):
-        assert r["outputs"] and r["state"], f"rank {rank}: SparseDist with Adam is not the plain loop"
-        assert all(b > 0 for b in r["between"]), f"rank {rank}: SparseDist freed the state: {r['between']}"
-
-
-# -- EmbStash and PrefetchEMS ---------------------------------------------------------------------
 
 
 def _kernels(model) -> list:
@@ -163,15 +59,18 @@ EMB_POINTS = {
 }
 
 
-def _emb_stash_case(rank: int, world_size: int, name: str, kind: str, sharding: str, options: dict) -> dict:
-    """`name` with every table marked; per step, at the forward of the module run after the
-    lookups: which kernels' weights are empty."""
+def _emb_stash_case(
+    rank: int, world_size: int, name: str, kind: str, sharding: str, options: dict, tables: tuple = ()
+) -> dict:
+    """`name` with `tables` marked (default: all); per step, at the forward of the module run after
+    the lookups: which kernels' weights are empty; and how many stashes lent something."""
     import torch
 
     import pipeline
+    from pipeline.stages.stash import Stash
     from tests import models
 
-    tables = DLRM_TABLES if kind == "dlrm" else USER_TABLES
+    tables = tables or (DLRM_TABLES if kind == "dlrm" else USER_TABLES)
     ref, ref_opt = _build(kind, sharding, stash=tables)
     expected = models.plain_loop(ref, ref_opt, _batches(kind, rank))
     model, opt = _build(kind, sharding, stash=tables)
@@ -191,10 +90,21 @@ def _emb_stash_case(rank: int, world_size: int, name: str, kind: str, sharding: 
         root.get_submodule(before).register_forward_pre_hook(
             lambda *a: empty_at["before"].append([w.untyped_storage().nbytes() == 0 for w, _ in kernels])
         )
-    it, outputs = iter(_batches(kind, rank)), []
-    for _ in range(STEPS):
-        outputs.append(pipe.progress(it))
-        empty_at["between"].append([w.untyped_storage().nbytes() == 0 for w, _ in kernels])
+    it, outputs, stashes, stash = iter(_batches(kind, rank)), [], [], Stash.stash
+
+    def counting(self, tensors) -> None:  # a stash that lends something, in this step
+        tensors = list(tensors)
+        stashes[-1] += any(t.untyped_storage().nbytes() > 0 for t in tensors)
+        stash(self, tensors)
+
+    Stash.stash = counting
+    try:
+        for _ in range(STEPS):
+            stashes.append(0)
+            outputs.append(pipe.progress(it))
+            empty_at["between"].append([w.untyped_storage().nbytes() == 0 for w, _ in kernels])
+    finally:
+        Stash.stash = stash
     stopped = models.run_to_end(pipe, it) == []
     return {
         "outputs": models.bitwise_equal(expected, outputs),
@@ -202,26 +112,34 @@ def _emb_stash_case(rank: int, world_size: int, name: str, kind: str, sharding: 
         "stopped": stopped,
         "marked": [marked for _, marked in kernels],
         "empty_at": empty_at,
+        "stashes": stashes,
     }
 
 
 EMB_CASES = [
-    ("TrainPipelineSparseDistEmbStash", "dlrm", "table_wise", {}),
-    ("TrainPipelineSparseDistEmbStash", "dlrm", "column_wise", {}),
-    ("TrainPipelineSparseDistEmbStash", "split", "mixed", {}),
-    ("TrainPipelinePrefetchEMS", "dlrm", "table_wise", {}),
-    ("TrainPipelinePrefetchEMS", "split", "mixed", {}),
+    ("TrainPipelineSparseDistEmbStash", "dlrm", "table_wise", ()),
+    ("TrainPipelineSparseDistEmbStash", "dlrm", "column_wise", ()),
+    ("TrainPipelineSparseDistEmbStash", "split", "mixed", ()),
+    # one table of three marked, column-wise (a shard on each rank): the other kernel stays
+    ("TrainPipelineSparseDistEmbStash", "dlrm", "column_wise", ("t0",)),
+    ("TrainPipelinePrefetchEMS", "dlrm", "table_wise", ()),
+    ("TrainPipelinePrefetchEMS", "split", "mixed", ()),
+    ("TrainPipelinePrefetchEMS", "dlrm", "column_wise", ("t0",)),
 ]
 
 
-@pytest.mark.parametrize(("name", "kind", "sharding", "options"), EMB_CASES)
-def test_embedding_weights_are_lent_from_lookup_to_backward(pool, name, kind, sharding, options):
-    for rank, r in enumerate(pool.run(_emb_stash_case, name, kind, sharding, options, timeout=TIMEOUT)):
-        where = f"{name} on {kind} ({sharding}), rank {rank}"
+@pytest.mark.parametrize(("name", "kind", "sharding", "tables"), EMB_CASES)
+def test_embedding_weights_are_lent_from_lookup_to_backward(pool, name, kind, sharding, tables):
+    results = pool.run(_emb_stash_case, name, kind, sharding, {}, tables, timeout=TIMEOUT)
+    for rank, r in enumerate(results):
+        where = f"{name} on {kind} ({sharding}, marked: {tables or 'all'}), rank {rank}"
         assert r["stopped"], f"{where}: no StopIteration after {STEPS} outputs"
         assert r["outputs"], f"{where}: per-step outputs differ from the plain loop"
         assert r["params"], f"{where}: final parameters differ from the plain loop"
         assert any(r["marked"]), f"{where}: no kernel holds a marked table"
+        if tables:
+            assert not all(r["marked"]), f"{where}: every kernel holds a marked table"
+        assert all(n > 0 for n in r["stashes"]), f"{where}: a step lent nothing: {r['stashes']}"
         lent = [r["marked"]] * STEPS
         assert r["empty_at"]["after_lookups"] == lent, f"{where}: not lent during forward: {r['empty_at']}"
         assert not any(any(e) for e in r["empty_at"]["between"]), f"{where}: not given back after the step"
@@ -232,6 +150,7 @@ def test_emb_stash_twin_sparse_dist_lends_nothing(pool):
     for rank, result in enumerate(r):
         assert result["outputs"], f"rank {rank}: SparseDist is not the plain loop"
         assert not any(any(e) for e in result["empty_at"]["after_lookups"]), f"rank {rank}: weights were lent"
+        assert result["stashes"] == [0] * STEPS, f"rank {rank}: SparseDist stashed: {result['stashes']}"
 
 
 @pytest.mark.parametrize("stash_site", [None, "model.over_arch"])
@@ -247,6 +166,8 @@ def test_emb_stash_delayed_stash(pool, stash_site):
         assert r["empty_at"]["before"] == nothing, f"{where}: stashed before the stash site: {r['empty_at']}"
         expected = [r["marked"]] * STEPS if stash_site else nothing
         assert r["empty_at"]["after_lookups"] == expected, f"{where}: {r['empty_at']}"
+        # without a stash site the pending stashes run at the backward site, just before the restore
+        assert all(n > 0 for n in r["stashes"]), f"{where}: a step lent nothing: {r['stashes']}"
 
 
 def _ems_tiered_case(rank: int, world_size: int, sharding: str) -> dict:

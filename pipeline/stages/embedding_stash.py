@@ -36,9 +36,19 @@ def _marked_weights(lookup: nn.Module, device: torch.device) -> list[torch.Tenso
             continue
         for name in ("weights_dev", "weights_host"):
             tensor = getattr(inner, name, None)
-            if isinstance(tensor, torch.Tensor) and tensor.numel() > 0 and tensor.device == device:
+            if isinstance(tensor, torch.Tensor) and tensor.numel() > 0 and _on(tensor, device):
                 weights.append(tensor)
     return weights
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> bool:
+    """`tensor` is in `device`'s memory; `cuda` without an index means the current device (which
+    `torch.device("cuda") == torch.device("cuda:0")` denies)."""
+    if tensor.device.type != device.type:
+        return False
+    if device.index is None:
+        return device.type != "cuda" or tensor.device.index == torch.cuda.current_device()
+    return tensor.device.index == device.index
 
 
 def _lookups(model: nn.Module) -> Iterator[nn.Module]:
