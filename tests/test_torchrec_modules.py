@@ -125,3 +125,38 @@ def _same_default(a, b) -> bool:
         return bool(a == b) and type(a) is type(b)
     except Exception:  # tensors and the like: compare by identity only
         return False
+
+
+# The keywords torchrec 1.9 added to classes of 1.8: (class, keyword, the parameter before it, default).
+ADDED_IN_1_9 = [
+    ("TrainPipelineSparseDist", "async_inplace_copy", "clear_data_dist_inputs", False),
+    ("PrefetchTrainPipelineSparseDist", "async_inplace_copy", "clear_data_dist_inputs", False),
+    ("TrainPipelineSparseDistLite", "async_inplace_copy", "clear_data_dist_inputs", False),
+    ("TrainEvalHybridPipelineBase", "async_inplace_copy", "clear_data_dist_inputs", False),
+]
+
+
+@pytest.mark.parametrize(("name", "keyword", "after", "default"), ADDED_IN_1_9)
+def test_ours_takes_the_keywords_torchrec_1_9_added(name, keyword, after, default):
+    """On either stack, in 1.9's place (positional, right after `after`) with 1.9's default; where the
+    installed torchrec has the keyword, torchrec's is in that place too (the table is torchrec's).
+    What the keyword does: tests/test_async_inplace_copy.py."""
+    params = _init_parameters(getattr(pipeline, name))
+    names = [p.name for p in params]
+    assert keyword in names, f"{name} does not take torchrec 1.9's {keyword}"
+    mine = params[names.index(keyword)]
+    assert names[names.index(keyword) - 1] == after, f"{name}: {keyword} does not follow {after}: {names}"
+    assert mine.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, f"{name}: {keyword} is {mine.kind}"
+    assert _same_default(mine.default, default), f"{name}({keyword}=...): default {mine.default!r}"
+    theirs = _torchrec_class(name)
+    torchrecs = [p.name for p in _init_parameters(theirs)]
+    if keyword in torchrecs:
+        assert torchrecs.index(keyword) == names.index(keyword), f"torchrec's {name}: {torchrecs}"
+
+
+def _torchrec_class(name: str):
+    for module_name in ("train_pipelines", "experimental_pipelines"):
+        module = importlib.import_module(f"torchrec.distributed.train_pipeline.{module_name}")
+        if name in vars(module):
+            return vars(module)[name]
+    raise AssertionError(f"torchrec has no {name}")
