@@ -47,7 +47,8 @@ from pipeline.ranks import (
 )
 from pipeline.stages.context import TrainPipelineContext
 from pipeline.stages.not_pipelined import NotPipelinedWarning
-from pipeline.stages.streams import CudaStreams, Streams, ThreadStreams
+from pipeline.stages.streams import CudaStreams, Streams
+from pipeline.stages.thread_streams import ThreadStreams
 from pipeline.stages.tuner import Tuner
 from pipeline.testing import HandoffError, RecordingStreams
 from rewrite import NotPreparedError, RewriteError

@@ -75,6 +75,10 @@ class StagedTrainPipeline(TrainPipeline):
         debug_mode: log each stage as it runs.
         compute_stream: the stream forward runs on (CUDA); default: the current stream.
         on_flush_end: called once a flush (`set_flush(True)`) has emptied the pipeline.
+
+    Keyword-only, ours:
+        streams: the hand-offs between the stages' streams (tests pass `pipeline.RecordingStreams()`
+            and its streams in the stages); None: CUDA hand-offs if a stage has a CUDA stream.
     """
 
     def __init__(
@@ -83,17 +87,19 @@ class StagedTrainPipeline(TrainPipeline):
         debug_mode: bool = False,
         compute_stream: Any = None,
         on_flush_end: Callable[[], None] | None = None,
+        *,
+        streams: Streams | None = None,
     ) -> None:
         if not pipeline_stages:
             raise ValueError("StagedTrainPipeline needs at least one stage")
         self._stages = list(pipeline_stages)
         self._debug = debug_mode
         first = next((s.stream for s in self._stages if _device_stream(s.stream)), None)
-        self._compute_stream = compute_stream or (
-            torch.get_device_module(first.device).current_stream() if first is not None else None
-        )
-        self._streams = CudaStreams(first.device, prefetch=False) if first is not None else Streams()
+        if streams is None:
+            streams = CudaStreams(first.device, prefetch=False) if first is not None else Streams()
+        self._streams = streams
         """Only for hand-offs between the stages' streams (each stage brings its own stream)."""
+        self._compute_stream = compute_stream or streams.current()
         self._outputs: list[tuple[Any, Any, int]] = [(None, None, -1)] * len(self._stages)
         """Per batch in flight, oldest first: (output of its latest stage, its event, its index)."""
         self._initialized = False
@@ -138,7 +144,10 @@ class StagedTrainPipeline(TrainPipeline):
         n = self.num_stages
         for index in range(n):
             self._run(index, n - 1 - index, dataloader_iter)
-        self._streams.handoff_event(out, event, self._compute_stream)
+        streams = self._streams
+        streams.handoff_event(None, event, self._compute_stream)
+        with streams.use(self._compute_stream):
+            streams.returned(out)  # the caller's own: used until it drops it, past any point of ours
         return out
 
     def _fill(self, dataloader_iter: Iterator[Any]) -> None:
@@ -179,16 +188,16 @@ class StagedTrainPipeline(TrainPipeline):
             st.fill_callback()
 
     def _run_on_stream(self, st: PipelineStage, value: Any, event: Any, batch_index: int) -> tuple[Any, Any]:
-        text = f"pipeline::staged::{st.name}#{batch_index}"
-        if not _device_stream(st.stream):
-            with label(text):
-                return st.runnable(value), None
-        module = torch.get_device_module(st.stream.device)
-        with label(text), module.stream(st.stream):
-            self._streams.handoff_event(value, event, st.stream)
+        """Stage `st` on its stream (None: the caller's), after the previous stage's `event`;
+        returns its output and the event recorded after it (None without streams)."""
+        streams = self._streams
+        with label(f"pipeline::staged::{st.name}#{batch_index}"), streams.use(st.stream):
+            stream, taken = streams.current(), object()
+            streams.handoff_event(value, event, stream, taken)
             output = st.runnable(value)
-            done = module.Event()
-            done.record(st.stream)
+            streams.produced(output)
+            done = streams.event(stream)
+            streams.release(taken)  # the stage's last use of its input is queued
         return output, done
 
 
@@ -207,6 +216,12 @@ class SparseDataDistUtil:
     Keyword-only, ours:
         strict: fail on the first batch if a sharded module cannot be pipelined.
         rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
+        streams: the hand-offs of the input_dist results to forward's stream (tests pass
+            `pipeline.RecordingStreams()`, with its `data_dist` as `data_dist_stream`); None: CUDA
+            hand-offs if `data_dist_stream` is a CUDA stream.
+
+    What forward took of a batch is released at the next forward, or at `detach()`: the caller's
+    backward of that batch is queued by then.
     """
 
     def __init__(
@@ -222,13 +237,16 @@ class SparseDataDistUtil:
         rewrite: RewriteOptions | None = None,
         rewrite_method: str | None = None,
         arg_paths: dict[str, Any] | None = None,
+        streams: Streams | None = None,
     ) -> None:
         refuse_jit(apply_jit)
         if prefetch_stream is not None or embedding_lookup_stream is not None:
             raise ValueError("SparseDataDistUtil here has no prefetch or lookup stage; pass None")
-        streams: Streams = Streams()
-        if _device_stream(data_dist_stream):
-            streams = CudaStreams(data_dist_stream.device, prefetch=False)
+        if streams is None:
+            streams = Streams()
+            if _device_stream(data_dist_stream):
+                streams = CudaStreams(data_dist_stream.device, prefetch=False)
+        if data_dist_stream is not None and not streams.inert:
             streams.data_dist = data_dist_stream
         self.model = model
         self.data_dist_stream = data_dist_stream
@@ -244,6 +262,8 @@ class SparseDataDistUtil:
         )
         self._contexts: deque[BatchContext] = deque()
         """Batches whose input_dist started, oldest (the next forward's) first."""
+        self._forwarded: list[BatchContext] = []
+        """Batches whose forward ran, released at the next forward (their backward is queued)."""
         self._hooks: list[Any] = []
         self._next_index = 0
         self._recording: Any = None
@@ -276,6 +296,7 @@ class SparseDataDistUtil:
         """Nothing to do: the hooks stop finding batches once the last one is consumed."""
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
+        self._release_forwarded()
         ctx = self._contexts[0] if self._contexts else None
         if ctx is not None and not ctx.started:  # it waited for the recorded forward to start
             self._input_dist.start(ctx)
@@ -293,7 +314,7 @@ class SparseDataDistUtil:
         elif sys.exc_info()[0] is None:
             self._input_dist.slot.check_calls()
         if self._contexts:
-            self._contexts.popleft()
+            self._forwarded.append(self._contexts.popleft())
         if self._contexts:  # the next batch's values all-to-all runs during backward
             self._input_dist.wait_splits(self._contexts[0])
 
@@ -303,8 +324,13 @@ class SparseDataDistUtil:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._release_forwarded()
         self._input_dist.detach()
         return self.model
+
+    def _release_forwarded(self) -> None:
+        while self._forwarded:
+            self._streams.release(self._forwarded.pop())
 
     def start_sparse_data_dist_stage(
         self, name: str = "start_sparse_data_dist", runnable: Callable[[Any], Any] | None = None
