@@ -63,7 +63,7 @@ def run_case(
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) if on_gpu else 0
-    outputs, streams = _train(name, model, opt, device, data, handoff)
+    outputs, streams, report = _train(name, model, opt, device, data, handoff)
     if on_gpu:
         torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated(device) - base if on_gpu else 0
@@ -76,6 +76,7 @@ def run_case(
         "params_equal": models.bitwise_equal(ref_model.state_dict(), model.state_dict()),
         "count": len(outputs),
         "on_device": all(o.device == device for o in models.flat_tensors(outputs)),
+        "not_pipelined": None if report is None else [m.fqn for m in report.not_pipelined],
         "kept_at_end": kept_at_end,
         "kept_peak": None if streams is None else streams.keep_alive.peak,
         "peak_bytes": peak,
@@ -114,29 +115,30 @@ def _reference(name: str, model, opt, data: list) -> list:
     return models.plain_loop(model, opt, data)
 
 
-def _train(name: str, model, opt, device, data: list, handoff: str) -> tuple[list, Any]:
-    """The pipeline's outputs, and its streams (None for torchrec's classes)."""
+def _train(name: str, model, opt, device, data: list, handoff: str) -> tuple[list, Any, Any]:
+    """The pipeline's outputs, its streams and its rewrite report (None where it has none)."""
     import pipeline
 
     if name.startswith("torchrec."):
         from torchrec.distributed import train_pipeline
 
         pipe = getattr(train_pipeline, name.removeprefix("torchrec."))(model, opt, device)
-        return models.run_to_end(pipe, iter(data)), None
+        return models.run_to_end(pipe, iter(data)), None, None
     if device.type == "cuda":
         streams = pipeline.CudaStreams(device, handoff=handoff)
     else:
         streams = pipeline.RecordingStreams(handoff=handoff)
     if name == "StagedTrainPipeline":
-        return _staged(model, opt, device, data, streams), streams
+        outputs, report = _staged(model, opt, device, data, streams)
+        return outputs, streams, report
     options: dict[str, Any] = {"streams": streams}
     if name == "TrainPipelinePT2":
         options["compile_configs"] = pipeline.TorchCompileConfig(backend="aot_eager", compile_on_iter=2)
     pipe = getattr(pipeline, name)(model, opt, device, **options)
-    return models.run_to_end(pipe, iter(data)), streams
+    return models.run_to_end(pipe, iter(data)), streams, getattr(pipe, "rewrite_report", None)
 
 
-def _staged(model, opt, device, data: list, streams) -> list:
+def _staged(model, opt, device, data: list, streams) -> tuple[list, Any]:
     """The copy on the memcpy stream, SparseDataDistUtil's stage on data_dist; the caller's loop."""
     import pipeline
     from pipeline.stages.copy import to_device
@@ -156,8 +158,9 @@ def _staged(model, opt, device, data: list, streams) -> list:
         torch.sum(loss).backward()
         opt.step()
         outputs.append(out)
+    report = sdd.rewrite_report  # before detach() restores the model
     sdd.detach()
-    return outputs
+    return outputs, report
 
 
 def _traceable(batch: Any) -> Any:

@@ -11,8 +11,10 @@ a consumer has not finished with, and no more.
 
 Objects are held per owner (a batch's context): `hold` when a consumer takes one, `release` when
 every consumer of that owner has queued its last use (an event is recorded on each), `poll` drops
-what completed. `poll` only queries events, in order per stream (they complete in order there),
-and never blocks; `wait` and `release_all` block, for a detach or a reset.
+what completed. Both `hold` and `release` poll first, so what completed is dropped at the next
+hand-off, before the allocations that could reuse it. `poll` only queries events, the oldest of
+each stream first (they complete in order there), and never blocks; `wait` and `release_all`
+block, for a detach or a reset.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class KeepAlive:
         self._released: dict[Any, deque[tuple[Any, list[Any]]]] = {}
         """Consumer stream -> (its event, the objects it covers), in the order recorded."""
         self._spare: list[Any] = []
+        self._waiting = 0
+        """Events recorded and not yet seen completed (0: `poll` has nothing to query)."""
         self.size = 0
         """Objects held now (released or not)."""
         self.peak = 0
@@ -50,7 +54,9 @@ class KeepAlive:
 
     def hold(self, obj: Any, consumer: Any, owner: Hashable) -> None:
         """Keep `obj`, which stream `consumer` will read, until `owner` is released and the
-        consumer's event then has completed."""
+        consumer's event then has completed. Drops what completed so far first."""
+        if self._waiting:
+            self.poll()
         self._held.setdefault(owner, []).append((obj, consumer))
         self.size += 1
         self.peak = max(self.peak, self.size)
@@ -72,12 +78,15 @@ class KeepAlive:
             event = self._spare.pop() if self._spare else self._new_event()
             event.record(consumer)
             self._released.setdefault(consumer, deque()).append((event, objs))
+            self._waiting += 1
             if self._log is not None:
                 for obj in objs:
                     self._log(("release", obj, consumer, event))
 
     def poll(self) -> None:
         """Drop the objects whose consumer's event has completed (queries only; never blocks)."""
+        if not self._waiting:
+            return
         for consumer, queue in self._released.items():
             while queue and queue[0][0].query():
                 self._drop(consumer, *queue.popleft())
@@ -99,6 +108,7 @@ class KeepAlive:
         self.wait()
 
     def _drop(self, consumer: Any, event: Any, objs: list[Any]) -> None:
+        self._waiting -= 1
         self.size -= len(objs)
         self._spare.append(event)
         if self._log is not None:
