@@ -102,13 +102,13 @@ def _case(rank: int, world_size: int, name: str, broken: str | None) -> dict:
             always = mock.patch("pipeline.pipelines.prefetch.prefetch_does_work", lambda m: True)
             patches.enter_context(always)
         if broken == "release-before-backward":
-            backward = PipelineCore._backward
+            backward = PipelineCore._backward_stage
 
             def release_first(self, ctx, losses):
                 self._streams.release(ctx)  # the batch is released before backward reads it
                 backward(self, ctx, losses)
 
-            patches.enter_context(mock.patch.object(PipelineCore, "_backward", release_first))
+            patches.enter_context(mock.patch.object(PipelineCore, "_backward_stage", release_first))
         streams_broken = None if broken == "release-before-backward" else broken
         if name == "StagedTrainPipeline":
             return _staged(model, opt, data, streams_broken)
