@@ -2,9 +2,10 @@
 
 A pipeline runs each stage on a stream: the host-to-device copy on `memcpy`, the input all-to-all on
 `data_dist`, the prefetch on `prefetch`, and forward/backward/optimizer on whatever stream the caller
-is running on (read at each use, never a stream of our own: see meta-pytorch/torchrec#3306). Every
-object made on one stream and used on another goes through `Streams.handoff`, which orders the
-consumer after the producer and keeps the object alive for the consumer.
+is running on (read at each use, never a stream of our own: a user's code around `progress()` runs on
+that stream, and work we queued elsewhere would not be ordered with it). Every object made on one
+stream and used on another goes through `Streams.handoff`, which orders the consumer after the
+producer and keeps the object alive for the consumer.
 
 The hand-off contract, for every implementation:
 - `handoff(obj, producer, owner)`: the current stream waits for `producer`; `obj` is held for the
@@ -15,12 +16,10 @@ The hand-off contract, for every implementation:
 - `returned(obj)`: `obj` leaves the pipeline for the caller (a step's output, which may hold the
   batch's labels): the caller's later use of it is beyond any point the pipeline can order.
 
-Four implementations: `Streams` (CPU, no streams: every method is a no-op), `CudaStreams` (real
-streams), `pipeline.testing.RecordingStreams` (fake named streams on CPU that log every hand-off and
-every real use of a handed-off tensor, so that a missing wait or an early release is caught in CI)
-and `pipeline.stages.thread_streams.ThreadStreams` (CPU, the prefetch stream as a worker thread).
-The middle two share `OrderedStreams`, where the hand-off is written once. Nothing outside this
-module asks which implementation it has: what differs is a method here.
+Implementations: `Streams` (CPU, no streams: no-ops), `CudaStreams`, `pipeline.testing.RecordingStreams`
+(fake streams that log every hand-off and every use of a handed-off tensor: CI's checker) and
+`thread_streams.ThreadStreams` (CPU, the prefetch stream a worker thread). The middle two share
+`OrderedStreams`, where the hand-off is written once. Nobody asks which one it has.
 
 Where `record_stream` remains (`Streams.record`): with `handoff="record-stream"` (the previous
 hand-off, kept to measure the difference), and for what `returned` gives the caller. torchrec and
@@ -53,9 +52,8 @@ __all__ = [
 ]
 
 HANDOFFS = ("keep-alive", "record-stream")
-"""How a hand-off keeps memory alive: "keep-alive" (the producer side keeps a reference until the
-consumer's event after its last use has completed) or "record-stream" (`Tensor.record_stream` on
-the consumer, the previous way, kept to measure the difference on a GPU)."""
+"""How a hand-off keeps memory alive: "keep-alive" (`KeepAlive`) or "record-stream"
+(`Tensor.record_stream` on the consumer: the previous way, kept to measure the difference)."""
 
 _all_threads_profiled = False
 
@@ -127,11 +125,8 @@ class Streams:
         calling thread (False); a no-op without a worker."""
 
     def submit(self, stream: Any, work: Callable[[], None]) -> Future:
-        """Run `work` on `stream`; the returned future's `result()` waits for it on the host.
-
-        With CUDA or no streams the work is enqueued (or run) now, on the calling thread; on a
-        thread-backed stream it runs later, in order, on that stream's thread.
-        """
+        """Run `work` on `stream` (enqueued or run now; on a thread-backed stream, later, in order,
+        on its thread); the returned future's `result()` waits for it on the host."""
         done: Future = Future()
         with self.use(stream):
             work()
@@ -159,18 +154,16 @@ class Streams:
         """
 
     def handoff_event(self, obj: Any, event: Any, consumer: Any, owner: Hashable | None = None) -> None:
-        """Make `obj`, whose producer recorded `event` (None: none, or on the host), usable on the
-        stream `consumer`: `consumer` waits for the event, and `obj` is held for it until
-        `release(owner)`."""
+        """`handoff` where the producer recorded `event` (None: none, or on the host): `consumer`
+        waits for the event, and `obj` is held for it until `release(owner)`."""
 
     def event(self, stream: Any) -> Any:
         """An event recorded now on `stream`, for `handoff_event` (None without streams)."""
         return None
 
     def release(self, owner: Hashable) -> None:
-        """Every stream that took one of `owner`'s objects has queued its last use of it: each
-        records an event now, and the objects are dropped once it has completed. Call it at the
-        end of a batch, or when a batch is dropped before it ran."""
+        """Every stream that took one of `owner`'s objects has queued its last use (the end of a
+        batch, or its drop): each records an event now; the objects go once it has completed."""
 
     def returned(self, obj: Any) -> None:
         """`obj` leaves the pipeline for the caller, who reads it on the current stream after any

@@ -9,12 +9,13 @@
 # pinned torch is staged too. --for-image stages instead the fbgemm and torchrec built for the
 # image's torch (nothing of torch travels; a fallback, off the pins). Writes, git-ignored:
 #   .gpu/p1 .. .gpu/pN  the CUDA packages (fbgemm-gpu, torch when staged) with only sm_90 machine
-#                       code (scripts/gpu/prune_fatbin.py), as one tar.xz cut in parts of 56 MB
+#                       code (scripts/gpu/prune_fatbin.py), as one tar.xz cut in parts of 60 MB
+#                       (57 MiB: one a call, which carries 64 MiB with the working tree)
 #   .gpu/whl            torchrec and its pure-Python needs, and stack.env (what was staged)
 # and prints the device calls to make.
 set -euo pipefail
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit "${1:-0}"; }
-STACK_ARG="" FOR_IMAGE=0 DRY=0 IMAGE_TORCH=${IMAGE_TORCH:-2.11.0} PART_BYTES=${PART_BYTES:-56000000}
+STACK_ARG="" FOR_IMAGE=0 DRY=0 IMAGE_TORCH=${IMAGE_TORCH:-2.11.0} PART_BYTES=${PART_BYTES:-60000000}
 while [ $# -gt 0 ]; do
   case $1 in
     --stack) STACK_ARG=${2:?--stack needs a version}; shift 2 ;;
