@@ -1,24 +1,39 @@
 # `make setup` builds .venv from nothing but python3; every other target depends on it.
 # VARIANT=cpu|cuda forces the fbgemm build; by default CUDA is chosen when nvidia-smi works.
+# TORCHREC=1.9|1.8 picks the stack (default 1.9).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 VARIANT ?= $(shell nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
-TORCH_PIN := torch==2.13.0
-FBGEMM_cpu := fbgemm-gpu-cpu==1.8.0
-FBGEMM_cuda := fbgemm-gpu==1.8.0
-TORCHREC_PIN := torchrec==1.8.0
+TORCHREC ?= 1.9
+# The pins, one stack a line: torch, fbgemm-gpu[-cpu], torchrec. fbgemm is ABI-bound to one torch
+# release (fbgemm_gpu/__init__.py's compatibility table: 1.9 -> 2.14, 1.8 -> 2.13), so the three move
+# together. torch 2.14 has no +cpu build on the index: its default build brings CUDA libraries (~5 GB).
+STACK_1.9 := 2.14.1 1.9.0 1.9.2
+STACK_1.8 := 2.13.0 1.8.0 1.8.0
+STACK := $(or $(STACK_$(TORCHREC)),$(error TORCHREC=$(TORCHREC) is not a known stack: use 1.9 or 1.8))
+TORCH_PIN := torch==$(word 1,$(STACK))
+FBGEMM_cpu := fbgemm-gpu-cpu==$(word 2,$(STACK))
+FBGEMM_cuda := fbgemm-gpu==$(word 2,$(STACK))
+TORCHREC_PIN := torchrec==$(word 3,$(STACK))
 TORCHREC_NEEDS := tensordict torchmetrics==1.0.3 tqdm pyre-extensions numpy
 DEV_TOOLS := pytest pytest-timeout ruff matplotlib setuptools torchdata
-STAMP := $(VENV)/.setup-$(VARIANT)
+STAMP := $(VENV)/.setup-$(VARIANT)-torchrec$(TORCHREC)
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint demo demo-faults bench bench-overhead bench-tiered hit-rates bench-sweep bench-big bench-agreement timeline clean
+# The tests that hold on the previous stack too (`make test-1.8`): torchrec's names and parameters,
+# parity with torchrec's classes, and every class bit for bit against the plain loop.
+TESTS_1.8 := tests/test_compat.py tests/test_compat_names.py tests/test_torchrec_modules.py \
+	tests/test_torchrec_parity.py tests/test_torchrec_methods.py tests/test_equivalence.py tests/test_family.py \
+	tests/test_lite_hybrid.py tests/test_eval_variants.py tests/test_backward_opt.py tests/test_stash.py \
+	tests/test_pec.py tests/test_staged_stages.py tests/test_user_models.py
+
+.PHONY: setup test test-1.8 lint demo demo-faults bench bench-overhead bench-tiered hit-rates bench-sweep bench-big bench-agreement predict timeline clean
 
 setup: $(STAMP)
 
 # The stamp makes a second `make setup` take seconds: pip runs again only when this file or
-# pyproject.toml changed, or the variant is switched.
+# pyproject.toml changed, or the variant or the stack is switched.
 $(STAMP): Makefile pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH_PIN) $(FBGEMM_$(VARIANT)) $(TORCHREC_NEEDS) $(DEV_TOOLS)
@@ -30,6 +45,11 @@ $(STAMP): Makefile pyproject.toml
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# torchrec 1.8.0 / torch 2.13.0 in a venv of its own (.venv-1.8), and TESTS_1.8 on it. CI runs `test`.
+test-1.8:
+	$(MAKE) setup VENV=.venv-1.8 TORCHREC=1.8
+	.venv-1.8/bin/python -m pytest $(TESTS_1.8) $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check pipeline rewrite tiered timeline tests examples benchmarks torchrec_pipeline.py
@@ -82,55 +102,57 @@ timeline: setup
 	@echo "removed the tables' store $(TIMELINE_STORE)"
 	$(BIN)/python -m timeline compare $(TIMELINE_OUT)/base/rank0.json $(TIMELINE_OUT)/prefetch/rank0.json -o $(TIMELINE_OUT) --labels base,prefetch $(TIMELINE_ARGS)
 
-# `make bench BENCH_ARGS=` runs over loopback, without root; see docs/benchmarks.md for the flags.
+# The benchmarks: `python -m benchmarks <what> --help` for the flags, docs/benchmarks.md for the figures.
+# `make bench BENCH_ARGS=` runs over loopback, without root.
 BENCH_ARGS ?= --link 1gbit
 bench: setup
-	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks run $(BENCH_ARGS)
 
-# What a step costs where there is nothing to hide (issue 22): per-step wall and process CPU time of
-# the plain loop and every pipeline on a tiny model at world size 1 and 2, interleaved rounds; then
-# where our SparseDist's time goes, function by function (cProfile). About 8 minutes.
+# Process CPU and wall per step on a tiny model, each loop over the plain one, at 1 and 2 ranks; then
+# where our SparseDist's time goes, function by function (cProfile).
 OVERHEAD_ARGS ?= --rounds 5 --steps 300
 bench-overhead: setup
-	$(BIN)/python -m benchmarks.overhead --world-size 1 $(OVERHEAD_ARGS)
-	$(BIN)/python -m benchmarks.overhead --world-size 2 $(OVERHEAD_ARGS)
-	$(BIN)/python -m benchmarks.overhead --profile ours-sparse-dist --steps 300 --top 40
+	$(BIN)/python -m benchmarks overhead --world-size 1 $(OVERHEAD_ARGS)
+	$(BIN)/python -m benchmarks overhead --world-size 2 $(OVERHEAD_ARGS)
+	$(BIN)/python -m benchmarks overhead --cprofile ours-sparse-dist --steps 300 --top 40
 
-# Tables on disk (tiered kernel, cold store; uniform ids with 5 % cached, power-law ids with 2 %, and
-# tiered-balanced, whose I/O and compute alone are within 30 % at one rank): at 1 rank (a core free
-# for the prefetch thread) and at 2, plain, our SparseDist and Prefetch, and Prefetch's bound (I/O
-# alone, compute alone with every row cached); prints hit rates, store read time, process CPU time
-# per step and Prefetch's distance to its bound. Stores go to $(BENCH_STORE_DIR) (local disk, a
-# folder per config, ~1.1 GB at most). About 19 minutes (9-10 per world size).
+# Tables on disk at 1 and 2 ranks: plain, our SparseDist and Prefetch, and Prefetch's bound. Stores go
+# to $(BENCH_STORE_DIR) (local disk, ~1.1 GB at most). About 19 minutes.
 BENCH_STORE_DIR ?= /var/tmp/bench-tiered
-BENCH_TIERED_ARGS ?= --steps 15 --warmup 110 --auto-warmup 110 --rounds 2 --profile-steps 0
-TIERED_VARIANTS ?= plain ours-sparse-dist ours-prefetch io-alone compute-alone
+BENCH_TIERED_ARGS ?=
 bench-tiered: setup
 	rm -rf $(BENCH_STORE_DIR)
 	mkdir -p $(BENCH_STORE_DIR)
-	BENCH_STORE_DIR=$(BENCH_STORE_DIR) $(BIN)/python -m benchmarks.run --world-size 1 --configs tiered tiered-skewed tiered-balanced --variants $(TIERED_VARIANTS) $(BENCH_TIERED_ARGS) --json out/bench/tiered-1.json --md out/bench/tiered-1.md
-	BENCH_STORE_DIR=$(BENCH_STORE_DIR) $(BIN)/python -m benchmarks.run --world-size 2 --configs tiered tiered-skewed tiered-balanced --variants $(TIERED_VARIANTS) $(BENCH_TIERED_ARGS) --json out/bench/tiered-2.json --md out/bench/tiered-2.md
+	$(BIN)/python -m benchmarks tiered --store-dir $(BENCH_STORE_DIR) $(BENCH_TIERED_ARGS)
 
-# Hit rate of every cache policy on tiered-skewed's id stream against Belady's optimum (offline, no I/O).
+# Hit rate of every cache policy on tiered-skewed's ids against Belady's optimum (offline, no I/O).
 hit-rates: setup
-	$(BIN)/python -m benchmarks.hit_rates --fractions 0.01 0.02 0.05 $(HIT_RATES_ARGS)
+	$(BIN)/python -m benchmarks hit-rates --fractions 0.01 0.02 0.05 $(HIT_RATES_ARGS)
 
-# The sweep (issue 12): 14 points from network-bound (100 Mbit) to compute-bound (loopback), every
-# variant, forced schedules and the bound, paired rounds; writes $(SWEEP_OUT)/sweep.md/.json/.png.
-# Needs root for the emulated links (docs/benchmarks.md, "The sweep"). About 30 minutes.
+# 14 points from network-bound (100 Mbit) to compute-bound (loopback); needs root for the emulated
+# links. Writes $(SWEEP_OUT)/sweep.md/.json/.png. About 30 minutes.
 SWEEP_OUT ?= out/sweep
 SWEEP_ARGS ?=
 bench-sweep: setup
-	$(BIN)/python -m benchmarks.sweep --out $(SWEEP_OUT) $(SWEEP_ARGS)
+	$(BIN)/python -m benchmarks sweep --json $(SWEEP_OUT)/sweep.json --md $(SWEEP_OUT)/sweep.md --png $(SWEEP_OUT)/sweep.png $(SWEEP_ARGS)
 
-# The price of the ranks' per-batch vote and key check: with / without, paired rounds, loopback.
+# The price of the ranks' per-batch agreement and checks: our Base and SparseDist with and without
+# them (+novote), paired rounds, loopback.
+AGREEMENT_ARGS ?= --configs demo input-dist-heavy compute-heavy sweep-lo-tiny sweep-lo-ids100 --steps 50 --warmup 10 --rounds 6 --profile-steps 0
 bench-agreement: setup
-	$(BIN)/python -m benchmarks.agreement $(AGREEMENT_ARGS)
+	$(BIN)/python -m benchmarks run --variants ours-base ours-base+novote ours-sparse-dist@late ours-sparse-dist@late+novote --json out/bench/agreement.json --md out/bench/agreement.md $(AGREEMENT_ARGS)
 
 # Tables of BIG_GB in total on disk, trained with a small cache; fails if peak RSS passes 2 GB.
 BIG_GB ?= 16
 bench-big: setup
-	$(BIN)/python -m benchmarks.big_tables --total-gb $(BIG_GB) --store-dir $(BENCH_STORE_DIR)-big $(BIG_ARGS)
+	$(BIN)/python -m benchmarks big-tables --total-gb $(BIG_GB) --store-dir $(BENCH_STORE_DIR)-big $(BIG_ARGS)
+
+# Each pipeline's predicted step (the cost model of pipeline.predict) for benchmark configs over world
+# sizes and links: a table and out/predict/predict.png. Times nothing but the dense part;
+# PREDICT_ARGS=--validate measures the sweep points against it (a benchmark, docs/benchmarks.md).
+PREDICT_ARGS ?= --world-size 2 8 64 512 1024 --link 1gbit 10gbit
+predict: setup
+	$(BIN)/python -m benchmarks predict $(PREDICT_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

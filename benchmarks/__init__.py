@@ -1,7 +1,6 @@
-"""Step-time and memory benchmarks: the plain loop, this library's pipelines and torchrec's own.
+"""Step-time, CPU and memory benchmarks: the plain loop, this library's pipelines and torchrec's own.
 
-`python -m benchmarks.run` (or `make bench`) trains small sharded DLRMs on 2 local ranks with every
-variant, from identically built models on the same pre-generated batches, and writes a table, a JSON
-file and a Markdown summary. `--link RATE` puts each rank in its own network namespace behind a
-rate-limited veth pair (see `benchmarks.link`). docs/benchmarks.md explains the figures.
+`python -m benchmarks <what>` (`benchmarks/__main__.py` lists the subcommands); docs/benchmarks.md
+explains the figures. Nothing here reaches into the library: it uses the public names of `pipeline`,
+`tiered` and torchrec, the profiler labels the pipeline emits, and the process's clocks and /proc.
 """

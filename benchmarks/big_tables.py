@@ -1,6 +1,6 @@
-"""Tables larger than RAM: train DLRM whose tables fill `--total-gb` on disk, and report peak RSS.
+"""`python -m benchmarks big-tables`: train a DLRM whose tables fill `--total-gb` on disk; peak RSS.
 
-    python -m benchmarks.big_tables --total-gb 16 --store-dir /var/tmp/big --steps 50
+    python -m benchmarks big-tables --total-gb 16 --store-dir /var/tmp/big --steps 50
 
 One process (a gloo world of one), every table on the `tiered` kernel with `--cache-rows` rows
 cached, row-wise Adagrad fused into backward (so the store holds weights and the accumulator).
@@ -11,12 +11,11 @@ CI: creating 16 GB takes minutes. The store files are deleted at the end unless 
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -30,20 +29,13 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from benchmarks.measure import machine, peak_rss_bytes
 from examples.dlrm.model import unsharded_dlrm
 from tiered import TIERED, TieredEmbeddingBagCollectionSharder, TieredOptions
 
-__all__ = ["main", "peak_rss_bytes"]
+__all__ = ["big_tables"]
 
 _DENSE = 13
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size (VmHWM of /proc/self/status), in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _rows_per_table(total_gb: float, tables: int, dim: int) -> int:
@@ -61,7 +53,7 @@ def _batch(rows: int, tables: int, batch_size: int, ids: int, gen: torch.Generat
     return Batch(dense_features=dense, sparse_features=sparse, labels=torch.randint(0, 2, (batch_size,)))
 
 
-def run(args: argparse.Namespace) -> int:
+def _train(args: SimpleNamespace) -> int:
     """Create the stores, train, print the figures; 1 when peak RSS exceeds the limit."""
     store = Path(args.store_dir)
     store.mkdir(parents=True, exist_ok=True)
@@ -140,40 +132,28 @@ def _checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direct
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.big_tables", description=__doc__.splitlines()[0])
-    p.add_argument("--total-gb", type=float, default=16.0, help="GiB of store files in all (default 16)")
-    p.add_argument("--store-dir", required=True, help="directory for the store files (local disk)")
-    p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--cache-rows", type=int, default=50_000, help="RAM rows per table (default 50000)")
-    p.add_argument("--batch-size", type=int, default=512)
-    p.add_argument("--ids", type=int, default=4, help="ids per table per sample")
-    p.add_argument("--steps", type=int, default=50, help="timed steps")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--rss-limit-gb", type=float, default=2.0)
-    p.add_argument("--keep", action="store_true", help="keep the store files")
-    p.add_argument("--checkpoint-dir", help="after training, save a checkpoint here and load it back")
-    args = p.parse_args(argv)
-    free = shutil.disk_usage(
-        Path(args.store_dir).parent if not Path(args.store_dir).exists() else args.store_dir
+def big_tables(*, total_gb: float, store_dir: str, tables: int, dim: int, cache_rows: int, batch_size: int,
+               ids: int, steps: int, warmup: int, rss_limit_gb: float, keep: bool, checkpoint_dir: str | None,
+               command: str) -> int:  # fmt: skip
+    """The `big-tables` subcommand; exit status 1 when the peak RSS is over `rss_limit_gb`."""
+    args = SimpleNamespace(**{k: v for k, v in locals().items() if k != "command"})
+    where = Path(store_dir) if Path(store_dir).exists() else Path(store_dir).parent
+    needed = total_gb * (2 if checkpoint_dir else 1) * 1.05
+    if shutil.disk_usage(where).free < needed * 2**30:
+        raise ValueError(
+            f"{shutil.disk_usage(where).free / 2**30:.1f} GiB free in {where}, {needed:.1f} needed"
+        )
+    print(
+        f"Command: `{command}`\nMachine: {machine()}; one process, one run: no rounds, no spread", flush=True
     )
-    needed = args.total_gb * (2 if args.checkpoint_dir else 1) * 1.05
-    if free.free < needed * 2**30:
-        print(f"big_tables: {free.free / 2**30:.1f} GiB free, {needed:.1f} needed", file=sys.stderr)
-        return 2
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("gloo")
     try:
-        return run(args)
+        return _train(args)
     finally:
         dist.destroy_process_group()
-        if not args.keep:
-            for path in Path(args.store_dir).glob("*.rows"):
+        if not keep:
+            for path in Path(store_dir).glob("*.rows"):
                 path.unlink()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

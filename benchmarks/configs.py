@@ -1,22 +1,22 @@
-"""The named model/batch shapes the benchmark runs: `BenchConfig` and the `CONFIGS` registry.
+"""The named models and batch shapes the benchmarks train: `BenchConfig` and the `CONFIGS` registry.
 
-Every config is a DLRM (torchrec's `DLRMTrain`) on 26 sparse and 13 dense features; they differ in
-where the time goes. `demo` is the size of `make demo`; `input-dist-heavy` sends ~100 ids per feature
-per sample with a tiny embedding dim and tiny MLPs, so the input all-to-all dominates; `compute-heavy`
-has one id per feature, a wide embedding and big MLPs, so input_dist is a small part of the step (over
-loopback dense compute dominates it; over a 1 Gbit link the all-reduce of the 2.2 M dense gradients and
-the pooled-embedding all-to-alls do). `tiered` puts every table on disk (the `tiered` kernel, cold
-store, 5 % of the rows cached), so each step reads thousands of rows from the disk: the work the
-Prefetch pipeline hides behind the previous batch's backward.
+Every config but `tiny` is a DLRM (torchrec's `DLRMTrain`) on 13 dense features; they differ in where
+the time goes. `demo` is the size of `make demo`; `input-dist-heavy` sends ~100 ids per feature per
+sample with tiny MLPs, so the input all-to-all dominates; `compute-heavy` has one id per feature and
+big MLPs. `tiny` (4 tables of 1,000 rows, one linear layer) leaves nothing to hide: what a pipeline
+adds there is its host overhead. The `tiered*` configs keep every table on disk (the `tiered` kernel,
+a cold store, a few % of the rows cached). The `sweep-*` configs are the sweep's 14 points, each with
+its link (`SWEEP_LINKS`). Kept free of torch: the launcher and the reports read it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from examples.dlrm.config import NUM_DENSE, NUM_SPARSE  # the DLRM example's Criteo-like inputs
+__all__ = ["CONFIGS", "HEADS", "RUN_CONFIGS", "SWEEP_LINKS", "TIERED_CONFIGS", "BenchConfig", "get_config",
+           "sweep_points"]  # fmt: skip
 
-__all__ = ["CONFIGS", "GPU_CONFIGS", "NUM_DENSE", "NUM_SPARSE", "SMALL_CONFIGS", "BenchConfig", "get_config"]
+HEADS = ("dlrm", "linear", "linear-split", "linear-built", "linear-shared")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -28,154 +28,146 @@ class BenchConfig:
     description: str
     """One line for the report: what dominates the step."""
     batch_size: int
-    """Samples per rank per step (the global batch is this times the world size)."""
+    """Samples per rank per step."""
     embedding_dim: int
-    """Width of every table (DLRM needs one width for all)."""
+    """Width of every table."""
     num_embeddings: int
-    """Rows of each of the 26 tables."""
+    """Rows of each table."""
     ids_per_feature: int
-    """Mean ids per sparse feature per sample; lengths are uniform in [1, 2 * ids_per_feature - 1]
-    (exactly 1 when this is 1)."""
-    dense_hidden: tuple[int, ...]
-    """Hidden widths of the bottom MLP; `embedding_dim` is appended as its output."""
-    over_hidden: tuple[int, ...]
-    """Hidden widths of the top MLP; a single logit is appended as its output."""
+    """Mean ids per feature per sample; lengths are uniform in [1, 2 * ids_per_feature - 1]."""
+    dense_hidden: tuple[int, ...] = ()
+    """Hidden widths of DLRM's bottom MLP (`embedding_dim` is appended)."""
+    over_hidden: tuple[int, ...] = ()
+    """Hidden widths of DLRM's top MLP (one logit is appended)."""
+    num_tables: int = 26
+    """Sparse features, one table each."""
+    num_dense: int = 13
+    """Dense features per sample (DLRM takes 13)."""
+    head: str = "dlrm"
+    """`dlrm`, or `linear`: one linear layer over the pooled embeddings and the dense features; or
+    `linear` written the way users write models: `linear-split` (the batch's KJT split between two
+    collections in forward), `linear-built` (a KJT built in forward from the batch's tensors) and
+    `linear-shared` (one collection of half the tables called on both halves of the features)."""
+    sharding_types: tuple[str, ...] = ("table_wise", "column_wise")
+    """What the planner may choose on CPU (gloo has no row-wise); on CUDA it chooses freely."""
     cache_fraction: float | None = None
-    """Tables on the disk-backed `tiered` kernel with this fraction of each shard's rows cached in
-    RAM, the store cold (every miss reads the disk); None keeps them in RAM (torchrec's fused kernel)."""
-    num_tables: int = NUM_SPARSE
-    """Sparse features, one table each (the DLRM example's 26 by default)."""
+    """Tables on disk (`tiered` kernel, cold store) with this fraction of each shard's rows cached
+    in RAM (on CUDA: torchrec's UVM-caching kernel, that fraction in HBM); None: tables in RAM."""
     id_skew: float | None = None
-    """Ids drawn from a power law with this exponent (the id of popularity rank r has probability
-    ~ 1 / (r + 1) ** id_skew; rank to row by a fixed bijective hash, so hot rows are spread over
-    the table), as in real click logs; None: uniform."""
+    """Ids from a power law with this exponent (hot rows spread over the table by a hash); None:
+    uniform."""
 
     def __post_init__(self) -> None:
         for field in ("batch_size", "embedding_dim", "num_embeddings", "ids_per_feature", "num_tables"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{self.name}: {field} must be positive, got {getattr(self, field)}")
+        if self.head not in HEADS:
+            raise ValueError(f"{self.name}: head must be one of {', '.join(HEADS)}, got {self.head!r}")
 
 
-CONFIGS: dict[str, BenchConfig] = {
-    c.name: c
-    for c in (
-        BenchConfig(
-            name="demo",
-            description="the demo's DLRM: 1 id per feature, dim 16, 64-wide MLPs",
-            batch_size=128,
-            embedding_dim=16,
-            num_embeddings=10_000,
-            ids_per_feature=1,
-            dense_hidden=(64,),
-            over_hidden=(64,),
-        ),
-        BenchConfig(
-            name="input-dist-heavy",
-            description="~100 ids per feature, dim 4, tiny MLPs: the input all-to-all dominates",
-            batch_size=256,
-            embedding_dim=4,
-            num_embeddings=10_000,
-            ids_per_feature=100,
-            dense_hidden=(16,),
-            over_hidden=(16,),
-        ),
-        BenchConfig(
-            name="compute-heavy",
-            description="1 id per feature, dim 64, 1024-wide MLPs: input_dist is a small part of the step",
-            batch_size=256,
-            embedding_dim=64,
-            num_embeddings=10_000,
-            ids_per_feature=1,
-            dense_hidden=(512, 256),
+_DEMO = BenchConfig(name="demo", description="the demo's DLRM: 1 id per feature, dim 16, 64-wide MLPs",
+                    batch_size=128, embedding_dim=16, num_embeddings=10_000, ids_per_feature=1,
+                    dense_hidden=(64,), over_hidden=(64,))  # fmt: skip
+_TIERED = BenchConfig(
+    name="tiered",
+    description="8 tables of 1M rows on disk, 5 % cached, cold store: each step reads its misses",
+    batch_size=256, embedding_dim=32, num_embeddings=1_000_000, ids_per_feature=2, num_tables=8,
+    dense_hidden=(512, 256), over_hidden=(1024, 512), cache_fraction=0.05,
+)  # fmt: skip
+_GPU_LARGE = BenchConfig(
+    name="gpu-large",
+    description="for a GPU: 26 tables of 500k rows, dim 128, 4096 samples of ~10 ids per feature",
+    batch_size=4096, embedding_dim=128, num_embeddings=500_000, ids_per_feature=10,
+    dense_hidden=(1024, 512), over_hidden=(1024, 1024, 512),
+)  # fmt: skip
+_TINY = BenchConfig(name="tiny", description="4 tables of 1,000 rows x 8, batch 64, one linear layer: "
+                   "nothing to hide", batch_size=64, embedding_dim=8, num_embeddings=1_000,
+                   ids_per_feature=3, num_tables=4, num_dense=4, head="linear",
+                   sharding_types=("table_wise",))  # fmt: skip
+_LIST = [
+    _DEMO,
+    replace(_DEMO, name="input-dist-heavy", batch_size=256, embedding_dim=4, ids_per_feature=100,
+            dense_hidden=(16,), over_hidden=(16,),
+            description="~100 ids per feature, dim 4, tiny MLPs: the input all-to-all dominates"),
+    replace(_DEMO, name="compute-heavy", batch_size=256, embedding_dim=64, dense_hidden=(512, 256),
             over_hidden=(1024, 1024, 512),
-        ),
-        BenchConfig(
-            name="tiered",
-            description="8 tables of 1M rows on disk (1 GB), 5 % cached, cold store: each step reads "
-            "its misses from the disk",
-            batch_size=256,
-            embedding_dim=32,
-            num_embeddings=1_000_000,
-            ids_per_feature=2,
-            num_tables=8,
-            dense_hidden=(512, 256),
-            over_hidden=(1024, 512),
-            cache_fraction=0.05,
-        ),
-    )
-}
-CONFIGS["tiered-skewed"] = replace(
-    CONFIGS["tiered"],
-    name="tiered-skewed",
-    description="8 tables of 1M rows on disk, 2 % cached, cold store, power-law ids (exponent 1.05, "
-    "like a click log's): fewer misses, each still read from the disk",
-    cache_fraction=0.02,
-    id_skew=1.05,
-)
-CONFIGS["tiered-balanced"] = replace(
-    CONFIGS["tiered"],
-    name="tiered-balanced",
-    description="8 tables of 500k rows on disk, 5 % cached, cold store, 1 id per feature, MLPs "
-    "1024-1024 / 2048-1024: at 1 rank, I/O alone and compute alone within 30 % of each other",
-    num_embeddings=500_000,
-    ids_per_feature=1,
-    dense_hidden=(1024, 1024),
-    over_hidden=(2048, 1024),
-)
+            description="1 id per feature, dim 64, 1024-wide MLPs: input_dist is a small part"),
+    _TINY,
+    *(replace(_TINY, name=f"tiny-{p}", head=f"linear-{p}", description=f"tiny, its forward written "
+              f"the {p} way: {how}") for p, how in (
+        ("split", "the batch's KJT split between two collections"),
+        ("built", "a KJT built from the batch's values and lengths"),
+        ("shared", "one collection of 2 tables called on both halves of the features"))),
+    _TIERED,
+    replace(_TIERED, name="tiered-skewed", cache_fraction=0.02, id_skew=1.05,
+            description="8 tables of 1M rows on disk, 2 % cached, power-law ids (exponent 1.05)"),
+    replace(_TIERED, name="tiered-balanced", num_embeddings=500_000, ids_per_feature=1,
+            dense_hidden=(1024, 1024), over_hidden=(2048, 1024),
+            description="8 tables of 500k rows on disk, 5 % cached, 1 id: at 1 rank, I/O alone and "
+            "compute alone within 30 % of each other"),
+    replace(_TIERED, name="tiered-tiny", batch_size=16, embedding_dim=8, num_embeddings=4_000, num_tables=2,
+            dense_hidden=(16,), over_hidden=(16,), cache_fraction=0.25,
+            description="for tests: 2 tables of 4,000 rows on disk, 25 % cached, 16 samples"),
+    _GPU_LARGE,
+    replace(_GPU_LARGE, name="gpu-uvm", num_embeddings=2_000_000, num_tables=8, cache_fraction=0.05,
+            description="for a GPU: 8 tables of 2M rows in host memory (UVM caching), 5 % in HBM"),
+]  # fmt: skip
 
-SMALL_CONFIGS: dict[str, BenchConfig] = {
-    "tiered-tiny": replace(
-        CONFIGS["tiered"],
-        name="tiered-tiny",
-        description="for tests: 2 tables of 4,000 rows on disk, 25 % cached, 16 samples",
-        batch_size=16,
-        embedding_dim=8,
-        num_embeddings=4_000,
-        num_tables=2,
-        dense_hidden=(16,),
-        over_hidden=(16,),
-        cache_fraction=0.25,
-    ),
-}
-"""Configs for the benchmark's own tests; not in `CONFIGS`, so `make bench` skips them."""
+# The sweep: from network-bound (100 Mbit) to compute-bound (loopback). 100 Mbit points keep the
+# bytes per step small. (name, link, samples, ids, dim, tables, bottom MLP, top MLP)
+_POINTS = [
+    ("100m-tiny", "100mbit", 128, 1, 16, 26, (64,), (64,)),
+    ("100m-ids10", "100mbit", 256, 10, 8, 16, (32,), (32,)),
+    ("100m-ids30", "100mbit", 128, 30, 4, 8, (16,), (16,)),
+    ("100m-dense", "100mbit", 256, 5, 16, 12, (256, 128), (256, 128)),
+    ("1g-tiny", "1gbit", 128, 1, 16, 26, (64,), (64,)),
+    ("1g-ids100", "1gbit", 256, 100, 4, 26, (16,), (16,)),
+    ("1g-ids100-dense", "1gbit", 256, 100, 4, 26, (128, 64), (128, 64)),
+    ("1g-ids30", "1gbit", 512, 30, 16, 16, (128,), (128,)),
+    ("1g-b1024", "1gbit", 1024, 10, 8, 8, (64,), (64,)),
+    ("1g-dense", "1gbit", 512, 3, 32, 12, (512, 256), (512, 256)),
+    ("lo-tiny", None, 128, 1, 16, 26, (64,), (64,)),
+    ("lo-ids100", None, 256, 100, 4, 26, (16,), (16,)),
+    ("lo-b1024", None, 1024, 10, 16, 8, (256,), (256,)),
+    ("lo-dense", None, 256, 1, 64, 26, (512, 256), (1024, 1024, 512)),
+]
+SWEEP_LINKS: dict[str, str | None] = {f"sweep-{p[0]}": p[1] for p in _POINTS}
+"""The sweep's configs in order, each with its link (a tc rate; None: loopback)."""
+for _name, _link, _batch, _ids, _dim, _tables, _bottom, _top in _POINTS:
+    _LIST.append(
+        BenchConfig(name=f"sweep-{_name}", batch_size=_batch, embedding_dim=_dim, num_embeddings=10_000,
+                    ids_per_feature=_ids, num_tables=_tables, dense_hidden=_bottom, over_hidden=_top,
+                    description=f"{_link or 'loopback'}: {_batch}/rank, {_ids} ids, dim {_dim}, "
+                    f"{_tables} tables, MLPs {'-'.join(map(str, _bottom))} / {'-'.join(map(str, _top))}")
+    )  # fmt: skip
 
-
-GPU_CONFIGS: dict[str, BenchConfig] = {
-    "gpu-large": BenchConfig(
-        name="gpu-large",
-        description="for a GPU (too big for the CPU runs): 26 tables of 500k rows, dim 128, 4096 "
-        "samples of ~10 ids per feature, 1024-wide MLPs",
-        batch_size=4096,
-        embedding_dim=128,
-        num_embeddings=500_000,
-        ids_per_feature=10,
-        dense_hidden=(1024, 512),
-        over_hidden=(1024, 1024, 512),
-    ),
-}
-GPU_CONFIGS["gpu-uvm"] = replace(
-    GPU_CONFIGS["gpu-large"],
-    name="gpu-uvm",
-    description="for a GPU: 8 tables of 2M rows in host memory (torchrec's UVM-caching kernel), 5 % "
-    "cached in HBM, 4096 samples of ~10 ids per feature: prefetch() fills the cache",
-    num_embeddings=2_000_000,
-    num_tables=8,
-    cache_fraction=0.05,
-)
-"""Configs sized for a GPU (docs/gpu.md); not in `CONFIGS`, so `make bench` on a CPU skips them."""
+CONFIGS: dict[str, BenchConfig] = {c.name: c for c in _LIST}
+RUN_CONFIGS = ("demo", "input-dist-heavy", "compute-heavy")
+"""What `run` trains by default."""
+TIERED_CONFIGS = ("tiered", "tiered-skewed", "tiered-balanced")
+"""What `tiered` trains by default."""
 
 
 def get_config(name: str) -> BenchConfig:
-    """The config called `name`: one of `CONFIGS` or `GPU_CONFIGS`, or a sweep point's
-    (`benchmarks.points`).
+    """The config called `name` (a sweep point may drop its `sweep-` prefix).
 
     Raises:
-        ValueError: no config has that name; the message lists the named ones.
+        ValueError: no config has that name; the message lists them.
     """
-    from benchmarks.points import POINTS  # the sweep's configs are built from BenchConfig
+    found = CONFIGS.get(name) or CONFIGS.get(f"sweep-{name}")
+    if found is None:
+        raise ValueError(f"unknown config {name!r}; choose from {', '.join(CONFIGS)}")
+    return found
 
-    known = {**CONFIGS, **SMALL_CONFIGS, **GPU_CONFIGS, **{p.config.name: p.config for p in POINTS}}
-    try:
-        return known[name]
-    except KeyError:
-        raise ValueError(f"unknown config {name!r}; choose from {', '.join(CONFIGS)}") from None
+
+def sweep_points(points: list[str]) -> list[str]:
+    """The configs of the sweep points named (all 14 if none), `sweep-` prefix or not.
+
+    Raises:
+        ValueError: a name is not a sweep point; the message lists them.
+    """
+    names = [get_config(p).name for p in points] if points else list(SWEEP_LINKS)
+    unknown = [n for n in names if n not in SWEEP_LINKS]
+    if unknown:
+        raise ValueError(f"not sweep points: {', '.join(unknown)}; choose from {', '.join(SWEEP_LINKS)}")
+    return names

@@ -1,7 +1,7 @@
-"""Hit rate of each cache policy on a config's id stream, against Belady's optimum (issue 25).
+"""`python -m benchmarks hit-rates`: each cache policy's hit rate on a config's ids, against Belady's optimum.
 
-`python -m benchmarks.hit_rates [--config tiered-skewed] [--batches 1500] [--skip 500]` replays the
-ids one rank's tables receive (`benchmarks.model.make_batches`, one rank) through a `tiered.RowCache`
+`hit-rates [--config tiered-skewed] [--batches 1500] [--skip 500] [--fractions ...]` replays the
+ids one rank's tables receive (`benchmarks.models.make_batches`, one rank) through a `tiered.RowCache`
 per table with each policy of `tiered.POLICIES`, over a store that holds nothing (no disk I/O: only
 the bookkeeping runs), in the Prefetch pipeline's order: batch i+1 is acquired while batch i is
 still pinned. Belady's MIN is computed offline on the same stream under the same rule: to load a
@@ -10,25 +10,23 @@ batch being loaded or of the one still in flight. No online policy can miss less
 (with a batch's rows all resident at once, MIN is optimal up to the order within a batch).
 
 Hits and misses count once per distinct row per batch, as `tiered.CacheStats` does, over batches
-`skip` to `batches` (the caches are full by then). Prints a Markdown table; `--json` writes it too.
+`skip` to `batches` (the caches are full by then). Prints the table; `--md`/`--json` write it.
 """
 
 from __future__ import annotations
 
-import argparse
 import heapq
-import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from benchmarks.configs import get_config
-from benchmarks.model import make_batches
+from benchmarks.measure import machine
+from benchmarks.models import make_batches
+from benchmarks.report import publish
 from tiered import POLICIES, RowCache, make_policy
 
-__all__ = ["belady_hits", "id_streams", "main", "policy_hits"]
+__all__ = ["belady_hits", "hit_rates", "id_streams", "policy_hits"]
 
 
 class _NoStore:
@@ -111,66 +109,36 @@ def belady_hits(stream: list[np.ndarray], capacity: int, skip: int) -> tuple[int
     return hits, misses
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    config = get_config(args.config)
-    if not 0 <= args.skip < args.batches:
-        print("hit_rates: --skip must be at least 0 and below --batches", file=sys.stderr)
-        return 2
-    if config.cache_fraction is None:
-        print(f"hit_rates: {args.config} keeps its tables in RAM; pick a config on disk", file=sys.stderr)
-        return 2
-    fractions = args.fractions or [config.cache_fraction]
-    streams = id_streams(args.config, args.batches, seed=args.seed)[: args.tables]
+def hit_rates(*, config: str, batches: int, skip: int, tables: int, fractions: list[float], seed: int,
+              json: str | None, md: str | None, command: str) -> int:  # fmt: skip
+    """The `hit-rates` subcommand: the hit rate of every policy and of Belady's MIN per cache size."""
+    chosen = get_config(config)
+    if not 0 <= skip < batches:
+        raise ValueError("--skip must be at least 0 and below --batches")
+    if chosen.cache_fraction is None:
+        raise ValueError(f"{config} keeps its tables in RAM; pick a config on disk (tiered, tiered-skewed)")
+    streams = id_streams(config, batches, seed=seed)[:tables]
     result: dict[str, dict[str, float]] = {}
-    for fraction in fractions:
-        capacity = max(1, int(config.num_embeddings * fraction))
+    for fraction in fractions or [chosen.cache_fraction]:
+        capacity = max(1, int(chosen.num_embeddings * fraction))
         column = {}
         for name in [*POLICIES, "belady"]:
             totals = np.zeros(2)
             for stream in streams:
                 if name == "belady":
-                    totals += belady_hits(stream, capacity, args.skip)
+                    totals += belady_hits(stream, capacity, skip)
                 else:
-                    totals += policy_hits(stream, config.num_embeddings, capacity, name, args.skip)
+                    totals += policy_hits(stream, chosen.num_embeddings, capacity, name, skip)
             column[name] = float(totals[0] / totals.sum())
         result[f"{fraction:g}"] = column
-    print(_markdown(config.name, result, args))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "hit_rate": result}, indent=1))
+    meta = {"command": command, "machine": f"{machine()} (offline, deterministic: no rounds, no spread)"}
+    rows = [[name, *(f"{column[name]:.3f}" for column in result.values())] for name in [*POLICIES, "belady"]]
+    notes = [f"hit rate on {config}: {len(streams)} tables, batches {skip}-{batches}, seed {seed}"]
+    for f, column in result.items():
+        value, name = max((v, n) for n, v in column.items() if n != "belady")
+        notes.append(f"{f} cached: the best policy, {name}, is at {value / column['belady']:.3f} of "
+                     f"Belady's ({column['belady'] - value:.3f} below)")  # fmt: skip
+    columns = ["policy", *(f"{f} cached" for f in result)]
+    publish({"meta": meta, "config": config, "hit_rate": result}, meta, "Cache hit rates", columns, rows,
+            notes, json_path=json, md_path=md)  # fmt: skip
     return 0
-
-
-def _markdown(config: str, result: dict[str, dict[str, float]], args: argparse.Namespace) -> str:
-    fractions = list(result)
-    lines = [
-        f"Hit rate on `{config}` ({args.tables} tables, batches {args.skip}-{args.batches}, "
-        f"seed {args.seed}):",
-        "",
-        "| policy | " + " | ".join(f"{f} cached" for f in fractions) + " |",
-        "|---|" + "---:|" * len(fractions),
-    ]
-    for name in result[fractions[0]]:
-        cells = [f"{result[f][name]:.3f}" for f in fractions]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    best = {f: max((v, n) for n, v in result[f].items() if n != "belady") for f in fractions}
-    lines += ["", *(f"- {f} cached: best policy {n} at {v / result[f]['belady']:.3f} of Belady's "
-                    f"({result[f]['belady'] - v:.3f} below)" for f, (v, n) in best.items())]  # fmt: skip
-    return "\n".join(lines)
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.hit_rates", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="tiered-skewed", help="a config with tables on disk")
-    p.add_argument("--batches", type=int, default=1500, help="batches replayed (default 1500)")
-    p.add_argument("--skip", type=int, default=500, help="batches before the counted ones (default 500)")
-    p.add_argument("--tables", type=int, default=8, help="tables replayed (default 8)")
-    p.add_argument("--fractions", type=float, nargs="+", help="cache sizes (default: the config's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", help="also write the table here")
-    return p
-
-
-if __name__ == "__main__":
-    sys.exit(main())

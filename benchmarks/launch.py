@@ -1,11 +1,10 @@
-"""Start one `benchmarks.worker` process per rank and collect their records.
+"""Start one `benchmarks.worker` process per rank and collect their records: the one rank launcher.
 
-Ranks are plain subprocesses with the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT, GLOO_SOCKET_IFNAME), each in its own process session so that the launcher alone
-decides when they end: if one rank fails, the others get `grace` seconds and are then killed; on a
-timeout, Ctrl-C or any exception here, every rank still running is killed before this returns.
-With a `Link`, each rank starts inside its network namespace (`ip netns exec`) and gloo uses the
-veth; without one, both ranks talk over loopback.
+Ranks are subprocesses with the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+GLOO_SOCKET_IFNAME), each in its own session so that the launcher alone decides when they end: if
+one rank fails, the others get `grace` seconds and are then killed; on a timeout, Ctrl-C or any
+exception here, every rank still running is killed before this returns. With a `Link`, each rank
+starts inside its network namespace and gloo uses the veth; without one, the ranks use loopback.
 """
 
 from __future__ import annotations
@@ -24,11 +23,10 @@ from typing import Any
 from benchmarks.link import Link
 from benchmarks.spec import RunSpec
 
-__all__ = ["LaunchError", "free_port", "launch"]
+__all__ = ["LaunchError", "launch"]
 
 _ROOT = Path(__file__).resolve().parent.parent
-# A fresh namespace has every port free; any fixed one will do.
-_LINK_PORT = 29577
+_LINK_PORT = 29577  # a fresh namespace has every port free
 
 
 class LaunchError(RuntimeError):
@@ -36,41 +34,26 @@ class LaunchError(RuntimeError):
 
 
 def launch(
-    spec: RunSpec,
-    *,
-    world_size: int = 2,
-    link: Link | None = None,
-    timeout: float = 3600.0,
-    grace: float = 10.0,
+    spec: RunSpec, *, world_size: int, link: Link | None = None, timeout: float = 3600.0, grace: float = 10.0
 ) -> list[list[dict[str, Any]]]:
-    """Run `spec` on `world_size` local ranks.
-
-    Returns:
-        Each rank's records, indexed by rank.
+    """Run `spec` on `world_size` local ranks; each rank's records, by rank.
 
     Raises:
         LaunchError: a rank exited non-zero (its traceback went to stderr) or the run took longer
             than `timeout` seconds.
     """
-    if link is not None and world_size != 2:
-        raise ValueError("an emulated link joins exactly 2 ranks")
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(spec.to_json())
         outs = [Path(tmp) / f"rank{r}.json" for r in range(world_size)]
-        port = _LINK_PORT if link else free_port()
+        port = _LINK_PORT if link else _free_port()
         procs: list[subprocess.Popen] = []
         try:
             for rank in range(world_size):
                 argv = [sys.executable, "-m", "benchmarks.worker", str(spec_path), str(outs[rank])]
-                procs.append(
-                    subprocess.Popen(
-                        link.command(rank, argv) if link else argv,
-                        env=_rank_env(rank, world_size, port, link),
-                        cwd=_ROOT,
-                        start_new_session=True,
-                    )
-                )
+                env = _rank_env(rank, world_size, port, link)
+                argv = link.command(rank, argv) if link else argv
+                procs.append(subprocess.Popen(argv, env=env, cwd=_ROOT, start_new_session=True))
             _wait(procs, timeout=timeout, grace=grace)
         finally:
             for p in procs:
@@ -83,27 +66,17 @@ def launch(
 def _rank_env(rank: int, world_size: int, port: int, link: Link | None) -> dict[str, str]:
     env = dict(os.environ)
     path = env.get("PYTHONPATH")
-    env.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        GLOO_SOCKET_IFNAME="lo",
-        PYTHONPATH=f"{_ROOT}{os.pathsep}{path}" if path else str(_ROOT),
-        PYTHONUNBUFFERED="1",
-    )
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+               LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1",
+               PYTHONPATH=f"{_ROOT}{os.pathsep}{path}" if path else str(_ROOT))  # fmt: skip
     env.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's start/stop banners, on every segment
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # "block allocated before profiling": expected
-    if link is not None:
-        env.update(link.env(rank))
-    return env
+    return {**env, **(link.env(rank) if link else {})}
 
 
 def _wait(procs: list[subprocess.Popen], *, timeout: float, grace: float) -> None:
-    deadline = time.monotonic() + timeout
-    failed_at = None
+    deadline, failed_at = time.monotonic() + timeout, None
     while any(p.poll() is None for p in procs):
         now = time.monotonic()
         if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
@@ -112,15 +85,14 @@ def _wait(procs: list[subprocess.Popen], *, timeout: float, grace: float) -> Non
             break
         time.sleep(0.1)
     bad = {r: p.returncode for r, p in enumerate(procs) if p.returncode not in (None, 0)}
-    hung = [r for r, p in enumerate(procs) if p.poll() is None]
     if bad:
         raise LaunchError(f"rank(s) failed with exit codes {bad}; see the traceback above")
+    hung = [r for r, p in enumerate(procs) if p.poll() is None]
     if hung:
         raise LaunchError(f"rank(s) {hung} still running after {timeout:.0f}s; killed")
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
+def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -1,14 +1,10 @@
-"""Emulate a network link between two local ranks: one network namespace per rank, joined by a veth
-pair whose two ends are each rate-limited with `tc tbf` (a full-duplex link of that rate).
+"""Emulate a network link between two local ranks: a network namespace per rank, joined by a veth pair
+whose two ends are each rate-limited with `tc tbf` (a full-duplex link of that rate).
 
 `emulated_link("1gbit")` creates namespaces `trbench-<pid>-0/1` with 10.77.0.1/24 and 10.77.0.2/24 on
-the veth ends, yields a `Link` that says how to start a rank inside its namespace (`ip netns exec`)
-and which interface gloo must use, and deletes everything it created on exit: normal, exception,
-Ctrl-C, SIGTERM or SIGHUP. Deleting a namespace deletes the veth end inside it; a veth still in the
-root namespace (creation failed half-way) is deleted by name. Namespaces of an earlier run that was
-killed with SIGKILL (its pid is gone) are removed at the next start. Traffic stays inside these
-namespaces: the addresses exist only on the veth pair. Needs root and iproute2 (`ip`, `tc`); the
-kernel's netem is not needed.
+the veth ends, yields a `Link` (how to start a rank inside its namespace, which interface gloo uses),
+and deletes everything it created on exit: normal, exception, Ctrl-C, SIGTERM or SIGHUP. Namespaces of
+an earlier run killed with SIGKILL are removed at the next start. Needs root and iproute2 (`ip`, `tc`).
 """
 
 from __future__ import annotations
@@ -28,22 +24,9 @@ __all__ = ["Link", "LinkUnavailable", "check_available", "emulated_link", "parse
 _PREFIX = "trbench"
 _SUBNET = "10.77.0"
 _STALE = re.compile(rf"^{_PREFIX}-(\d+)-\d+\b")
-_UNITS = {
-    "bit": 1,
-    "kbit": 1e3,
-    "mbit": 1e6,
-    "gbit": 1e9,
-    "tbit": 1e12,
-    "kibit": 2**10,
-    "mibit": 2**20,
-    "gibit": 2**30,
-    "tibit": 2**40,
-    "bps": 8,
-    "kbps": 8e3,
-    "mbps": 8e6,
-    "gbps": 8e9,
-    "tbps": 8e12,
-}
+_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12, "kibit": 2**10, "mibit": 2**20,
+          "gibit": 2**30, "tibit": 2**40, "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9,
+          "tbps": 8e12}  # fmt: skip
 
 Runner = Callable[[Sequence[str]], str]
 
@@ -59,11 +42,9 @@ class Link:
     rate: str
     """The tc rate of each direction, e.g. `1gbit`."""
     namespaces: tuple[str, str]
-    """Network namespace of each rank."""
     interfaces: tuple[str, str]
-    """The veth end inside each namespace."""
+    """The veth end inside each rank's namespace."""
     addresses: tuple[str, str]
-    """IPv4 address of each veth end."""
 
     def command(self, rank: int, argv: Sequence[str]) -> list[str]:
         """`argv` run inside rank `rank`'s namespace."""
@@ -90,22 +71,14 @@ def parse_rate(rate: str) -> float:
 def check_available(
     *, which: Callable[[str], str | None] | None = None, euid: Callable[[], int] | None = None
 ) -> None:
-    """Raise `LinkUnavailable` unless this process can create namespaces, veths and qdiscs.
-
-    Args:
-        which: looks a program up on PATH (default `shutil.which`).
-        euid: the effective user id (default `os.geteuid`).
-
-    Raises:
-        LinkUnavailable: not root, or `ip`/`tc` (iproute2) missing.
-    """
-    which = which or shutil.which
+    """Raise `LinkUnavailable` (not root, or `ip`/`tc` missing) unless this process can create
+    namespaces, veths and qdiscs; `which` and `euid` default to `shutil.which` and `os.geteuid`."""
     hint = "or run without --link to benchmark over loopback (make bench BENCH_ARGS=)"
     if (euid or os.geteuid)() != 0:
         raise LinkUnavailable(
             f"--link needs root (network namespaces, veth and tc qdiscs): run as root, {hint}"
         )
-    missing = [tool for tool in ("ip", "tc") if which(tool) is None]
+    missing = [tool for tool in ("ip", "tc") if (which or shutil.which)(tool) is None]
     if missing:
         raise LinkUnavailable(
             f"--link needs {' and '.join(missing)} from iproute2: apt-get install iproute2, {hint}"
@@ -222,8 +195,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, someone else's
+        pass
     return True
 
 

@@ -1,254 +1,106 @@
-"""What a step costs: per-step wall and process CPU time of each loop on a tiny model, where there is
-nothing to hide, so every microsecond a pipeline adds over the plain loop is its host overhead.
+"""`python -m benchmarks overhead`: what a step costs where there is nothing to hide.
 
-    python -m benchmarks.overhead --world-size 1 --rounds 5 --steps 300
-    python -m benchmarks.overhead --world-size 2
-    python -m benchmarks.overhead --profile ours-sparse-dist   # cProfile, function by function
+Every loop trains the `tiny` config (4 tables of 1,000 rows x 8, batch 64, one linear layer), so
+whatever a pipeline adds over the plain loop is its host overhead. Runs are `run`'s (paired rounds,
+order rotated, a fresh model per run); the figures are per step: wall time (the mean over the run's
+steps) and process CPU time (every thread: gloo's and the pipeline's too, the steadier figure), each
+over the plain loop's as a paired difference, and our overhead over torchrec's same class. At world
+size 2 the slower rank's figures. `--cprofile VARIANT` instead runs that loop once under cProfile on
+rank 0 and prints where its time goes, function by function.
 
-The model is issue 22's tiny one (`benchmarks.tiny_model`: 4 tables of 1,000 rows x 8, batch 64,
-one linear layer). Every variant has its own copy of the model (same seed) and its own infinite iterator;
-in each round every variant runs a block of `--steps` steps, in an order rotated from round to round,
-so drift of the machine falls on all variants alike. The figures are per-step medians over rounds of
-the block's wall time and of the process CPU time (all threads: gloo's and the pipeline's too). At
-world size 2 each rank runs the same blocks in lockstep and the slower rank's figure is reported.
+`--configs tiny tiny-split tiny-built tiny-shared` adds the tiny model written the ways users write
+models (its KJT split, built or shared inside forward, which the pipelines replay on the data path):
+each config's own rows, then each loop's CPU per step on that model over the same loop's on `tiny`.
 """
 
 from __future__ import annotations
 
-import argparse
-import cProfile
-import json
-import logging
-import os
-import pstats
 import statistics
-import sys
-import time
-import warnings
-from collections.abc import Callable
 from typing import Any
 
-import torch
+from benchmarks.report import by_round, cell, header, markdown_table, paired_difference, publish
+from benchmarks.run import run_benchmark
+from benchmarks.spec import RunSpec
 
-from benchmarks.paired import paired_difference
-from benchmarks.tiny_model import Feed, build
+__all__ = ["VARIANTS", "overhead"]
 
-__all__ = ["VARIANTS", "main", "report"]
-
-_OPTIONAL = tuple(
-    f"ours-{kind}+{opt}" for kind in ("base", "sparse-dist", "prefetch") for opt in ("nocheck", "novote")
-)
-VARIANTS = (
-    "plain",
-    "ours-base",
-    "ours-sparse-dist",
-    "ours-prefetch",
-    "ours-fused-sparse-dist",
-    "torchrec-base",
-    "torchrec-sparse-dist",
-)
+VARIANTS = ("plain", "ours-base", "ours-sparse-dist", "ours-prefetch", "ours-fused-sparse-dist",
+            "torchrec-base", "torchrec-sparse-dist")  # fmt: skip
 
 
-def _runner(variant: str) -> Callable[[], Any]:
-    from torchrec.distributed import train_pipeline as torchrec_pipelines
-
-    import pipeline as ours
-
-    model, opt = build()
-    feed = Feed(_rank())
-    cpu = torch.device("cpu")
-    if variant == "plain":
-
-        def step() -> Any:
-            batch = next(feed)
-            opt.zero_grad()
-            loss, out = model(batch)
-            loss.backward()
-            opt.step()
-            return out
-
-        return step
-    classes = {
-        "ours-base": ours.TrainPipelineBase,
-        "ours-sparse-dist": ours.TrainPipelineSparseDist,
-        "ours-prefetch": ours.PrefetchTrainPipelineSparseDist,
-        "ours-fused-sparse-dist": ours.TrainPipelineFusedSparseDist,
-        "torchrec-base": torchrec_pipelines.TrainPipelineBase,
-        "torchrec-sparse-dist": torchrec_pipelines.TrainPipelineSparseDist,
-        "torchrec-prefetch": torchrec_pipelines.PrefetchTrainPipelineSparseDist,
-    }
-    name, _, option = variant.partition("+")
-    extra = {"nocheck": {"check_kjts": False}, "novote": {"agreement": False, "check_keys": False}}
-    pipe = classes[name](model, opt, cpu, **extra.get(option, {}))
-    return lambda: pipe.progress(feed)
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank()
-
-
-def _measure(variants: list[str], *, rounds: int, steps: int, warmup: int) -> dict[str, dict[str, list]]:
-    import torch.distributed as dist
-
-    runners = {v: _runner(v) for v in variants}
-    for v in variants:  # first-batch costs (rewrite, input dist creation) and the tuner's trials
-        for _ in range(warmup):
-            runners[v]()
-    out: dict[str, dict[str, list]] = {v: {"wall_ms": [], "cpu_ms": []} for v in variants}
-    for k in range(rounds):
-        shift = k % len(variants)
-        for v in variants[shift:] + variants[:shift]:
-            if dist.get_world_size() > 1:
-                dist.barrier()
-            wall, cpu = time.perf_counter(), time.process_time()
-            for _ in range(steps):
-                runners[v]()
-            out[v]["wall_ms"].append((time.perf_counter() - wall) / steps * 1e3)
-            out[v]["cpu_ms"].append((time.process_time() - cpu) / steps * 1e3)
-    return out
-
-
-def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, path: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    logging.getLogger("torchrec").setLevel(logging.ERROR)  # the planner's dry-run warnings
-    warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        if args.profile:
-            result: Any = _profile(args.profile, steps=args.steps, warmup=args.warmup)
-        else:
-            result = _measure(list(args.variants), rounds=args.rounds, steps=args.steps, warmup=args.warmup)
-        with open(f"{path}.{rank}", "w") as f:
-            json.dump(result, f)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def _profile(variant: str, *, steps: int, warmup: int) -> list[tuple[str, float, float, int]]:
-    """cProfile of `steps` steps: (function, own ms/step, cumulative ms/step, calls/step)."""
-    step = _runner(variant)
-    for _ in range(warmup):
-        step()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        step()
-    prof.disable()
-    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
-    rows = []
-    for (file, line, name), (_cc, calls, own, cum, _callers) in stats.items():
-        where = _short(file)
-        rows.append((f"{where}:{line}({name})", own / steps * 1e3, cum / steps * 1e3, calls // steps))
-    return sorted(rows, key=lambda r: -r[1])
-
-
-def _short(file: str) -> str:
-    if "site-packages/" in file:
-        return file.split("site-packages/", 1)[1]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return os.path.relpath(file, root) if file.startswith(root) else os.path.basename(file)
-
-
-def _spawn(args: argparse.Namespace) -> list[Any]:
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    from benchmarks.launch import free_port
-
-    with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
-        path = os.path.join(tmp, "result")
-        mp.start_processes(
-            _rank_main,
-            args=(args.world_size, free_port(), args, path),
-            nprocs=args.world_size,
-            start_method="spawn",
-        )
-        results = []
-        for r in range(args.world_size):
-            with open(f"{path}.{r}") as f:
-                results.append(json.load(f))
-        return results
-
-
-def _rounds(results: list[dict[str, dict[str, list]]], key: str) -> dict[int, dict[str, float]]:
-    """Per round and variant, the slower rank's per-step figure."""
-    variants = list(results[0])
-    rounds = len(results[0][variants[0]][key])
-    return {k: {v: max(r[v][key][k] for r in results) for v in variants} for k in range(rounds)}
-
-
-def report(results: list[dict[str, dict[str, list]]]) -> str:
-    """The Markdown table: medians per step, and each loop's paired difference to the plain loop."""
-    cpu, wall = _rounds(results, "cpu_ms"), _rounds(results, "wall_ms")
-    lines = [
-        "| loop | wall ms/step | CPU ms/step | CPU over plain [rounds] | wall over plain [rounds] |",
-        "|---|---:|---:|---|---|",
-    ]
-    for v in results[0]:
-        med_cpu = statistics.median(r[v] for r in cpu.values())
-        med_wall = statistics.median(r[v] for r in wall.values())
-        d_cpu, d_wall = paired_difference(cpu, v, "plain"), paired_difference(wall, v, "plain")
-        lines.append(f"| {v} | {med_wall:.3f} | {med_cpu:.3f} | {d_cpu:+} | {d_wall:+} |")
-    for ours_v, theirs in (("ours-base", "torchrec-base"), ("ours-sparse-dist", "torchrec-sparse-dist")):
-        a, b = paired_difference(cpu, ours_v, "plain"), paired_difference(cpu, theirs, "plain")
-        if a is not None and b is not None and b.median > 0:
-            lines.append(f"\n{ours_v}'s CPU overhead / {theirs}'s: {a.median / b.median:.2f}")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=__doc__.split("\n")[0])
-    parser.add_argument("--world-size", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=300, help="steps per block (per round and variant)")
-    parser.add_argument("--warmup", type=int, default=120, help="untimed steps per variant before round 1")
-    parser.add_argument(
-        "--variants",
-        nargs="+",
-        default=list(VARIANTS),
-        choices=(*VARIANTS, "torchrec-prefetch", *_OPTIONAL),
-        help="also: a variant of ours with +nocheck (check_kjts=False) or +novote (agreement and key "
-        "check off)",
-    )
-    parser.add_argument("--profile", metavar="VARIANT", help="cProfile one variant instead (rank 0's)")
-    parser.add_argument("--top", type=int, default=30, help="rows of the profile")
-    parser.add_argument("--sort", choices=("own", "cum"), default="own", help="profile rows by")
-    parser.add_argument(
-        "--only",
-        nargs="*",
-        default=[],
-        metavar="PREFIX",
-        help="profile rows of these paths only, e.g. pipeline/",
-    )
-    parser.add_argument("--json", help="write the raw per-round figures here")
-    args = parser.parse_args(argv)
-    if "plain" not in args.variants and not args.profile:
-        args.variants.insert(0, "plain")
-    results = _spawn(args)
-    if args.profile:
-        print(f"| function | own ms/step | cum ms/step | calls/step |  ({args.profile}, rank 0)")
-        print("|---|---:|---:|---:|")
-        rows = [r for r in results[0] if not args.only or any(p in r[0] for p in args.only)]
-        rows.sort(key=lambda r: -r[1 if args.sort == "own" else 2])
-        for name, own, cum, calls in rows[: args.top]:
-            print(f"| {name} | {own:.4f} | {cum:.4f} | {calls} |")
+def overhead(*, world_size: int, variants: list[str], configs: list[str], rounds: int, steps: int,
+             warmup: int, seed: int, timeout: float, cprofile: str | None, top: int, sort: str,
+             only: list[str], json: str | None, md: str | None, command: str) -> int:  # fmt: skip
+    """The `overhead` subcommand: print (and write) the table, or the cProfile rows of one loop."""
+    chosen = tuple(dict.fromkeys(["plain", *(variants or VARIANTS)])) if not cprofile else (cprofile,)
+    spec = RunSpec(configs=tuple(configs or ("tiny",)), variants=chosen, steps=steps, warmup=warmup,
+                   auto_warmup=warmup, rounds=1 if cprofile else rounds, profile_steps=0, seed=seed,
+                   cprofile=cprofile)  # fmt: skip
+    result = run_benchmark(spec, world_size=world_size, link=None, timeout=timeout, command=command)
+    if cprofile:
+        print("\n".join(["", *header(result["meta"]), "", *functions(result["runs"], top, sort, only)]))
         return 0
-    print(
-        f"world size {args.world_size}, {args.rounds} rounds x {args.steps} steps, medians "
-        "(the slower rank's)"
-    )
-    print(report(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f)
+    publish(result, result["meta"], "What a step costs", *table(result["runs"]), json_path=json, md_path=md)
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def table(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], list[str]]:
+    """Per config and loop: wall and CPU ms per step, each over plain (paired); then ours over
+    torchrec's, and each loop on a config over the same loop on `tiny`."""
+    columns = ["config", "loop", "wall ms/step", "CPU ms/step", "CPU over plain", "wall over plain", "sites"]
+    cells, notes, cpu_of = [], [], {}
+    for config in dict.fromkeys(r["config"] for r in runs):
+        mine = [r for r in runs if r["config"] == config]
+        more, over = _config_rows(config, mine)
+        cells += more
+        cpu_of[config] = {row[1]: float(row[3]) for row in more}
+        notes += [
+            f"{config} / {r['variant']}: {r['message']}"
+            for r in mine
+            if r["status"] != "ok" and r["round"] == 0
+        ]
+        notes += _ours_over_torchrec(config, over)
+    for config in (c for c in cpu_of if c != "tiny" and "tiny" in cpu_of):
+        ratios = [
+            f"{v} {cpu / cpu_of['tiny'][v]:.3f}" for v, cpu in cpu_of[config].items() if v in cpu_of["tiny"]
+        ]
+        notes.append(f"CPU per step on {config} / on tiny, same loop (ratio of medians): {', '.join(ratios)}")
+    return columns, cells, notes
+
+
+def _config_rows(config: str, runs: list[dict[str, Any]]) -> tuple[list[list[str]], dict[str, Any]]:
+    cpu, wall = by_round(runs, "cpu_ms"), by_round(runs, "wall_ms")
+    cells, over = [], {}
+    for variant in dict.fromkeys(r["variant"] for r in runs):
+        if not any(variant in r for r in cpu.values()):
+            continue
+        base = variant != "plain"
+        over[variant] = paired_difference(cpu, variant, "plain") if base else None
+        sites = next((r.get("pipelined") for r in runs if r["variant"] == variant and r.get("pipelined")), "")
+        cells.append([
+            config, variant, f"{statistics.median(r[variant] for r in wall.values() if variant in r):.3f}",
+            f"{statistics.median(r[variant] for r in cpu.values() if variant in r):.3f}",
+            cell(over[variant], "+.3f"),
+            cell(paired_difference(wall, variant, "plain") if base else None, "+.3f"), sites or "",
+        ])  # fmt: skip
+    return cells, over
+
+
+def _ours_over_torchrec(config: str, over: dict[str, Any]) -> list[str]:
+    notes = []
+    for ours, theirs in (("ours-base", "torchrec-base"), ("ours-sparse-dist", "torchrec-sparse-dist")):
+        a, b = over.get(ours), over.get(theirs)
+        if a is not None and b is not None and b.median > 0:
+            notes.append(f"{config}: our {ours[5:]}'s CPU over plain / torchrec's {theirs[9:]}'s: "
+                         f"{a.median / b.median:.2f} "
+                         "(ratio of the medians)")  # fmt: skip
+    return notes
+
+
+def functions(runs: list[dict[str, Any]], top: int, sort: str, only: list[str]) -> list[str]:
+    """The cProfile rows of the one profiled run, as a Markdown table (cProfile inflates each call)."""
+    rows = next((r["cprofile"] for r in runs if r.get("cprofile")), [])
+    rows = [r for r in rows if not only or any(p in r[0] for p in only)]
+    rows.sort(key=lambda r: -r[1 if sort == "own" else 2])
+    cells = [[name, f"{own:.4f}", f"{cum:.4f}", f"{calls:.1f}"] for name, own, cum, calls in rows[:top]]
+    return markdown_table(["function", "own ms/step", "cum ms/step", "calls/step"], cells)

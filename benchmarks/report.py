@@ -1,345 +1,156 @@
-"""Merge the ranks' records, summarize each (config, variant), check the issue's targets, and render
-the terminal table and the Markdown report.
+"""The one way every suite compares loops, and the one way it prints and writes a table.
 
-Merging takes the slowest rank: a step's time is the maximum over ranks of that step's time (the
-ranks meet in collectives every step, so the slowest one sets the pace), and memory and wait figures
-are per-rank maxima. A summary pools the merged step times of every round and takes their median;
-memory and wait figures are medians over rounds.
+Paired over interleaved rounds: in each round every variant runs once, in an order rotated from round
+to round, so a round's A/B ratio (or A-B difference) compares two runs made minutes apart on the same
+machine state, and slow drift cancels. A figure is reported as the median over rounds with the
+spread of the rounds, `median [lowest, highest]`. Every table printed or written says the command,
+the machine (CPU model, cores), the rounds and what the spread is.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
-from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
-from benchmarks.configs import get_config
-from benchmarks.spec import ALL_VARIANTS, OURS_TO_TORCHREC
-from benchmarks.tiered_report import tiered_lines
+__all__ = ["Paired", "by_round", "cell", "header", "markdown_table", "over_rounds", "paired",
+           "paired_difference", "publish", "pyplot", "save_figure", "text_table", "write"]  # fmt: skip
 
-__all__ = [
-    "Row",
-    "Target",
-    "check_targets",
-    "markdown",
-    "merge_ranks",
-    "rows_as_dicts",
-    "summarize",
-    "table",
-]
-
-_MIB = 2**20
-_PER_RANK = (
-    "peak_bytes",
-    "baseline_bytes",
-    "tensor_peak_bytes",
-    "wait_in_forward_ms",
-    "assembly_in_wait_ms",
-    "labels_ms",
-)
-TARGET_CONFIG = "input-dist-heavy"
+Rounds = Mapping[Any, Mapping[str, float]]
+"""Per round, a figure per variant (e.g. its median step time in ms)."""
 
 
 @dataclass(kw_only=True, slots=True)
-class Row:
-    """One (config, variant) over all rounds."""
+class Paired:
+    """A figure over rounds: the median and the lowest and highest round."""
 
-    config: str
-    variant: str
-    status: str
-    """`ok`, or `unsupported` with `message`."""
-    message: str = ""
-    median_step_ms: float | None = None
-    """Median over every timed step of every round."""
-    round_medians_ms: list[float] | None = None
-    spread: float | None = None
-    """(slowest - fastest round median) / median: how far apart the rounds were."""
-    samples_per_s: float | None = None
-    """Global batch (all ranks) over the median step time."""
-    vs_plain: float | None = None
-    """Median step time over the plain loop's (below 1: faster)."""
-    vs_torchrec: float | None = None
-    """Median step time over torchrec's same-named pipeline's (ours only)."""
-    peak_mib: float | None = None
-    """Peak memory growth during warm-up and timed steps (RSS on CPU), MiB."""
-    extra_peak_mib: float | None = None
-    """`peak_mib` minus the plain loop's."""
-    tensor_peak_mib: float | None = None
-    """Peak live tensor memory made during the profiled segment, MiB (allocator cache ignored)."""
-    extra_tensor_mib: float | None = None
-    """`tensor_peak_mib` minus the plain loop's."""
-    batch_mib: float | None = None
-    """Size of one input batch of one rank, MiB."""
-    wait_in_forward_ms: float | None = None
-    """Per step, time inside forward spent waiting on input_dist; for the plain loop and the Base
-    pipelines the whole inline input_dist."""
-    assembly_in_wait_ms: float | None = None
-    """Of `wait_in_forward_ms`, torchrec's reordering of the received ids (CPU work, no waiting)."""
-    schedule: str | None = None
-    """Our SparseDist/Prefetch: the input_dist schedule "auto" kept, per round (e.g. "early x4")."""
-    cache_hit_rate: float | None = None
-    """Tables on disk: rows found in the cache over rows looked up, timed steps (median of rounds)."""
-    store_read_ms: float | None = None
-    """Tables on disk: time reading the store per step, slowest rank (median of rounds)."""
-    prefetch_ms: float | None = None
-    """Tables on disk: time making a batch's rows resident per step, slowest rank, on whichever
-    thread ran it (median of rounds)."""
-    cpu_ms: float | None = None
-    """Process CPU time per timed step (all threads), the busiest rank (median of rounds): steadier
-    than wall time on a shared machine, and what a prefetch thread costs beside compute."""
+    median: float
+    low: float
+    high: float
+    rounds: int
+
+    def __format__(self, spec: str) -> str:
+        """`f"{p:.2f}"`: `median [low, high]`, each formatted with `spec` (default `.3f`)."""
+        spec = spec or ".3f"
+        return f"{self.median:{spec}} [{self.low:{spec}}, {self.high:{spec}}]"
 
 
-@dataclass(kw_only=True, slots=True)
-class Target:
-    """One of the issue's targets, as measured."""
-
-    name: str
-    measured: float | None
-    limit: float
-    met: bool | None
-    """None when a figure it needs is missing."""
-
-
-def merge_ranks(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One record per run, from every rank's records (same order on every rank)."""
-    merged = []
-    for records in zip(*per_rank, strict=True):
-        first = records[0]
-        keys = {(r["config"], r["variant"], r["round"]) for r in records}
-        if len(keys) != 1:
-            raise ValueError(f"ranks disagree on the run order: {sorted(keys)}")
-        run = {k: first[k] for k in ("config", "variant", "round", "position", "status", "batch_bytes")}
-        run["schedule"] = first.get("schedule")  # the same on every rank (they agree on it)
-        run["tuner"] = first.get("tuner")  # likewise
-        if first["status"] != "ok":
-            run["message"] = first.get("message", "")
-            merged.append(run)
-            continue
-        run["step_times_s"] = [max(ts) for ts in zip(*(r["step_times_s"] for r in records), strict=True)]
-        keys = ("peak_bytes", "tensor_peak_bytes", "wait_in_forward_ms", "forward_ms", "agreement_ms")
-        for key in (*keys, "cpu_ms", "kjt_check_us"):
-            if key in first:
-                run[key] = max(r[key] for r in records)
-        if "cache_hit_rate" in first:  # tables on disk: mean hit rate, slowest rank's I/O
-            run["cache_hit_rate"] = statistics.mean(r["cache_hit_rate"] for r in records)
-            for key in ("store_read_ms", "prefetch_ms"):
-                run[key] = max(r[key] for r in records)
-        if "assembly_in_wait_ms" in first:  # from the rank whose wait is reported
-            run["assembly_in_wait_ms"] = max(records, key=lambda r: r["wait_in_forward_ms"])[
-                "assembly_in_wait_ms"
-            ]
-        run["ranks"] = [{k: r[k] for k in _PER_RANK if k in r} for r in records]
-        merged.append(run)
-    return merged
-
-
-def summarize(runs: list[dict[str, Any]], *, world_size: int) -> list[Row]:
-    """One `Row` per (config, variant), in config then `ALL_VARIANTS` order."""
-    rows: dict[tuple[str, str], Row] = {}
-    for config, variant in _pairs(runs):
-        mine = [r for r in runs if r["config"] == config and r["variant"] == variant]
-        ok = [r for r in mine if r["status"] == "ok"]
-        if not ok:
-            rows[config, variant] = Row(
-                config=config, variant=variant, status=mine[0]["status"], message=mine[0].get("message", "")
-            )
-            continue
-        steps = [t for r in ok for t in r["step_times_s"]]
-        median = statistics.median(steps) * 1e3
-        round_medians = [statistics.median(r["step_times_s"]) * 1e3 for r in ok]
-        global_batch = get_config(config).batch_size * world_size
-        rows[config, variant] = Row(
-            config=config,
-            variant=variant,
-            status="ok",
-            median_step_ms=median,
-            round_medians_ms=round_medians,
-            spread=(max(round_medians) - min(round_medians)) / median,
-            samples_per_s=global_batch / median * 1e3,
-            peak_mib=statistics.median(r["peak_bytes"] for r in ok) / _MIB,
-            batch_mib=ok[0]["batch_bytes"] / _MIB,
-            wait_in_forward_ms=_median_of(ok, "wait_in_forward_ms"),
-            assembly_in_wait_ms=_median_of(ok, "assembly_in_wait_ms"),
-            schedule=_schedules(ok),
-            tensor_peak_mib=_mib(_median_of(ok, "tensor_peak_bytes")),
-            cache_hit_rate=_median_of(ok, "cache_hit_rate"),
-            store_read_ms=_median_of(ok, "store_read_ms"),
-            prefetch_ms=_median_of(ok, "prefetch_ms"),
-            cpu_ms=_median_of(ok, "cpu_ms"),
-        )
-    for (config, variant), row in rows.items():
-        plain = rows.get((config, "plain"))
-        torchrec = rows.get((config, OURS_TO_TORCHREC.get(variant, "")))
-        if row.median_step_ms is None:
-            continue
-        if plain and plain.median_step_ms:
-            row.vs_plain = row.median_step_ms / plain.median_step_ms
-            row.extra_peak_mib = row.peak_mib - plain.peak_mib
-            if row.tensor_peak_mib is not None and plain.tensor_peak_mib is not None:
-                row.extra_tensor_mib = row.tensor_peak_mib - plain.tensor_peak_mib
-        if torchrec and torchrec.median_step_ms:
-            row.vs_torchrec = row.median_step_ms / torchrec.median_step_ms
-    return list(rows.values())
-
-
-def _pairs(runs: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    configs = list(dict.fromkeys(r["config"] for r in runs))
-    present = {(r["config"], r["variant"]) for r in runs}
-    return [(c, v) for c in configs for v in ALL_VARIANTS if (c, v) in present]
-
-
-def _schedules(runs: list[dict[str, Any]]) -> str | None:
-    counts = Counter(r.get("schedule") for r in runs if r.get("schedule"))
-    return " ".join(f"{name} x{n}" for name, n in counts.most_common()) or None
-
-
-def _mib(value: float | None) -> float | None:
-    return None if value is None else value / _MIB
-
-
-def _median_of(runs: list[dict[str, Any]], key: str) -> float | None:
-    values = [r[key] for r in runs if r.get(key) is not None]
-    return statistics.median(values) if values else None
-
-
-def check_targets(rows: list[Row], config: str = TARGET_CONFIG) -> list[Target]:
-    """The issue's targets on `config` (meant for a run over a 1 Gbit link)."""
-    by = {r.variant: r for r in rows if r.config == config}
-    sd, pf, plain = by.get("ours-sparse-dist"), by.get("ours-prefetch"), by.get("plain")
-
-    def target(name: str, measured: float | None, limit: float) -> Target:
-        return Target(
-            name=name, measured=measured, limit=limit, met=None if measured is None else measured <= limit
-        )
-
-    wait_share = None
-    if sd and plain and sd.wait_in_forward_ms is not None and plain.wait_in_forward_ms:
-        wait_share = sd.wait_in_forward_ms / plain.wait_in_forward_ms
-    prefetch_vs_sd = None
-    if pf and sd and pf.median_step_ms and sd.median_step_ms:
-        prefetch_vs_sd = pf.median_step_ms / sd.median_step_ms
-    extra = extra_tensor = None
-    if sd and sd.extra_peak_mib is not None and sd.batch_mib:
-        extra = max(sd.extra_peak_mib, 0.0) / sd.batch_mib
-    if sd and sd.extra_tensor_mib is not None and sd.batch_mib:
-        extra_tensor = max(sd.extra_tensor_mib, 0.0) / sd.batch_mib
-    return [
-        target("SparseDist step / plain step", sd.vs_plain if sd else None, 0.85),
-        target("SparseDist step / torchrec SparseDist step", sd.vs_torchrec if sd else None, 0.9),
-        target("Prefetch step / SparseDist step", prefetch_vs_sd, 1.0),
-        target("SparseDist input_dist wait in forward / plain input_dist", wait_share, 0.05),
-        target("SparseDist extra peak RSS / one input batch", extra, 3.0),
-        target("SparseDist extra peak tensor memory / one input batch", extra_tensor, 3.0),
-    ]
-
-
-def wait_note(rows: list[Row], config: str = TARGET_CONFIG) -> str | None:
-    """How much of SparseDist's wait in forward is torchrec's KJT assembly (not a target: context)."""
-    by = {r.variant: r for r in rows if r.config == config}
-    sd, plain = by.get("ours-sparse-dist"), by.get("plain")
-    if not (sd and plain and plain.wait_in_forward_ms) or None in (
-        sd.wait_in_forward_ms,
-        sd.assembly_in_wait_ms,
-    ):
+def over_rounds(values: Sequence[float]) -> Paired | None:
+    """The median and range of one figure per round; None for no rounds."""
+    if not values:
         return None
-    blocked = sd.wait_in_forward_ms - sd.assembly_in_wait_ms
-    return (
-        f"SparseDist wait in forward is {sd.wait_in_forward_ms:.2f} ms/step, of which "
-        f"{sd.assembly_in_wait_ms:.2f} ms reorders the received ids (dist_init:recat_values, CPU work); "
-        f"the rest, {blocked:.2f} ms, is {blocked / plain.wait_in_forward_ms:.3f} of plain's input_dist"
-    )
+    return Paired(median=statistics.median(values), low=min(values), high=max(values), rounds=len(values))
 
 
-_HEADER = ("config", "variant", "step ms", "spread", "samples/s", "vs plain", "vs torchrec", "RSS MiB",
-           "+RSS", "tensor MiB", "+tensor", "input_dist in fwd ms", "of it assembly ms",
-           "schedule")  # fmt: skip
+def paired(rounds: Rounds, a: str, b: str) -> Paired | None:
+    """A/B in every round that ran both; None if none did."""
+    return over_rounds([r[a] / r[b] for r in rounds.values() if a in r and b in r and r[b] > 0])
 
 
-def _cells(row: Row) -> list[str]:
-    if row.status != "ok":
-        return [row.config, row.variant, row.message, *[""] * (len(_HEADER) - 3)]
+def paired_difference(rounds: Rounds, a: str, b: str) -> Paired | None:
+    """A-B in every round that ran both; None if none did."""
+    return over_rounds([r[a] - r[b] for r in rounds.values() if a in r and b in r])
 
-    def f(value: float | None, spec: str) -> str:
-        return "-" if value is None else format(value, spec)
 
+def by_round(runs: list[dict[str, Any]], key: str) -> dict[int, dict[str, float]]:
+    """Per round, each variant's `key` from run records with `round`, `variant` and `status` (runs
+    that went wrong are left out); `step_ms` is the median of the run's `step_times_s` in ms."""
+    out: dict[int, dict[str, float]] = {}
+    for r in runs:
+        if r["status"] != "ok":
+            continue
+        value = statistics.median(r["step_times_s"]) * 1e3 if key == "step_ms" else r.get(key)
+        if value is not None:
+            out.setdefault(r["round"], {})[r["variant"]] = value
+    return out
+
+
+def header(meta: Mapping[str, Any]) -> list[str]:
+    """The lines that head every table: command, machine, and where runs were timed, the rounds and
+    what the spread is."""
+    busy = meta.get("cpu_busy_before")
+    lines = [
+        f"Command: `{meta['command']}`",
+        f"Machine: {meta['machine']}" + ("" if busy is None else f"; CPUs {busy:.0%} busy before the start"),
+    ]
+    if "rounds" not in meta:  # nothing measured (a prediction, a replay)
+        return lines
     return [
-        row.config,
-        row.variant,
-        f(row.median_step_ms, ".1f"),
-        f(row.spread, ".0%"),
-        f(row.samples_per_s, ",.0f"),
-        f(row.vs_plain, ".2f"),
-        f(row.vs_torchrec, ".2f"),
-        f(row.peak_mib, ".1f"),
-        f(row.extra_peak_mib, "+.1f"),
-        f(row.tensor_peak_mib, ".1f"),
-        f(row.extra_tensor_mib, "+.1f"),
-        f(row.wait_in_forward_ms, ".2f"),
-        f(row.assembly_in_wait_ms, ".2f"),
-        row.schedule or "-",
+        *lines,
+        f"Rounds: {meta['rounds']} (order rotated), {meta['steps']} timed steps per run after "
+        f"{meta['warmup']} untimed; {meta.get('where', '')}",
+        "Figures: median over rounds [lowest, highest round]; a ratio or difference is taken within "
+        "each round (paired), then the median over rounds.",
     ]
 
 
-def table(rows: list[Row], targets: list[Target], *, world_size: int) -> str:
-    """The terminal table, then the targets."""
-    lines = [list(_HEADER), *(_cells(r) for r in rows if r.status == "ok")]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(_HEADER))]
+def cell(value: Any, spec: str) -> str | None:
+    """`value` formatted with `spec` for a table cell; None (shown as "-") for no value."""
+    return None if value is None else format(value, spec)
+
+
+def _cells(rows: Sequence[Sequence[Any]]) -> list[list[str]]:
+    return [["-" if c is None else str(c) for c in row] for row in rows]
+
+
+def text_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Aligned columns for the terminal (the first column left-aligned, the rest right)."""
+    lines = [list(columns), *_cells(rows)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(columns))]
 
     def render(line: list[str]) -> str:
-        return "  ".join(
-            c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))
-        )
+        pairs = enumerate(zip(line, widths, strict=True))
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in pairs)
 
-    out = [render(lines[0]), "  ".join("-" * w for w in widths)]
-    for row in rows:
-        if row.status == "ok":
-            out.append(render(_cells(row)))
-        else:
-            out.append(f"{row.config.ljust(widths[0])}  {row.variant.ljust(widths[1])}  {row.message}")
-    out += ["", f"targets ({TARGET_CONFIG}):", *(_target_line(t) for t in targets)]
-    note = wait_note(rows)
-    if note:
-        out.append(f"  note   {note}")
-    tiered = tiered_lines(rows, world_size=world_size)
-    return "\n".join([*out, *([""] if tiered else []), *tiered])
+    return "\n".join([render(lines[0]), "  ".join("-" * w for w in widths), *map(render, lines[1:])])
 
 
-def _target_line(t: Target) -> str:
-    verdict = "n/a" if t.met is None else ("met" if t.met else "MISSED")
-    measured = "-" if t.measured is None else f"{t.measured:.3f}"
-    return f"  {verdict:6} {t.name}: {measured} (limit {t.limit})"
-
-
-def markdown(rows: list[Row], targets: list[Target], meta: dict[str, Any]) -> str:
-    """The Markdown report: how it was run, the table, the targets."""
-    lines = [
-        "# Benchmark results",
-        "",
-        f"Command: `{meta['command']}`  ",
-        f"Link: {meta['link'] or 'loopback (no emulation)'}; {meta['world_size']} ranks; {meta['host']}  ",
-        f"Steps {meta['spec']['steps']} timed + {meta['spec']['warmup']} warm-up, "
-        f"{meta['spec']['rounds']} rounds; CPUs {meta['cpu_busy_before']:.0%} busy before start; "
-        f"{meta['versions']}",
-        "",
-        "| " + " | ".join(_HEADER) + " |",
-        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(_HEADER))) + "|",
-        *("| " + " | ".join(_cells(r)) + " |" for r in rows),
-        "",
-        f"Targets on `{TARGET_CONFIG}`:",
-        "",
-        *(f"- {_target_line(t).strip()}" for t in targets),
-        *([f"- note: {note}"] if (note := wait_note(rows)) else []),
-        "",
-        *(
-            f"- {line.strip()}" if i else line
-            for i, line in enumerate(tiered_lines(rows, world_size=meta["world_size"]))
-        ),
-        "",
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    """A Markdown table (the first column left-aligned, the rest right)."""
+    return [
+        "| " + " | ".join(columns) + " |",
+        "|---|" + "---:|" * (len(columns) - 1),
+        *("| " + " | ".join(row) + " |" for row in _cells(rows)),
     ]
-    return "\n".join(lines)
 
 
-def rows_as_dicts(rows: list[Row], targets: list[Target]) -> dict[str, Any]:
-    """JSON-ready summary and targets."""
-    return {"summary": [asdict(r) for r in rows], "targets": [asdict(t) for t in targets]}
+def publish(result: dict[str, Any], meta: Mapping[str, Any], title: str, columns: Sequence[str],
+            cells: Sequence[Sequence[Any]], notes: Sequence[str], *, json_path: str | None,
+            md_path: str | None, more: Sequence[str] = ()) -> None:  # fmt: skip
+    """Print the table under its header, with its notes; write the JSON and the Markdown (`more`
+    Markdown lines after the notes)."""
+    print("\n".join(["", *header(meta), "", text_table(columns, cells), "", *notes]))
+    lines = [f"# {title}", "", *(f"{h}  " for h in header(meta)), "", *markdown_table(columns, cells), "",
+             *(f"- {n}" for n in notes), "", *more]  # fmt: skip
+    write(result, "\n".join(lines), json_path=json_path, md_path=md_path)
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files only (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: str) -> None:
+    """Lay out, write (its folder made) and close a figure of `pyplot()`; say where."""
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    print(f"wrote {path}")
+
+
+def write(result: dict[str, Any], markdown: str, *, json_path: str | None, md_path: str | None) -> None:
+    """Write the JSON result and the Markdown report where asked; say where."""
+    for path, text in ((json_path, json.dumps(result, indent=1, default=asdict)), (md_path, markdown)):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(text)
+            print(f"wrote {path}")

@@ -1,227 +1,215 @@
-"""Entry point: `python -m benchmarks.run [--configs ...] [--link 1gbit] ...` (what `make bench` runs).
+"""`python -m benchmarks run`: configs x variants on local ranks, paired interleaved rounds.
 
-Runs every variant of every config on 2 local ranks (`--world-size`; `--device cuda` puts one rank on
-each GPU), prints the table and the issue's targets, and writes every run to a JSON file and the
-summary to a Markdown file. Exit status 2 means the benchmark could not start (bad flag, link
-emulation unavailable), 1 that a rank failed.
+`run_benchmark` is what every suite that trains calls: it launches the ranks (behind an emulated
+link if asked), merges their records and summarizes each (config, variant). Merging takes the slowest
+rank: a step's time is the maximum over ranks of that step's time (the ranks meet in collectives
+every step, so the slowest sets the pace); memory, CPU and wait figures are per-rank maxima. A
+summary row gives the median over rounds of each run's median step, and every ratio paired within
+rounds (`benchmarks.report`).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
-import shlex
-import sys
+import statistics
 import time
-from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
+from collections import Counter
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from benchmarks.configs import CONFIGS, GPU_CONFIGS, SMALL_CONFIGS
-from benchmarks.launch import LaunchError, launch
-from benchmarks.link import LinkUnavailable, emulated_link, parse_rate
-from benchmarks.points import POINTS
-from benchmarks.report import (
-    Row,
-    Target,
-    check_targets,
-    markdown,
-    merge_ranks,
-    rows_as_dicts,
-    summarize,
-    table,
-)
-from benchmarks.spec import ALL_VARIANTS, VARIANTS, RunSpec
+from benchmarks.configs import RUN_CONFIGS, get_config
+from benchmarks.launch import launch
+from benchmarks.link import emulated_link, parse_rate
+from benchmarks.measure import cpu_busy, machine
+from benchmarks.report import Paired, by_round, cell, over_rounds, paired, publish
+from benchmarks.spec import VARIANTS, RunSpec, reference
 
-__all__ = ["cpu_busy", "main", "run_benchmark"]
+__all__ = ["Row", "merge_ranks", "run", "run_benchmark", "summarize"]
 
-WORLD_SIZE = 2
+_MIB = 2**20
+_DICTS = ("tuner", "cprofile", "predicted_ms")
+"""The structured fields of a record kept from rank 0."""
+_MAX_OVER_RANKS = ("cpu_ms", "peak_bytes", "tensor_peak_bytes", "wait_in_forward_ms", "forward_ms",
+                   "store_read_ms", "prefetch_ms")  # fmt: skip
 
 
-def run_benchmark(
-    spec: RunSpec,
-    *,
-    link: str | None = None,
-    timeout: float = 3600.0,
-    command: str = "",
-    world_size: int = WORLD_SIZE,
-) -> dict[str, Any]:
-    """Run `spec` on `world_size` local ranks (behind an emulated `link` rate if given).
+@dataclass(kw_only=True, slots=True)
+class Row:
+    """One (config, variant) over its rounds."""
+
+    config: str
+    variant: str
+    status: str
+    """`ok`, or `unsupported` with `message`."""
+    message: str = ""
+    step_ms: Paired | None = None
+    """Each round's median step time."""
+    samples_per_s: float | None = None
+    """The global batch (all ranks) over the median step."""
+    vs_plain: Paired | None = None
+    reference: str | None = None
+    """What else it is compared with (`benchmarks.spec.reference`)."""
+    vs_reference: Paired | None = None
+    cpu_ms: Paired | None = None
+    """Process CPU time per timed step, the busiest rank."""
+    rss_mib: float | None = None
+    """Peak RSS growth over warm-up and timed steps (CPU; on CUDA: max allocated), median of rounds."""
+    tensor_mib: float | None = None
+    """Peak of live tensor bytes in the profiled segment, median of rounds."""
+    wait_in_forward_ms: float | None = None
+    """Per step, time forward waits on input_dist (the whole inline input_dist for plain and Base)."""
+    assembly_in_wait_ms: float | None = None
+    """Of it, torchrec's reordering of the received ids (CPU work, not waiting)."""
+    schedule: str | None = None
+    """Our SparseDist/Prefetch under "auto": the schedule kept, counted over rounds."""
+    cache_hit_rate: float | None = None
+    """Tables on disk: rows found in the cache over rows looked up, mean over ranks."""
+    store_read_ms: float | None = None
+    prefetch_ms: float | None = None
+    """Tables on disk: time making a batch's rows resident per step, on whichever thread ran it."""
+
+
+def run_benchmark(spec: RunSpec, *, world_size: int, link: str | None, timeout: float, command: str) -> dict:
+    """Run `spec` on `world_size` local ranks, behind an emulated `link` rate if given.
 
     Returns:
-        The JSON-ready result: `meta`, every merged `runs` record, `summary` rows and `targets`.
+        The JSON-ready result: `meta`, every merged run record (`runs`), the `summary` rows.
 
     Raises:
         LinkUnavailable: `link` was asked for and cannot be emulated here.
         LaunchError: a rank failed or timed out.
+        ValueError: `--device cuda` with fewer GPUs than ranks.
     """
-    started = time.time()
-    busy_before = cpu_busy()
+    if link is not None:
+        parse_rate(link)  # before anything is created
+        if world_size != 2:
+            raise ValueError("an emulated link joins exactly 2 ranks: pass --world-size 2")
+    if spec.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < world_size:
+            raise ValueError(f"--device cuda needs a GPU per rank: {world_size} ranks, "
+                             f"{torch.cuda.device_count()} GPUs here; pass --world-size")  # fmt: skip
+    started, busy = time.time(), cpu_busy()
     if link is None:
         per_rank = launch(spec, world_size=world_size, timeout=timeout)
     else:
         with emulated_link(link) as emulated:
             per_rank = launch(spec, world_size=world_size, link=emulated, timeout=timeout)
     runs = merge_ranks(per_rank)
+    meta = {"command": command, "machine": machine(), "cpu_busy_before": round(busy, 3),
+            "rounds": spec.rounds,
+            "steps": spec.steps, "warmup": f"{spec.warmup} ({spec.auto_warmup} under auto-tuning)",
+            "where": f"{world_size} rank(s) over {link or 'loopback'}", "world_size": world_size,
+            "link": link, "spec": asdict(spec), "duration_s": round(time.time() - started, 1),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started))}  # fmt: skip
     rows = summarize(runs, world_size=world_size)
-    meta = {
-        "command": command,
-        "spec": json.loads(spec.to_json()),
-        "link": link,
-        "world_size": world_size,
-        "host": _host(),
-        "versions": ", ".join(
-            f"{p} {_version(p)}" for p in ("torch", "torchrec", "fbgemm-gpu-cpu", "fbgemm-gpu")
-        ),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
-        "cpu_busy_before": round(busy_before, 3),
-        "duration_s": round(time.time() - started, 1),
-    }
-    return {"meta": meta, "runs": runs, **rows_as_dicts(rows, check_targets(rows))}
+    return {"meta": meta, "runs": runs, "summary": [asdict(r) for r in rows]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = _parser().parse_args(argv)
-    try:
-        if args.link:
-            parse_rate(args.link)
-        spec = RunSpec(
-            configs=tuple(args.configs),
-            variants=tuple(args.variants),
-            steps=args.steps,
-            warmup=args.warmup,
-            auto_warmup=args.auto_warmup,
-            rounds=args.rounds,
-            profile_steps=args.profile_steps,
-            seed=args.seed,
-            trace_dir=args.trace_dir,
-            device=args.device,
-        )
-        if args.device == "cuda":
-            _check_gpus(args.world_size)
-    except ValueError as e:
-        print(f"bench: {e}", file=sys.stderr)
-        return 2
-    busy = cpu_busy()
-    if busy > 0.2:
-        print(f"bench: warning: CPUs {busy:.0%} busy before start; other work skews timings", file=sys.stderr)
-    command = shlex.join(["python", "-m", "benchmarks.run", *argv])
-    try:
-        result = run_benchmark(
-            spec, link=args.link, timeout=args.timeout, command=command, world_size=args.world_size
-        )
-    except LinkUnavailable as e:
-        print(f"bench: cannot emulate the link: {e}", file=sys.stderr)
-        return 2
-    except LaunchError as e:
-        print(f"bench: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # ranks and link are gone by now: launch and emulated_link clean up
-        print("bench: interrupted", file=sys.stderr)
-        return 130
-    _report(result, json_path=Path(args.json), md_path=Path(args.md))
+def merge_ranks(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One record per run from every rank's records (the same order on every rank)."""
+    merged = []
+    for records in zip(*per_rank, strict=True):
+        first = records[0]
+        if len({(r["config"], r["variant"], r["round"]) for r in records}) != 1:
+            raise ValueError("ranks disagree on the order of the runs")
+        one = {k: v for k, v in first.items() if not isinstance(v, (list, dict)) or k in _DICTS}
+        if first["status"] == "ok":
+            one["step_times_s"] = [max(ts) for ts in zip(*(r["step_times_s"] for r in records), strict=True)]
+            one["wall_ms"] = 1e3 * statistics.mean(one["step_times_s"])
+            one.update({k: max(r[k] for r in records) for k in _MAX_OVER_RANKS if k in first})
+            if "cache_hit_rate" in first:
+                one["cache_hit_rate"] = statistics.mean(r["cache_hit_rate"] for r in records)
+            if "rows_read_per_step" in first:  # process CPU per row read or written, every rank's
+                rows = sum(r["rows_read_per_step"] + r["rows_written_per_step"] for r in records)
+                one["cpu_us_per_row"] = 1e3 * sum(r["cpu_ms"] for r in records) / rows if rows else None
+            if "wait_in_forward_ms" in first:  # from the rank whose wait is reported
+                slowest = max(records, key=lambda r: r["wait_in_forward_ms"])
+                one["assembly_in_wait_ms"] = slowest["assembly_in_wait_ms"]
+                one["labels_ms"] = slowest["labels_ms"]
+        merged.append(one)
+    return merged
+
+
+def summarize(runs: list[dict[str, Any]], *, world_size: int) -> list[Row]:
+    """One `Row` per (config, variant), in the order first run."""
+    rows = []
+    for config, variant in dict.fromkeys((r["config"], r["variant"]) for r in runs):
+        mine = [r for r in runs if r["config"] == config and r["variant"] == variant]
+        ok = [r for r in mine if r["status"] == "ok"]
+        if not ok:
+            rows.append(
+                Row(config=config, variant=variant, status=mine[0]["status"], message=mine[0]["message"])
+            )
+            continue
+        steps = by_round([r for r in runs if r["config"] == config], "step_ms")
+        step = over_rounds([statistics.median(r["step_times_s"]) * 1e3 for r in ok])
+        ref = reference(variant)
+        schedules = Counter(r["schedule"] for r in ok if r.get("schedule"))
+        rows.append(Row(
+            config=config, variant=variant, status="ok", step_ms=step,
+            samples_per_s=get_config(config).batch_size * world_size / step.median * 1e3,
+            vs_plain=paired(steps, variant, "plain") if variant != "plain" else None,
+            reference=ref, vs_reference=paired(steps, variant, ref) if ref else None,
+            cpu_ms=over_rounds([r["cpu_ms"] for r in ok]),
+            rss_mib=_median(ok, "peak_bytes", _MIB), tensor_mib=_median(ok, "tensor_peak_bytes", _MIB),
+            wait_in_forward_ms=_median(ok, "wait_in_forward_ms"),
+            assembly_in_wait_ms=_median(ok, "assembly_in_wait_ms"),
+            schedule=" ".join(f"{s} x{n}" for s, n in schedules.most_common()) or None,
+            cache_hit_rate=_median(ok, "cache_hit_rate"), store_read_ms=_median(ok, "store_read_ms"),
+            prefetch_ms=_median(ok, "prefetch_ms"),
+        ))  # fmt: skip
+    return rows
+
+
+def _median(runs: list[dict[str, Any]], key: str, scale: float = 1.0) -> float | None:
+    values = [r[key] / scale for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str | None]], list[str]]:
+    """The summary's columns, cells and notes (rows as in the JSON: `Paired` figures as dicts)."""
+    disk = any(r["cache_hit_rate"] is not None for r in rows)
+    columns = ["config / variant", "step ms", "samples/s", "vs plain", "vs reference", "CPU ms", "RSS MiB",
+               "tensor MiB", "input_dist in fwd ms", "of it assembly", "schedule kept"]  # fmt: skip
+    columns += ["hit rate", "store read ms", "resident ms"] if disk else []
+    cells = []
+    for r in (r for r in rows if r["status"] == "ok"):
+        p = {k: Paired(**r[k]) if r[k] else None for k in ("step_ms", "vs_plain", "vs_reference", "cpu_ms")}
+        ref = p["vs_reference"] and f"{p['vs_reference']:.2f} ({r['reference']})"
+        line = [f"{r['config']} / {r['variant']}", f"{p['step_ms']:.1f}", cell(r["samples_per_s"], ",.0f"),
+                cell(p["vs_plain"], ".2f"), ref, f"{p['cpu_ms']:.1f}", cell(r["rss_mib"], ".1f"),
+                cell(r["tensor_mib"], ".1f"), cell(r["wait_in_forward_ms"], ".2f"),
+                cell(r["assembly_in_wait_ms"], ".2f"), r["schedule"]]  # fmt: skip
+        if disk:
+            line += [
+                cell(r["cache_hit_rate"], ".3f"),
+                cell(r["store_read_ms"], ".1f"),
+                cell(r["prefetch_ms"], ".1f"),
+            ]
+        cells.append(line)
+    notes = [f"{r['config']} / {r['variant']}: {r['message']}" for r in rows if r["status"] != "ok"]
+    return columns, cells, [*notes, *_NOTES]
+
+
+_NOTES = [
+    "vs reference: our class over torchrec's same class; a variant with @SCHEDULE or +FLAG over the same "
+    "one without it. CPU ms: process CPU time per step (all threads), the busiest rank.",
+    "RSS MiB: peak growth of the resident set; tensor MiB: peak of live tensor bytes, and input_dist in "
+    "fwd ms: time forward waits on input_dist, both per step of the profiled segment.",
+]
+
+
+def run(*, configs: list[str], variants: list[str], steps: int, warmup: int, auto_warmup: int, rounds: int,
+        profile_steps: int, device: str, world_size: int, link: str | None, seed: int, timeout: float,
+        trace_dir: str | None, store_dir: str, json: str | None, md: str | None,
+        command: str) -> int:  # fmt: skip
+    """The `run` subcommand: train, print the summary, write the JSON and the Markdown."""
+    spec = RunSpec(configs=tuple(configs or RUN_CONFIGS), variants=tuple(variants or VARIANTS), steps=steps,
+                   warmup=warmup, auto_warmup=auto_warmup, rounds=rounds, profile_steps=profile_steps,
+                   seed=seed, device=device, store_dir=store_dir, trace_dir=trace_dir)  # fmt: skip
+    result = run_benchmark(spec, world_size=world_size, link=link, timeout=timeout, command=command)
+    publish(
+        result, result["meta"], "Benchmark results", *table(result["summary"]), json_path=json, md_path=md
+    )
     return 0
-
-
-def _report(result: dict[str, Any], *, json_path: Path, md_path: Path) -> None:
-    """Print the table and targets; write the JSON and the Markdown summary."""
-    rows = [Row(**r) for r in result["summary"]]
-    targets = [Target(**t) for t in result["targets"]]
-    print(f"\n{result['meta']['command']}  (link: {result['meta']['link'] or 'loopback'})\n")
-    print(table(rows, targets, world_size=result["meta"]["world_size"]))
-    for path, text in (
-        (json_path, json.dumps(result, indent=1)),
-        (md_path, markdown(rows, targets, result["meta"])),
-    ):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    print(f"\nwrote {json_path} and {md_path}")
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
-    points = [pt.name for pt in POINTS]
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), metavar="NAME",
-                   choices=[*CONFIGS, *SMALL_CONFIGS, *GPU_CONFIGS, *points],
-                   help=f"configs to run (default: all of {', '.join(CONFIGS)}; also the sweep's "
-                        "sweep-* points, see benchmarks/points.py)")  # fmt: skip
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=ALL_VARIANTS, metavar="NAME",
-                   help=f"variants to run (default: all of {', '.join(VARIANTS)}; also "
-                        f"{', '.join(ALL_VARIANTS[len(VARIANTS):])})")  # fmt: skip
-    p.add_argument("--steps", type=int, default=30, help="timed steps per run (default 30)")
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=20,
-        help="untimed steps before them (default 20)",
-    )
-    p.add_argument(
-        "--auto-warmup",
-        type=int,
-        default=55,
-        help="untimed steps for our SparseDist and Prefetch, whose input_dist_schedule='auto' tunes "
-        "during its first steps, at most 54 (default 55)",
-    )
-    p.add_argument("--rounds", type=int, default=4, help="repetitions, order rotated (default 4)")
-    p.add_argument("--profile-steps", type=int, default=5,
-                   help="steps of the separate profiled segment; 0 skips it (default 5)")  # fmt: skip
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu (gloo, the default) or cuda (nccl, one GPU per rank)")  # fmt: skip
-    p.add_argument("--world-size", type=int, default=WORLD_SIZE, help=f"ranks (default {WORLD_SIZE})")
-    p.add_argument("--link", metavar="RATE", help="emulate a link of this tc rate, e.g. 1gbit (root)")
-    p.add_argument("--seed", type=int, default=0, help="seeds models and batches (default 0)")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are killed")
-    p.add_argument("--trace-dir", help="write the profiled segments' chrome traces here")
-    p.add_argument("--json", default="out/bench/results.json", help="every run, as JSON")
-    p.add_argument("--md", default="out/bench/results.md", help="the summary, as Markdown")
-    return p
-
-
-def _check_gpus(world_size: int) -> None:
-    import torch
-
-    if torch.cuda.device_count() < world_size:
-        raise ValueError(
-            f"--device cuda needs a GPU per rank: {world_size} rank(s), {torch.cuda.device_count()} GPU(s) "
-            "here; pass --world-size"
-        )
-
-
-def cpu_busy(interval: float = 0.5) -> float:
-    """Fraction of all CPUs' time spent busy over the next `interval` seconds (from /proc/stat)."""
-
-    def sample() -> tuple[int, int]:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        idle = fields[3] + fields[4]  # idle + iowait
-        return sum(fields) - idle, sum(fields)
-
-    busy0, total0 = sample()
-    time.sleep(interval)
-    busy1, total1 = sample()
-    return (busy1 - busy0) / max(1, total1 - total0)
-
-
-def _host() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}"
-
-
-def _version(package: str) -> str:
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return "not installed"
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,155 +1,151 @@
-"""Entry point: `python -m benchmarks.sweep` (what `make bench-sweep` runs).
+"""`python -m benchmarks sweep`: 14 points from network-bound (100 Mbit) to compute-bound (loopback).
 
-Runs every point of `benchmarks.points` (or `--points`), grouped by link rate so that each link is
-set up once: the plain loop, our Base, SparseDist (auto and each forced schedule) and Prefetch,
-torchrec's SparseDist, and the bound's compute-alone and comm-alone. Writes `sweep.json` (every run),
-`sweep.md` (table, forced schedules, checks) and `sweep.png` to `--out`, and prints the table.
-Exit status 2: could not start (bad flag, link emulation unavailable); 1: a rank failed.
+Per point (`benchmarks.configs.SWEEP_LINKS`), in rotated rounds on 2 ranks: the plain loop, our Base,
+SparseDist ("auto" and each forced schedule) and Prefetch, torchrec's SparseDist, and the bound's
+halves (compute alone, communication alone: `benchmarks.bound`). Points are grouped by link so that
+each link is set up once. Figures per point: step times (median over rounds), paired ratios, our
+SparseDist over max(compute alone, communication alone), the schedule "auto" kept in each round,
+the fastest forced schedule, and what tuning cost: the time lost against the kept schedule, as a
+share of a 1,000-step run. Writes the JSON, the Markdown and a PNG of the ratios to torchrec.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import shlex
-import sys
-import time
+import statistics
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from benchmarks import sweep_report
-from benchmarks.launch import LaunchError
-from benchmarks.link import LinkUnavailable
-from benchmarks.points import POINTS, SweepPoint, get_point
-from benchmarks.run import cpu_busy, run_benchmark
-from benchmarks.spec import BOUND_VARIANTS, FORCED_VARIANTS, RunSpec
+from benchmarks.configs import SWEEP_LINKS, sweep_points
+from benchmarks.report import Paired, by_round, cell, markdown_table, paired, publish, pyplot, save_figure
+from benchmarks.run import run_benchmark
+from benchmarks.spec import SCHEDULES, RunSpec
 
-__all__ = ["SWEEP_VARIANTS", "main", "run_sweep"]
+__all__ = ["VARIANTS", "analyse", "sweep"]
 
-SWEEP_VARIANTS = (
-    "plain",
-    "ours-base",
-    "ours-sparse-dist",
-    "ours-prefetch",
-    "torchrec-sparse-dist",
-    *FORCED_VARIANTS,
-    *BOUND_VARIANTS,
-)
+SD, PF, TR = "ours-sparse-dist", "ours-prefetch", "torchrec-sparse-dist"
+FORCED = tuple(f"{SD}@{s}" for s in SCHEDULES)
+VARIANTS = ("plain", "ours-base", SD, PF, TR, *FORCED, "compute-alone", "comm-alone")
+TOLERANCE = 0.03
+"""A schedule within this of the fastest forced one is as good (the tuner's margin)."""
 
 
-def by_link(points: list[SweepPoint]) -> dict[str | None, list[SweepPoint]]:
-    """Points grouped by link, in first-seen order (one emulated link, one launch per group)."""
-    groups: dict[str | None, list[SweepPoint]] = {}
-    for p in points:
-        groups.setdefault(p.link, []).append(p)
-    return groups
-
-
-def run_sweep(points: list[SweepPoint], args: argparse.Namespace, command: str) -> dict[str, Any]:
-    """Run the points; returns the JSON-ready result (meta, runs, points)."""
-    started = time.time()
-    runs, busy, meta = [], {}, {}
-    for link, group in by_link(points).items():
-        spec = RunSpec(
-            configs=tuple(p.name for p in group),
-            variants=SWEEP_VARIANTS,
-            steps=args.steps,
-            warmup=args.warmup,
-            auto_warmup=args.auto_warmup,
-            rounds=args.rounds,
-            profile_steps=0,
-            seed=args.seed,
-        )
-        print(f"[sweep] {link or 'loopback'}: {', '.join(p.name for p in group)}", flush=True)
-        result = run_benchmark(spec, link=link, timeout=args.timeout, command=command)
+def sweep(*, points: list[str], steps: int, warmup: int, auto_warmup: int, rounds: int, seed: int,
+          timeout: float, json: str | None, md: str | None, png: str | None,
+          command: str) -> int:  # fmt: skip
+    """The `sweep` subcommand: run the points, print the table, write the JSON, Markdown and PNG."""
+    names = sweep_points(points)
+    runs, meta = [], {}
+    for link in dict.fromkeys(SWEEP_LINKS[n] for n in names):
+        group = tuple(n for n in names if SWEEP_LINKS[n] == link)
+        print(f"[sweep] {link or 'loopback'}: {', '.join(group)}", flush=True)
+        spec = RunSpec(configs=group, variants=VARIANTS, steps=steps, warmup=warmup, auto_warmup=auto_warmup,
+                       rounds=rounds, profile_steps=0, seed=seed)  # fmt: skip
+        result = run_benchmark(spec, world_size=2, link=link, timeout=timeout, command=command)
         runs += result["runs"]
-        meta = result["meta"]
-        busy[link or "loopback"] = result["meta"]["cpu_busy_before"]
-    results = [
-        sweep_report.analyse(
-            [r for r in runs if r["config"] == p.name],
-            name=p.name,
-            link=p.link,
-            description=p.config.description,
-        )
-        for p in points
-    ]
-    meta = {
-        "command": command,
-        "host": meta.get("host", ""),
-        "versions": meta.get("versions", ""),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
-        "duration_s": time.time() - started,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "auto_warmup": args.auto_warmup,
-        "rounds": args.rounds,
-        "cpu_busy": ", ".join(f"{k} {v:.0%}" for k, v in busy.items()),
-        "busy_warning": any(v > 0.2 for v in busy.values()),
-    }
-    return {"meta": meta, "runs": runs, "points": results}
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = _parser().parse_args(argv)
-    try:
-        points = [get_point(n) for n in args.points] if args.points else list(POINTS)
-    except ValueError as e:
-        print(f"sweep: {e}", file=sys.stderr)
-        return 2
-    if (busy := cpu_busy()) > 0.2:
-        print(f"sweep: warning: CPUs {busy:.0%} busy before start; other work skews timings", file=sys.stderr)
-    command = shlex.join(["python", "-m", "benchmarks.sweep", *argv])
-    try:
-        result = run_sweep(points, args, command)
-    except LinkUnavailable as e:
-        print(
-            f"sweep: cannot emulate the link: {e}; run only loopback points with --points lo-...",
-            file=sys.stderr,
-        )
-        return 2
-    except LaunchError as e:
-        print(f"sweep: {e}", file=sys.stderr)
-        return 1
-    _write(result, Path(args.out))
+        meta = {**result["meta"], "where": "2 ranks; each point's link in the table"}
+    results = [analyse([r for r in runs if r["config"] == n], name=n) for n in names]
+    more = ["Our SparseDist with each schedule forced (median step ms), and what auto kept per round:", "",
+            *markdown_table(*forced_table(results)), ""]  # fmt: skip
+    if png:
+        plot(results, png, f"{command}  ({meta['started']})")
+        more += [f"![each variant's step over torchrec's SparseDist, per point]({Path(png).name})", ""]
+    publish({"meta": meta, "runs": runs, "points": results}, meta, "Sweep results", *table(results), _NOTES,
+            json_path=json, md_path=md, more=more)  # fmt: skip
     return 0
 
 
-def _write(result: dict[str, Any], out: Path) -> None:
-    points, meta = result["points"], result["meta"]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(
-        json.dumps({**result, "points": [sweep_report.as_dict(p) for p in points]}, indent=1)
+_NOTES = [
+    "bound by: the larger of communication alone and compute alone. SD / bound: our SparseDist's step "
+    "over max(compute alone, communication alone).",
+    f"auto kept: the schedule our SparseDist's auto ended on, per round (ok: within {TOLERANCE:.0%} of the "
+    "fastest forced schedule). tuning cost: time the tuner lost against the kept schedule, as a share of "
+    "a 1,000-step run.",
+]
+
+
+def analyse(runs: list[dict[str, Any]], *, name: str) -> dict[str, Any]:
+    """One point's figures from its merged run records."""
+    steps = by_round(runs, "step_ms")
+    median = {v: statistics.median(r[v] for r in steps.values() if v in r)
+              for v in dict.fromkeys(v for r in steps.values() for v in r)}  # fmt: skip
+    compute, comm = median.get("compute-alone"), median.get("comm-alone")
+    bound = max(compute, comm) if compute and comm else None
+    kept = [r["schedule"] for r in runs if r["variant"] == SD and r.get("schedule")]
+    forced = {v.split("@")[1]: m for v, m in median.items() if v in FORCED}
+    fastest = min(forced, key=forced.__getitem__) if forced else None
+    right = None
+    if fastest and kept:
+        right = 2 * sum(forced.get(k, float("inf")) <= forced[fastest] * (1 + TOLERANCE) for k in kept) > len(
+            kept
+        )
+    costs = []
+    for r in (r for r in runs if r["variant"] == SD and r.get("tuner")):
+        ran, chosen = r["tuner"]["tuning_steps_by_schedule"], forced.get(r.get("schedule") or "")
+        if chosen and ran and all(s in forced for s in ran):
+            costs.append(sum(n * max(0.0, forced[s] - chosen) for s, n in ran.items()) / (1000 * chosen))
+    return {
+        "name": name, "link": SWEEP_LINKS[name], "median_ms": median, "compute_ms": compute, "comm_ms": comm,
+        "vs_torchrec": {v: p for v in median if (p := paired(steps, v, TR))},
+        "sd_vs_torchrec": paired(steps, SD, TR), "pf_vs_sd": paired(steps, PF, SD),
+        "base_vs_plain": paired(steps, "ours-base", "plain"),
+        "sd_to_bound": median[SD] / bound if bound and SD in median else None,
+        "auto_kept": kept,
+        "auto_kept_pf": [r["schedule"] for r in runs if r["variant"] == PF and r.get("schedule")],
+        "fastest_forced": fastest, "auto_right": right,
+        "tuning_cost": statistics.median(costs) if costs else None,
+    }  # fmt: skip
+
+
+def table(points: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """The main table: per point, what bounds it, the paired ratios, the bound, the tuner."""
+    columns = ["point", "link", "bound by", "compute ms", "comm ms", "torchrec SD ms", "ours SD / torchrec",
+               "ours PF / ours SD", "ours Base / plain", "SD / bound", "auto kept", "fastest forced",
+               "tuning cost"]  # fmt: skip
+    cells = []
+    for p in points:
+        by = "-" if p["compute_ms"] is None else ("network" if p["comm_ms"] > p["compute_ms"] else "compute")
+        kept = " ".join(f"{s} x{n}" for s, n in Counter(p["auto_kept"]).most_common())
+        mark = "" if p["auto_right"] is None else (" ok" if p["auto_right"] else " not the fastest")
+        ratios = ("sd_vs_torchrec", "pf_vs_sd", "base_vs_plain", "sd_to_bound")
+        ms = (p["compute_ms"], p["comm_ms"], p["median_ms"].get(TR))
+        cells.append([p["name"].removeprefix("sweep-"), p["link"] or "loopback", by,
+                      *(cell(v, ".1f") for v in ms), *(cell(p[k], ".2f") for k in ratios), kept + mark,
+                      p["fastest_forced"] or "-", cell(p["tuning_cost"], ".2%")])  # fmt: skip
+    return columns, cells
+
+
+def forced_table(points: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """Our SparseDist's median step per forced schedule, and what auto kept per round."""
+    columns = ["point", *(f"{s} ms" for s in SCHEDULES), "auto (SD)", "auto (PF)"]
+    cells = [[p["name"].removeprefix("sweep-"), *(cell(p["median_ms"].get(v), ".1f") for v in FORCED),
+              ", ".join(p["auto_kept"]) or "-", ", ".join(p["auto_kept_pf"]) or "-"]
+             for p in points]  # fmt: skip
+    return columns, cells
+
+
+def plot(points: list[dict[str, Any]], path: str, title: str) -> None:
+    """Each variant's paired ratio to torchrec's SparseDist per point, bars the rounds' range; the bound."""
+    shown = ("plain", "ours-base", SD, PF, *FORCED)
+    fig, ax = pyplot().subplots(figsize=(max(8, 0.9 * len(points) + 3), 5.5))
+    width = 0.8 / len(shown)
+    for i, variant in enumerate(shown):
+        got: list[tuple[int, Paired]] = [(x, p["vs_torchrec"][variant]) for x, p in enumerate(points)
+                                         if variant in p["vs_torchrec"]]  # fmt: skip
+        if got:
+            ax.errorbar([x - 0.4 + (i + 0.5) * width for x, _ in got], [g.median for _, g in got],
+                        yerr=[[g.median - g.low for _, g in got], [g.high - g.median for _, g in got]],
+                        fmt="." if variant in FORCED else "o", alpha=0.5 if variant in FORCED else 1.0,
+                        capsize=2, label=variant)  # fmt: skip
+    bound = [(x, p["sd_to_bound"] and p["median_ms"][SD] / p["sd_to_bound"] / p["median_ms"][TR])
+             for x, p in enumerate(points) if p["sd_to_bound"] and TR in p["median_ms"]]  # fmt: skip
+    if bound:
+        ax.scatter([b[0] for b in bound], [b[1] for b in bound], marker="_", s=600, c="k", label="bound")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(
+        range(len(points)), [p["name"].removeprefix("sweep-") for p in points], rotation=40, ha="right"
     )
-    (out / "sweep.md").write_text(sweep_report.markdown(points, meta))
-    title = f"{meta['command']}  ({meta['started']}, CPUs busy before: {meta['cpu_busy']})"
-    sweep_report.plot(points, str(out / "sweep.png"), title)
-    print(f"\n{meta['command']}  ({meta['duration_s']:.0f} s)\n")
-    print(sweep_report.table(points))
-    print()
-    for c in sweep_report.checks(points):
-        verdict = "n/a" if c.met is None else ("met" if c.met else "MISSED")
-        print(f"  {verdict:6} {c.name} ({c.point}): {c.measured}")
-    if meta["busy_warning"]:
-        print(f"\nwarning: CPUs were busy before start ({meta['cpu_busy']}): figures are noisy")
-    print(f"\nwrote {out}/sweep.json, sweep.md and sweep.png")
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sweep", description=__doc__.splitlines()[0])
-    p.add_argument("--points", nargs="+", metavar="NAME",
-                   help=f"points to run (default all: {', '.join(pt.name for pt in POINTS)})")  # fmt: skip
-    p.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps before them (default 5)")
-    p.add_argument("--auto-warmup", type=int, default=75,
-                   help="untimed steps for the auto-tuning variants (default 75: covers tuning)")  # fmt: skip
-    p.add_argument("--rounds", type=int, default=3, help="rounds per point, order rotated (default 3)")
-    p.add_argument("--seed", type=int, default=0, help="seeds models and batches (default 0)")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before a link's ranks are killed")
-    p.add_argument("--out", default="out/sweep", help="directory for sweep.json/.md/.png (default out/sweep)")
-    return p
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    ax.set_ylabel("step / torchrec SparseDist (paired median, bars: rounds' range)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    save_figure(fig, path)

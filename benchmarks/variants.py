@@ -1,17 +1,11 @@
-"""The training loops under comparison, each as a `Runner` with one `step(iterator)` per batch.
+"""The training loops under comparison (names: `benchmarks.spec`), each a `Runner` of one batch a step.
 
-Variants: `plain` (copy, zero_grad, forward, backward, step), this library's `ours-base`,
-`ours-sparse-dist` and `ours-prefetch`, and torchrec 1.8's `torchrec-base`, `torchrec-sparse-dist` and
-`torchrec-prefetch`; on request the rest of the family (`benchmarks.spec.FAMILY_VARIANTS`): Fused,
-SemiSync and Eval, ours and torchrec's, and our StagedTrainPipeline. A `Runner` also names the
-profiler labels that delimit forward and the input_dist wait inside it, which differ between the
-libraries, so the profiled segment can measure "time forward spends waiting on input_dist" for
-every variant the same way.
-
-Where a variant runs input_dist inside forward (the plain loop and both Base pipelines, whose
-sharded modules keep their own forward), `timed_input_dist` wraps each sharded module's `input_dist`
-and the two awaitables it returns in `bench::input_dist` labels during the profiled segment: the
-whole all-to-all (launch, splits wait, values wait) then counts as forward's input_dist time.
+A `Runner` names the profiler labels around forward and around the input_dist wait inside it, so that
+the profiled segment measures forward's wait the same way for every loop: ours emit
+`pipeline::forward` and `pipeline::input_dist::wait`, torchrec's `## forward ##` and
+`## runtime_forward_assemble_KJT ##`. Where the sharded modules run input_dist inside their own
+forward (the plain loop, both Base pipelines), `labelled_input_dist` labels torchrec's `input_dist` of
+this benchmark's own model, and the awaitables it returns, `bench::input_dist` in the profiled segment.
 """
 
 from __future__ import annotations
@@ -24,45 +18,21 @@ from typing import Any
 import torch
 from torch import nn
 from torch.profiler import record_function
-from torchrec.distributed import train_pipeline as torchrec_pipelines
-from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSemiSync
+from torchrec.distributed.train_pipeline import train_pipelines as torchrec_pipelines
 from torchrec.distributed.types import ShardedModule
 
 import pipeline as ours
-from benchmarks import bound, disk_bound
-from benchmarks.spec import (
-    ALL_VARIANTS,
-    CAPTURING_VARIANTS,
-    FORCED_VARIANTS,
-    MEMORY_FLAGS,
-    PREFETCH_FORCED_VARIANTS,
-)
+from benchmarks import bound
+from benchmarks.spec import FLAGS, parse_variant
 
-__all__ = ["INLINE_WAIT", "Runner", "make_runner", "timed_input_dist"]
+__all__ = ["Runner", "labelled_input_dist", "make_runner"]
 
-INLINE_WAIT = "bench::input_dist"
-
-_PIPELINES: dict[str, Callable[..., Any]] = {
-    "ours-base": ours.TrainPipelineBase,
-    "ours-sparse-dist": ours.TrainPipelineSparseDist,
-    "ours-prefetch": ours.PrefetchTrainPipelineSparseDist,
-    "torchrec-base": torchrec_pipelines.TrainPipelineBase,
-    "torchrec-sparse-dist": torchrec_pipelines.TrainPipelineSparseDist,
-    "torchrec-prefetch": torchrec_pipelines.PrefetchTrainPipelineSparseDist,
-    "ours-fused-sparse-dist": ours.TrainPipelineFusedSparseDist,
-    "torchrec-fused-sparse-dist": torchrec_pipelines.TrainPipelineFusedSparseDist,
-    "ours-semi-sync": ours.TrainPipelineSemiSync,
-    "torchrec-semi-sync": TrainPipelineSemiSync,
-    "ours-eval": ours.EvalPipelineSparseDist,
-    "torchrec-eval": torchrec_pipelines.EvalPipelineSparseDist,
-}
-_OPTIONS: dict[str, dict[str, Any]] = {
-    "ours-semi-sync": {"start_batch": 0},
-    "torchrec-semi-sync": {"start_batch": 0},
-}
-"""Constructor options per variant: SemiSync semi-synchronous from the first batch."""
-_TORCHREC_FORWARD = "## forward"
-_TORCHREC_WAIT = "## runtime_forward_assemble_KJT"
+_INLINE = "bench::input_dist"
+_CLASSES = {"base": "TrainPipelineBase", "sparse-dist": "TrainPipelineSparseDist",
+            "prefetch": "PrefetchTrainPipelineSparseDist", "semi-sync": "TrainPipelineSemiSync",
+            "fused-sparse-dist": "TrainPipelineFusedSparseDist",
+            "eval": "EvalPipelineSparseDist"}  # fmt: skip
+"""`ours-X` is `pipeline.<class>`, `torchrec-X` torchrec's class of the same name."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -70,119 +40,87 @@ class Runner:
     """One variant, ready to train."""
 
     step: Callable[[Iterator[Any]], Any]
-    """Trains the next batch of the iterator (through the pipeline: the batch it finishes)."""
-    forward_label: str
+    """Trains the next batch of the iterator (a pipeline: the batch it finishes)."""
+    forward_label: str = "bench::forward"
     """Prefix of the profiler label around forward."""
-    wait_label: str
-    """Prefix of the profiler label of input_dist waiting inside forward."""
-    inline_input_dist: bool
-    """The sharded modules run input_dist inside their own forward (wrap with `timed_input_dist`)."""
-    schedule: Callable[[], str | None] = lambda: None
-    """Our SparseDist/Prefetch: the input_dist schedule in use (see `pipeline.stages.schedule`); None
-    for the others."""
-    tuner: Callable[[], Any] = lambda: None
-    """Our SparseDist/Prefetch under "auto": the `pipeline.stages.schedule.Tuner`; None otherwise."""
+    wait_label: str = _INLINE
+    """Prefix of the profiler label of the input_dist wait inside forward."""
+    pipe: Any = None
+    """The pipeline object, if any (its public `input_dist_schedule` and `tuner` are recorded)."""
     profile: bool = True
-    """Run the profiled segment (the bound's step functions have nothing to label)."""
+    """Run the profiled segment (a bound's step has nothing to label)."""
+
+    @property
+    def inline_input_dist(self) -> bool:
+        """The sharded modules run input_dist in their own forward (`labelled_input_dist`)."""
+        return self.wait_label == _INLINE
 
 
 def make_runner(
-    variant: str,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    device: torch.device,
-    *,
-    captured: bound.Captured | None = None,
+    variant: str, model: nn.Module, optimizer: Any, device: torch.device, *, captured: bound.Captured | None
 ) -> Runner:
     """The `Runner` of `variant` over a freshly built model.
 
-    `ours-sparse-dist@<schedule>` forces `input_dist_schedule`; `compute-alone`, `comm-alone` and
-    `io-alone` need `captured` (`benchmarks.bound.capture` on the same config and batches).
-
     Raises:
-        ValueError: unknown variant.
-        Exception: whatever the pipeline's constructor raises (torchrec's Prefetch pipeline may
-            refuse a CPU device here or fail on its first step).
+        ValueError: a bound's half without `captured` (`benchmarks.bound.capture` of the same batches).
+        Exception: whatever the pipeline's constructor raises (torchrec's pipelines refuse a CPU
+            device here or fail at their first step: `spec.CPU_UNSUPPORTED`).
     """
-    if variant == "plain":
-        return Runner(
-            step=_plain_step(model, optimizer, device),
-            forward_label="bench::forward",
-            wait_label=INLINE_WAIT,
-            inline_input_dist=True,
-        )
-    if variant in CAPTURING_VARIANTS:
+    name, schedule, flags = parse_variant(variant)
+    if name == "plain":
+        return Runner(step=lambda it: _train_on(model, optimizer, _to(next(it), device)))
+    if name in ("compute-alone", "comm-alone", "io-alone"):
         if captured is None:
             raise ValueError(f"{variant} needs the captured inputs of benchmarks.bound.capture")
-        if variant == "compute-alone":
-            disk_bound.warm(model)  # tables on disk: every row cached (benchmarks.disk_bound)
+        if name == "compute-alone":
+            bound.warm(model)  # tables on disk: every row cached, no step reads the disk
             step = bound.compute_alone(model, optimizer, device, captured)
-        elif variant == "io-alone":
-            step = disk_bound.io_alone(model, captured)
         else:
-            step = bound.comm_alone(model, device, captured)
-        return Runner(step=step, forward_label="-", wait_label="-", inline_input_dist=False, profile=False)
-    options: dict[str, Any] = {}
-    if variant.endswith("+novote"):
-        variant = variant.removesuffix("+novote")
-        options.update(agreement=False, check_keys=False, check_kjts=False)
-    for suffix, flag in MEMORY_FLAGS.items():
-        if variant.endswith(suffix):
-            variant = variant.removesuffix(suffix)
-            options[flag] = True
-    if variant in FORCED_VARIANTS or variant in PREFETCH_FORCED_VARIANTS:
-        variant, options["input_dist_schedule"] = variant.split("@")
-    if variant == "ours-staged":
-        return Runner(
-            step=_staged_step(model, optimizer, device),
-            forward_label="bench::forward",
-            wait_label="pipeline::input_dist::wait",
-            inline_input_dist=False,
-        )
-    if variant not in _PIPELINES:
-        raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(ALL_VARIANTS)}")
-    if variant.endswith("-eval"):
-        model.eval()  # forward only; the worker builds a fresh model for each run
-    pipe = _PIPELINES[variant](model, optimizer, device, **options, **_OPTIONS.get(variant, {}))
-    base = variant.endswith("-base")
-    if variant.startswith("ours-"):
+            step = (
+                bound.io_alone(model, captured)
+                if name == "io-alone"
+                else bound.comm_alone(model, device, captured)
+            )
+        return Runner(step=step, profile=False)
+    if name == "ours-staged":
+        return Runner(step=_staged_step(model, optimizer, device), wait_label="pipeline::input_dist::wait")
+    options: dict[str, Any] = {k: v for flag in flags for k, v in FLAGS[flag].items()}
+    if schedule:
+        options["input_dist_schedule"] = schedule
+    if name.endswith("semi-sync"):
+        options["start_batch"] = 0  # semi-synchronous from the first batch
+    if name.endswith("-eval"):
+        model.eval()  # forward only; every run builds a fresh model
+    library, kind = name.split("-", 1)
+    cls = getattr(ours if library == "ours" else torchrec_pipelines, _CLASSES[kind])
+    pipe = cls(model, optimizer, device, **options)
+    if name.startswith("ours-"):
         forward, wait = "pipeline::forward", "pipeline::input_dist::wait"
     else:
-        forward, wait = _TORCHREC_FORWARD, _TORCHREC_WAIT
-    return Runner(
-        step=pipe.progress,
-        forward_label=forward,
-        wait_label=INLINE_WAIT if base else wait,
-        inline_input_dist=base,
-        schedule=lambda: getattr(pipe, "input_dist_schedule", None),
-        tuner=lambda: getattr(pipe, "tuner", None),
-    )
+        forward, wait = "## forward", "## runtime_forward_assemble_KJT"
+    wait = _INLINE if name.endswith("-base") else wait  # Base: input_dist inside the modules' forward
+    return Runner(step=pipe.progress, pipe=pipe, forward_label=forward, wait_label=wait)
 
 
-def _plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
-    def step(batches: Iterator[Any]) -> Any:
-        return _train_on(model, optimizer, next(batches).to(device=device, non_blocking=True))
-
-    return step
+def _to(batch: Any, device: torch.device) -> Any:
+    # On CPU a copy to the device is no copy: skip the walk over the batch, as our pipelines do.
+    return batch if device.type == "cpu" else batch.to(device=device, non_blocking=True)
 
 
-def _train_on(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> Any:
-    """The plain loop's step on one batch (already on the device); the output."""
+def _train_on(model: nn.Module, optimizer: Any, batch: Any) -> Any:
+    """The plain loop's step on one batch already on the device; its output."""
     optimizer.zero_grad()
     with record_function("bench::forward"):
         loss, output = model(batch)
-    torch.sum(loss).backward()
+    (loss if loss.dim() == 0 else torch.sum(loss)).backward()
     optimizer.step()
     return output
 
 
-def _staged_step(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
+def _staged_step(model: nn.Module, optimizer: Any, device: torch.device) -> Callable[[Iterator[Any]], Any]:
     sdd = ours.SparseDataDistUtil(model)
     pipe = ours.StagedTrainPipeline(
-        [
-            ours.PipelineStage("data_copy", lambda batch: batch.to(device=device, non_blocking=True)),
-            sdd.start_sparse_data_dist_stage(),
-        ]
+        [ours.PipelineStage("data_copy", lambda b: _to(b, device)), sdd.start_sparse_data_dist_stage()]
     )
 
     def step(batches: Iterator[Any]) -> Any:
@@ -195,11 +133,11 @@ def _staged_step(model: nn.Module, optimizer: torch.optim.Optimizer, device: tor
 
 
 @contextmanager
-def timed_input_dist(model: nn.Module) -> Iterator[None]:
+def labelled_input_dist(model: nn.Module) -> Iterator[None]:
     """Label every sharded module's inline input_dist (launch and both waits) `bench::input_dist`.
 
-    Only for variants whose sharded modules run their own forward: a pipeline that calls
-    `input_dist` itself inspects the awaitable it returns, which the wrapper hides.
+    Only for loops whose sharded modules run their own forward: a pipeline that calls `input_dist`
+    itself inspects the awaitable it returns, which the wrapper would hide.
     """
     modules = [m for m in model.modules() if isinstance(m, ShardedModule)]
     for module in modules:
@@ -208,25 +146,24 @@ def timed_input_dist(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         for module in modules:
-            del module.input_dist  # the instance attribute; the class method shows again
+            del module.input_dist  # the instance attribute; the class's method shows again
 
 
 def _labelled(input_dist: Callable[..., Any]) -> Callable[..., Any]:
     def wrapped(*args: Any, **kwargs: Any) -> _LabelledAwaitable:
-        with record_function(INLINE_WAIT):
+        with record_function(_INLINE):
             return _LabelledAwaitable(input_dist(*args, **kwargs), levels=2)
 
     return wrapped
 
 
 class _LabelledAwaitable:
-    """Waits under the `bench::input_dist` label; `levels` nested awaitables deep."""
+    """Waits under the `bench::input_dist` label, `levels` nested awaitables deep."""
 
     def __init__(self, inner: Any, levels: int) -> None:
-        self._inner = inner
-        self._levels = levels
+        self._inner, self._levels = inner, levels
 
     def wait(self) -> Any:
-        with record_function(INLINE_WAIT):
+        with record_function(_INLINE):
             result = self._inner.wait()
         return _LabelledAwaitable(result, self._levels - 1) if self._levels > 1 else result

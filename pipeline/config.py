@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
+    from pipeline.stages.overlap import OverlapTrial
     from pipeline.stages.tuner import Tuner
 
 __all__ = [
@@ -118,7 +119,9 @@ class InputDistOptions:
     """"auto", "early", "late" (torchrec's), "early-shared" or "late-own" (`pipeline.stages.schedule`).
     "early", "late-own" and "auto" create one more process group per input_dist group."""
     tuner: Tuner | None = None
-    """Under "auto", the `pipeline.Tuner` to use; None: `Tuner()`."""
+    """Under "auto", the `pipeline.Tuner` to use; None: one that starts from the cost model's
+    prediction (`Tuner(predictor=...)`, `pipeline.predictor.prior`) and measures only the schedules
+    it cannot tell apart."""
 
     def __post_init__(self) -> None:
         _one_of("input_dist_schedule", self.schedule, SCHEDULE_NAMES)
@@ -131,7 +134,10 @@ class PrefetchOptions:
     prefetch_ahead: bool | str = "auto"
     """True: the prefetch of batch i+1 is submitted right after forward of i (on CPU on a worker
     thread), overlapping backward and optimizer; False: just before forward of i+1; "auto": True
-    on CUDA, and on CPU while `prefetch()` takes at least `AHEAD_MIN_MS` a batch."""
+    on CUDA; on CPU False while `prefetch()` takes under `AHEAD_MIN_MS` a batch, else what `trial`
+    measures to be faster (`pipeline.stages.overlap`)."""
+    trial: OverlapTrial | None = None
+    """Under "auto" on CPU, the `pipeline.OverlapTrial` that decides; None: `OverlapTrial()`."""
 
     def __post_init__(self) -> None:
         _one_of("prefetch_ahead", self.prefetch_ahead, (True, False, "auto"))

@@ -180,9 +180,10 @@ class Rewrite:
             module.is_pipelined = True
 
     def _finish(self, found: _Findings, notes: list[str]) -> None:
-        """The final report, the strict check, then every found module's forward hijacked."""
+        """The final report (keeping the notes written on the pending one), the strict check, then
+        every found module's forward hijacked."""
         self._pending = None
-        self.report = report_of(found.findings, found.trace_error, notes)
+        self.report = report_of(found.findings, found.trace_error, [*self.report.notes, *notes])
         if found.strict:
             self.report.check_strict()
         slot = self._slot

@@ -31,14 +31,13 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-from benchmarks.launch import free_port  # the one launcher's port picker, shared with the benchmarks
 
 __all__ = [
     "START_TIMEOUT",
@@ -54,6 +53,13 @@ START_TIMEOUT = 90.0
 """Seconds for the ranks to start: spawn, import torch and torchrec, join the process group."""
 _GRACE = 5.0
 _POLL = 0.02
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1 (the store of a scenario's ranks)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class RankError(RuntimeError):

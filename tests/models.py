@@ -22,6 +22,7 @@ from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DataParallelWrapper
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
 from torchrec.distributed.types import CacheParams, ShardingPlan
@@ -171,12 +172,17 @@ def build(
     *,
     device: torch.device | None = None,
     cache: CacheParams | None = None,
+    ddp: bool = True,
+    stash: tuple[str, ...] = (),
 ) -> tuple[DistributedModelParallel, torch.optim.Optimizer]:
     """The model of `kind`, sharded `sharding` (one of SHARDINGS) over the world group, on `device`
-    (the CPU by default). With `cache`, the tables use torchrec's UVM-caching kernel (CUDA only)."""
+    (the CPU by default). With `cache`, the tables use torchrec's UVM-caching kernel (CUDA only).
+    Without `ddp`, the dense part is not wrapped in DDP (each rank trains its own copy of it).
+    The tables named in `stash` are marked `stash_weights=True`."""
     device = device or torch.device("cpu")
     model = unsharded(kind, seed)
     ebcs = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
+    mark_stashed(ebcs, stash)
     for ebc in ebcs:
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.5})
     sharders = [FeatureProcessedEmbeddingBagCollectionSharder(), EmbeddingBagCollectionSharder()]
@@ -200,10 +206,27 @@ def build(
             constraints=constraints,
         )
         plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
+    wrapper = None if ddp else _NoDataParallel()
+    dmp = DistributedModelParallel(
+        model, device=device, plan=plan, sharders=sharders, data_parallel_wrapper=wrapper
+    )
     dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     opt = KeyedOptimizerWrapper(dense, lambda params: torch.optim.SGD(params, lr=0.1))
     return dmp, opt
+
+
+def mark_stashed(ebcs: list[EmbeddingBagCollection], names: tuple[str, ...]) -> None:
+    """Mark the tables `names` of `ebcs` `stash_weights=True` (before sharding)."""
+    for ebc in ebcs:
+        for config in ebc.embedding_bag_configs():
+            config.stash_weights = config.name in names
+
+
+class _NoDataParallel(DataParallelWrapper):
+    """Leaves the dense part of a DistributedModelParallel unwrapped (no DDP, no gradient sync)."""
+
+    def wrap(self, dmp: DistributedModelParallel, env, device: torch.device) -> None:
+        pass
 
 
 def _row_wise_plan(model: nn.Module, device_type: str) -> ShardingPlan:

@@ -1,250 +1,316 @@
-"""The benchmark machinery: a tiny end-to-end run on 2 ranks, and link emulation's setup, cleanup and
-"cannot run" paths against a fake `ip`/`tc` (no root needed)."""
+"""The benchmark CLI, run as a user runs it (`python -m benchmarks ...` in a subprocess), its JSON read.
+
+The tests never import `benchmarks`: the pure parts (paired ratios, the profiled wait in forward, the
+variant names, the emulated link's setup and cleanup against a fake `ip`) are checked by
+`python -m benchmarks selfcheck`, one test per check; the rest is tiny end-to-end runs (2 steps) whose
+JSON is checked for what each suite promises, and the report's arithmetic is recomputed from the raw
+runs it wrote.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-from collections.abc import Sequence
-from types import SimpleNamespace
+import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from benchmarks import link as link_mod
-from benchmarks.configs import CONFIGS
-from benchmarks.link import LinkUnavailable, check_available, emulated_link, parse_rate
-from benchmarks.measure import summarize_profile
-from benchmarks.run import main
-from benchmarks.spec import CPU_UNSUPPORTED, FAMILY_VARIANTS, VARIANTS, RunSpec, round_order
-from benchmarks.tiered_report import BALANCED_CONFIG, distance
+ROOT = Path(__file__).resolve().parent.parent
+SELFCHECKS = (
+    "link_rates",
+    "link_setup_and_cleanup",
+    "link_cleanup_when_setup_fails",
+    "link_cleanup_on_ctrl_c_and_sigterm",
+    "link_removes_only_dead_runs",
+    "link_says_why_it_cannot_run",
+    "paired_arithmetic",
+    "wait_in_forward",
+    "tiered_distance",
+    "rounds_and_variants",
+    "prediction_table",
+    "validation_winner",
+    "validation_table",
+)
+TINY = ["--steps", "2", "--warmup", "2", "--rounds", "1"]
 
 
-def test_tiny_run_reports_every_variant(tmp_path):
-    out = tmp_path / "r.json"
-    argv = ["--configs", "demo", "--steps", "3", "--warmup", "2", "--rounds", "1", "--profile-steps", "2"]
-    assert main([*argv, "--json", str(out), "--md", str(tmp_path / "r.md")]) == 0
+def bench(*argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`python -m benchmarks ARGV` from the repository's root; its output captured."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks", *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def selfcheck(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    out = tmp_path_factory.mktemp("selfcheck") / "checks.json"
+    done = bench("selfcheck", "--json", str(out), timeout=60)
+    assert out.exists(), f"selfcheck wrote nothing:\n{done.stdout}\n{done.stderr}"
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("check", SELFCHECKS)
+def test_selfcheck(selfcheck: dict[str, str], check: str) -> None:
+    assert check in selfcheck, f"selfcheck has no check {check}: {sorted(selfcheck)}"
+    assert selfcheck[check] == "ok", f"selfcheck {check} failed:\n{selfcheck[check]}"
+
+
+def test_bad_input_stops_before_any_rank_with_a_message() -> None:
+    cases = {
+        "a link rate that is not one": (["--link", "fast"], "not a tc rate"),
+        "an unknown variant": (["--variants", "plain", "ours-base@early"], "unknown variant"),
+        "an unknown config": (["--configs", "nope"], "unknown config"),
+        "a link between 3 ranks": (["--link", "1gbit", "--world-size", "3"], "exactly 2 ranks"),
+    }
+    for scenario, (argv, words) in cases.items():
+        done = bench("run", "--configs", "tiny", *argv, "--json", "", "--md", "", timeout=60)
+        assert done.returncode == 2 and words in done.stderr, f"{scenario}: {done.returncode} {done.stderr}"
+        assert "[bench]" not in done.stdout, f"{scenario}: a rank ran"
+
+
+@pytest.mark.slow
+def test_a_tiny_run_reports_paired_figures_from_its_rounds(tmp_path: Path) -> None:
+    variants = ["plain", "ours-base", "ours-sparse-dist", "torchrec-sparse-dist", "torchrec-prefetch"]
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    done = bench(
+        "run",
+        "--configs",
+        "tiny",
+        "--variants",
+        *variants,
+        "--steps",
+        "3",
+        "--warmup",
+        "2",
+        "--auto-warmup",
+        "2",
+        "--rounds",
+        "2",
+        "--profile-steps",
+        "2",
+        "--json",
+        str(out),
+        "--md",
+        str(md),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = {r["variant"]: r for r in result["summary"]}
-    assert set(rows) == set(VARIANTS)
-    for variant, row in rows.items():
-        if variant == "torchrec-prefetch" and row["status"] != "ok":
-            assert "does not run on CPU" in row["message"]
-            continue
-        assert row["status"] == "ok", row
-        assert row["median_step_ms"] > 0 and row["samples_per_s"] > 0
-        assert row["wait_in_forward_ms"] is not None and row["assembly_in_wait_ms"] is not None
-    assert rows["plain"]["vs_plain"] == pytest.approx(1.0)
+    assert list(rows) == variants, f"the summary's rows: {list(rows)}"
+    assert rows["torchrec-prefetch"]["status"] == "unsupported", rows["torchrec-prefetch"]
+    assert "does not run on CPU" in rows["torchrec-prefetch"]["message"]
+    per_round: dict[int, dict[str, float]] = {}
+    for run in result["runs"]:
+        if run["status"] == "ok":
+            assert len(run["step_times_s"]) == 3 and min(run["step_times_s"]) > 0, run
+            step_ms = statistics.median(run["step_times_s"]) * 1e3
+            per_round.setdefault(run["round"], {})[run["variant"]] = step_ms
+    ratios = [r["ours-sparse-dist"] / r["torchrec-sparse-dist"] for r in per_round.values()]
+    expected = {"median": statistics.median(ratios), "low": min(ratios), "high": max(ratios), "rounds": 2}
+    assert rows["ours-sparse-dist"]["vs_reference"] == pytest.approx(expected), "the paired ratio"
+    assert rows["ours-sparse-dist"]["reference"] == "torchrec-sparse-dist"
+    assert rows["plain"]["vs_plain"] is None and rows["ours-base"]["vs_plain"]["rounds"] == 2
+    assert rows["plain"]["wait_in_forward_ms"] > 0, "the plain loop's inline input_dist was not measured"
     assert rows["ours-sparse-dist"]["schedule"] and rows["plain"]["schedule"] is None
-    assert rows["plain"]["wait_in_forward_ms"] > 0  # the inline input_dist was measured
-    runs = [r for r in result["runs"] if r["status"] == "ok"]
-    assert all(len(r["step_times_s"]) == 3 and min(r["step_times_s"]) > 0 for r in runs)
-    assert (tmp_path / "r.md").read_text().startswith("# Benchmark results")
+    assert all(rows[v]["cpu_ms"]["median"] > 0 for v in variants[:4]), "process CPU per step"
+    report = md.read_text()
+    for words in (
+        "Command: `python -m benchmarks run --configs tiny",
+        "Machine:",
+        "cores",
+        "Rounds: 2",
+        "[lowest, highest round]",
+        "torchrec-prefetch: does not run on CPU",
+    ):
+        assert words in report, f"the Markdown report lacks {words!r}"
 
 
-def test_tiny_run_of_the_family(tmp_path):
-    out = tmp_path / "r.json"
-    argv = ["--configs", "demo", "--steps", "3", "--warmup", "2", "--auto-warmup", "2", "--rounds", "1"]
-    argv += ["--profile-steps", "2", "--variants", *FAMILY_VARIANTS]
-    assert main([*argv, "--json", str(out), "--md", str(tmp_path / "r.md")]) == 0
-    rows = {r["variant"]: r for r in json.loads(out.read_text())["summary"]}
-    assert set(rows) == set(FAMILY_VARIANTS)
-    for variant, row in rows.items():
-        if variant in CPU_UNSUPPORTED:  # torchrec 1.8's Fused and SemiSync fail on CPU
-            assert row["status"] != "ok" and "does not run on CPU" in row["message"], row
-            continue
-        assert row["status"] == "ok", row
-        assert row["median_step_ms"] > 0 and row["samples_per_s"] > 0
-    assert rows["ours-eval"]["vs_torchrec"] is not None
-
-
-def test_tables_on_disk_against_their_bound_at_one_rank(tmp_path, monkeypatch):
-    """At world size 1, io-alone and compute-alone run beside Prefetch, and the report
-    gives Prefetch's distance to max(io-alone, compute-alone) and every run's process CPU time."""
-    monkeypatch.setenv("BENCH_STORE_DIR", str(tmp_path / "stores"))
-    out = tmp_path / "r.json"
-    argv = ["--world-size", "1", "--configs", "tiered-tiny", "--steps", "3", "--warmup", "3"]
-    argv += ["--auto-warmup", "3", "--rounds", "1", "--profile-steps", "0"]
-    argv += ["--variants", "plain", "ours-prefetch", "io-alone", "compute-alone"]
-    assert main([*argv, "--json", str(out), "--md", str(tmp_path / "r.md")]) == 0
-    rows = {r["variant"]: r for r in json.loads(out.read_text())["summary"]}
-    assert all(r["status"] == "ok" and r["cpu_ms"] > 0 for r in rows.values()), rows
-    assert rows["compute-alone"]["cache_hit_rate"] == 1.0  # every row cached: no step reads the disk
-    assert rows["io-alone"]["store_read_ms"] > 0 and rows["io-alone"]["cache_hit_rate"] < 0.5
-    bound = max(rows["io-alone"]["median_step_ms"], rows["compute-alone"]["median_step_ms"])
-    line = f"Prefetch step / bound: {rows['ours-prefetch']['median_step_ms'] / bound:.3f}"
-    assert line in (tmp_path / "r.md").read_text()
-
-
-def test_distance_is_prefetch_over_the_larger_half():
-    assert distance(90.0, 60.0, 75.0) == pytest.approx(1.2)
-    assert distance(90.0, 80.0, 40.0) == pytest.approx(1.125)
-    assert distance(90.0, None, 40.0) is None
-    assert BALANCED_CONFIG in CONFIGS and CONFIGS[BALANCED_CONFIG].cache_fraction is not None
-
-
-def _event(name: str, start: float, end: float, thread: int = 1) -> SimpleNamespace:
-    return SimpleNamespace(name=name, thread=thread, time_range=SimpleNamespace(start=start, end=end))
-
-
-def test_wait_counts_only_inside_forward_on_its_thread():
-    events = [
-        _event("pipeline::forward#0", 0, 10_000),
-        _event("pipeline::input_dist::wait#0", 1_000, 3_000),  # inside forward: counts
-        _event("pipeline::input_dist::wait#1", 12_000, 15_000),  # after forward (prefetch): not
-        _event("pipeline::input_dist::wait#0", 2_000, 9_000, thread=2),  # another thread: not
-        _event("pipeline::forward#1", 20_000, 30_000),
-        _event("pipeline::input_dist::wait#1", 29_000, 30_000),
-        _event("aten::mm", 1_000, 2_000),
+@pytest.mark.slow
+def test_the_rest_of_the_family_runs_or_says_it_does_not_on_cpu(tmp_path: Path) -> None:
+    family = [
+        "ours-fused-sparse-dist",
+        "torchrec-fused-sparse-dist",
+        "ours-semi-sync",
+        "torchrec-semi-sync",
+        "ours-eval",
+        "torchrec-eval",
+        "ours-staged",
+        "ours-sparse-dist@late+novote",
     ]
-    summary = summarize_profile(
-        events, forward_label="pipeline::forward", wait_label="pipeline::input_dist::wait", steps=2
+    out = tmp_path / "r.json"
+    done = bench(
+        "run",
+        "--configs",
+        "tiny",
+        "--variants",
+        *family,
+        *TINY,
+        "--auto-warmup",
+        "2",
+        "--profile-steps",
+        "0",
+        "--json",
+        str(out),
+        "--md",
+        "",
     )
-    assert summary.wait_in_forward_ms == pytest.approx(1.5)  # (2 ms + 1 ms) / 2 steps
-    assert summary.forward_ms == pytest.approx(10.0)
-    assert summary.labels_ms["pipeline::input_dist::wait"] == pytest.approx(3.0)  # all of thread 1
-    assert "aten::mm" not in summary.labels_ms
-    assert summary.assembly_in_wait_ms == 0.0
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["summary"]}
+    for variant in family:
+        expected = "unsupported" if variant in ("torchrec-fused-sparse-dist", "torchrec-semi-sync") else "ok"
+        assert rows[variant]["status"] == expected, f"{variant}: {rows[variant]}"
+    assert rows["ours-eval"]["vs_reference"] is not None, "our Eval against torchrec's"
 
 
-def test_assembly_counts_only_inside_counted_waits():
-    recat = "## dist_init:recat_values ##"
-    events = [
-        _event("pipeline::forward#0", 0, 10_000),
-        _event("pipeline::input_dist::wait#0", 1_000, 4_000),
-        _event(recat, 2_000, 3_000),  # inside a counted wait: counts
-        _event(recat, 5_000, 6_000),  # in forward, outside the wait: not
-        _event("pipeline::input_dist::wait#1", 12_000, 15_000),  # outside forward
-        _event(recat, 13_000, 14_000),  # so this one does not count either
+@pytest.mark.slow
+def test_tables_on_disk_against_their_bound_at_one_rank(tmp_path: Path) -> None:
+    out, md = tmp_path / "t.json", tmp_path / "t.md"
+    done = bench(
+        "tiered",
+        "--world-sizes",
+        "1",
+        "--configs",
+        "tiered-tiny",
+        "--steps",
+        "3",
+        "--warmup",
+        "3",
+        "--rounds",
+        "1",
+        "--store-dir",
+        str(tmp_path / "stores"),
+        "--json",
+        str(out),
+        "--md",
+        str(md),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = {r["variant"]: r for r in json.loads(out.read_text())["world_sizes"][0]["runs"]}
+    assert all(r["status"] == "ok" and r["cpu_ms"] > 0 for r in runs.values()), runs
+    assert runs["compute-alone"]["cache_hit_rate"] == 1.0, "compute alone must find every row cached"
+    io = runs["io-alone"]
+    assert io["store_read_ms"] > 0 and io["cache_hit_rate"] < 0.5, f"I/O alone must read the disk: {io}"
+    for variant in ("plain", "ours-prefetch", "io-alone"):
+        assert runs[variant]["rows_read_per_step"] > 0, f"{variant}: no rows read per step: {runs[variant]}"
+        assert runs[variant]["cpu_us_per_row"] > 0, f"{variant}: no CPU per row: {runs[variant]}"
+    assert runs["compute-alone"]["cpu_us_per_row"] is None, "compute alone reads no row: no CPU per row"
+    assert isinstance(runs["ours-prefetch"]["prefetch_ahead"], bool), "Prefetch's mode is not recorded"
+    assert "prefetch_ahead" not in runs["plain"], "the plain loop has no prefetch mode"
+    step = {v: statistics.median(r["step_times_s"]) * 1e3 for v, r in runs.items()}
+    distance = step["ours-prefetch"] / max(step["io-alone"], step["compute-alone"])
+    report = md.read_text()
+    assert "| 1 / tiered-tiny |" in report and f"{distance:.2f} [" in report, f"Prefetch / bound:\n{report}"
+
+
+@pytest.mark.slow
+def test_overhead_gives_each_loop_over_plain_and_its_cprofile(tmp_path: Path) -> None:
+    out = tmp_path / "o.json"
+    loops = ["ours-sparse-dist", "torchrec-sparse-dist"]
+    done = bench("overhead", "--variants", *loops, *TINY, "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert {r["variant"] for r in runs} == {"plain", "ours-sparse-dist", "torchrec-sparse-dist"}
+    assert all(r["wall_ms"] > 0 and r["cpu_ms"] > 0 for r in runs), runs
+    lines = [line.split() for line in done.stdout.splitlines()]
+    head = next((line for line in lines if line[:2] == ["config", "loop"]), [])
+    assert {"CPU", "over", "plain"} <= set(head), f"no table of CPU over plain:\n{done.stdout}"
+    rows = {line[1] for line in lines if line[:1] == ["tiny"]}
+    assert rows >= {"plain", *loops}, f"a loop is missing:\n{done.stdout}"
+    profiled = bench("overhead", "--cprofile", "ours-sparse-dist", *TINY, "--only", "pipeline/")
+    assert profiled.returncode == 0, profiled.stderr[-3000:]
+    assert "| pipeline/" in profiled.stdout, f"no function of pipeline/ in the profile:\n{profiled.stdout}"
+
+
+def test_overhead_of_models_written_as_users_write_them_is_told_pipelined_and_against_tiny() -> None:
+    configs = {"tiny": "1/1", "tiny-split": "2/2", "tiny-built": "1/1", "tiny-shared": "2/2"}
+    done = bench("overhead", "--configs", *configs, "--variants", "ours-sparse-dist", *TINY)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line.split() for line in done.stdout.splitlines()]
+    for config, sites in configs.items():
+        row = next((line for line in lines if line[:2] == [config, "ours-sparse-dist"]), [])
+        assert row[-3:] == [sites, "call", "sites"], f"{config}: a call site not pipelined:\n{done.stdout}"
+        if config != "tiny":
+            assert f"CPU per step on {config} / on tiny" in done.stdout, f"{config}: no ratio to tiny"
+
+
+def test_predict_gives_every_pipeline_at_each_config_link_and_world_size(tmp_path: Path) -> None:
+    out, md, png = tmp_path / "p.json", tmp_path / "p.md", tmp_path / "p.png"
+    where = ["--config", "tiny", "--world-size", "2", "8", "--link", "1gbit", "loopback"]
+    done = bench("predict", *where, "--json", str(out), "--md", str(md), "--plot", str(png))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["predictions"]
+    got = [(r["config"], r["link"], r["world_size"]) for r in rows]
+    assert got == [("tiny", link, w) for link in ("1gbit", "loopback") for w in (2, 8)], got
+    named = {"base", "sparse-dist@early", "prefetch@late", "fused@late-own", "semi-sync@early-shared"}
+    for r in rows:
+        steps, scenario = r["step_ms"], f"{r['link']} at {r['world_size']} ranks"
+        assert named <= set(steps), f"{scenario}: not every pipeline and schedule: {sorted(steps)}"
+        assert all(ms > 0 for ms in steps.values()), f"{scenario}: {steps}"
+        assert steps[r["winner"]] <= 1.005 * min(steps.values()), f"{scenario}: the winner is not the fastest"
+    for two, eight in ((rows[0], rows[1]), (rows[2], rows[3])):
+        assert eight["step_ms"]["base"] > two["step_ms"]["base"], f"{two['link']}: 8 ranks, not slower"
+    assert "| tiny / 1gbit / 8 |" in md.read_text(), "the Markdown table has a row per world size"
+    assert png.read_bytes()[:4] == b"\x89PNG", "the plot was not written"
+    bad = bench("predict", "--config", "tiny", "--world-size", "2", "--link", "fast", "--plot", "")
+    assert bad.returncode == 2 and "not a link" in bad.stderr, f"a bad link: {bad.returncode} {bad.stderr}"
+
+
+def test_hit_rates_no_policy_beats_beladys_optimum(tmp_path: Path) -> None:
+    out = tmp_path / "h.json"
+    done = bench(
+        "hit-rates",
+        "--config",
+        "tiered-tiny",
+        "--batches",
+        "60",
+        "--skip",
+        "20",
+        "--tables",
+        "2",
+        "--fractions",
+        "0.05",
+        "0.25",
+        "--json",
+        str(out),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for fraction, rates in json.loads(out.read_text())["hit_rate"].items():
+        assert set(rates) >= {"lru", "belady"}, rates
+        assert all(0 < v <= rates["belady"] for v in rates.values()), f"{fraction} cached: {rates}"
+
+
+@pytest.mark.slow
+def test_big_tables_reports_the_peak_rss_and_fails_over_the_limit(tmp_path: Path) -> None:
+    small = [
+        "--total-gb",
+        "0.02",
+        "--tables",
+        "2",
+        "--dim",
+        "8",
+        "--cache-rows",
+        "1000",
+        "--batch-size",
+        "16",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--store-dir",
+        str(tmp_path / "stores"),
     ]
-    summary = summarize_profile(
-        events, forward_label="pipeline::forward", wait_label="pipeline::input_dist::wait", steps=1
-    )
-    assert summary.wait_in_forward_ms == pytest.approx(3.0)
-    assert summary.assembly_in_wait_ms == pytest.approx(1.0)
-
-
-def test_rounds_rotate_the_order():
-    orders = [round_order(VARIANTS, r) for r in range(3)]
-    assert all(sorted(o) == sorted(VARIANTS) for o in orders)
-    assert len({o[0] for o in orders}) == 3
-
-
-def test_spec_rejects_unknown_names():
-    with pytest.raises(ValueError, match="unknown config"):
-        RunSpec(configs=("nope",))
-    with pytest.raises(ValueError, match="unknown variants"):
-        RunSpec(configs=("demo",), variants=("fast",))
-
-
-# -- link emulation, against a fake `ip` -------------------------------------------------------
-
-
-class FakeIp:
-    """Just enough of `ip`/`tc` state: namespaces, and which namespace each interface is in."""
-
-    def __init__(self, fail_on: str | None = None, namespaces: Sequence[str] = ()) -> None:
-        self.fail_on = fail_on
-        self.namespaces = set(namespaces)
-        self.links: dict[str, str | None] = {}  # interface -> namespace (None: root)
-        self.calls: list[list[str]] = []
-
-    def __call__(self, argv: Sequence[str]) -> str:
-        argv = list(argv)
-        self.calls.append(argv)
-        if self.fail_on and self.fail_on in " ".join(argv):
-            raise LinkUnavailable(f"`{' '.join(argv)}` failed: fake failure")
-        match argv:
-            case ["ip", "netns", "add", ns]:
-                self.namespaces.add(ns)
-            case ["ip", "netns", "del", ns]:
-                self.namespaces.discard(ns)
-                self.links = {d: n for d, n in self.links.items() if n != ns}
-            case ["ip", "netns", "list"]:
-                return "".join(f"{ns} (id: {i})\n" for i, ns in enumerate(sorted(self.namespaces)))
-            case ["ip", "link", "add", a, "type", "veth", "peer", "name", b]:
-                self.links.update({a: None, b: None})
-            case ["ip", "link", "set", dev, "netns", ns]:
-                self.links[dev] = ns
-            case ["ip", "link", "show", dev] if self.links.get(dev, "absent") is not None:
-                raise LinkUnavailable(f"Device {dev} does not exist")
-            case ["ip", "link", "del", dev]:
-                self.links.clear()  # deleting one end of a veth deletes the pair
-        return ""
-
-    @property
-    def clean(self) -> bool:
-        return not any(ns.startswith("trbench-") for ns in self.namespaces) and not self.links
-
-
-def _ok() -> None:
-    pass
-
-
-def test_link_creates_and_removes_everything():
-    ip = FakeIp()
-    with emulated_link("1gbit", run=ip, check=_ok) as link:
-        assert set(link.namespaces) <= ip.namespaces
-        assert ip.links == {link.interfaces[0]: link.namespaces[0], link.interfaces[1]: link.namespaces[1]}
-        tbf = [c for c in ip.calls if c[0] == "tc"]
-        assert len(tbf) == 2 and all("tbf" in c and "1gbit" in c for c in tbf)
-        assert link.env(1) == {"GLOO_SOCKET_IFNAME": link.interfaces[1], "MASTER_ADDR": "10.77.0.1"}
-        assert link.command(0, ["python"])[:4] == ["ip", "netns", "exec", link.namespaces[0]]
-    assert ip.clean
-
-
-@pytest.mark.parametrize("step", ["netns add", "type veth", "r1 netns", "tc -n"])
-def test_link_cleans_up_when_setup_fails(step):
-    ip = FakeIp(fail_on=step)
-    with pytest.raises(LinkUnavailable, match="fake failure"):
-        with emulated_link("100mbit", run=ip, check=_ok):
-            pytest.fail("the body must not run")
-    assert ip.clean
-
-
-def test_link_cleans_up_on_ctrl_c_and_sigterm():
-    ip = FakeIp()
-    with pytest.raises(KeyboardInterrupt):
-        with emulated_link("1gbit", run=ip, check=_ok):
-            raise KeyboardInterrupt
-    assert ip.clean
-    before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(SystemExit) as info:
-        with emulated_link("1gbit", run=ip, check=_ok):
-            os.kill(os.getpid(), signal.SIGTERM)
-    assert info.value.code == 128 + signal.SIGTERM
-    assert ip.clean
-    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
-
-
-def test_link_removes_namespaces_of_dead_runs_only():
-    alive = f"trbench-{os.getppid()}-0"  # a live process, not this one
-    ip = FakeIp(namespaces=["trbench-999999999-0", alive, "other"])
-    with emulated_link("1gbit", run=ip, check=_ok):
-        pass
-    assert ip.namespaces == {alive, "other"}
-
-
-def test_link_says_why_it_cannot_run(monkeypatch):
-    with pytest.raises(LinkUnavailable, match="needs root"):
-        check_available(euid=lambda: 1000)
-    with pytest.raises(LinkUnavailable, match=r"needs tc from iproute2.*apt-get install iproute2"):
-        check_available(euid=lambda: 0, which=lambda tool: None if tool == "tc" else "/usr/sbin/ip")
-    ip = FakeIp()
-    with pytest.raises(LinkUnavailable, match="needs root"):
-        with emulated_link("1gbit", run=ip, check=lambda: check_available(euid=lambda: 1000)):
-            pass
-    assert ip.calls == []  # nothing was attempted
-    # The CLI turns it into one message and exit status 2, before starting any rank.
-    monkeypatch.setattr(link_mod.os, "geteuid", lambda: 1000)
-    assert main(["--configs", "demo", "--link", "1gbit"]) == 2
-
-
-def test_parse_rate():
-    assert parse_rate("1gbit") == 1e9
-    assert parse_rate("100mbit") == 1e8
-    assert parse_rate("125mbps") == 1e9
-    assert parse_rate("1.5Gbit") == 1.5e9
-    for bad in ("fast", "1 gigabit", "0mbit", "-1gbit", ""):
-        with pytest.raises(ValueError, match="not a tc rate"):
-            parse_rate(bad)
+    done = bench("big-tables", *small)
+    assert done.returncode == 0 and "peak_rss_mib" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert not list((tmp_path / "stores").glob("*.rows")), "the store files were not deleted"
+    over = bench("big-tables", *small, "--rss-limit-gb", "0.001")
+    assert over.returncode == 1, f"a peak RSS over the limit must fail: {over.returncode}\n{over.stdout}"

@@ -1,7 +1,7 @@
 """Tables larger than the memory given to them: ~1 GiB of embedding tables on disk (the tiered
 kernel, row-wise Adagrad, a small cache), trained through PrefetchTrainPipelineSparseDist, grow the
 process's peak RSS by at most an eighth of the tables' size: the proportion of `make bench-big`'s
-"16 GB in under 2 GB RSS", at a size CI affords (benchmarks/big_tables.py, docs/tiered.md).
+"16 GB in under 2 GB RSS", at a size CI affords (`python -m benchmarks big-tables`, docs/tiered.md).
 
 One rank (a gloo world of one) in a process of its own. Peak RSS (VmHWM) is measured from where it
 was before training: the imports alone take several hundred MiB, and creating the stores writes
@@ -42,6 +42,16 @@ def _batches(rows: int, n: int) -> list:
     return out
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (VmHWM of /proc/self/status), in bytes."""
+    from pathlib import Path
+
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def _train_big(rank: int, world_size: int, store: str) -> dict:
     from pathlib import Path
 
@@ -56,7 +66,6 @@ def _train_big(rank: int, world_size: int, store: str) -> dict:
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     import pipeline
-    from benchmarks.big_tables import peak_rss_bytes
     from examples.dlrm.model import unsharded_dlrm
     from tests.models import run_to_end
     from tiered import TIERED, TieredEmbeddingBagCollectionSharder, TieredOptions

@@ -132,7 +132,7 @@ def test_run_sh_dry_run_prints_each_steps_command(tmp_path):
     dry = _sh("run.sh", "probe", "tests", "csan", "memory", "bench", DRY="1", OUT=str(tmp_path))
     assert dry.returncode == 0, dry.stderr
     for command in ("pytest -q -p no:cacheprovider tests/test_cuda.py", "scripts/gpu/csan.py",
-                    "scripts/gpu/memory.py --config gpu-large", "benchmarks.run --device cuda"):  # fmt: skip
+                    "scripts/gpu/memory.py --config gpu-large", "benchmarks run --device cuda"):  # fmt: skip
         assert command in dry.stdout, f"{command!r} not in the dry run:\n{dry.stdout}"
 
 

@@ -23,10 +23,11 @@ class FakeClock:
 
 def run_tuner(cost, steps: int | None = None, **kw) -> tuple[Tuner, list[str], list[list[float]]]:
     """Step a tuner; a step under schedule s takes cost(s, step) seconds. Until its first decision, or
-    for `steps` steps."""
+    for `steps` steps. With a `predictor`, the tuner starts from its prediction."""
     clock = FakeClock()
     sums: list[list[float]] = []
     tuner = Tuner(clock=clock, agree=lambda v: sums.append(v) or v, **kw)
+    tuner.start_from_prediction(None, None)
     schedules: list[str] = []
     while (tuner.choice is None) if steps is None else len(schedules) < steps:
         schedule = tuner.next_schedule()
@@ -276,3 +277,104 @@ def test_settle_keeps_a_choice_without_trials_or_rechecks():
     assert Tuner().state_dict() == {} and tuner.state_dict()["choice"] == "late"  # saved like a decision
     with pytest.raises(ValueError, match="no input_dist schedule 'soon'"):
         tuner.settle("soon", "")
+
+
+# -- starting from the cost model's prediction (pipeline.stages.prediction) ---------------------------
+
+
+def _says(**figures: float):
+    """A predictor that predicts these step times (ms) per schedule."""
+    return lambda model, batch: dict(figures)
+
+
+def test_a_sure_prediction_is_measured_against_torchrecs_order_only():
+    # early predicted 20 % faster: only early and late (torchrec's order, never dropped: the model's
+    # error may exceed the noise) are measured, early first
+    costs = {"early": 0.008, "late": 0.010, "late-own": 0.010, "early-shared": 0.011}
+    predictor = _says(early=8.0, late=10.0, **{"late-own": 10.0, "early-shared": 11.0})
+    tuner, schedules, _ = run_tuner(costs, steps=100, predictor=predictor)
+    assert set(schedules) == {"early", "late"} and schedules[:2] == ["early", "early"], schedules[:12]
+    assert tuner.choice == "early" and "measured against late" in tuner.reason, tuner.reason
+    # the checkpoint keeps it: a restarted tuner neither predicts nor tries
+    fresh = Tuner(clock=FakeClock(), agree=lambda v: v, predictor=lambda m, b: pytest.fail("predicted again"))
+    fresh.load_state_dict(tuner.state_dict())
+    fresh.start_from_prediction(None, None)
+    assert fresh.next_schedule() == "early" and fresh.reason == tuner.reason
+    assert (
+        fresh.predicted_ms
+        == tuner.predicted_ms
+        == {"early": 8.0, "late": 10.0, "late-own": 10.0, "early-shared": 11.0}
+    )
+
+
+def test_a_sure_prediction_of_torchrecs_order_runs_no_trials():
+    costs = {"early": 0.012, "late": 0.010, "late-own": 0.012, "early-shared": 0.013}
+    predictor = _says(early=12.0, late=10.0, **{"late-own": 12.0, "early-shared": 13.0})  # late by 20 %
+    tuner, schedules, sums = run_tuner(costs, steps=100, predictor=predictor)
+    assert schedules == ["late"] * 100, "torchrec's order from the first step on"
+    assert tuner.tuning_steps == 0 and not tuner.tuning and len(sums) == 1, "no trial, one agreement"
+    assert tuner.choice == "late" and "no trials" in tuner.reason and "20% slower" in tuner.reason
+
+
+def test_without_a_prediction_the_same_steps_are_tried_first():
+    # the negative twin of the test above: no predictor, the four schedules are measured
+    costs = {"early": 0.008, "late": 0.010, "late-own": 0.010, "early-shared": 0.011}
+    tuner, schedules, _ = run_tuner(costs)
+    assert tuner.choice == "early" and tuner.tuning_steps > 0 and set(schedules) == set(FOUR)
+
+
+def test_a_prediction_within_the_noise_tries_only_those_schedules():
+    # early and late-own are predicted 3 % apart (noise 5 %): they are measured, the others are not;
+    # late-own is in fact 20 % faster, and the trials find it
+    costs = {"early": 0.010, "late-own": 0.008, "late": 0.012, "early-shared": 0.013}
+    predictor = _says(early=10.0, late=12.0, **{"late-own": 10.3, "early-shared": 13.0})
+    tuner, schedules, _ = run_tuner(costs, predictor=predictor)
+    assert set(schedules) == {"early", "late-own", "late"}, (
+        "the schedules the model cannot tell apart, and late"
+    )
+    assert schedules[:2] == ["early", "early"], "the warm-up runs the predicted best"
+    assert tuner.choice == "late-own" and tuner.reason.startswith("predicted within the noise (5%)")
+    assert tuner.tuning_steps <= 2 + 3 + 3 * 3 * 4, "warm-up, three visits, three rounds of three blocks"
+
+
+@pytest.mark.parametrize(
+    "predictor",
+    [
+        lambda m, b: None,
+        lambda m, b: {"early": 1.0},
+        lambda m, b: {s: math.nan for s in FOUR},
+        lambda m, b: 1 / 0,
+    ],
+    ids=["none", "partial", "nan", "raises"],
+)
+def test_no_usable_prediction_leaves_every_trial(predictor):
+    tuner = Tuner(clock=FakeClock(), agree=lambda v: v, predictor=predictor)
+    tuner.start_from_prediction(None, None)
+    assert tuner.steps_left == 54 and tuner.predicted_ms == {} and tuner.choice is None
+
+
+def test_the_ranks_average_their_predictions_before_planning():
+    # this rank predicts early best by 20 %, the other late by 20 %: averaged, they tie
+    mine = {"early": 8.0, "late": 10.0, "late-own": 12.0, "early-shared": 12.0}
+    theirs = {"early": 10.0, "late": 8.0, "late-own": 12.0, "early-shared": 12.0}
+    other = [theirs[s] for s in FOUR] + [1.0]  # the other rank's figures, in the candidates' order, and 1
+    tuner = Tuner(
+        clock=FakeClock(),
+        agree=lambda v: [a + b for a, b in zip(v, other, strict=True)],
+        predictor=lambda m, b: mine,
+    )
+    tuner.start_from_prediction(None, None)
+    assert tuner.predicted_ms == {"late": 9.0, "early": 9.0, "late-own": 12.0, "early-shared": 12.0}
+    assert tuner.tuning and "early" in repr(tuner) and "late-own" not in repr(tuner), "early and late tried"
+
+
+def test_the_prediction_is_asked_once_and_only_before_the_first_step():
+    calls = []
+    tuner = Tuner(clock=FakeClock(), agree=lambda v: v, predictor=lambda m, b: calls.append(1) or None)
+    tuner.next_schedule()
+    tuner.start_from_prediction(None, None)
+    assert calls == [], "after the first step the plan is under way: no prediction"
+    tuner = Tuner(clock=FakeClock(), agree=lambda v: v, predictor=lambda m, b: calls.append(1) or None)
+    tuner.start_from_prediction(None, None)
+    tuner.start_from_prediction(None, None)
+    assert calls == [1], "once"

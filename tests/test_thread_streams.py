@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -114,6 +116,33 @@ def test_discard_drops_the_error_for_a_later_handoff():
     streams.submit(streams.prefetch, lambda: ran.append(2))
     streams.handoff(object(), streams.prefetch)
     assert ran == [1, 2], "the stream took no new work after discard()"
+
+
+def test_finished_work_is_not_kept_but_a_failed_one_is_until_raised():
+    """The Prefetch pipeline submits a job a step, for days: the stream keeps no job that finished
+    without error. A failed one is kept (the negative twin) until `wait_all()` raises its error."""
+    streams = ThreadStreams()
+
+    def fail():
+        raise ValueError("bad batch")
+
+    jobs = [streams.submit(streams.prefetch, fail if i == 30 else lambda: None) for i in range(50)]
+    refs = [weakref.ref(job) for job in jobs]
+    del jobs
+    streams.prefetch.join()  # the last job: succeeded
+    streams.submit(streams.prefetch, lambda: None)  # a submission drops the finished ones
+    streams.prefetch.join()
+    gc.collect()
+    kept = [i for i, ref in enumerate(refs) if ref() is not None]
+    assert 30 in kept, f"the failed job was dropped before its error was raised: kept {kept}"
+    assert min(kept) == 30, f"finished jobs before the failed one were kept: {kept}"
+    with pytest.raises(ValueError, match="bad batch"):
+        streams.wait_all()
+    streams.submit(streams.prefetch, lambda: None)
+    streams.prefetch.join()
+    streams.submit(streams.prefetch, lambda: None)
+    gc.collect()
+    assert all(ref() is None for ref in refs), "jobs were kept after wait_all() raised their error"
 
 
 def test_under_the_profiler_work_stays_on_the_calling_thread():

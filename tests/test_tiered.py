@@ -107,6 +107,48 @@ def test_store_writes_behind_and_reads_see_queued_rows(tmp_path):
     assert weights[:, 0].tolist() == [1.0, 2.0, 1.0, 2.0]  # written in order: row 4 ends at 2.0
 
 
+@pytest.mark.parametrize("owned", [True, False])
+def test_an_owned_write_is_queued_without_a_copy(tmp_path, owned):
+    """`owned=True` queues the caller's arrays as they are (a change made after the write shows in
+    a read of the queued row: the proof that nothing was copied); the default copies them."""
+    store = _store(tmp_path)
+    slow = _SlowWrites(store)
+    weights, state = torch.full((2, DIM), 1.0), torch.full((2, 1), 1.0)
+    store.write(torch.tensor([3, 4]), weights, state, owned=owned)
+    weights += 1.0
+    read = store.read(torch.tensor([3]))[0][0, 0].item()
+    assert read == (2.0 if owned else 1.0), f"owned={owned}: a queued row reads {read}"
+    slow.go.set()
+    store.sync()
+
+
+def test_cache_hands_its_evicted_rows_to_the_store_without_a_second_copy(tmp_path):
+    cache = _cache(tmp_path, 2)
+    calls = []
+    real = cache.store.write
+    cache.store.write = lambda *args, **kwargs: calls.append(kwargs) or real(*args, **kwargs)
+    pin = cache.acquire(torch.tensor([1, 2]))
+    cache.mark_dirty(pin.unique_slots)
+    pin.release()
+    cache.acquire(torch.tensor([5, 6])).release()  # evicts the dirty rows 1 and 2
+    assert calls == [{"owned": True}], f"the write-back's store.write calls: {calls}"
+
+
+def test_every_store_writes_behind_on_one_thread(tmp_path):
+    """One writer thread per process, whatever the number of stores (a thread per store put as
+    many runnable threads as table shards beside the training thread)."""
+    import threading
+
+    stores = [RowStore.create(tmp_path / f"s{i}.rows", ROWS, DIM, 1, lambda b: b.zero_()) for i in range(4)]
+    for i, store in enumerate(stores):
+        store.write(torch.tensor([i]), torch.full((1, DIM), float(i)), torch.zeros(1, 1))
+    for store in stores:
+        store.sync()
+    writers = [t.name for t in threading.enumerate() if t.name.startswith("tiered-writer")]
+    assert len(writers) == 1, f"writer threads after writes to 4 stores: {writers}"
+    assert [s.read(torch.tensor([i]))[0][0, 0].item() for i, s in enumerate(stores)] == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_store_write_queue_is_bounded(tmp_path, monkeypatch):
     import threading
 

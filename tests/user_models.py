@@ -24,7 +24,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from tests.models import BATCH, DENSE, DIM, MAX_BAG, ROWS, tables
+from tests.models import BATCH, DENSE, DIM, MAX_BAG, ROWS, mark_stashed, tables
 
 PATTERNS = ("split", "select", "to_dict", "built", "jt_dict", "shared", "recorded")
 """The patterns, and how many call sites each pipelines (one per call of a sharded module)."""
@@ -101,11 +101,15 @@ class UserModel(nn.Module):
         return [self.a(first), self.h(batch.history), self.h(built)]
 
 
-def build(pattern: str, seed: int = 0) -> tuple[DistributedModelParallel, torch.optim.Optimizer]:
-    """The model of `pattern`, its tables sharded table-wise and column-wise by turns."""
+def build(
+    pattern: str, seed: int = 0, *, stash: tuple[str, ...] = ()
+) -> tuple[DistributedModelParallel, torch.optim.Optimizer]:
+    """The model of `pattern`, its tables sharded table-wise and column-wise by turns (the tables
+    named in `stash` marked `stash_weights=True`)."""
     torch.manual_seed(seed)
     model = UserModel(pattern)
     ebcs = [m for m in model.children() if isinstance(m, EmbeddingBagCollection)]
+    mark_stashed(ebcs, stash)
     for ebc in ebcs:
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.5})
     names = [t.name for ebc in ebcs for t in ebc.embedding_bag_configs()]

@@ -193,7 +193,7 @@ class RowCache:
         if len(rows):
             order = torch.argsort(rows)
             rows, slots = rows[order], slots[order]
-            self.store.write(rows, self.weights[slots], self.state[slots])
+            self.store.write(rows, self.weights[slots], self.state[slots], owned=True)  # fresh gathers
             self.stats.writebacks += len(rows)
 
     def _unpin(self, unique_slots: torch.Tensor) -> None:

@@ -47,8 +47,8 @@ class Pages:
             if width == 0 or len(rows) == 0:
                 out.append(np.zeros((len(rows), width), dtype=np.float32))
                 continue
-            staging, runs, at = self._load(rows, region, width)
-            out.append(staging.view(np.float32)[at])
+            staging, runs, first = self._load(rows, region, width)
+            out.append(_rows(staging, width)[first])
             self._drop(runs, drop)
         return out[0], out[1]
 
@@ -58,15 +58,15 @@ class Pages:
         for region, values in zip(self._regions, (weights, state), strict=True):
             if values.shape[1] == 0 or len(rows) == 0:
                 continue
-            staging, runs, at = self._load(rows, region, values.shape[1])
-            staging.view(np.float32)[at] = values
+            staging, runs, first = self._load(rows, region, values.shape[1])
+            _rows(staging, values.shape[1], writeable=True)[first] = values
             for start, length, offset in runs:
                 self._io(os.pwritev, staging[offset : offset + length], start)
             self._drop(runs, drop)
 
     def _load(self, ids: np.ndarray, region: int, width: int) -> tuple[np.ndarray, list, np.ndarray]:
         """The runs of pages holding `ids`' rows read into a staging buffer: (buffer, [(file byte,
-        length, buffer byte)], float index of every row's values in the buffer `[n, width]`)."""
+        length, buffer byte)], the float index in the buffer where each row starts)."""
         row_bytes = width * 4
         byte = region + ids.astype(np.int64) * row_bytes
         pages = np.unique(np.concatenate([byte // _PAGE, (byte + row_bytes - 1) // _PAGE]))
@@ -84,7 +84,7 @@ class Pages:
             self._io(os.preadv, staging[offset : offset + length], start)
         run = np.searchsorted(starts, byte, side="right") - 1
         first = (offsets[run] + byte - starts[run]) // 4  # runs are page-aligned, rows float-aligned
-        return staging, runs, first[:, None] + np.arange(width)
+        return staging, runs, first
 
     def _io(self, call: Callable, block: np.ndarray, offset: int) -> None:
         done = call(self._fd, [memoryview(block)], offset)
@@ -95,6 +95,13 @@ class Pages:
         if drop:
             for start, length, _ in runs:
                 os.posix_fadvise(self._fd, start, length, os.POSIX_FADV_DONTNEED)
+
+
+def _rows(staging: np.ndarray, width: int, *, writeable: bool = False) -> np.ndarray:
+    """`[k, width]` view of the staging buffer whose row k starts at float k (no copy): indexed by
+    where rows start, one index per row instead of one per float (a `[n, width]` int64 index array
+    was 8 bytes built and read per float moved)."""
+    return np.lib.stride_tricks.sliding_window_view(staging.view(np.float32), width, writeable=writeable)
 
 
 def _spans(ids: np.ndarray, *, max_gap: int, max_rows: int) -> list[tuple[int, int]]:

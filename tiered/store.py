@@ -10,7 +10,8 @@ the disk, which is what lets it overlap compute on cores that are already busy. 
 during training, so resident memory stays bounded by the cache however large the table.
 
 Writes are written behind: `write()` queues a copy of the rows (at most `WRITE_BEHIND` writes, then
-it waits for the oldest) and a writer thread writes them in order, whole pages; `read()` of a row
+it waits for the oldest) and the process's writer thread (`tiered.writer`, one for every store)
+writes them in order, whole pages; `read()` of a row
 still queued returns the queued values, so a prefetch never waits for a write-back. `sync()` waits
 for them all; `weights()`/`state()` map the regions as tensors for checkpoints (after a `sync()`).
 """
@@ -23,7 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 from tiered.pages import Pages, StoreError
+from tiered.writer import submit_write
 
 __all__ = ["RowStore", "StoreError", "StoreStats"]
 
@@ -95,7 +97,6 @@ class RowStore:
         self._maps: dict[str, torch.Tensor] = {}
         self._queued: list[_Queued] = []  # oldest first; an entry leaves once it is on disk
         self._queue_lock = threading.Lock()
-        self._writer: ThreadPoolExecutor | None = None
         self._write_error: BaseException | None = None
         self._pages = Pages(self._fd, self._w_off, self._s_off)
         if cold:
@@ -184,26 +185,33 @@ class RowStore:
         self.stats.read_seconds += time.perf_counter() - started
         return torch.from_numpy(weights), torch.from_numpy(state)
 
-    def write(self, rows: torch.Tensor, weights: torch.Tensor, state: torch.Tensor) -> None:
+    def write(
+        self, rows: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, *, owned: bool = False
+    ) -> None:
         """Queue `weights`/`state` of `rows` (sorted, unique) to be written to the file.
 
-        Returns once they are queued (copied); `read()` sees them at once, the file after `sync()`.
+        Returns once they are queued (copied, unless `owned`); `read()` sees them at once, the file
+        after `sync()`.
+
+        Args:
+            owned: the caller hands `weights` and `state` over and never changes them after: they
+                are queued as they are (the cache's write-back passes rows it has just gathered
+                from its slots; a second copy of every evicted row was CPU for nothing).
 
         Raises:
             StoreError: an earlier queued write failed (the store is then unusable).
         """
         self._raise_write_error()
+        keep = np.ascontiguousarray if owned else np.array  # np.array copies, the other only if it must
         entry = _Queued(
             rows.numpy().copy(),
-            np.array(weights.numpy(), dtype=np.float32, order="C"),
-            np.array(state.numpy(), dtype=np.float32, order="C"),
+            keep(weights.numpy(), dtype=np.float32),
+            keep(state.numpy(), dtype=np.float32),
         )
         with self._queue_lock:
             self._queued.append(entry)
             oldest = self._queued[0] if len(self._queued) > WRITE_BEHIND else None
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-writer")
-        self._writer.submit(self._write_queued, entry)
+        submit_write(lambda: self._write_queued(entry))
         self.stats.rows_written += len(entry.rows)
         self.stats.bytes_written += entry.weights.nbytes + entry.state.nbytes
         if oldest is not None:
@@ -285,13 +293,9 @@ class RowStore:
             try:
                 self.sync()
             finally:
-                if self._writer is not None:
-                    self._writer.shutdown()
-                    self._writer = None
+                os.close(self._fd)
+                self._fd = -1
         self._maps.clear()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

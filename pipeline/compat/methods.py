@@ -22,11 +22,12 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from torch import nn
-from torchrec.distributed.train_pipeline import backward_injection
 
+from pipeline.compat.backward_injection import InjectionSite, register_backward_hook
 from pipeline.ranks import Lane, Ranks
 from pipeline.stages.context import BatchContext
 from pipeline.stages.input_dist import InputDist
+from pipeline.stages.labels import label
 from pipeline.stages.lookup import LookupStage
 from pipeline.stages.streams import Streams
 from rewrite import unwrap_model
@@ -36,7 +37,8 @@ __all__ = ["Batches", "FusedMethods", "SemiSyncMethods", "SparseDistMethods"]
 
 class Batches(Sequence[Any]):
     """torchrec's `batches`: the batches of `contexts`, oldest (the head, batch i) first; a
-    placeholder (this rank's data ended, another rank's may not have) is None, as in torchrec."""
+    placeholder (this rank's data ended, another rank's may not have) is None, as in torchrec. A
+    batch whose copy runs on a worker is waited for when read (torchrec's `FutureDeque`)."""
 
     __slots__ = ("_contexts",)
 
@@ -45,8 +47,13 @@ class Batches(Sequence[Any]):
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
-            return [c.batch for c in list(self._contexts)[i]]
-        return self._contexts[i].batch
+            return [self._batch(c) for c in list(self._contexts)[i]]
+        return self._batch(self._contexts[i])
+
+    @staticmethod
+    def _batch(context: BatchContext) -> Any:
+        context.wait_copy()
+        return context.batch
 
     def __len__(self) -> int:
         return len(self._contexts)
@@ -178,13 +185,17 @@ class SparseDistMethods:
         """Make the hijacked forwards read `context` (the batch whose forward runs next)."""
         self._input_dist.slot.current = context
 
-    def register_backward_hook(
-        self, site: backward_injection.InjectionSite, work: Callable[[Any], None]
-    ) -> None:
-        """Run `work(self)` during each backward at `site`: torchrec's own
-        `backward_injection.register_backward_hook` on the unwrapped model (FQNs as the user's
-        model names them)."""
-        backward_injection.register_backward_hook(site, unwrap_model(self._model), lambda grad: work(self))
+    def register_backward_hook(self, site: InjectionSite, work: Callable[[Any], None]) -> None:
+        """Run `work(self)` during each backward at `site` (ours or torchrec's `InjectionSite`;
+        the FQN as the user's model names it, inside DistributedModelParallel), labelled
+        `pipeline::backward_hook::<fqn>`. As torchrec's, the hook stays for the pipeline's life."""
+        label_text = f"pipeline::backward_hook::{site.fqn}"
+
+        def run(grad: Any) -> None:
+            with label(label_text):
+                work(self)
+
+        register_backward_hook(site, unwrap_model(self._model), run)
 
 
 class _LookupMethods:

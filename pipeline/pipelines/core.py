@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
 from typing import Any
 
 import torch
@@ -241,10 +242,13 @@ class PipelineCore(SubclassPoints, TrainPipeline):
         lane.inflight.append(ctx)
         return True
 
-    def _fetch_and_copy(self, lane: Lane, *, in_place: bool) -> BatchContext | None:
+    def _fetch_and_copy(
+        self, lane: Lane, *, in_place: bool, worker: Executor | None = None
+    ) -> BatchContext | None:
         """The next batch of `lane` (`Ranks.fetch`, which records this rank's `Status` for it),
         copied to the device in a new context (its batch is None for a placeholder); None when
-        nothing is to be added."""
+        nothing is to be added. With `worker`, a device copy is dispatched there: the context
+        holds the host batch and the job until `BatchContext.wait_copy`."""
         loader_state = capture(lane.iterator)  # a no-drain checkpoint resumes from here
         fetched = self._ranks.fetch(lane)
         if fetched is None:
@@ -253,17 +257,24 @@ class PipelineCore(SubclassPoints, TrainPipeline):
         ctx = self._context_type(index=self._next_index, streams=self._streams, ticket=ticket)
         ctx.loader_state = loader_state
         self._next_index += 1
-        if batch is not None:
-            streams = self._streams
-            with run_stage(streams, "copy", ctx.index, streams.memcpy):
-                if self._on_host:
-                    ctx.batch = batch  # a host batch is already where it goes: no walk, no new objects
-                elif in_place:
-                    ctx.batch = to_device_in_place(batch, self._device, streams)
-                else:
-                    ctx.batch = to_device(batch, self._device, non_blocking=True)
-                streams.produced(ctx.batch)
+        if batch is not None and (worker is None or self._on_host):
+            ctx.batch = self._copy_stage(ctx.index, batch, in_place)
+        elif batch is not None:
+            ctx.batch, ctx.copy_job = batch, worker.submit(self._copy_stage, ctx.index, batch, in_place)
         return ctx
+
+    def _copy_stage(self, index: int, batch: Any, in_place: bool) -> Any:
+        """The copy stage of batch `index`, on the memcpy stream (of the calling thread)."""
+        streams = self._streams
+        with run_stage(streams, "copy", index, streams.memcpy):
+            if self._on_host:
+                copied = batch  # a host batch is already where it goes: no walk, no new objects
+            elif in_place:
+                copied = to_device_in_place(batch, self._device, streams)
+            else:
+                copied = to_device(batch, self._device, non_blocking=True)
+            streams.produced(copied)
+        return copied
 
     def _forward(
         self, ctx: BatchContext, *, train: bool, input_dist: InputDist | None = None

@@ -19,6 +19,7 @@ from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
 from pipeline.stages.context import PrefetchBatchContext
 from pipeline.stages.memory import MemoryFlags
+from pipeline.stages.overlap import OverlapTrial
 from pipeline.stages.prefetch import PrefetchStage, prefetch_does_work
 from pipeline.stages.streams import Streams, streams_for
 from pipeline.stages.tuner import Tuner
@@ -34,7 +35,8 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
     Args (torchrec's, in its order): model, optimizer, device, execute_all_batches (under False
     the last two batches are dropped, as by SparseDist and torchrec's fixed class; torchrec 1.8.0
     drops four), apply_jit, pipeline_postproc, custom_model_fwd, enable_inplace_copy_batch,
-    free_features_storage_early, clear_data_dist_inputs: as in `TrainPipelineSparseDist`.
+    free_features_storage_early, clear_data_dist_inputs, async_inplace_copy: as in
+    `TrainPipelineSparseDist`.
 
     Keyword-only, ours:
         strict: fail on the first batch if a sharded module cannot be pipelined.
@@ -44,7 +46,7 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
         on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
             peer_timeout: the fields of `RankOptions` (`ranks` may give them).
         A keyword left None takes its options object's value, else that dataclass's default.
-        prefetch_ahead: the field of `PrefetchOptions` (`prefetch` may give it).
+        prefetch_ahead, prefetch_trial: the fields of `PrefetchOptions` (`prefetch` may give them).
     """
 
     def __init__(
@@ -59,9 +61,11 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
         enable_inplace_copy_batch: bool = False,
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
+        async_inplace_copy: bool = False,
         *,
         prefetch: PrefetchOptions | None = None,
         prefetch_ahead: bool | str | None = None,
+        prefetch_trial: OverlapTrial | None = None,
         strict: bool = False,
         rewrite: RewriteOptions | None = None,
         rewrite_method: str | None = None,
@@ -111,9 +115,12 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
             pipeline_postproc=pipeline_postproc,
             schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
             memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+            predict_as="prefetch",
         )
-        ahead = resolve(prefetch, PrefetchOptions, prefetch_ahead=prefetch_ahead).prefetch_ahead
-        self._prefetch = PrefetchStage(self._streams, self._input_dist, ahead=ahead)
+        options = resolve(prefetch, PrefetchOptions, prefetch_ahead=prefetch_ahead, trial=prefetch_trial)
+        self._prefetch = PrefetchStage(
+            self._streams, self._input_dist, ahead=options.prefetch_ahead, trial=options.trial
+        )
         self._with_stage: bool | None = None
         """Some sharded module's `prefetch()` moves data (decided at the first batch); without,
         the pipeline runs `TrainPipelineSparseDist`'s step: no prefetch stage, no thread hop."""
@@ -122,6 +129,13 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
     def prefetch_ahead(self) -> bool:
         """Whether the prefetch stage of batch i+1 runs ahead, during backward of i."""
         return self._prefetch.ahead
+
+    @property
+    def prefetch_reason(self) -> str | None:
+        """Under "auto" on CPU, once its overlap trial has decided: why the prefetch stage runs ahead
+        or inline, in one line with what was measured (also a note of the rewrite report)."""
+        trial = self._prefetch.trial
+        return trial.result.reason if trial is not None and trial.result is not None else None
 
     @property
     def prefetch_mode(self) -> str | None:
@@ -156,6 +170,7 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
         ctx = lane.inflight[0]
         input_dist, prefetch = self._input_dist, self._prefetch
         input_dist.choose_schedule(self._model.training)
+        prefetch.start_step(self._model.training)  # under a trial: ahead or inline this step
         if len(lane.inflight) < 3:
             self._enqueue(lane)
         nxt = input_dist.start_next(lane)

@@ -135,6 +135,7 @@ class TrainPipelineSemiSync(SemiSyncMethods, InputDistCore):
             pipeline_postproc=pipeline_postproc,
             schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
             memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+            predict_as="semi-sync",
         )
         self._lookup = LookupStage(self._streams, self._input_dist, model, optimizer)
         self._start_batch = start_batch

@@ -48,6 +48,8 @@ class TrainPipelineSparseDist(InputDistCore):
         enable_inplace_copy_batch: allocate the device copy on the stream that uses it (GPU).
         free_features_storage_early: free a batch's KJT storage once every module has its copy.
         clear_data_dist_inputs: free what the input all-to-alls sent before forward.
+        async_inplace_copy: accepted (torchrec 1.9 added it), no effect: torchrec dispatches the
+            in-place copy from a worker thread on a GPU under it; ours dispatches on the caller's.
 
     Keyword-only, ours:
         strict: fail on the first batch if a sharded module cannot be pipelined.
@@ -74,6 +76,7 @@ class TrainPipelineSparseDist(InputDistCore):
         enable_inplace_copy_batch: bool = False,
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
+        async_inplace_copy: bool = False,
         *,
         strict: bool = False,
         rewrite: RewriteOptions | None = None,

@@ -14,14 +14,23 @@ or when the batch is dropped.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
+
+from torchrec.distributed.types import LazyNoWait
 
 from pipeline.ranks.lane import Ticket
 from pipeline.stages.labels import label
 from pipeline.stages.streams import Streams
 
-__all__ = ["BatchContext", "LookupBatchContext", "PrefetchBatchContext", "TrainPipelineContext"]
+__all__ = [
+    "BatchContext",
+    "HostLookupBatchContext",
+    "LookupBatchContext",
+    "PrefetchBatchContext",
+    "TrainPipelineContext",
+]
 
 
 @dataclass(kw_only=True, slots=True, eq=False)
@@ -55,6 +64,15 @@ class BatchContext:
     loader_state: Any = None
     """Written at fetch: the dataloader's `state_dict()` from before this batch was fetched (None
     without one); read by `dataloader_state()` (`pipeline.stages.loader_state`)."""
+    copy_job: Future | None = None
+    """Written by the copy stage when it dispatches the copy on a worker thread
+    (`TrainPipelineSparseDistT`): the future of the device batch, while `batch` is still the host
+    one; taken by `wait_copy` before the batch's first use on the device."""
+
+    def wait_copy(self) -> None:
+        """Put the device batch of a copy dispatched on a worker in `batch` (a no-op otherwise)."""
+        if self.copy_job is not None:
+            self.batch, self.copy_job = self.copy_job.result(), None
 
     def take_input_dist(self, key: str) -> tuple[Any, Any] | None:
         """Pop call site `key`'s input_dist result, wait for it on data_dist and hand it (and the
@@ -135,3 +153,20 @@ class LookupBatchContext(BatchContext):
         streams.handoff(data, streams.data_dist, self)
         streams.consumed(output)
         return output
+
+
+@dataclass(kw_only=True, slots=True, eq=False)
+class HostLookupBatchContext(LookupBatchContext):
+    """Adds the lookups' outputs made ready for a forward on another device
+    (`EvalPipelineCPUSparse`: embeddings looked up on the host, forward on the device)."""
+
+    embeddings: dict[str, Any] = field(default_factory=dict)
+    """Written by the sparse stage (the host thread, or its worker): each call site's lookup
+    output, waited for; replaced by its device copy in the copy stage (memcpy); read (popped) by
+    forward's `take_lookup`, once the pipeline handed it to forward's stream."""
+    on_device: bool = False
+    """The copy stage ran: `batch` and `embeddings` are on the forward's device."""
+
+    def take_lookup(self, key: str) -> Any | None:
+        embeddings = self.embeddings.pop(key, None)
+        return None if embeddings is None else LazyNoWait(embeddings)

@@ -153,6 +153,8 @@ class InputDist:
         """Rewrite the model's sharded modules, once, with `batch` as the sample. The rewrite may
         wait for the first forward to be recorded (`recording`) before anything is pipelined."""
         if self.rewrite is None:
+            if self.tuner is not None:  # before the rewrite: the prediction runs the model's forward
+                self.tuner.start_from_prediction(self._model, batch)
             options = self._options
             self.rewrite = rewrite_model(
                 self._model,
@@ -214,6 +216,7 @@ class InputDist:
         the rewrite waits for a recorded forward: the batch is started by a later `fill`)."""
         if ctx.started:
             return
+        ctx.wait_copy()  # the device batch, if its copy was dispatched on a worker
         streams = self._streams
         rewrite = self.attach(ctx.batch)
         if rewrite.needs_recording:

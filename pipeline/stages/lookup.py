@@ -43,6 +43,7 @@ class LookupStage:
         model: the model (its mode says whether the lookup records gradients).
         optimizer: the dense optimizer (whether it steps a pipelined module's parameters).
         on_caller_stream: run on the caller's stream instead of data_dist (`emb_lookup_stream`).
+        forward_only: the lookups never record gradients (eval pipelines, in any model mode).
     """
 
     def __init__(
@@ -53,9 +54,11 @@ class LookupStage:
         optimizer: Any,
         *,
         on_caller_stream: bool = False,
+        forward_only: bool = False,
     ) -> None:
         self._streams, self._input_dist, self._model, self._optimizer = streams, input_dist, model, optimizer
         self._stream = None if on_caller_stream else streams.data_dist
+        self._forward_only = forward_only
         self._dense_in_sparse: bool | None = None
 
     def run(self, ctx: BatchContext) -> None:
@@ -69,7 +72,7 @@ class LookupStage:
         streams = self._streams
         with (
             run_stage(streams, "lookup", ctx.index, self._stream),
-            torch.set_grad_enabled(self._model.training),
+            torch.set_grad_enabled(self._model.training and not self._forward_only),
         ):
             for site in input_dist.sites:
                 prepared = ctx.take_input_dist(site.key)

@@ -1,5 +1,6 @@
 """`PrefetchStage`: the prefetch stage of a batch, waiting for its input_dist and running each
-sharded module's `prefetch()` on the prefetch stream (a worker thread on CPU)."""
+sharded module's `prefetch()` on the prefetch stream (a worker thread on CPU), ahead of forward where
+that pays (`pipeline.stages.overlap`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from pipeline.stages.context import PrefetchBatchContext
 from pipeline.stages.input_dist import InputDist
 from pipeline.stages.labels import label, run_stage
+from pipeline.stages.overlap import OverlapTrial
 from pipeline.stages.streams import Streams
 
 __all__ = ["PrefetchStage", "prefetch_does_work"]
@@ -24,19 +26,26 @@ class PrefetchStage:
     Args:
         streams: the pipeline's streams.
         input_dist: the pipeline's input_dist (its modules, and `clear_data_dist_inputs`).
-        ahead: `PrefetchOptions.prefetch_ahead`: True, False or "auto" (on CPU, True while the
-            modules' `prefetch()` calls take at least `AHEAD_MIN_MS` a batch, median of batches 2
-            to 9, since handing a near-empty stage to a thread costs more than it hides).
+        ahead: `PrefetchOptions.prefetch_ahead`: True, False or "auto". On CPU, "auto" runs the
+            stage inline where the modules' `prefetch()` calls take under `AHEAD_MIN_MS` a batch
+            (median of batches 2 to 9: handing a near-empty stage to a thread costs more than it
+            hides), and otherwise lets `trial` measure whether running it ahead pays.
+        trial: under "auto" on CPU, the `OverlapTrial` that decides (None: `OverlapTrial()`).
     """
 
     AHEAD_MIN_MS = 1.0
     """Under "auto" on CPU, the prefetch work per batch below which the stage stays inline."""
     _AHEAD_SAMPLES = 8
 
-    def __init__(self, streams: Streams, input_dist: InputDist, *, ahead: bool | str) -> None:
+    def __init__(
+        self, streams: Streams, input_dist: InputDist, *, ahead: bool | str, trial: OverlapTrial | None = None
+    ) -> None:
         self._streams, self._input_dist = streams, input_dist
         self.ahead = ahead if ahead != "auto" else True
         self._auto = ahead == "auto" and streams.has_prefetch_worker
+        self.trial: OverlapTrial | None = None
+        """Under "auto" on CPU, once the stage has work: the trial deciding ahead or inline."""
+        self._next_trial = (trial or OverlapTrial()) if self._auto else None
         self._work_ms: list[float] = []  # prefetch() time per batch, for the "auto" choice
         self._working: set[str] | None = None
         """FQNs of the modules whose `prefetch()` moves data (known at the first submission)."""
@@ -86,6 +95,28 @@ class PrefetchStage:
             self._auto = False
             self.ahead = statistics.median(self._work_ms[1:]) >= self.AHEAD_MIN_MS
             self._streams.set_prefetch_on_worker(self.ahead)
+            if self.ahead:
+                self.trial = self._next_trial
+
+    def start_step(self, training: bool) -> None:
+        """At the start of a step: under a trial, run this training step's stage ahead or inline
+        as it says (an eval step is not timed), and note each decision that changes the mode."""
+        trial = self.trial
+        if trial is None:
+            return
+        if not training:
+            trial.interrupt()
+            return
+        previous, decided = trial.result, trial.decided_at
+        tuner = self._input_dist.tuner
+        ahead = trial.next_step(busy=tuner is not None and tuner.tuning)
+        if ahead != self.ahead:
+            self.ahead = ahead
+            self._streams.set_prefetch_on_worker(ahead)
+        report = self._input_dist.report
+        changed = trial.decided_at != decided and (previous is None or previous.ahead != trial.result.ahead)
+        if changed and report is not None:
+            report.notes.append(trial.result.reason)
 
     def _run(self, ctx: PrefetchBatchContext, forward_stream: Any) -> None:
         streams = self._streams

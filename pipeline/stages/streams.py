@@ -251,17 +251,27 @@ class CudaStreams(OrderedStreams):
     Args:
         device: the CUDA device.
         prefetch: make a prefetch stream.
+        data_dist: make a data_dist stream; without, input_dist runs on the caller's stream (no
+            memory pool of another stream).
         handoff: one of `HANDOFFS`; None: the environment variable `PIPELINE_HANDOFF`, else
             "keep-alive" (the variable is there to compare the two in-flight memories).
     """
 
-    def __init__(self, device: torch.device, *, prefetch: bool = True, handoff: str | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        prefetch: bool = True,
+        data_dist: bool = True,
+        handoff: str | None = None,
+    ) -> None:
         handoff = handoff or os.environ.get("PIPELINE_HANDOFF", "keep-alive")
         super().__init__(torch.cuda.Event, handoff=handoff)
         high = torch.cuda.Stream.priority_range()[1]  # lowest number is the highest priority
         self.device = device
         self.memcpy = torch.cuda.Stream(device=device, priority=high)
-        self.data_dist = torch.cuda.Stream(device=device, priority=high)
+        # without: input_dist runs on the caller's stream (no memory pool of another stream)
+        self.data_dist = torch.cuda.Stream(device=device, priority=high) if data_dist else None
         self.prefetch = torch.cuda.Stream(device=device) if prefetch else None
 
     def current(self) -> Any:
@@ -291,10 +301,11 @@ def _record_stream(obj: Any, stream: Any) -> None:
             _record_stream(getattr(obj, f.name), stream)
 
 
-def streams_for(device: torch.device, *, prefetch_thread: bool = False) -> Streams:
-    """Real streams on CUDA; on CPU none, or a prefetch worker thread if `prefetch_thread`."""
+def streams_for(device: torch.device, *, prefetch_thread: bool = False, data_dist: bool = True) -> Streams:
+    """Real streams on CUDA (without a data_dist stream unless `data_dist`); on CPU none, or a
+    prefetch worker thread if `prefetch_thread`."""
     if device.type == "cuda":
-        return CudaStreams(device)
+        return CudaStreams(device, data_dist=data_dist)
     if prefetch_thread:
         from pipeline.stages.thread_streams import ThreadStreams  # it builds on this module
 

@@ -8,6 +8,7 @@ alive: a Python reference is all the worker needs, so `release` and `returned` s
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -26,8 +27,9 @@ class _WorkerStream:
         self.name = name
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pipeline-{name}")
         self._last: Future | None = None
-        self._pending: list[Future] = []
-        """Work submitted since the last `wait_all` or `discard`."""
+        self._pending: deque[Future] = deque()
+        """Work submitted since the last `wait_all` or `discard`, less what finished without error
+        (dropped at each submission: a training run submits one job a step, for days)."""
         self._local = threading.local()
 
     def submit(self, work: Callable[[], None]) -> Future:
@@ -44,9 +46,12 @@ class _WorkerStream:
             finally:
                 self._local.job = None
 
+        pending = self._pending
+        while pending and pending[0].done() and pending[0].exception() is None:
+            pending.popleft()
         self._executor.submit(run)
         self._last = job
-        self._pending.append(job)
+        pending.append(job)
         return job
 
     @property
@@ -62,7 +67,7 @@ class _WorkerStream:
     def wait_all(self) -> None:
         """Wait for everything submitted so far; re-raise the first error among it. (An error a
         hand-off already raised inside `progress()` was dropped by the reset that followed it.)"""
-        pending, self._pending, self._last = self._pending, [], None
+        pending, self._pending, self._last = self._pending, deque(), None
         wait(pending)
         for job in pending:
             if job.exception() is not None:
@@ -71,7 +76,7 @@ class _WorkerStream:
     def discard(self) -> None:
         """Wait for everything submitted so far and forget its errors: a later `join` raises only
         what fails after this."""
-        pending, self._pending, self._last = self._pending, [], None
+        pending, self._pending, self._last = self._pending, deque(), None
         wait(pending)
 
 

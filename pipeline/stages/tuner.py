@@ -3,7 +3,10 @@ interleaved measurement of real training steps, cheaply, and can be saved with a
 
 Every step a worse schedule runs is lost time, so the trials are short and a schedule that the first
 round already rules out (more than `drop_above` times the best of that round) runs no more rounds.
-A restarted job reloads the decision (`state_dict()`) instead of tuning again.
+With a `predictor` (the cost model, `pipeline.predictor`) the tuner starts on the predicted best and
+measures only it, the schedules predicted within `noise` of it, and torchrec's order
+(`pipeline.stages.prediction`), so the choice is never worse than "late" by more than the paired
+rule's margin. A restarted job reloads the decision (`state_dict()`) instead of tuning again.
 """
 
 from __future__ import annotations
@@ -15,12 +18,10 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from pipeline.stages import tuner_text as text
+from pipeline.stages.prediction import predicted_steps, start_from
 from pipeline.stages.schedule import SCHEDULES, Decision, decide
-from pipeline.stages.tuner_phase import Phase
+from pipeline.stages.tuner_phase import Phase, all_reduce_sum
 
 __all__ = ["Tuner"]
 
@@ -28,22 +29,18 @@ __all__ = ["Tuner"]
 class Tuner:
     """Chooses the input_dist schedule by paired, interleaved measurement, and re-checks it later.
 
-    Tuning: `warmup` steps under `baseline`, `visit` untimed steps under each candidate (first-use
-    costs: a new process group, its first collectives), then rounds in each of which every candidate
-    runs a block of `block` consecutive steps, the order rotated between rounds; the first `settle`
-    steps of a block carry the switch and are not timed. After the first round the ranks agree on its
-    block medians, and candidates slower than `drop_above` times that round's best stop there (the
-    baseline too: that round's best then takes its place). After `rounds` rounds, `decide` keeps the
-    baseline unless another schedule is significantly faster. A step's time runs from the start of
-    one `progress()` to the start of the next, so what the caller does between steps counts, as in
-    real training. The ranks agree by
-    summing their block medians with an all_reduce, so all of them switch at the same step.
+    Tuning: `warmup` steps under `baseline`, `visit` untimed steps under each candidate, then rounds
+    in which every candidate runs a block of `block` steps (order rotated between rounds; the first
+    `settle` steps of a block are not timed). After the first round the ranks agree on its block
+    medians and candidates slower than `drop_above` times its best stop there. After `rounds`
+    rounds, `decide` keeps the baseline unless another schedule is significantly faster. A step runs
+    from one `progress()` to the next, so what the caller does between steps counts. The ranks sum
+    their medians with an all_reduce, so all of them switch at the same step.
 
-    Re-check: `recheck_after` steps after a decision, the choice and the runner-up run `recheck_rounds`
-    paired rounds; the runner-up replaces the choice only if it wins by the same rule. The interval
-    then doubles (300, 600, 1200, ... steps by default). Between checks a step costs one comparison.
-    A tuning whose every round was interrupted keeps the baseline and, at the next look, tunes the
-    same candidates again. `reason` and `repr()` say it in words (`pipeline.stages.tuner_text`).
+    Re-check: `recheck_after` steps after a decision, the choice and the runner-up run
+    `recheck_rounds` paired rounds (the interval then doubles). A tuning whose every round was
+    interrupted keeps the baseline and tunes again at the next look. `reason` and `repr()` say it
+    in words (`pipeline.stages.tuner_text`).
 
     Args:
         candidates: schedules to compare (names from `SCHEDULES`).
@@ -60,6 +57,10 @@ class Tuner:
         recheck_rounds: rounds of a re-check.
         clock: seconds, monotonic (tests inject a fake one).
         agree: sums a list of floats over the ranks (tests inject one without a process group).
+        predictor: `predictor(model, batch)` -> predicted step ms per schedule, or None; called
+            once on every rank at the first batch (`start_from_prediction`; it may run
+            collectives: `pipeline.predictor.prior`).
+        noise: schedules predicted within this fraction of the best are measured.
     """
 
     def __init__(
@@ -78,6 +79,8 @@ class Tuner:
         recheck_rounds: int = 2,
         clock: Callable[[], float] = time.perf_counter,
         agree: Callable[[list[float]], list[float]] | None = None,
+        predictor: Callable[[Any, Any], dict[str, float] | None] | None = None,
+        noise: float = 0.05,
     ) -> None:
         unknown = set(candidates) - set(SCHEDULES)
         if unknown or baseline not in candidates or not 0 < settle < block or rounds < 1 or visit < 0:
@@ -85,8 +88,8 @@ class Tuner:
         self._block, self._settle, self._margin, self._drop = block, settle, margin, drop_above
         self._recheck_rounds, self._interval = recheck_rounds, recheck_after
         self._clock = clock
-        self._agree = agree or _all_reduce_sum
-        self._rounds = rounds
+        self._agree = agree or all_reduce_sum
+        self._rounds, self._predictor, self._noise = rounds, predictor, noise
         self._phase: Phase | None = self._tuning(list(candidates), baseline, warmup=warmup, visit=visit)
         self._again: list[str] | None = None
         """The candidates of a tuning without valid rounds: the next look tunes them again."""
@@ -105,6 +108,28 @@ class Tuner:
         """Steps run under a tuning or re-check plan so far (warm-up included)."""
         self.tuning_steps_by_schedule: dict[str, int] = {}
         """`tuning_steps` per schedule they ran under (what tuning cost is computed from)."""
+        self.predicted_ms: dict[str, float] = {}
+        """Per schedule, the predicted step in ms (averaged over ranks), if a predictor gave one."""
+
+    def start_from_prediction(self, model: Any, batch: Any) -> None:
+        """Once, on every rank, before the first step: narrow the trials to the predicted best, the
+        schedules predicted within `noise` of it and torchrec's order; where only torchrec's order
+        is left, keep it with no trials. The ranks average the predictions first, so all of them
+        plan alike. A no-op without a predictor, after the first step, or once a decision is loaded."""
+        predictor, self._predictor = self._predictor, None
+        if predictor is None or self._steps or self.decisions or self._phase is None:
+            return
+        phase = self._phase
+        predicted = predicted_steps(predictor, model, batch, phase.candidates, self._agree)
+        start = start_from(predicted, tuple(phase.candidates), noise=self._noise, keep=phase.baseline)
+        if start is None:
+            return
+        self.predicted_ms = predicted
+        if len(start.trials) == 1:
+            self.settle(start.best, start.reason)
+            return
+        self._phase = self._tuning(list(start.trials), start.best, warmup=2, visit=1)
+        self._phase.reason = start.reason
 
     @property
     def reason(self) -> str | None:
@@ -196,6 +221,7 @@ class Tuner:
             "next_check": self._next_check,
             "interval": self._interval,
             "again": self._again,
+            "predicted_ms": dict(self.predicted_ms),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -212,7 +238,8 @@ class Tuner:
         self.decisions = [(step, Decision(**d)) for step, d in state["decisions"]]
         self._steps, self._next_check, self._interval = state["steps"], state["next_check"], state["interval"]
         self._again = state.get("again")
-        self._phase, self._pos, self._last = None, 0, None
+        self.predicted_ms = dict(state.get("predicted_ms", {}))
+        self._phase, self._pos, self._last, self._predictor = None, 0, None, None
 
     def _tuning(
         self, candidates: list[str], baseline: str, *, warmup: int, visit: int, kind: str = "tuning"
@@ -251,33 +278,15 @@ class Tuner:
         """The plan ran out: agree on the rounds run, then drop losers and go on, or decide."""
         phase = self._phase
         done = phase.plan[-1][1] + 1
-        if len(phase.agreed) < done:
-            first = len(phase.agreed)
-            summed = self._agree([m for k in range(first, done) for m in phase.medians(k)])
-            n = len(phase.candidates)
-            for k in range(first, done):
-                row = summed[(k - first) * n : (k - first + 1) * n]
-                phase.agreed[k] = dict(zip(phase.candidates, row, strict=True))
+        phase.agree(done, self._agree)
         if done == 1 and phase.rounds > 1:  # a first tuning's first round: rule losers out, go on
             if self._drop > 0:
-                self._drop_losers(phase)
+                phase.drop_losers(self._drop)
             if len(phase.candidates) > 1:
                 for k in range(1, phase.rounds):
                     phase.add_round(k, block=self._block, settle=self._settle)
                 return
         self._conclude(phase)
-
-    def _drop_losers(self, phase: Phase) -> None:
-        first = phase.agreed[0]
-        best = min((v for v in first.values() if math.isfinite(v)), default=math.inf)
-        if not (math.isfinite(best) and best > 0):
-            return
-        for s in list(phase.candidates):
-            if first[s] / best > self._drop:
-                phase.candidates.remove(s)
-                phase.dropped[s] = first[s] / best
-        if phase.baseline in phase.dropped:  # the round's best is kept without further evidence
-            phase.baseline = min(phase.candidates, key=first.__getitem__)
 
     def _conclude(self, phase: Phase) -> None:
         per_round = [{s: phase.agreed[k][s] for s in phase.candidates} for k in sorted(phase.agreed)]
@@ -304,13 +313,5 @@ class Tuner:
             )
         if phase.dropped:
             decision.reason += f"; {text.ruled_out(phase.dropped)}"
-
-
-def _all_reduce_sum(values: list[float]) -> list[float]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return values
-    backend = dist.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return tensor.tolist()
+        if phase.reason:
+            decision.reason = f"{phase.reason}; {decision.reason}"

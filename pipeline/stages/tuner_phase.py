@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["Phase"]
+import torch
+import torch.distributed as dist
+
+__all__ = ["Phase", "all_reduce_sum"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -29,6 +33,8 @@ class Phase:
     """Candidates ruled out after the first round, with their ratio to that round's best."""
     interrupted: int = 0
     """Timed steps lost to an interruption (an eval step, an exception, a reset)."""
+    reason: str = ""
+    """Why these candidates (a prediction narrowed them), put before the decision's reason."""
 
     def add_round(self, k: int, *, block: int, settle: int) -> None:
         shift = k % len(self.candidates)
@@ -37,9 +43,46 @@ class Phase:
             # previous schedule) and are not timed
             self.plan += [(name, k, i >= settle) for i in range(block)]
 
+    def agree(self, done: int, agree: Callable[[list[float]], list[float]]) -> None:
+        """The ranks agree on the block medians of rounds up to `done` not agreed yet (summed)."""
+        if len(self.agreed) >= done:
+            return
+        first = len(self.agreed)
+        summed = agree([m for k in range(first, done) for m in self.medians(k)])
+        n = len(self.candidates)
+        for k in range(first, done):
+            self.agreed[k] = dict(
+                zip(self.candidates, summed[(k - first) * n : (k - first + 1) * n], strict=True)
+            )
+
+    def drop_losers(self, above: float) -> None:
+        """After the first round: stop timing the candidates slower than `above` times its best
+        (the baseline too: that round's best then takes its place)."""
+        first = self.agreed[0]
+        best = min((v for v in first.values() if math.isfinite(v)), default=math.inf)
+        if not (math.isfinite(best) and best > 0):
+            return
+        for s in list(self.candidates):
+            if first[s] / best > above:
+                self.candidates.remove(s)
+                self.dropped[s] = first[s] / best
+        if self.baseline in self.dropped:  # the round's best is kept without further evidence
+            self.baseline = min(self.candidates, key=first.__getitem__)
+
     def medians(self, k: int) -> list[float]:
         """Round k's median step time per candidate (inf where none was timed)."""
         return [
             statistics.median(self.times[k, s]) if self.times.get((k, s)) else math.inf
             for s in self.candidates
         ]
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """`values` summed over the ranks of the default process group (as they are at one rank)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    backend = dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()

@@ -18,6 +18,7 @@ import argparse
 import gc
 import json
 import os
+import socket
 import sys
 from typing import Any
 
@@ -40,7 +41,7 @@ VARIANTS = ("keep-alive", "record-stream", "torchrec")
 
 def measure(name: str, variant: str, config: Any, steps: int, device: torch.device) -> dict:
     """One class and variant: the peak bytes in flight over `steps` steps, and what was kept."""
-    from benchmarks.model import build_model, make_batches
+    from benchmarks.models import build_model, make_batches
 
     built = build_model(config, device=device)
     model, opt = built.model, built.optimizer
@@ -134,6 +135,12 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _ratio(mb: dict, a: str, b: str) -> str:
     return f"{mb[a] / mb[b]:.2f}" if mb[a] and mb[b] else "-"
 
@@ -142,7 +149,6 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from benchmarks.configs import get_config
-    from benchmarks.launch import free_port
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="gpu-large", help="a benchmarks config")
@@ -157,7 +163,7 @@ def main(argv: list[str]) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     rows = []
     for name in args.classes:
         for variant in args.variants:

@@ -14,8 +14,8 @@
 #   uvm       benchmarks tiered, tiered-skewed (UVM-caching kernel)                         (<=7)
 #   large     benchmarks gpu-large, gpu-uvm                                                 (<=8)
 #   example   examples/dlrm/train.py under torchrun on one GPU, each --pipeline             (<=6)
-# WORLD=N runs the benchmarks on N ranks (one per GPU). BENCH="python3 -m benchmarks.run" is the
-# benchmark command (main has no single `python -m benchmarks` CLI yet). DRY=1 prints the commands.
+# WORLD=N runs the benchmarks on N ranks (one per GPU); BENCH is the benchmark command
+# (default "python3 -m benchmarks run"). DRY=1 prints the commands instead of running them.
 # GPU_DIR=.gpu is where stage.sh's parts and wheels were carried.
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -28,7 +28,7 @@ for step in "$@"; do
 done
 cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-/tmp/out}
-BENCH=${BENCH:-python3 -m benchmarks.run}
+BENCH=${BENCH:-python3 -m benchmarks run}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD
 do_() { if [ "${DRY:-0}" = 1 ]; then echo "+ $*"; else "$@"; fi; }

@@ -1,0 +1,150 @@
+"""TrainPipelineSparseDistT: TrainPipelineSparseDist whose host-to-device copy is dispatched from a
+worker thread, so the caller's thread does not spend its time issuing the copies of batch i+2
+(stages and streams: `pipeline.stages`, the SparseDist column).
+
+The copy of batch i+2 is submitted to one worker thread in step i, where it runs on the memcpy
+stream (a CUDA stream is per thread: the worker enters it itself); the batch is taken from the
+worker (`BatchContext.wait_copy`) in step i+1, before its input_dist starts. On the host there is
+nothing to copy, so nothing is submitted: on CPU the class is `TrainPipelineSparseDist`, step for
+step, with no thread hop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from pipeline.compat.arguments import refuse_jit
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
+from pipeline.pipelines.input_dist_core import InputDistCore
+from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
+from pipeline.ranks import Lane
+from pipeline.stages.context import BatchContext, TrainPipelineContext
+from pipeline.stages.memory import MemoryFlags
+from pipeline.stages.streams import Streams
+from pipeline.stages.tuner import Tuner
+
+__all__ = ["TrainPipelineSparseDistT"]
+
+
+class TrainPipelineSparseDistT(InputDistCore):
+    """SparseDist with the copy of batch i+2 dispatched from a worker thread (on a device).
+
+    Numerics: the plain loop's, bit for bit (the copy's dispatch moves, not what it copies).
+
+    Args (torchrec's, in its order): model, optimizer, device, execute_all_batches, apply_jit,
+    context_type, pipeline_postproc, custom_model_fwd, dmp_collection_sync_interval_batches,
+    enable_inplace_copy_batch (the worker allocates on its own current stream, as torchrec's),
+    free_features_storage_early, clear_data_dist_inputs: as in `TrainPipelineSparseDist`.
+
+    Keyword-only, ours: as `TrainPipelineSparseDist` (strict, rewrite, input_dist, streams, ranks
+    and their fields).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        context_type: type[BatchContext] = TrainPipelineContext,
+        pipeline_postproc: bool = False,
+        custom_model_fwd: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
+        dmp_collection_sync_interval_batches: int | None = 1,
+        enable_inplace_copy_batch: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        *,
+        strict: bool = False,
+        rewrite: RewriteOptions | None = None,
+        rewrite_method: str | None = None,
+        arg_paths: dict[str, Any] | None = None,
+        input_dist: InputDistOptions | None = None,
+        input_dist_schedule: str | None = None,
+        tuner: Tuner | None = None,
+        streams: Streams | None = None,
+        ranks: RankOptions | None = None,
+        on_uneven: str | None = None,
+        check_keys: bool | None = None,
+        check_kjts: bool | None = None,
+        agreement: bool | None = None,
+        abort_on_error: bool | None = None,
+        failure_grace: float | None = None,
+        peer_timeout: timedelta | None = None,
+    ) -> None:
+        refuse_jit(apply_jit)
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            execute_all_batches=execute_all_batches,
+            custom_model_fwd=custom_model_fwd,
+            streams=streams,
+            ranks=resolve(
+                ranks,
+                RankOptions,
+                on_uneven=on_uneven,
+                check_keys=check_keys,
+                check_kjts=check_kjts,
+                agreement=agreement,
+                abort_on_error=abort_on_error,
+                failure_grace=failure_grace,
+                peer_timeout=peer_timeout,
+            ),
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
+            lookahead=2,
+        )
+        self._input_dist = self._make_input_dist(
+            forward="input_dist",
+            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
+            strict=strict,
+            pipeline_postproc=pipeline_postproc,
+            schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
+            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+        )
+        self._copy_worker: ThreadPoolExecutor | None = None
+        """The copy's thread, started at the first copy off the host (never on CPU)."""
+
+    def _fill(self, lane: Lane) -> None:
+        self._input_dist.fill(lane, self._enqueue)  # copies inline: each is used at once
+
+    def _step(self, lane: Lane) -> Any:
+        ctx, input_dist = lane.inflight[0], self._input_dist
+        input_dist.choose_schedule(self._model.training)
+        input_dist.release_inputs(ctx)
+        if len(lane.inflight) < 3:
+            self._enqueue_on_worker(lane)  # the copy of i+2, dispatched on the worker
+        if len(lane.inflight) > 1:
+            lane.inflight[1].wait_copy()  # batch i+1, copied on the worker during step i-1
+        nxt = input_dist.start_next(lane)
+        self._wait_for_batch()
+        losses, output = self._forward(ctx, train=True, input_dist=input_dist)
+        if nxt is not None:
+            input_dist.wait_splits(nxt)  # a no-op after early splits
+        if losses is not None:
+            self._backward_stage(ctx, losses)
+            self._sync_replicas(ctx)
+            self._optimizer_stage(ctx)
+        lane.inflight.popleft()
+        return output
+
+    def _enqueue_on_worker(self, lane: Lane) -> bool:
+        """`_enqueue`, with a copy off the host dispatched on the worker thread."""
+        if self._copy_worker is None and not self._on_host:
+            self._copy_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline-copy")
+        ctx = self._fetch_and_copy(lane, in_place=self._inplace_copy, worker=self._copy_worker)
+        if ctx is None:
+            return False
+        lane.inflight.append(ctx)
+        return True
+
+
+# torchrec's class derives from its TrainPipelineSparseDist: `isinstance` answers as it does there,
+# without inheriting a step to override
+TrainPipelineSparseDist.register(TrainPipelineSparseDistT)

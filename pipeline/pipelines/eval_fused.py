@@ -1,0 +1,176 @@
+"""EvalPipelineFusedSparseDist: forward only, with the embedding lookup run ahead of forward as in
+`TrainPipelineFusedSparseDist` (`pipeline.stages.lookup.LookupStage`; stages and streams:
+`pipeline.stages`, the Fused column without backward and optimizer).
+
+By default the lookup of batch i runs at the start of step i (or after the input_dist start of i+1,
+`embedding_lookup_after_data_dist`); with `enable_embedding_lookup_prefetch` it runs one batch ahead,
+right after forward of i for batch i+1, so on a GPU the lookup of i+1 (on its stream) overlaps
+forward of i, at the price of two batches' embedding outputs alive at once. Nothing is trained, so
+every order gives the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from pipeline.compat.arguments import refuse_jit
+from pipeline.compat.methods import FusedMethods
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
+from pipeline.pipelines.fused import TrainPipelineFusedSparseDist
+from pipeline.pipelines.input_dist_core import InputDistCore
+from pipeline.ranks import Lane
+from pipeline.stages.context import LookupBatchContext
+from pipeline.stages.lookup import LookupStage
+from pipeline.stages.memory import MemoryFlags
+from pipeline.stages.streams import Streams
+
+__all__ = ["EvalPipelineFusedSparseDist"]
+
+_LOOKUP_STREAMS = ("data_dist", "new", "current")
+
+
+class EvalPipelineFusedSparseDist(FusedMethods, InputDistCore):
+    """Forward-only pipeline whose embedding lookup runs ahead of forward.
+
+    Numerics: each output is bit for bit the model's own output for that batch (`model(batch)`
+    under `no_grad`, in the model's mode, which is left as it is); no parameter or gradient
+    changes. Forward always runs under `no_grad` and `progress()` returns `output` of a
+    `(loss, output)` pair (any other return value as it is).
+
+    Args (torchrec's: `TrainPipelineFusedSparseDist`'s, in its order, then its keyword):
+        model, optimizer (not used), device, execute_all_batches (under False the last two
+            batches are dropped, as by torchrec's class), apply_jit (must be False),
+            pipeline_postproc, custom_model_fwd, strict, emb_lookup_stream,
+            embedding_lookup_after_data_dist, enable_inplace_copy_batch,
+            free_features_storage_early, clear_data_dist_inputs: as in
+            `TrainPipelineFusedSparseDist`.
+        enqueue_batch_after_forward: copy batch i+2 after forward of i (torchrec's eval class
+            accepts it and copies before forward all the same).
+        enable_embedding_lookup_prefetch: look batch i+1 up right after forward of i.
+
+    Keyword-only, ours:
+        rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
+        input_dist_schedule: the field of `InputDistOptions` (`input_dist` may give it);
+            "early-shared" by default; "auto" is refused, since the tuner times training steps.
+        streams: the streams to run on; None: CUDA streams on a GPU, none on CPU.
+        on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
+            peer_timeout: the fields of `RankOptions` (`ranks` may give them).
+        A keyword left None takes its options object's value, else that dataclass's default.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        device: torch.device,
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        pipeline_postproc: bool = True,
+        custom_model_fwd: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
+        strict: bool = False,
+        emb_lookup_stream: str = "data_dist",
+        embedding_lookup_after_data_dist: bool = False,
+        enable_inplace_copy_batch: bool = False,
+        enqueue_batch_after_forward: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        *,
+        enable_embedding_lookup_prefetch: bool = False,
+        rewrite: RewriteOptions | None = None,
+        rewrite_method: str | None = None,
+        arg_paths: dict[str, Any] | None = None,
+        input_dist: InputDistOptions | None = None,
+        input_dist_schedule: str | None = None,
+        streams: Streams | None = None,
+        ranks: RankOptions | None = None,
+        on_uneven: str | None = None,
+        check_keys: bool | None = None,
+        check_kjts: bool | None = None,
+        agreement: bool | None = None,
+        abort_on_error: bool | None = None,
+        failure_grace: float | None = None,
+        peer_timeout: timedelta | None = None,
+    ) -> None:
+        refuse_jit(apply_jit)
+        if emb_lookup_stream not in _LOOKUP_STREAMS:
+            raise ValueError(f"emb_lookup_stream must be one of {_LOOKUP_STREAMS}; got {emb_lookup_stream!r}")
+        default = InputDistOptions(schedule="early-shared")
+        schedule = resolve(input_dist or default, InputDistOptions, schedule=input_dist_schedule)
+        if schedule.schedule == "auto":
+            raise ValueError(
+                'EvalPipelineFusedSparseDist takes a fixed input_dist_schedule; "auto" tunes training'
+            )
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            execute_all_batches=execute_all_batches,
+            custom_model_fwd=custom_model_fwd,
+            streams=streams,
+            ranks=resolve(
+                ranks,
+                RankOptions,
+                on_uneven=on_uneven,
+                check_keys=check_keys,
+                check_kjts=check_kjts,
+                agreement=agreement,
+                abort_on_error=abort_on_error,
+                failure_grace=failure_grace,
+                peer_timeout=peer_timeout,
+            ),
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            context_type=LookupBatchContext,
+            lookahead=2,
+        )
+        self._enqueue_batch_after_forward = enqueue_batch_after_forward
+        self._input_dist = self._make_input_dist(
+            forward="lookup",
+            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
+            strict=strict,
+            pipeline_postproc=pipeline_postproc,
+            schedule=schedule,
+            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+        )
+        self._lookup = LookupStage(
+            self._streams,
+            self._input_dist,
+            model,
+            optimizer,
+            on_caller_stream=emb_lookup_stream == "current",
+            forward_only=True,
+        )
+        self._lookup_ahead = enable_embedding_lookup_prefetch
+        self._lookup_first = enable_embedding_lookup_prefetch or not embedding_lookup_after_data_dist
+
+    def _fill(self, lane: Lane) -> None:
+        self._input_dist.fill(lane, self._enqueue)
+
+    def _step(self, lane: Lane) -> Any:
+        ctx = lane.inflight[0]
+        input_dist, lookup = self._input_dist, self._lookup
+        if self._lookup_first:
+            lookup.run(ctx)  # looking ahead: a no-op but for a lane's first batch
+        copy_late = self._enqueue_batch_after_forward
+        if not copy_late and len(lane.inflight) < 3:
+            self._enqueue(lane)
+        nxt = input_dist.start_next(lane)
+        lookup.run(ctx)  # a no-op when it ran first
+        self._wait_for_batch()
+        _, output = self._forward(ctx, train=False, input_dist=input_dist)
+        if copy_late and len(lane.inflight) < 3:
+            self._enqueue(lane)
+        if nxt is not None:
+            input_dist.wait_splits(nxt)  # a no-op after early splits
+        if nxt is not None and self._lookup_ahead:
+            lookup.run(nxt)  # batch i+1's lookup, while forward of i runs on the caller's stream
+        lane.inflight.popleft()
+        return output
+
+
+# torchrec's class derives from its TrainPipelineFusedSparseDist (so from its SparseDist too):
+# `isinstance` answers as it does there, without inheriting a step to override
+TrainPipelineFusedSparseDist.register(EvalPipelineFusedSparseDist)

@@ -1,0 +1,150 @@
+"""TrainPipelineSparseDistLite: one batch in flight besides the one that trains; only the copy of the
+next batch overlaps the current step, and the input_dist of each batch runs right before its
+forward (stages and streams: `pipeline.stages`).
+
+It keeps at most two batches (torchrec's SparseDist keeps three, with a second one's input_dist in
+flight): the memory of one batch and of one set of input all-to-alls, for a step that waits on
+its input_dist. On CUDA its input_dist runs on the caller's stream, as torchrec's does (no
+data_dist stream, whose memory pool would hold another batch's worth).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from pipeline.compat.arguments import refuse_jit
+from pipeline.compat.types import PipelineState
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
+from pipeline.pipelines.input_dist_core import InputDistCore
+from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
+from pipeline.ranks import Lane
+from pipeline.stages.context import BatchContext, TrainPipelineContext
+from pipeline.stages.memory import MemoryFlags
+from pipeline.stages.streams import Streams, streams_for
+
+__all__ = ["TrainPipelineSparseDistLite"]
+
+
+class TrainPipelineSparseDistLite(InputDistCore):
+    """The copy of batch i+1 overlaps the step of batch i; input_dist of i runs before forward of i.
+
+    Per `progress()` call that returns batch i: input_dist of i (its splits all-to-all, waited, then
+    its values all-to-all, waited by forward), forward of i, the copy of i+1 (torchrec copies after
+    backward; here before it, so that on CUDA the copy overlaps backward and, across ranks,
+    backward's all-to-all orders the ranks after the fetch: no vote per batch), backward,
+    optimizer. Numerics: the plain loop's, bit for bit. Every batch runs (torchrec's class forces
+    `execute_all_batches`); `_state` follows torchrec's `PipelineState` (IDLE, CALL_FWD, CALL_BWD).
+
+    Args (torchrec's, in its order):
+        model, optimizer, device: as in `TrainPipelineSparseDist`.
+        apply_jit: not supported; must be False.
+        context_type: accepted, unused (the per-batch contexts are internal).
+        pipeline_postproc, custom_model_fwd, enable_inplace_copy_batch,
+            free_features_storage_early: as in `TrainPipelineSparseDist`.
+        clear_data_dist_inputs: free what the input all-to-alls sent once forward may start
+            (torchrec's class accepts it and frees nothing in its step).
+        async_inplace_copy: accepted (torchrec 1.9 added it), no effect: our copy is dispatched
+            on the caller's thread.
+
+    Keyword-only, ours:
+        strict: fail on the first batch if a sharded module cannot be pipelined.
+        rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
+        streams: the streams to run on; None: a memcpy stream on a GPU (input_dist on the
+            caller's stream), none on CPU.
+        on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
+            peer_timeout: the fields of `RankOptions` (`ranks` may give them).
+        A keyword left None takes its options object's value, else that dataclass's default.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        apply_jit: bool = False,
+        context_type: type[BatchContext] = TrainPipelineContext,
+        pipeline_postproc: bool = False,
+        custom_model_fwd: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
+        enable_inplace_copy_batch: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        async_inplace_copy: bool = False,
+        *,
+        strict: bool = False,
+        rewrite: RewriteOptions | None = None,
+        rewrite_method: str | None = None,
+        arg_paths: dict[str, Any] | None = None,
+        streams: Streams | None = None,
+        ranks: RankOptions | None = None,
+        on_uneven: str | None = None,
+        check_keys: bool | None = None,
+        check_kjts: bool | None = None,
+        agreement: bool | None = None,
+        abort_on_error: bool | None = None,
+        failure_grace: float | None = None,
+        peer_timeout: timedelta | None = None,
+    ) -> None:
+        refuse_jit(apply_jit)
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            execute_all_batches=True,
+            custom_model_fwd=custom_model_fwd,
+            streams=streams if streams is not None else streams_for(device, data_dist=False),
+            ranks=resolve(
+                ranks,
+                RankOptions,
+                on_uneven=on_uneven,
+                check_keys=check_keys,
+                check_kjts=check_kjts,
+                agreement=agreement,
+                abort_on_error=abort_on_error,
+                failure_grace=failure_grace,
+                peer_timeout=peer_timeout,
+            ),
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            dmp_collection_sync_interval_batches=None,  # torchrec's class never syncs replicas
+        )
+        self._input_dist = self._make_input_dist(
+            forward="input_dist",
+            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
+            strict=strict,
+            pipeline_postproc=pipeline_postproc,
+            schedule=InputDistOptions(schedule="late"),  # no next batch: nothing to schedule
+            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+        )
+
+    def _fill(self, lane: Lane) -> None:
+        """Batch i copied and admitted by the ranks (its input_dist is its first collective)."""
+        if not lane.inflight:
+            self._enqueue(lane)
+        if lane.inflight:
+            self._ranks.admit(lane, lane.inflight[0])  # a batch the ranks drop leaves the lane
+
+    def _step(self, lane: Lane) -> Any:
+        ctx, input_dist = lane.inflight[0], self._input_dist
+        self._state = PipelineState.IDLE
+        self._wait_for_batch()
+        input_dist.start(ctx)  # in the critical path: the step waits for it
+        input_dist.wait_splits(ctx)
+        input_dist.release_inputs(ctx)
+        self._state = PipelineState.CALL_FWD
+        losses, output = self._forward(ctx, train=True, input_dist=input_dist)
+        if len(lane.inflight) < 2:
+            self._enqueue(lane)  # the copy of i+1
+        if losses is not None:
+            self._state = PipelineState.CALL_BWD
+            self._backward_stage(ctx, losses)
+            self._optimizer_stage(ctx)
+        lane.inflight.popleft()
+        return output
+
+
+# torchrec's class derives from its TrainPipelineSparseDist: `isinstance` answers as it does there,
+# without inheriting a step to override
+TrainPipelineSparseDist.register(TrainPipelineSparseDistLite)

@@ -1,0 +1,202 @@
+"""TrainPipelineSparseDistOptStash: SparseDist whose optimizer state leaves device memory between
+steps (`pipeline.stages.stash`): it is copied to host memory and freed after each optimizer step,
+and given back from an injection site in backward (the backward of a sharded module's output
+all-to-all), so that on a GPU the copy back overlaps the rest of backward and the memory serves
+forward and backward in between.
+
+Per step of batch i: input_dist of i+1 and the copy of i+2 as SparseDist; forward of i (the state
+is in host memory); backward of i, which at the site starts the restore; the optimizer step (after
+the restore is complete; if the site was not reached, the restore runs there); the stash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torchrec.distributed.types import ShardingType
+
+from pipeline.compat.arguments import refuse_jit
+from pipeline.compat.backward_injection import InjectionSite, OutputDistTensorFinder, hook_backward
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
+from pipeline.pipelines.input_dist_core import InputDistCore
+from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
+from pipeline.ranks import Lane
+from pipeline.stages.context import BatchContext, TrainPipelineContext
+from pipeline.stages.memory import MemoryFlags
+from pipeline.stages.stash import Stash, tensors_in
+from pipeline.stages.streams import Streams
+from pipeline.stages.tuner import Tuner
+from rewrite import unwrap_model
+
+__all__ = ["TrainPipelineSparseDistOptStash"]
+
+
+class TrainPipelineSparseDistOptStash(InputDistCore):
+    """SparseDist whose optimizer state is in host memory between optimizer steps.
+
+    Numerics: the plain loop's, bit for bit (the state comes back byte for byte before each
+    step). The state tensors keep their identity: between two `progress()` calls they are empty
+    (their storage freed); `detach()` and `drain()` give them back, so call one before saving the
+    optimizer's state (torchrec redirects its checkpoint stager to the host copy instead). On a
+    GPU the copies run on the memcpy stream (host memory pinned); on CPU the host copy is in the
+    same memory, so nothing is saved there.
+
+    Args (torchrec's, in its order):
+        model, optimizer, device: as in `TrainPipelineSparseDist`.
+        site_fqn: the sharded module whose output all-to-all's backward starts the restore, as
+            the user's model names it.
+        sharding_type: which of its output all-to-alls (one per sharding type).
+        execute_all_batches, apply_jit, context_type, pipeline_postproc, custom_model_fwd,
+            dmp_collection_sync_interval_batches, enqueue_batch_after_forward,
+            enable_inplace_copy_batch, free_features_storage_early, clear_data_dist_inputs: as in
+            `TrainPipelineSparseDist`.
+
+    Keyword-only, ours:
+        stash_min_bytes: state tensors smaller than this stay (torchrec's threshold, 1 MiB).
+        strict, rewrite_method, arg_paths (`rewrite`), input_dist_schedule, tuner (`input_dist`),
+        streams, on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
+        peer_timeout (`ranks`): as in `TrainPipelineSparseDist`.
+
+    The state of a fused embedding optimizer (ShardedTensors, which its kernel updates inside
+    backward) is not stashed.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        site_fqn: str,
+        sharding_type: ShardingType = ShardingType.TABLE_WISE,
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        context_type: type[BatchContext] = TrainPipelineContext,
+        pipeline_postproc: bool = False,
+        custom_model_fwd: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
+        dmp_collection_sync_interval_batches: int | None = 1,
+        enqueue_batch_after_forward: bool = False,
+        enable_inplace_copy_batch: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        *,
+        stash_min_bytes: int = 1 << 20,
+        strict: bool = False,
+        rewrite: RewriteOptions | None = None,
+        rewrite_method: str | None = None,
+        arg_paths: dict[str, Any] | None = None,
+        input_dist: InputDistOptions | None = None,
+        input_dist_schedule: str | None = None,
+        tuner: Tuner | None = None,
+        streams: Streams | None = None,
+        ranks: RankOptions | None = None,
+        on_uneven: str | None = None,
+        check_keys: bool | None = None,
+        check_kjts: bool | None = None,
+        agreement: bool | None = None,
+        abort_on_error: bool | None = None,
+        failure_grace: float | None = None,
+        peer_timeout: timedelta | None = None,
+    ) -> None:
+        refuse_jit(apply_jit)
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            execute_all_batches=execute_all_batches,
+            custom_model_fwd=custom_model_fwd,
+            streams=streams,
+            ranks=resolve(
+                ranks,
+                RankOptions,
+                on_uneven=on_uneven,
+                check_keys=check_keys,
+                check_kjts=check_kjts,
+                agreement=agreement,
+                abort_on_error=abort_on_error,
+                failure_grace=failure_grace,
+                peer_timeout=peer_timeout,
+            ),
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
+            lookahead=2,
+        )
+        self._enqueue_batch_after_forward = enqueue_batch_after_forward
+        self._input_dist = self._make_input_dist(
+            forward="input_dist",
+            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
+            strict=strict,
+            pipeline_postproc=pipeline_postproc,
+            schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
+            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+        )
+        self._stash = Stash(self._streams, "optimizer_state")
+        self._stash_min_bytes = stash_min_bytes
+        self._armed = False
+        self._on_reset.append(self._disarm)
+        site = InjectionSite(site_fqn, OutputDistTensorFinder(sharding_type))
+        hook_backward(
+            site, unwrap_model(model), lambda grad: self._stash.restore(), active=lambda: self._armed
+        )
+
+    @property
+    def stashed_bytes(self) -> int:
+        """Bytes of optimizer state in host memory now (freed from the device)."""
+        return self._stash.lent_bytes
+
+    def detach(self) -> torch.nn.Module:
+        """`TrainPipelineSparseDist.detach()`, with the optimizer state given back first."""
+        self._stash.ready()
+        return super().detach()
+
+    def drain(self, dataloader_iter: Iterator[Any]) -> list[Any]:
+        """`TrainPipelineSparseDist.drain()`, with the optimizer state given back at the end (the
+        state a checkpoint saves)."""
+        outputs = super().drain(dataloader_iter)
+        self._stash.ready()
+        return outputs
+
+    def _fill(self, lane: Lane) -> None:
+        self._input_dist.fill(lane, self._enqueue)
+
+    def _step(self, lane: Lane) -> Any:
+        ctx = lane.inflight[0]
+        input_dist = self._input_dist
+        input_dist.choose_schedule(self._model.training)
+        input_dist.release_inputs(ctx)
+        copy_late = self._enqueue_batch_after_forward
+        if not copy_late and len(lane.inflight) < 3:
+            self._enqueue(lane)
+        nxt = input_dist.start_next(lane)
+        self._wait_for_batch()
+        self._armed = self._model.training  # the site's hook restores from here
+        losses, output = self._forward(ctx, train=True, input_dist=input_dist)
+        if copy_late and len(lane.inflight) < 3:
+            self._enqueue(lane)
+        if nxt is not None:
+            input_dist.wait_splits(nxt)  # a no-op after early splits
+        if losses is not None:
+            self._backward_stage(ctx, losses)  # the site's hook starts the restore
+            self._sync_replicas(ctx)
+            self._stash.ready()  # the restore complete (started here if the site was not reached)
+            self._optimizer_stage(ctx)
+            self._stash.stash(self._state_tensors())
+        self._armed = False
+        lane.inflight.popleft()
+        return output
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        """The optimizer's state tensors in the pipeline's device memory, of `stash_min_bytes` or more."""
+        device, least = self._device, self._stash_min_bytes
+        tensors = tensors_in(getattr(self._optimizer, "state", {}))
+        return [t for t in tensors if t.device.type == device.type and t.numel() * t.element_size() >= least]
+
+    def _disarm(self) -> None:
+        self._armed = False
+
+
+# torchrec's class derives from its TrainPipelineSparseDist: `isinstance` answers as it does there,
+# without inheriting a step to override
+TrainPipelineSparseDist.register(TrainPipelineSparseDistOptStash)

@@ -1,0 +1,108 @@
+"""pipeline.predict on 2 gloo ranks: what it reads of a sharded model and its batch, the link it probes,
+and the "auto" tuner starting from the prediction on every rank alike (each scenario its own test).
+
+The machine's costs are measured once into a cache of this module (`$TORCHREC_PIPELINE_CACHE` set by
+each scenario), so the first scenario takes some 15 s more."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import pytest_timeout
+
+TIMEOUT = 240
+STEPS = 12
+pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> str:
+    """One cache of machine costs for the module's scenarios (measured by the first)."""
+    return str(tmp_path_factory.mktemp("costs"))
+
+
+def _cache(path: str) -> None:
+    import os
+
+    os.environ["TORCHREC_PIPELINE_CACHE"] = path
+
+
+def _predicts(rank: int, world_size: int, cache: str) -> dict:
+    _cache(cache)
+    import pipeline
+    from pipeline.predictor import workload_of
+    from tests import models
+
+    model, _ = models.build("dlrm", "table_wise")
+    batch = models.batches("dlrm", 1, rank)[0]
+    workload = workload_of(model, batch)
+    prediction = pipeline.predict(model, batch)  # probes the link: a collective call
+    at_eight = pipeline.predict(model, batch, world_size=8, link="1gbit")
+    return {
+        "tables": len(workload.tables),
+        "ranks": sorted({r for t in workload.tables for r in t.ranks}),
+        "batch": workload.batch_size,
+        "world": (prediction.world_size, at_eight.world_size),
+        "link": prediction.link,
+        "pipelines": sorted({s.pipeline for s in prediction.steps}),
+        "finite": all(0 < s.step_ms < 1e4 for s in (*prediction.steps, *at_eight.steps)),
+        "table": str(prediction),
+        "schedules": prediction.schedule_ms("sparse-dist"),
+    }
+
+
+def test_predict_reads_the_model_and_probes_the_link(pool, cache):
+    ranks = pool.run(_predicts, cache, timeout=TIMEOUT)
+    for rank, r in enumerate(ranks):
+        assert r["ranks"] == [0, 1] and r["tables"] >= 2, f"rank {rank}: tables on both ranks, {r}"
+        assert r["world"] == (2, 8) and r["link"] == "probe", f"rank {rank}: {r['world']}, {r['link']}"
+        assert r["pipelines"] == ["base", "fused", "prefetch", "semi-sync", "sparse-dist"], f"rank {rank}"
+        assert r["finite"], f"rank {rank}: a step out of range in\n{r['table']}"
+        assert "winner:" in r["table"], f"rank {rank}: no winner line in\n{r['table']}"
+
+
+def _auto(rank: int, world_size: int, cache: str, pipe_name: str, own_tuner: bool = False) -> dict:
+    _cache(cache)
+    import torch
+
+    import pipeline
+    from tests import models
+
+    model, opt = models.build("dlrm", "table_wise")
+    tuner = pipeline.Tuner() if own_tuner else None  # the caller's tuner, without a predictor
+    pipe = getattr(pipeline, pipe_name)(model, opt, torch.device("cpu"), tuner=tuner)
+    schedules = []
+    it = iter(models.batches("dlrm", STEPS + 4, rank))
+    for _ in range(STEPS):
+        pipe.progress(it)
+        schedules.append(pipe.input_dist_schedule)
+    tuner = pipe.tuner
+    return {
+        "predicted": tuner.predicted_ms,
+        "first": schedules[0],
+        "schedules": schedules,
+        "state": tuner.state_dict(),
+        "tuning": tuner.tuning,
+        "reason": tuner.reason,
+    }
+
+
+@pytest.mark.parametrize("pipe_name", ["TrainPipelineSparseDist", "TrainPipelineFusedSparseDist"])
+def test_auto_starts_from_the_prediction_on_every_rank_alike(pool, cache, pipe_name):
+    ranks = pool.run(_auto, cache, pipe_name, timeout=TIMEOUT)
+    first, second = ranks
+    assert set(first["predicted"]) == {"early", "late", "early-shared", "late-own"}, first["predicted"]
+    assert first["predicted"] == second["predicted"], "the ranks averaged their predictions"
+    assert first["schedules"] == second["schedules"], "every step under the same schedule on both ranks"
+    best = min(first["predicted"], key=first["predicted"].get)
+    assert first["first"] == best, f"the first step runs the predicted best, {best}"
+    if not first["tuning"]:  # decided by the model, or by trials among the close ones
+        assert first["state"]["predicted_ms"] == first["predicted"], "the checkpoint keeps the prediction"
+        assert "predicted" in first["reason"], first["reason"]
+
+
+def test_a_tuner_of_the_callers_without_a_predictor_measures_every_schedule(pool, cache):
+    # the negative twin: no prediction, the first steps run torchrec's order and all four are tried
+    for rank, r in enumerate(pool.run(_auto, cache, "TrainPipelineSparseDist", True, timeout=TIMEOUT)):
+        assert r["predicted"] == {} and r["first"] == "late", f"rank {rank}: {r['predicted']}, {r['first']}"
+        assert set(r["schedules"]) == {"early", "late", "early-shared", "late-own"}, f"rank {rank}"
