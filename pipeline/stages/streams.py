@@ -22,7 +22,8 @@ Implementations: `Streams` (CPU, no streams: no-ops), `CudaStreams`, `pipeline.t
 `OrderedStreams`, where the hand-off is written once. Nobody asks which one it has.
 
 Where `record_stream` remains (`Streams.record`): with `handoff="record-stream"` (the previous
-hand-off, kept to measure the difference), and for what `returned` gives the caller. torchrec and
+hand-off, kept to measure the difference), for what `returned` gives the caller, and for a block
+`stash.Stash` frees while its copy to the host runs (nothing can hold freed memory). torchrec and
 fbgemm also record streams inside their own APIs: a collective's awaitable records its result on the
 stream that waits for it (`torchrec.distributed.comm_ops.Request`), and a UVM-caching table's
 `prefetch(..., forward_stream)` records its cache locations on the forward stream.

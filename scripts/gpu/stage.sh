@@ -9,8 +9,9 @@
 # pinned torch is staged too. --for-image stages instead the fbgemm and torchrec built for the
 # image's torch (nothing of torch travels; a fallback, off the pins). Writes, git-ignored:
 #   .gpu/p1 .. .gpu/pN  the CUDA packages (fbgemm-gpu, torch when staged) with only sm_90 machine
-#                       code (scripts/gpu/prune_fatbin.py), as one tar.xz cut in parts of 60 MB
-#                       (57 MiB: one a call, which carries 64 MiB with the working tree)
+#                       code (scripts/gpu/prune_fatbin.py), as one tar.xz cut in equal parts of at
+#                       most 60 MB (PART_BYTES; one a call, which carries 64 MiB with the working
+#                       tree; the last one carries the wheels too)
 #   .gpu/whl            torchrec and its pure-Python needs, and stack.env (what was staged)
 # and prints the device calls to make.
 set -euo pipefail
@@ -77,12 +78,22 @@ fi
 find "$work/site" -name "*.so*" -type f -exec $PY "$here/prune_fatbin.py" prune 90 {} + | grep -v "zeroed 0 MB" || true
 (cd "$work/site" && tar -cf - .) | xz -T0 -6 > "$work/stack.tar.xz"
 rm -rf .gpu/p[0-9]* .gpu/whl && mkdir -p .gpu/whl "$work/parts" && rm -f "$work"/parts/part.*
-split -b "$PART_BYTES" "$work/stack.tar.xz" "$work/parts/part."
-n=0
-for part in "$work"/parts/part.*; do n=$((n + 1)); mkdir -p ".gpu/p$n"; cp "$part" ".gpu/p$n/"; done
 for req in "$TORCHREC_REQ" "torchmetrics==1.0.3" "tensordict==0.15.3" "iopath==0.1.9" "pyvers>=0.2,<0.3"; do
   pip_get .gpu/whl "$req"
 done
+# Parts of equal size, none over PART_BYTES, the last one with the wheels inside what a call carries
+# (64 MiB with the working tree measured here, less 1 MiB of margin).
+tree=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+whl=$(du -cb .gpu/whl | tail -1 | cut -f1)
+budget=$((64 * 1048576 - tree - 1048576))
+total=$(stat -c %s "$work/stack.tar.xz")
+n=$(((total + PART_BYTES - 1) / PART_BYTES))
+[ $(((total + n - 1) / n + whl)) -le "$budget" ] || n=$((n + 1))
+size=$(((total + n - 1) / n))
+[ "$size" -le "$budget" ] || { echo "stage.sh: a part of $size bytes with a working tree of $tree does not fit in 64 MiB" >&2; exit 1; }
+split -a 3 -b "$size" "$work/stack.tar.xz" "$work/parts/part."
+n=0
+for part in "$work"/parts/part.*; do n=$((n + 1)); mkdir -p ".gpu/p$n"; cp "$part" ".gpu/p$n/"; done
 TORCHREC=$(find .gpu/whl -name "torchrec-*.whl" | head -1 | xargs basename | cut -d- -f2)
 cat > .gpu/whl/stack.env <<EOF
 TORCH=$TORCH FBGEMM=$FBGEMM TORCHREC=$TORCHREC STACK=$STACK
@@ -91,9 +102,11 @@ EOF
 du -sh .gpu/p* .gpu/whl
 echo
 echo "staged: $(head -1 .gpu/whl/stack.env); torch needed $NEEDS, staged: $STAGE_TORCH; $n part(s)"
-echo "device calls, one right after the other (the machine goes back 30 s after a call):"
+echo "device calls, timeout_s 600, one right after the other (the machine goes back 30 s after a call"
+echo "and /tmp with it; scripts/gpu/README.md):"
 for i in $(seq 1 $((n - 1))); do
   echo "  call $i, carry [\".gpu/p$i\"]:  bash scripts/gpu/run.sh receive"
 done
-echo "  call $n, carry [\".gpu/p$n\", \".gpu/whl\"]:  bash scripts/gpu/run.sh install probe tests csan"
-echo "  call $((n + 1)):  bash scripts/gpu/run.sh memory bench"
+echo "  call $n, carry [\".gpu/p$n\", \".gpu/whl\"]:  bash scripts/gpu/run.sh install probe tests"
+echo "  call $((n + 1)):  bash scripts/gpu/run.sh csan"
+echo "  call $((n + 2)):  bash scripts/gpu/run.sh memory"
