@@ -79,7 +79,8 @@ from pipeline.stages.backward_step import StepPlacement
 from pipeline.stages.context import TrainPipelineContext
 from pipeline.stages.not_pipelined import NotPipelinedWarning
 from pipeline.stages.overlap import OverlapTrial
-from pipeline.stages.streams import CudaStreams, Streams, ThreadStreams
+from pipeline.stages.streams import CudaStreams, Streams
+from pipeline.stages.thread_streams import ThreadStreams
 from pipeline.stages.tuner import Tuner
 from pipeline.testing import HandoffError, RecordingStreams
 from rewrite import NotPreparedError, RewriteError

@@ -319,31 +319,69 @@ def run_to_end(pipe, it, limit: int = 1000) -> list:
         assert len(outputs) <= limit, f"no StopIteration after {limit} outputs"
 
 
-def recorded_run(make_pipe, batches, *, broken: bool) -> tuple[dict, object]:
-    """Run a pipeline to the end on `RecordingStreams` and check its hand-offs.
+def recorded_run(
+    make_pipe, batches, *, broken: bool | str = False, lag: int = 1, watched: int | None = None
+) -> tuple[dict, object]:
+    """Run a pipeline to the end on `RecordingStreams`, each step inside its `watch()`, then
+    `wait_all()`, and check its hand-offs.
 
-    `make_pipe(streams)` builds the pipeline; `broken` replaces the hand-off with one that forgets
-    to wait (the checker must then catch it). Returns (outputs count, hand-offs checked, the
-    checker's error or None, the streams each stage ran on, how many times each stage ran) and the
+    `make_pipe(streams)` builds the pipeline. `broken`: False, True (the hand-off forgets to wait),
+    or one of `RecordingStreams.BROKEN`: the checker must then fail. `lag`: batches after which a
+    fake event completes. `watched`: how many steps run inside `watch()` (None: all; dynamo does
+    not compile under it, so a compiled step runs outside). Returns `summarize()`'s result and the
     streams.
     """
+    import contextlib
+
     import pipeline
 
-    streams = pipeline.RecordingStreams()
-    if broken:
-        streams.handoff = lambda obj, producer: streams.record(obj, streams.current())
-    outputs = run_to_end(make_pipe(streams), iter(batches))
+    streams = pipeline.RecordingStreams(lag=lag, broken="no-wait" if broken is True else (broken or None))
+    pipe, it = make_pipe(streams), iter(batches)
+    outputs = []
+    while True:
+        try:
+            with streams.watch() if watched is None or len(outputs) < watched else contextlib.nullcontext():
+                outputs.append(pipe.progress(it))
+        except StopIteration:
+            break
+        assert len(outputs) <= 1000, "no StopIteration after 1000 outputs"
+    streams.wait_all()
+    return summarize(streams, len(outputs)), streams
+
+
+def summarize(streams, outputs: int) -> dict:
+    """A run on `streams` that gave `outputs` outputs: outputs count, hand-offs checked, the
+    checker's error or None, the streams each stage ran on, how many times each stage ran, uses of
+    handed-off tensors verified, holds, the objects kept after each release, the most kept at
+    once, the drained check's error or None."""
+    import pipeline
+
     try:
         checked, error = streams.check(), None
     except pipeline.HandoffError as e:
         checked, error = 0, str(e)
+    try:
+        streams.check_drained()
+        drained = None
+    except pipeline.HandoffError as e:
+        drained = str(e)
     stages = {k: sorted(v) for k, v in streams.stage_streams().items()}
     runs: dict[str, int] = {}
     for entry in streams.log:
         if entry[0] == "stage":
             runs[entry[1]] = runs.get(entry[1], 0) + 1
-    result = {"outputs": len(outputs), "checked": checked, "error": error, "stages": stages, "runs": runs}
-    return result, streams
+    return {
+        "outputs": outputs,
+        "checked": checked,
+        "error": error,
+        "stages": stages,
+        "runs": runs,
+        "uses": streams.uses_checked,
+        "holds": sum(1 for entry in streams.log if entry[0] == "hold"),
+        "kept": [entry[1] for entry in streams.log if entry[0] == "kept"],
+        "peak": streams.keep_alive.peak,
+        "drained": drained,
+    }
 
 
 def outputs_then_stop(pipe, it, steps: int) -> tuple[list, bool]:

@@ -1,13 +1,18 @@
-"""On a CUDA device: every pipeline gives the plain loop's outputs and parameters bit for bit.
+"""On a CUDA device: every pipeline class gives its plain reference's outputs and parameters bit for
+bit, and the hand-offs keep nothing once the run is over.
 
-Skipped without a GPU (CI has none); docs/gpu.md records the runs on the GPU machine. One rank per
-GPU over NCCL (one GPU: one rank, whose input_dist all-to-alls are NCCL calls with itself), so the
-four streams (memcpy, data_dist, prefetch, default) and their hand-offs are real.
+Skipped without a GPU (CI has none); docs/gpu.md says how to run it on one. One rank per GPU over NCCL
+(one GPU: one rank, whose input_dist all-to-alls are NCCL calls with itself), so the four streams
+(memcpy, data_dist, prefetch, default) and their hand-offs are real. The cases and their references
+are in `tests/cuda_cases.py` (shared with scripts/gpu/): the plain loop; for Eval the model's eval
+outputs; for PT2 and CompAutograd the plain loop compiled the same way (aot_eager).
 
-Two kernels: torchrec's fused kernel with the tables in HBM (every model kind and sharding), and its
-UVM-caching kernel with a cache far smaller than the tables, where `prefetch()` really moves rows into
-the cache: the Prefetch pipeline then fills batch i+1's rows while batch i computes, and the cache
-must keep batch i's rows until its backward has written them.
+Two kernels: torchrec's fused kernel with the tables in HBM (every model kind and sharding for Base,
+SparseDist and Prefetch; two kinds and shardings for the rest of the family), and its UVM-caching
+kernel with a cache far smaller than the tables, where `prefetch()` really moves rows into the cache:
+the Prefetch pipeline then fills batch i+1's rows while batch i computes, and the cache must keep
+batch i's rows until its backward has written them. The hand-off under test is the keep-alive; two
+cases run the previous one (`handoff="record-stream"`), which must give the same numbers.
 """
 
 from __future__ import annotations
@@ -17,56 +22,43 @@ import itertools
 import pytest
 import torch
 
+from tests.cuda_cases import STEPS
 from tests.harness import RankPool, pytest_timeout
 from tests.models import KINDS, SHARDINGS
 
-TIMEOUT = 120
+TIMEOUT = 180
 pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none: docs/gpu.md)"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.timeout(pytest_timeout(TIMEOUT)),
 ]
 
 PIPELINES = ("TrainPipelineBase", "TrainPipelineSparseDist", "PrefetchTrainPipelineSparseDist")
-HBM_CASES = list(itertools.product(PIPELINES, KINDS, SHARDINGS))
+FAMILY = (
+    "TrainPipelineFusedSparseDist",
+    "TrainPipelineSemiSync",
+    "EvalPipelineSparseDist",
+    "StagedTrainPipeline",
+)
+HBM_CASES = [
+    *itertools.product(PIPELINES, KINDS, SHARDINGS),
+    *itertools.product(FAMILY, ("dlrm", "nested"), ("table_wise", "column_wise")),
+    ("TrainPipelinePT2", "dlrm", "table_wise"),
+    ("TrainPipelineSparseDistCompAutograd", "dlrm", "table_wise"),
+]
 CACHE_CASES = list(itertools.product(PIPELINES, ("dlrm", "nested"), ("table_wise", "column_wise")))
-STEPS = 20
+RECORD_STREAM_CASES = [("TrainPipelineSparseDist", "dlrm"), ("PrefetchTrainPipelineSparseDist", "nested")]
 
 
-def _run(pipe_name: str, kind: str, sharding: str, cache) -> dict:
-    import pipeline
-    from pipeline.stages.copy import to_device
-    from tests import models
-
-    device = torch.device("cuda", torch.cuda.current_device())
-    data = models.batches(kind, STEPS, rank=0)
-    ref_model, ref_opt = models.build(kind, sharding, device=device, cache=cache)
-    expected = models.plain_loop(ref_model, ref_opt, [to_device(b, device, False) for b in data])
-    model, opt = models.build(kind, sharding, device=device, cache=cache)
-    if pipe_name.startswith("torchrec."):  # torchrec's own, for scripts/gpu/csan.py
-        from torchrec.distributed import train_pipeline
-
-        pipe = getattr(train_pipeline, pipe_name.removeprefix("torchrec."))(model, opt, device)
-    else:
-        pipe = getattr(pipeline, pipe_name)(model, opt, device)
-    outputs, stopped = models.outputs_then_stop(pipe, iter(models.batches(kind, STEPS, rank=0)), STEPS)
-    torch.cuda.synchronize()
-    report = getattr(pipe, "rewrite_report", None)
-    return {
-        "outputs_equal": models.bitwise_equal(expected, outputs),
-        "params_equal": models.bitwise_equal(ref_model.state_dict(), model.state_dict()),
-        "on_device": all(o.device.type == "cuda" for o in models.flat_tensors(outputs)),
-        "stopped": stopped,
-        "not_pipelined": None if report is None else [m.fqn for m in report.not_pipelined],
-    }
-
-
-def _case(rank: int, world_size: int, pipe_name: str, kind: str, sharding: str, cached: bool) -> dict:
+def _case(rank: int, world: int, name: str, kind: str, sharding: str, cached: bool, handoff: str) -> dict:
     from torchrec.distributed.types import CacheParams
 
+    from tests.cuda_cases import run_case
+
+    torch._dynamo.reset()
     # 3 tables of 40 rows share one cache of 32 slots (the kernel's smallest: one set of 32 ways),
     # and a batch touches up to 54 ids: rows are evicted and written back every step.
     cache = CacheParams(load_factor=0.2, prefetch_pipeline=True) if cached else None
-    return _run(pipe_name, kind, sharding, cache=cache)
+    return run_case(name, kind, sharding, cache=cache, handoff=handoff)
 
 
 def _semi_sync_against_torchrec(rank: int, world_size: int) -> dict:
@@ -88,13 +80,14 @@ def _semi_sync_against_torchrec(rank: int, world_size: int) -> dict:
     return {"counts": (n_ours, n_theirs), "equal": models.bitwise_equal(ours, theirs)}
 
 
-def _check(r: dict, pipe_name: str) -> None:
-    assert r["outputs_equal"], "per-step outputs differ from the plain loop"
-    assert r["params_equal"], "final parameters differ from the plain loop"
+def _check(r: dict, name: str) -> None:
+    assert r["count"] == STEPS, f"{r['count']} outputs for {STEPS} batches"
+    assert r["outputs_equal"], "per-step outputs differ from the reference"
+    assert r["params_equal"], "final parameters differ from the reference"
     assert r["on_device"], "outputs are not on the GPU"
-    assert r["stopped"], f"no StopIteration after {STEPS} outputs"
-    if pipe_name != "TrainPipelineBase":
-        assert r["not_pipelined"] == [], r
+    assert r["kept_at_end"] == 0, f"{r['kept_at_end']} objects still kept after the run and wait_all()"
+    if name not in ("TrainPipelineBase", "TrainPipelinePT2"):
+        assert r["not_pipelined"] == [], f"not pipelined: {r['not_pipelined']}"
 
 
 @pytest.fixture(scope="module")
@@ -105,25 +98,26 @@ def gpu():
     ranks.close()
 
 
-@pytest.mark.parametrize(("pipe_name", "kind", "sharding"), HBM_CASES)
-def test_hbm_kernel_bitwise_equal(gpu, pipe_name, kind, sharding):
-    _check(gpu.run(_case, pipe_name, kind, sharding, False, timeout=TIMEOUT)[0], pipe_name)
+@pytest.mark.parametrize(("name", "kind", "sharding"), HBM_CASES)
+def test_hbm_kernel_bitwise_equal(gpu, name, kind, sharding):
+    _check(gpu.run(_case, name, kind, sharding, False, "keep-alive", timeout=TIMEOUT)[0], name)
 
 
-@pytest.mark.parametrize(("pipe_name", "kind", "sharding"), CACHE_CASES)
-def test_uvm_cache_kernel_bitwise_equal(gpu, pipe_name, kind, sharding):
-    _check(gpu.run(_case, pipe_name, kind, sharding, True, timeout=TIMEOUT)[0], pipe_name)
+@pytest.mark.parametrize(("name", "kind", "sharding"), CACHE_CASES)
+def test_uvm_cache_kernel_bitwise_equal(gpu, name, kind, sharding):
+    _check(gpu.run(_case, name, kind, sharding, True, "keep-alive", timeout=TIMEOUT)[0], name)
 
 
-def test_fused_lookup_pipeline_bitwise_equal(gpu):
-    """The Fused pipeline (lookup on the data_dist stream) equals the plain loop."""
-    name = "TrainPipelineFusedSparseDist"
-    _check(gpu.run(_case, name, "dlrm", "table_wise", False, timeout=TIMEOUT)[0], name)
+@pytest.mark.parametrize(("name", "kind"), RECORD_STREAM_CASES)
+def test_record_stream_handoff_gives_the_same_numbers(gpu, name, kind):
+    r = gpu.run(_case, name, kind, "table_wise", False, "record-stream", timeout=TIMEOUT)[0]
+    _check(r, name)
+    assert r["kept_peak"] == 0, "the record_stream hand-off kept objects"
 
 
 def test_semi_sync_equals_torchrecs_own_class(gpu):
-    """SemiSync trains on stale embeddings by design: it must be torchrec's class, bit for bit (on
-    CPU, tests/test_family.py compares it with a reference derived from torchrec's semantics)."""
+    """SemiSync trains on stale embeddings by design (from `start_batch` on): it must be torchrec's
+    class, bit for bit (before `start_batch` it is the plain loop: the family cases above)."""
     r = gpu.run(_semi_sync_against_torchrec, timeout=TIMEOUT)[0]
     assert r["counts"] == (STEPS, STEPS), r
     assert r["equal"], "not torchrec's TrainPipelineSemiSync, bit for bit"

@@ -1,4 +1,4 @@
-"""ThreadStreams: the CPU prefetch stream as a worker thread (pipeline/streams.py)."""
+"""ThreadStreams: the CPU prefetch stream as a worker thread (pipeline/stages/thread_streams.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import weakref
 import pytest
 import torch
 
-from pipeline.stages.streams import Streams, ThreadStreams, streams_for
+from pipeline.stages.streams import Streams, streams_for
+from pipeline.stages.thread_streams import ThreadStreams
 from pipeline.testing import RecordingStreams
 
 

@@ -29,6 +29,7 @@ from pipeline.stages.context import BatchContext
 from pipeline.stages.input_dist import InputDist
 from pipeline.stages.labels import label
 from pipeline.stages.lookup import LookupStage
+from pipeline.stages.streams import Streams
 from rewrite import unwrap_model
 
 __all__ = ["Batches", "FusedMethods", "SemiSyncMethods", "SparseDistMethods"]
@@ -66,6 +67,7 @@ class SparseDistMethods:
     _ranks: Ranks
     _execute_all_batches: bool
     _inplace_copy: bool
+    _streams: Streams
     _enter: Callable[[Iterator[Any]], Lane]
     _fill: Callable[[Lane], None]
     _fetch_and_copy: Callable[..., BatchContext | None]
@@ -122,9 +124,10 @@ class SparseDistMethods:
         return batch is not None
 
     def dequeue_batch(self) -> None:
-        """Remove the head batch (its step is done) and set the module context to the next one's."""
+        """Remove the head batch (its step is done) and set the module context to the next one's;
+        what was handed off for the head batch is released (its backward is queued)."""
         contexts = self.contexts
-        contexts.popleft()
+        self._streams.release(contexts.popleft())
         self._input_dist.slot.current = contexts[0] if contexts else None
 
     def copy_batch_to_gpu(self, dataloader_iter: Iterator[Any]) -> tuple[Any, BatchContext | None]:

@@ -141,16 +141,23 @@ class PipelineCore(SubclassPoints, TrainPipeline):
         try:
             draining = lane.state is LaneState.DRAINING
             if not (self._execute_all_batches or draining) and not self._look_ahead(lane):
-                lane.inflight.clear()  # the dataloader ended before this step's look-ahead: drop all
+                for ctx in lane.inflight:  # the dataloader ended before this step's look-ahead: drop all
+                    self._streams.release(ctx)
+                lane.inflight.clear()
             self._fill(lane)
             if not lane.inflight:
                 del self._lanes[id(dataloader_iter)]
                 raise StopIteration
+            head = lane.inflight[0]
             if self._step_context is None:
                 output = self._step(lane)
             else:
                 with self._step_context():
                     output = self._step(lane)
+            # the step queued every stream's last use of what was handed off for the batch (the
+            # caller's: backward, where autograd reads the saved inputs); the output leaves
+            self._streams.release(head)
+            self._streams.returned(output)
             lane.steps += 1
             return output
         except StopIteration:
@@ -312,7 +319,8 @@ class PipelineCore(SubclassPoints, TrainPipeline):
         """Make the copy stage's `batch` usable on the caller's stream (what `_wait_for_batch`
         does by default)."""
         streams = self._streams
-        streams.handoff(batch, streams.memcpy)
+        # held for the caller's stream on behalf of the head batch, released after its step
+        streams.handoff(batch, streams.memcpy, self._ranks.lane.inflight[0])
         streams.consumed(batch)
 
     def _backward_stage(self, ctx: BatchContext, losses: Any) -> None:

@@ -138,6 +138,7 @@ class EvalPipelineCPUSparse(InputDistCore):
         self._job: Future | None = None
         """The sparse stage running on the worker (at most one)."""
         self._on_reset.append(lambda: self._wait_sparse(discard=True))
+        self._on_reset.append(self._dense.discard)  # the dropped batches' copies
 
     def _fill(self, lane: Lane) -> None:
         """A lane's first batches: batch i through the sparse stage and the copy, and with depth
@@ -155,6 +156,9 @@ class EvalPipelineCPUSparse(InputDistCore):
         self._to_device(ctx)  # a no-op unless its sparse stage ran on the worker (depth 1)
         self._wait_for_batch()
         _, output = self._forward(ctx, train=False, input_dist=self._input_dist)
+        # forward only: its use of what memcpy copied is queued (the core releases the host's streams)
+        self._dense.release(ctx)
+        self._dense.returned(output)
         lane.inflight.popleft()
         if self._depth == 2 and lane.inflight:
             self._to_device(lane.inflight[0])  # batch i+1, whose sparse stage ran in step i-1
@@ -167,7 +171,7 @@ class EvalPipelineCPUSparse(InputDistCore):
         ctx = self._ranks.lane.inflight[0]
         dense = self._dense
         for obj in (ctx.batch, *ctx.embeddings.values()):
-            dense.handoff(obj, dense.memcpy)
+            dense.handoff(obj, dense.memcpy, ctx)
             dense.consumed(obj)
 
     def detach(self) -> nn.Module:

@@ -38,7 +38,8 @@ from pipeline.stages.context import BatchContext, LookupBatchContext, PrefetchBa
 from pipeline.stages.input_dist import InputDist
 from pipeline.stages.lookup import LookupStage
 from pipeline.stages.prefetch import PrefetchStage
-from pipeline.stages.streams import CudaStreams, Streams, ThreadStreams
+from pipeline.stages.streams import CudaStreams, Streams
+from pipeline.stages.thread_streams import ThreadStreams
 
 __all__ = ["SparseDataDistUtil"]
 
@@ -58,8 +59,13 @@ _CONTEXTS = {
 }
 
 
-def _streams(data_dist_stream: Any, prefetch_stream: Any) -> Streams:
-    """CUDA streams when `data_dist_stream` is one; on CPU, none, or a prefetch worker thread."""
+def _streams(data_dist_stream: Any, prefetch_stream: Any, streams: Streams | None) -> Streams:
+    """`streams` given (a test's `RecordingStreams`): it, with the stages' streams set; else CUDA
+    streams when `data_dist_stream` is one; on CPU, none, or a prefetch worker thread."""
+    if streams is not None:
+        if data_dist_stream is not None and not streams.inert:
+            streams.data_dist = data_dist_stream
+        return streams
     if device_stream(data_dist_stream):
         streams = CudaStreams(data_dist_stream.device, prefetch=prefetch_stream is not None)
         streams.data_dist = data_dist_stream
@@ -87,6 +93,12 @@ class SparseDataDistUtil:
     Keyword-only, ours:
         strict: fail on the first batch if a sharded module cannot be pipelined.
         rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
+        streams: the hand-offs of the stages' results to forward's stream (tests pass
+            `pipeline.RecordingStreams()`, with its `data_dist` as `data_dist_stream`); None: CUDA
+            hand-offs if `data_dist_stream` is a CUDA stream.
+
+    What forward took of a batch is released at the next forward, or at `detach()`: the caller's
+    backward of that batch is queued by then.
 
     Raises:
         ValueError: both `prefetch_stream` and `embedding_lookup_stream`, or `apply_jit`.
@@ -105,6 +117,7 @@ class SparseDataDistUtil:
         rewrite: RewriteOptions | None = None,
         rewrite_method: str | None = None,
         arg_paths: dict[str, Any] | None = None,
+        streams: Streams | None = None,
     ) -> None:
         refuse_jit(apply_jit)
         if prefetch_stream is not None and embedding_lookup_stream is not None:
@@ -123,7 +136,7 @@ class SparseDataDistUtil:
         self.data_dist_stream = data_dist_stream
         self.prefetch_stream = prefetch_stream
         self.embedding_lookup_stream = embedding_lookup_stream
-        self._streams = streams = _streams(data_dist_stream, prefetch_stream)
+        self._streams = streams = _streams(data_dist_stream, prefetch_stream, streams)
         # torchrec's order ("late" schedule, torchrec's process group); no votes: the stages fetch
         self._input_dist = InputDist(
             model,
@@ -149,6 +162,8 @@ class SparseDataDistUtil:
         """Batches whose input_dist started, oldest (the next forward's) first."""
         self._awaiting_stage: deque[BatchContext] = deque()
         """Batches whose input_dist started and whose prefetch or lookup stage has not run."""
+        self._forwarded: list[BatchContext] = []
+        """Batches whose forward ran, released at the next forward (their backward is queued)."""
         self._hooks: list[Any] = []
         self._next_index = 0
         self._recording: Any = None
@@ -220,6 +235,7 @@ class SparseDataDistUtil:
         return self._awaiting_stage.popleft()
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
+        self._release_forwarded()
         ctx = self._contexts[0] if self._contexts else None
         if ctx is not None and not ctx.started:  # it waited for the recorded forward to start
             self._input_dist.start(ctx)
@@ -247,7 +263,7 @@ class SparseDataDistUtil:
         elif sys.exc_info()[0] is None:
             self._input_dist.slot.check_calls()
         if self._contexts:
-            self._contexts.popleft()
+            self._forwarded.append(self._contexts.popleft())
         self.wait_sparse_data_dist()  # the values all-to-alls run during backward
 
     def detach(self) -> nn.Module:
@@ -256,9 +272,14 @@ class SparseDataDistUtil:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._release_forwarded()
         self._streams.wait_all()
         self._input_dist.detach()
         return self.model
+
+    def _release_forwarded(self) -> None:
+        while self._forwarded:
+            self._streams.release(self._forwarded.pop())
 
     def start_sparse_data_dist_stage(
         self, name: str = "start_sparse_data_dist", runnable: Callable[[Any], Any] | None = None

@@ -19,8 +19,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from pipeline.compat.types import TrainPipeline
 from pipeline.stages.labels import label
 from pipeline.stages.streams import CudaStreams, Streams
@@ -66,6 +64,10 @@ class StagedTrainPipeline(TrainPipeline):
         debug_mode: log each stage as it runs.
         compute_stream: the stream forward runs on (CUDA); default: the current stream.
         on_flush_end: called once a flush (`set_flush(True)`) has emptied the pipeline.
+
+    Keyword-only, ours:
+        streams: the hand-offs between the stages' streams (tests pass `pipeline.RecordingStreams()`
+            and its streams in the stages); None: CUDA hand-offs if a stage has a CUDA stream.
     """
 
     def __init__(
@@ -74,17 +76,19 @@ class StagedTrainPipeline(TrainPipeline):
         debug_mode: bool = False,
         compute_stream: Any = None,
         on_flush_end: Callable[[], None] | None = None,
+        *,
+        streams: Streams | None = None,
     ) -> None:
         if not pipeline_stages:
             raise ValueError("StagedTrainPipeline needs at least one stage")
         self._stages = list(pipeline_stages)
         self._debug = debug_mode
         first = next((s.stream for s in self._stages if device_stream(s.stream)), None)
-        self._compute_stream = compute_stream or (
-            torch.get_device_module(first.device).current_stream() if first is not None else None
-        )
-        self._streams = CudaStreams(first.device, prefetch=False) if first is not None else Streams()
+        if streams is None:
+            streams = CudaStreams(first.device, prefetch=False) if first is not None else Streams()
+        self._streams = streams
         """Only for hand-offs between the stages' streams (each stage brings its own stream)."""
+        self._compute_stream = compute_stream or streams.current()
         self._outputs: list[tuple[Any, Any, int]] = [(None, None, -1)] * len(self._stages)
         """Per batch in flight, oldest first: (output of its latest stage, its event, its index)."""
         self._initialized = False
@@ -129,7 +133,10 @@ class StagedTrainPipeline(TrainPipeline):
         n = self.num_stages
         for index in range(n):
             self._run(index, n - 1 - index, dataloader_iter)
-        self._streams.handoff_event(out, event, self._compute_stream)
+        streams = self._streams
+        streams.handoff_event(None, event, self._compute_stream)
+        with streams.use(self._compute_stream):
+            streams.returned(out)  # the caller's own: used until it drops it, past any point of ours
         return out
 
     def _fill(self, dataloader_iter: Iterator[Any]) -> None:
@@ -170,14 +177,15 @@ class StagedTrainPipeline(TrainPipeline):
             st.fill_callback()
 
     def _run_on_stream(self, st: PipelineStage, value: Any, event: Any, batch_index: int) -> tuple[Any, Any]:
-        text = f"pipeline::staged::{st.name}#{batch_index}"
-        if not device_stream(st.stream):
-            with label(text):
-                return st.runnable(value), None
-        module = torch.get_device_module(st.stream.device)
-        with label(text), module.stream(st.stream):
-            self._streams.handoff_event(value, event, st.stream)
+        """Stage `st` on its stream (None or a CPU stream: the caller's), after the previous stage's `event`;
+        returns its output and the event recorded after it (None without streams)."""
+        streams = self._streams
+        on_host = getattr(getattr(st.stream, "device", None), "type", None) == "cpu"  # torch.Stream("cpu")
+        with label(f"pipeline::staged::{st.name}#{batch_index}"), streams.use(None if on_host else st.stream):
+            stream, taken = streams.current(), object()
+            streams.handoff_event(value, event, stream, taken)
             output = st.runnable(value)
-            done = module.Event()
-            done.record(st.stream)
+            streams.produced(output)
+            done = streams.event(stream)
+            streams.release(taken)  # the stage's last use of its input is queued
         return output, done

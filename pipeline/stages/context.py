@@ -3,6 +3,13 @@
 One context per batch in flight; none is shared across batches. Each field names the stage that
 writes it and the stage that reads it. The contexts implement `rewrite.ForwardContext`, the interface
 the hijacked forwards read, and do the waiting and cross-stream hand-off for them.
+
+A context is the owner of everything handed off for its batch (`Streams.handoff(obj, producer,
+ctx)`): the batch to data_dist and to the caller's stream, the input_dist results, the prefetched
+inputs and the lookups to the stream that takes them. The pipeline releases it
+(`Streams.release(ctx)`) once the batch's step is over, after backward, where autograd reads the
+tensors forward saved (the ids and offsets of the embedding lookups, the dense inputs, the labels),
+or when the batch is dropped.
 """
 
 from __future__ import annotations
@@ -79,8 +86,8 @@ class BatchContext:
                 data = request.wait()
                 streams.produced(data)
             module_ctx = self.module_contexts.pop(key)
-            streams.handoff(data, streams.data_dist)
-            streams.handoff(module_ctx, streams.data_dist)
+            streams.handoff(data, streams.data_dist, self)
+            streams.handoff(module_ctx, streams.data_dist, self)
         streams.consumed(data)
         return module_ctx, data
 
@@ -93,7 +100,7 @@ class BatchContext:
     def postproc_result(self, fqn: str) -> Any | None:
         result = self.postproc_results.get(fqn)
         if result is not None:
-            self.streams.handoff(result, self.streams.data_dist)
+            self.streams.handoff(result, self.streams.data_dist, self)
             self.streams.consumed(result)
         return result
 
@@ -118,8 +125,8 @@ class PrefetchBatchContext(BatchContext):
         prepared = self.prefetched.pop(key, None)
         if prepared is not None:
             module_ctx, data = prepared
-            self.streams.handoff(data, self.streams.prefetch)
-            self.streams.handoff(module_ctx, self.streams.prefetch)
+            self.streams.handoff(data, self.streams.prefetch, self)
+            self.streams.handoff(module_ctx, self.streams.prefetch, self)
             self.streams.consumed(data)
         return prepared
 
@@ -140,9 +147,10 @@ class LookupBatchContext(BatchContext):
             return None
         module_ctx, data, output = prepared
         streams = self.streams
-        streams.handoff(output, streams.data_dist)
-        streams.record(module_ctx, streams.current())  # backward reads them on this stream
-        streams.record(data, streams.current())
+        streams.handoff(output, streams.data_dist, self)
+        # the lookup's backward reads its input (autograd saved the ids): held until the batch ends
+        streams.handoff(module_ctx, streams.data_dist, self)
+        streams.handoff(data, streams.data_dist, self)
         streams.consumed(output)
         return output
 

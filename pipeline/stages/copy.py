@@ -49,24 +49,32 @@ def to_device_in_place(batch: Any, device: torch.device, streams: Any) -> Any:
     memcpy = streams.memcpy
     if memcpy is None:
         return to_device(batch, device, non_blocking=True)
-    current = streams.current()
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    out = _allocate(batch, device, streams, copies)
+    current, fill = streams.current(), object()
     with streams.use(memcpy):
-        # the new blocks may be memory the current stream still reads: order the fill after it
-        streams.handoff(None, current)
-    return _fill(batch, device, streams)
+        # The new blocks may be memory the current stream still reads: the fill waits for it. And
+        # the copies write memory the current stream owns: it is held until they are done, in
+        # case the batch is dropped before the current stream waits for them.
+        streams.handoff(out, current, fill)
+        for dst, src in copies:
+            dst.copy_(src, non_blocking=True)
+    streams.release(fill)  # the copies are memcpy's last use
+    return out
 
 
-def _fill(batch: Any, device: torch.device, streams: Any) -> Any:
+def _allocate(batch: Any, device: torch.device, streams: Any, copies: list) -> Any:
+    """`batch` with each tensor replaced by an empty one on `device` (on the current stream), the
+    pairs to copy appended to `copies`; objects with their own `.to` are moved on memcpy."""
     if isinstance(batch, torch.Tensor):
         out = torch.empty_like(batch, device=device)
-        with streams.use(streams.memcpy):
-            out.copy_(batch, non_blocking=True)
+        copies.append((out, batch))
         return out
     if isinstance(batch, dict):
-        return type(batch)((k, _fill(v, device, streams)) for k, v in batch.items())
+        return type(batch)((k, _allocate(v, device, streams, copies)) for k, v in batch.items())
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_fill(v, device, streams) for v in batch))
+        return type(batch)(*(_allocate(v, device, streams, copies) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_fill(v, device, streams) for v in batch)
+        return type(batch)(_allocate(v, device, streams, copies) for v in batch)
     with streams.use(streams.memcpy):
         return to_device(batch, device, non_blocking=True)

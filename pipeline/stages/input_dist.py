@@ -228,7 +228,7 @@ class InputDist:
             self._place_all_to_alls(rewrite)
 
         with run_stage(streams, "input_dist::start", ctx.index, streams.data_dist):
-            streams.handoff(ctx.batch, streams.memcpy)
+            streams.handoff(ctx.batch, streams.memcpy, ctx)
             streams.consumed(ctx.batch)
             requests = {}
             for site, args, kwargs in rewrite.site_inputs(ctx.batch, ctx.postproc_results):

@@ -130,6 +130,8 @@ class PrefetchStage:
                 module_ctx, data = prepared
                 if site.fqn in self._working:
                     start = time.perf_counter()
+                    # fbgemm's UVM-caching kernels record their cache locations on forward_stream
+                    # themselves (record_stream inside `prefetch`); what we hand over is held by ctx
                     with label(f"pipeline::prefetch::{site.key}#{ctx.index}"):
                         site.module.prefetch(dist_input=data, forward_stream=forward_stream, ctx=module_ctx)
                     work += time.perf_counter() - start

@@ -92,6 +92,8 @@ class Stash:
                 added.append(_Lent(storage, storage.nbytes(), host, tensor.device))
             for lent in added:
                 if streams.memcpy is not None:  # the block is not reused before its copy is done
+                    # record_stream, not a keep-alive: the block is freed now, so no reference can
+                    # hold it, and ordering the caller's stream after the copy would stall compute
                     streams.record(_view(lent.storage, lent.device), streams.memcpy)
                 _resize(lent.storage, 0)
         self._lent += added

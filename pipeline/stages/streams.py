@@ -2,37 +2,59 @@
 
 A pipeline runs each stage on a stream: the host-to-device copy on `memcpy`, the input all-to-all on
 `data_dist`, the prefetch on `prefetch`, and forward/backward/optimizer on whatever stream the caller
-is running on (read at each use, never a stream of our own: see meta-pytorch/torchrec#3306). Every
-object made on one stream and used on another goes through `Streams.handoff`, which orders the
-consumer after the producer and keeps the object's memory alive for the consumer.
+is running on (read at each use, never a stream of our own: a user's code around `progress()` runs on
+that stream, and work we queued elsewhere would not be ordered with it). Every object made on one
+stream and used on another goes through `Streams.handoff`, which orders the consumer after the
+producer and keeps the object alive for the consumer.
 
-Three implementations: `Streams` (CPU, no streams: every method is a no-op), `CudaStreams` (real
-streams) and `ThreadStreams` (CPU, with a worker thread playing the prefetch stream: work submitted
-to it runs in order there, and a hand-off waits for the producer's future instead of
-`wait_stream`). The test double `pipeline.testing.RecordingStreams` logs every stage, wait, record
-and use on named fake streams, so that a missing wait is caught on CPU. Nothing outside this module
-asks which implementation it has: what differs is a method here.
+The hand-off contract, for every implementation:
+- `handoff(obj, producer, owner)`: the current stream waits for `producer`; `obj` is held for the
+  current stream on behalf of `owner` (a batch's context);
+- `release(owner)`: every stream that took one of `owner`'s objects has queued its last use (for the
+  caller's stream: after backward, since autograd's saved tensors are read there); each such stream
+  records an event now, and the objects are dropped once it has completed (`KeepAlive`);
+- `returned(obj)`: `obj` leaves the pipeline for the caller (a step's output, which may hold the
+  batch's labels): the caller's later use of it is beyond any point the pipeline can order.
+
+Implementations: `Streams` (CPU, no streams: no-ops), `CudaStreams`, `pipeline.testing.RecordingStreams`
+(fake streams that log every hand-off and every use of a handed-off tensor: CI's checker) and
+`thread_streams.ThreadStreams` (CPU, the prefetch stream a worker thread). The middle two share
+`OrderedStreams`, where the hand-off is written once. Nobody asks which one it has.
+
+Where `record_stream` remains (`Streams.record`): with `handoff="record-stream"` (the previous
+hand-off, kept to measure the difference), for what `returned` gives the caller, and for a block
+`stash.Stash` frees while its copy to the host runs (nothing can hold freed memory). torchrec and
+fbgemm also record streams inside their own APIs: a collective's awaitable records its result on the
+stream that waits for it (`torchrec.distributed.comm_ops.Request`), and a UVM-caching table's
+`prefetch(..., forward_stream)` records its cache locations on the forward stream.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
-from collections import deque
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+import os
+from collections.abc import Callable, Hashable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 
+from pipeline.stages.keepalive import KeepAlive
+
 __all__ = [
+    "HANDOFFS",
     "CudaStreams",
+    "OrderedStreams",
     "Streams",
-    "ThreadStreams",
+    "all_threads_profiled",
     "profiling_all_threads",
     "streams_for",
 ]
+
+HANDOFFS = ("keep-alive", "record-stream")
+"""How a hand-off keeps memory alive: "keep-alive" (`KeepAlive`) or "record-stream"
+(`Tensor.record_stream` on the consumer: the previous way, kept to measure the difference)."""
 
 _all_threads_profiled = False
 
@@ -54,6 +76,11 @@ def profiling_all_threads() -> Iterator[None]:
         _all_threads_profiled = previous
 
 
+def all_threads_profiled() -> bool:
+    """Whether the code runs inside `profiling_all_threads()`."""
+    return _all_threads_profiled
+
+
 class Streams:
     """No streams (CPU): stages run in program order on the calling thread."""
 
@@ -73,7 +100,7 @@ class Streams:
         return nullcontext()
 
     def record(self, obj: Any, stream: Any) -> None:
-        """Keep `obj`'s memory alive until the work enqueued on `stream` so far is done."""
+        """`record_stream(stream)` on every tensor of `obj` (see the module's docstring for where)."""
 
     def produced(self, obj: Any) -> None:
         """`obj` was just created on the current stream (a checking hook; no-op here)."""
@@ -98,20 +125,9 @@ class Streams:
         """Run work submitted to the prefetch stream on the worker thread (True) or inline on the
         calling thread (False); a no-op without a worker."""
 
-    def handoff_event(self, obj: Any, event: Any, consumer: Any) -> None:
-        """Make `obj`, whose producer recorded `event` (None: none, or on the host), usable on the
-        stream `consumer`: `consumer` waits for the event, and `obj` is recorded on it."""
-        if event is None or consumer is None:
-            return
-        event.wait(consumer)
-        self.record(obj, consumer)
-
     def submit(self, stream: Any, work: Callable[[], None]) -> Future:
-        """Run `work` on `stream`; the returned future's `result()` waits for it on the host.
-
-        With CUDA or no streams the work is enqueued (or run) now, on the calling thread; on a
-        thread-backed stream it runs later, in order, on that stream's thread.
-        """
+        """Run `work` on `stream` (enqueued or run now; on a thread-backed stream, later, in order,
+        on its thread); the returned future's `result()` waits for it on the host."""
         done: Future = Future()
         with self.use(stream):
             work()
@@ -119,36 +135,139 @@ class Streams:
         return done
 
     def wait_all(self) -> None:
-        """Wait for all work submitted so far (before a detach).
+        """Wait for all work submitted so far, and for the streams' last uses of what was
+        released (before a detach or a checkpoint); what batches in flight hold stays held.
 
         Raises:
             BaseException: the first error of that work that no hand-off raised yet.
         """
 
     def discard(self) -> None:
-        """Wait for all work submitted so far and drop its errors (a reset after an exception,
-        which is being raised already)."""
+        """Wait for all work submitted so far and drop its errors; release and drop everything
+        held (a reset after an exception, which drops every batch in flight)."""
 
-    def handoff(self, obj: Any, producer: Any) -> None:
+    def handoff(self, obj: Any, producer: Any, owner: Hashable | None = None) -> None:
         """Make `obj`, produced on stream `producer`, usable on the current stream.
 
-        Orders the current stream after everything enqueued on `producer` so far, and records
-        `obj` on the current stream so its memory is not reused while this stream still reads it.
-        Must be called after `obj` was produced and before the current stream first uses it.
+        Orders the current stream after everything enqueued on `producer` so far, and holds `obj`
+        for the current stream until `release(owner)`. Must be called after `obj` was produced and
+        before the current stream first uses it. `obj` None: only the order (a fence).
         """
-        consumer = self.current()
-        if producer is None or consumer is None or consumer == producer:
-            return
-        consumer.wait_stream(producer)
-        self.record(obj, consumer)
+
+    def handoff_event(self, obj: Any, event: Any, consumer: Any, owner: Hashable | None = None) -> None:
+        """`handoff` where the producer recorded `event` (None: none, or on the host): `consumer`
+        waits for the event, and `obj` is held for it until `release(owner)`."""
+
+    def event(self, stream: Any) -> Any:
+        """An event recorded now on `stream`, for `handoff_event` (None without streams)."""
+        return None
+
+    def release(self, owner: Hashable) -> None:
+        """Every stream that took one of `owner`'s objects has queued its last use (the end of a
+        batch, or its drop): each records an event now; the objects go once it has completed."""
+
+    def returned(self, obj: Any) -> None:
+        """`obj` leaves the pipeline for the caller, who reads it on the current stream after any
+        point the pipeline can order: its tensors are recorded on that stream."""
+
+    @property
+    def kept(self) -> int:
+        """Objects held for a consumer stream now (0 without streams)."""
+        return 0
 
 
-class CudaStreams(Streams):
-    """Side streams on a CUDA device; copy and communication at high priority."""
+class OrderedStreams(Streams):
+    """The hand-off of real or fake streams: a wait, then the object held (`KeepAlive`) or, under
+    `handoff="record-stream"`, recorded. `CudaStreams` and `pipeline.testing.RecordingStreams`
+    supply the streams, the events and `record`.
+
+    Args:
+        new_event: makes an event with `record(stream)`, `wait(stream)`, `query()`, `synchronize()`.
+        handoff: one of `HANDOFFS`.
+        log: what `KeepAlive` reports each hold, release and drop to (a checking test double).
+    """
 
     inert = False
 
-    def __init__(self, device: torch.device, *, prefetch: bool = True, data_dist: bool = True) -> None:
+    def __init__(
+        self, new_event: Callable[[], Any], *, handoff: str, log: Callable[[tuple], None] | None = None
+    ) -> None:
+        if handoff not in HANDOFFS:
+            raise ValueError(f"handoff must be one of {HANDOFFS}; got {handoff!r}")
+        self.handoff_mode = handoff
+        self.keep_alive = KeepAlive(new_event, log)
+        self._make_event = new_event
+
+    def handoff(self, obj: Any, producer: Any, owner: Hashable | None = None) -> None:
+        consumer = self.current()
+        if producer is None or consumer == producer:
+            return
+        consumer.wait_stream(producer)
+        self._keep(obj, consumer, owner)
+
+    def handoff_event(self, obj: Any, event: Any, consumer: Any, owner: Hashable | None = None) -> None:
+        if event is None or consumer is None:
+            return
+        event.wait(consumer)
+        self._keep(obj, consumer, owner)
+
+    def _keep(self, obj: Any, consumer: Any, owner: Hashable | None) -> None:
+        if obj is None:
+            return
+        if self.handoff_mode == "record-stream":
+            self.record(obj, consumer)
+        elif owner is None:
+            raise ValueError("a hand-off of an object needs its owner (the batch's context), to release it")
+        else:
+            self.keep_alive.hold(obj, consumer, owner)
+
+    def event(self, stream: Any) -> Any:
+        event = self._make_event()
+        event.record(stream)
+        return event
+
+    def release(self, owner: Hashable) -> None:
+        self.keep_alive.release(owner)
+
+    def returned(self, obj: Any) -> None:
+        # The caller may keep parts of a batch (labels) past the step and read them on its stream;
+        # memory another stream allocated must then wait for that stream at its free, which only
+        # record_stream can say. On memory the caller's stream allocated it is a no-op.
+        self.record(obj, self.current())
+
+    def wait_all(self) -> None:
+        self.keep_alive.wait()
+
+    def discard(self) -> None:
+        self.keep_alive.release_all()
+
+    @property
+    def kept(self) -> int:
+        return self.keep_alive.size
+
+
+class CudaStreams(OrderedStreams):
+    """Side streams on a CUDA device; copy and communication at high priority.
+
+    Args:
+        device: the CUDA device.
+        prefetch: make a prefetch stream.
+        data_dist: make a data_dist stream; without, input_dist runs on the caller's stream (no
+            memory pool of another stream).
+        handoff: one of `HANDOFFS`; None: the environment variable `PIPELINE_HANDOFF`, else
+            "keep-alive" (the variable is there to compare the two in-flight memories).
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        prefetch: bool = True,
+        data_dist: bool = True,
+        handoff: str | None = None,
+    ) -> None:
+        handoff = handoff or os.environ.get("PIPELINE_HANDOFF", "keep-alive")
+        super().__init__(torch.cuda.Event, handoff=handoff)
         high = torch.cuda.Stream.priority_range()[1]  # lowest number is the highest priority
         self.device = device
         self.memcpy = torch.cuda.Stream(device=device, priority=high)
@@ -168,7 +287,8 @@ class CudaStreams(Streams):
 
 def _record_stream(obj: Any, stream: Any) -> None:
     if isinstance(obj, torch.Tensor):
-        obj.record_stream(stream)
+        if obj.is_cuda:
+            obj.record_stream(stream)
     elif hasattr(obj, "record_stream"):
         obj.record_stream(stream)
     elif isinstance(obj, dict):
@@ -182,132 +302,13 @@ def _record_stream(obj: Any, stream: Any) -> None:
             _record_stream(getattr(obj, f.name), stream)
 
 
-class _WorkerStream:
-    """A thread that runs submitted work in order: the CPU stand-in for a CUDA side stream."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pipeline-{name}")
-        self._last: Future | None = None
-        self._pending: deque[Future] = deque()
-        """Work submitted since the last `wait_all` or `discard`, less what finished without error
-        (dropped at each submission: a training run submits one job a step, for days)."""
-        self._local = threading.local()
-
-    def submit(self, work: Callable[[], None]) -> Future:
-        job: Future = Future()
-
-        def run() -> None:
-            self._local.job = job
-            try:
-                work()
-            except BaseException as error:
-                job.set_exception(error)
-            else:
-                job.set_result(None)
-            finally:
-                self._local.job = None
-
-        pending = self._pending
-        while pending and pending[0].done() and pending[0].exception() is None:
-            pending.popleft()
-        self._executor.submit(run)
-        self._last = job
-        pending.append(job)
-        return job
-
-    @property
-    def job(self) -> Future | None:
-        """On the worker thread, the future of the work it is running; else None."""
-        return getattr(self._local, "job", None)
-
-    def join(self) -> None:
-        """Wait for everything submitted so far; re-raises the error of the last work."""
-        if self._last is not None:
-            self._last.result()
-
-    def wait_all(self) -> None:
-        """Wait for everything submitted so far; re-raise the first error among it. (An error a
-        hand-off already raised inside `progress()` was dropped by the reset that followed it.)"""
-        pending, self._pending, self._last = self._pending, deque(), None
-        wait(pending)
-        for job in pending:
-            if job.exception() is not None:
-                raise job.exception()
-
-    def discard(self) -> None:
-        """Wait for everything submitted so far and forget its errors: a later `join` raises only
-        what fails after this."""
-        pending, self._pending, self._last = self._pending, deque(), None
-        wait(pending)
-
-
-class ThreadStreams(Streams):
-    """CPU streams where the prefetch stage runs on a worker thread.
-
-    On a CPU, a prefetch that waits (on the disk, on the all-to-all) overlaps the main thread's
-    backward only if it runs on another thread; CPU-bound work moved there competes with compute.
-    A hand-off of an object the worker produced waits for the work that produced it (its future;
-    other objects: for everything submitted so far), which is what `wait_stream` does on CUDA;
-    memory needs no recording on the host.
-    """
-
-    def __init__(self) -> None:
-        self.prefetch = _WorkerStream("prefetch")
-        self._threaded = True  # False: work submitted to the prefetch stream runs inline
-        self._made_by: dict[int, Future] = {}  # id of an object the worker produced -> its job
-
-    @property
-    def has_prefetch_worker(self) -> bool:
-        return True
-
-    def set_prefetch_on_worker(self, enabled: bool) -> None:
-        self._threaded = enabled
-
-    @property
-    def prefetch_on_worker(self) -> bool:
-        # torch.profiler records only the threads it was started on, unless told otherwise: while it
-        # runs, work stays on the calling thread so that every stage keeps its label.
-        profiled = torch.autograd.profiler._is_profiler_enabled and not _all_threads_profiled
-        return self._threaded and not profiled
-
-    def submit(self, stream: Any, work: Callable[[], None]) -> Future:
-        if isinstance(stream, _WorkerStream) and self.prefetch_on_worker:
-            return stream.submit(work)
-        if isinstance(stream, _WorkerStream):
-            stream.join()  # in order with what was submitted before
-            stream = None
-        return super().submit(stream, work)
-
-    def wait_all(self) -> None:
-        try:
-            self.prefetch.wait_all()
-        finally:
-            self._made_by.clear()
-
-    def discard(self) -> None:
-        self.prefetch.discard()
-        self._made_by.clear()
-
-    def produced(self, obj: Any) -> None:
-        job = self.prefetch.job
-        if job is not None:
-            self._made_by[id(obj)] = job
-
-    def handoff(self, obj: Any, producer: Any) -> None:
-        # Wait for the work that made `obj`, not for everything submitted since: the prefetch of
-        # batch i+1 may already be running when forward of i takes batch i's prefetched input.
-        if isinstance(producer, _WorkerStream):
-            job = self._made_by.pop(id(obj), None)
-            if job is not None:
-                job.result()
-            else:
-                producer.join()
-
-
 def streams_for(device: torch.device, *, prefetch_thread: bool = False, data_dist: bool = True) -> Streams:
     """Real streams on CUDA (without a data_dist stream unless `data_dist`); on CPU none, or a
     prefetch worker thread if `prefetch_thread`."""
     if device.type == "cuda":
         return CudaStreams(device, data_dist=data_dist)
-    return ThreadStreams() if prefetch_thread else Streams()
+    if prefetch_thread:
+        from pipeline.stages.thread_streams import ThreadStreams  # it builds on this module
+
+        return ThreadStreams()
+    return Streams()

@@ -1,0 +1,206 @@
+"""The CPU side of the GPU scripts (scripts/gpu/): the pins they stage, the fatbin pruning on a small
+synthetic ELF, the steps and arguments of run.sh and stage.sh, and the GPU cases, the sanitizer's
+and the memory script's code paths run on CPU (`tests/cuda_cases.py` on RecordingStreams)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.cuda_cases import CLASSES
+from tests.harness import RankPool, pytest_timeout
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU = ROOT / "scripts" / "gpu"
+sys.path.insert(0, str(GPU))
+
+import pins  # noqa: E402  (scripts/gpu is no package)
+import prune_fatbin  # noqa: E402
+
+TIMEOUT = 150
+STACKS = """
+TORCHREC ?= 1.9
+STACK_1.9 := 2.14.1 1.9.0 1.9.2
+STACK_1.8 := 2.13.0 1.8.0 1.8.0
+TORCH_PIN := torch==$(word 1,$(STACK))
+"""
+FBGEMM_INIT = """
+_fbgemm_torch_compat_table = {
+    "1.9": "2.14",
+    "1.8": "2.13",
+    "1.6": "2.11",
+}
+"""
+
+
+def test_pins_of_this_makefile_are_one_stack():
+    found = pins.read_pins((ROOT / "Makefile").read_text())
+    assert found.torch and found.fbgemm and found.torchrec, found
+    assert found.fbgemm.split(".")[:2] == found.torchrec.split(".")[:2], "fbgemm and torchrec of one release"
+
+
+def test_pins_of_a_makefile_of_stacks():
+    assert pins.read_pins(STACKS) == pins.Pins("2.14.1", "1.9.0", "1.9.2", stack="1.9"), "the default stack"
+    assert pins.read_pins(STACKS, "1.8").torch == "2.13.0", "--stack 1.8"
+    with pytest.raises(pins.PinsError, match=r"stack '2.0' is not in the Makefile; it has \['1.8', '1.9'\]"):
+        pins.read_pins(STACKS, "2.0")
+
+
+def test_pins_missing_say_what_is_expected():
+    with pytest.raises(pins.PinsError, match=r"cannot read TORCH_PIN .* expected torch==X\.Y\.Z"):
+        pins.read_pins("FBGEMM_cuda := fbgemm-gpu==1.8.0\n")
+    with pytest.raises(pins.PinsError, match="drop --stack"):
+        pins.read_pins("TORCH_PIN := torch==2.13.0\n", "1.9")
+
+
+def test_fbgemms_table_names_its_torch_and_the_fbgemm_of_a_torch():
+    assert pins.torch_for_fbgemm(FBGEMM_INIT, "1.9.0") == "2.14"
+    assert pins.fbgemm_for_torch(FBGEMM_INIT, "2.11.0+cu130") == "1.6", "the image's torch"
+    with pytest.raises(pins.PinsError, match=r"no entry for 1\.7\.0"):
+        pins.torch_for_fbgemm(FBGEMM_INIT, "1.7.0")
+    with pytest.raises(pins.PinsError, match="no _fbgemm_torch_compat_table"):
+        pins.torch_for_fbgemm("import torch\n", "1.9.0")
+
+
+def test_pins_cli_prints_shell_assignments():
+    out = subprocess.run(
+        [sys.executable, str(GPU / "pins.py"), "--format", "shell"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0 and out.stdout.startswith("TORCH="), out.stderr
+
+
+def _entry(kind: int, arch: int, payload: bytes) -> bytes:
+    header = struct.pack("<HHIQ", kind, 0x0101, 64, len(payload)).ljust(28, b"\0") + struct.pack("<I", arch)
+    return header.ljust(64, b"\0") + payload
+
+
+def _synthetic_so(tmp: Path) -> tuple[Path, dict[int, bytes]]:
+    """A relocatable ELF (gcc, objcopy) whose .nv_fatbin holds sm_80, sm_90 and PTX 90 entries."""
+    if not all(shutil.which(t) for t in ("gcc", "objcopy", "readelf")):
+        pytest.skip("needs gcc, objcopy and readelf (binutils)")
+    payloads = {80: b"\x80" * 256, 90: b"\x90" * 128}
+    entries = _entry(2, 80, payloads[80]) + _entry(2, 90, payloads[90]) + _entry(1, 90, b"ptx\0" * 8)
+    blob = struct.pack("<IHHQ", prune_fatbin.MAGIC, 1, 16, len(entries)) + entries
+    (tmp / "fatbin.bin").write_bytes(blob)
+    (tmp / "k.c").write_text("int k(void) { return 1; }\n")
+    subprocess.run(["gcc", "-c", "-o", str(tmp / "k.o"), str(tmp / "k.c")], check=True)
+    subprocess.run(
+        ["objcopy", "--add-section", f".nv_fatbin={tmp / 'fatbin.bin'}", str(tmp / "k.o"), str(tmp / "k.so")],
+        check=True,
+    )
+    return tmp / "k.so", payloads
+
+
+def test_prune_zeroes_other_architectures_only(tmp_path, capsys):
+    so, payloads = _synthetic_so(tmp_path)
+    size = so.stat().st_size
+    assert prune_fatbin.main(["list", "90", str(so)]) == 0
+    assert "sm_80 0.0 MB, sm_90 0.0 MB" in capsys.readouterr().out, "the entries were not found"
+    assert prune_fatbin.main(["prune", "90", str(so)]) == 0
+    data = so.read_bytes()
+    assert so.stat().st_size == size, "pruning changed the file's size"
+    assert payloads[90] in data, "the kept architecture's code was touched"
+    assert payloads[80] not in data and data.count(b"ptx\0") == 8, "sm_80 kept, or the PTX of sm_90 lost"
+
+
+def test_prune_refuses_bad_arguments(capsys):
+    assert prune_fatbin.main(["shrink", "90"]) == 2
+    assert "prune_fatbin.py prune 90" in capsys.readouterr().err, "no usage on bad arguments"
+
+
+def _sh(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(GPU / script), *args], cwd=ROOT, capture_output=True, text=True,
+        env={**os.environ, "PY": sys.executable, **env}, timeout=60,
+    )  # fmt: skip
+
+
+def test_run_sh_names_its_steps_and_refuses_others():
+    bad = _sh("run.sh", "tests", "nope")
+    assert bad.returncode == 2 and "unknown step 'nope'" in bad.stderr, bad
+    assert _sh("run.sh").returncode == 2, "no step named: usage and exit 2"
+    assert "memory    peak memory" in _sh("run.sh", "--help").stdout
+
+
+def test_run_sh_dry_run_prints_each_steps_command(tmp_path):
+    dry = _sh("run.sh", "probe", "tests", "csan", "memory", "bench", DRY="1", OUT=str(tmp_path))
+    assert dry.returncode == 0, dry.stderr
+    for command in ("pytest -q -p no:cacheprovider tests/test_cuda.py", "scripts/gpu/csan.py",
+                    "scripts/gpu/memory.py --config gpu-large", "benchmarks run --device cuda"):  # fmt: skip
+        assert command in dry.stdout, f"{command!r} not in the dry run:\n{dry.stdout}"
+
+
+def test_run_sh_install_without_the_wheels_says_what_to_carry(tmp_path):
+    out = _sh("run.sh", "install", DRY="1", OUT=str(tmp_path), GPU_DIR=str(tmp_path / "none"))
+    assert out.returncode == 1 and "install: carry" in out.stderr, out
+
+
+def test_stage_sh_reads_the_pins_and_its_arguments(tmp_path):
+    (tmp_path / "Makefile").write_text(STACKS)
+    dry = _sh("stage.sh", "--stack", "1.8", "--dry-run", MAKEFILE=str(tmp_path / "Makefile"))
+    assert dry.returncode == 0 and "torch=2.13.0 fbgemm=1.8.0 torchrec=1.8.0 (stack 1.8)" in dry.stdout, dry
+    bad = _sh("stage.sh", "--frobnicate")
+    assert bad.returncode == 2 and "unknown argument --frobnicate" in bad.stderr, bad
+
+
+def test_csan_runs_every_class_and_torchrecs_for_comparison():
+    import csan
+
+    names = {name for name, _, _ in csan.cases([*CLASSES, *csan.COMPARED])}
+    assert names == {*CLASSES, *csan.COMPARED}
+    assert ("TrainPipelinePT2", "nested", False) not in csan.cases(list(CLASSES)), "PT2 runs the DLRM only"
+
+
+def test_memory_table_gives_both_ratios():
+    import memory
+
+    rows = [
+        {"class": "TrainPipelineSparseDist", "variant": v, "peak_mb": mb, "kept_peak": 9}
+        for v, mb in (("keep-alive", 90.0), ("record-stream", 100.0), ("torchrec", 120.0))
+    ]
+    line = memory.table(rows).splitlines()[-1]
+    assert line == "| TrainPipelineSparseDist | 90 | 100 | 120 | 0.90 | 0.75 | 9 |", line
+
+
+@pytest.mark.timeout(pytest_timeout(TIMEOUT))
+def test_memory_script_dry_runs_on_cpu():
+    out = subprocess.run(
+        [sys.executable, str(GPU / "memory.py"), "--device", "cpu", "--config", "demo", "--steps", "2",
+         "--classes", "TrainPipelineSparseDist", "--variants", "keep-alive"],
+        cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "MEMORY TrainPipelineSparseDist keep-alive: {" in out.stdout, out.stdout
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    ranks = RankPool(1)
+    yield ranks
+    ranks.close()
+
+
+def _dry(rank: int, world_size: int, name: str) -> dict:
+    import torch
+
+    from tests.cuda_cases import run_case
+
+    torch._dynamo.reset()
+    return run_case(name, "dlrm", "table_wise", steps=4, device=torch.device("cpu"))
+
+
+@pytest.mark.timeout(pytest_timeout(TIMEOUT))
+@pytest.mark.parametrize("name", CLASSES)
+def test_every_gpu_case_dry_runs_on_cpu(one_rank, name):
+    """tests/test_cuda.py's cases, on CPU with RecordingStreams: the references and the classes'
+    wiring hold before a GPU sees them."""
+    r = one_rank.run(_dry, name, timeout=TIMEOUT)[0]
+    assert r["count"] == 4 and r["outputs_equal"] and r["params_equal"], r
+    assert r["kept_at_end"] == 0 and r["kept_peak"] > 0, r

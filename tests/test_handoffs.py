@@ -1,0 +1,203 @@
+"""Every pipeline class's cross-stream hand-offs, proved on CPU by `RecordingStreams`.
+
+On 2 gloo ranks (DLRM, table-wise, distinct batches), each class runs to the end on fake streams
+whose events complete one batch after they were recorded, every step inside `watch()`. The checks:
+- every use of a handed-off tensor by a torch op (autograd's backward included) is on a stream that
+  made it or holds it: nothing is read after the stream that took it released it;
+- every object is dropped only after the event its consumer recorded after its last use completed;
+- after the last batch and `wait_all()` nothing is kept, and the number kept does not grow with
+  the run (its last third keeps no more than its middle third, past the fill).
+Negative twins: the same run with one part of the hand-off broken on purpose fails the check, and
+the error says what went wrong.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.harness import pytest_timeout
+
+TIMEOUT = 200
+STEPS = 10
+LAG = 1
+INFLIGHT = 4
+"""The most batches a class has in flight (SemiSync: i to i+3), for the bound on what is kept."""
+pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+
+OPTIONS = {
+    "TrainPipelineBase": {},
+    "TrainPipelineSparseDist": {},
+    "PrefetchTrainPipelineSparseDist": {},
+    "PrefetchTrainPipelineSparseDist+stage": {},
+    "TrainPipelineFusedSparseDist": {},
+    "TrainPipelineSemiSync": {"start_batch": 2},
+    "EvalPipelineSparseDist": {},
+    "StagedTrainPipeline": {},
+    "TrainPipelinePT2": {},
+    "TrainPipelineSparseDistCompAutograd": {},
+}
+"""Every class a user constructs; "+stage": Prefetch made to run its prefetch stage, which the
+test model's fused kernels (nothing to prefetch) would skip."""
+BROKEN = {
+    "no-wait": "without a wait",
+    "release-at-handoff": "after its release",
+    "early-drop": "before its event completed",
+    "release-before-backward": "after its release",
+}
+"""A deliberately wrong hand-off -> what the checker must say."""
+NO_BACKWARD = ("EvalPipelineSparseDist", "StagedTrainPipeline")
+"""Classes without a backward of their own (Staged: the caller's loop runs it)."""
+SLOW = ("TrainPipelinePT2", "TrainPipelineSparseDistCompAutograd")
+WATCHED = {"TrainPipelinePT2": 2, "TrainPipelineSparseDistCompAutograd": 1}
+"""Steps run inside `watch()` where the later ones compile (dynamo does not trace under a
+`TorchDispatchMode`): those run eager and are watched; the compiled ones are checked for their
+waits, holds, releases and drops only."""
+
+
+def _make(name: str, model, opt, streams):
+    import torch
+
+    import pipeline
+
+    device = torch.device("cpu")
+    if name == "TrainPipelinePT2":
+        config = pipeline.TorchCompileConfig(backend="aot_eager", compile_on_iter=2)
+        return pipeline.TrainPipelinePT2(model, opt, device, config, streams=streams)
+    if name == "TrainPipelineSparseDistCompAutograd":
+        model._compiled_autograd_options = {"backend": "aot_eager", "dynamic": True, "fullgraph": False}
+        return pipeline.TrainPipelineSparseDistCompAutograd(model, opt, device, streams=streams)
+    cls = getattr(pipeline, name.removesuffix("+stage"))
+    return cls(model, opt, device, streams=streams, **OPTIONS[name])
+
+
+def _build(name: str):
+    import torch
+
+    from tests import models
+
+    if name == "TrainPipelineSparseDistCompAutograd":  # compiled autograd needs DDP's Python reducer
+        with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
+            return models.build("dlrm", "table_wise")
+    return models.build("dlrm", "table_wise")
+
+
+def _case(rank: int, world_size: int, name: str, broken: str | None) -> dict:
+    import contextlib
+    from unittest import mock
+
+    import torch
+
+    from pipeline.pipelines.core import PipelineCore
+    from tests import models
+
+    torch._dynamo.reset()
+    model, opt = _build(name)
+    if name == "EvalPipelineSparseDist":
+        model.eval()
+    data = models.batches("dlrm", STEPS, rank, seed=9)
+    with contextlib.ExitStack() as patches:
+        if name.endswith("+stage"):
+            always = mock.patch("pipeline.pipelines.prefetch.prefetch_does_work", lambda m: True)
+            patches.enter_context(always)
+        if broken == "release-before-backward":
+            backward = PipelineCore._backward_stage
+
+            def release_first(self, ctx, losses):
+                self._streams.release(ctx)  # the batch is released before backward reads it
+                backward(self, ctx, losses)
+
+            patches.enter_context(mock.patch.object(PipelineCore, "_backward_stage", release_first))
+        streams_broken = None if broken == "release-before-backward" else broken
+        if name == "StagedTrainPipeline":
+            return _staged(model, opt, data, streams_broken)
+        torch._dynamo.utils.counters.clear()
+        result, _ = models.recorded_run(
+            lambda streams: _make(name, model, opt, streams),
+            data,
+            broken=streams_broken or False,
+            lag=LAG,
+            watched=WATCHED.get(name),
+        )
+    counters = torch._dynamo.utils.counters
+    result["compiled"] = counters["stats"]["unique_graphs"] + counters["compiled_autograd"]["captures"]
+    return result
+
+
+def _staged(model, opt, data, broken: str | None) -> dict:
+    """StagedTrainPipeline with a copy stage on memcpy, a dense transform on the prefetch stream and
+    SparseDataDistUtil's stage on data_dist; the caller's loop (forward, backward, step) watched."""
+    import torch
+
+    import pipeline
+    from tests import models
+
+    streams = pipeline.RecordingStreams(lag=LAG, broken=broken)
+    sdd = pipeline.SparseDataDistUtil(model, streams.data_dist, streams=streams)
+    pipe = pipeline.StagedTrainPipeline(
+        [
+            pipeline.PipelineStage("copy", lambda b: b, stream=streams.memcpy),
+            pipeline.PipelineStage("double_dense", _double_dense, stream=streams.prefetch),
+            sdd.start_sparse_data_dist_stage(),
+        ],
+        streams=streams,
+    )
+    it, outputs = iter(data), 0
+    while True:
+        with streams.watch():
+            batch = pipe.progress(it)
+            if batch is None:
+                break
+            opt.zero_grad()
+            loss, _ = model(batch)
+            torch.sum(loss).backward()
+            opt.step()
+        outputs += 1
+        assert outputs <= STEPS, "no end of data"
+    sdd.detach()
+    streams.wait_all()
+    return models.summarize(streams, outputs)
+
+
+def _double_dense(batch):
+    from torchrec.datasets.utils import Batch
+
+    return Batch(batch.dense_features * 2, batch.sparse_features, batch.labels)
+
+
+def _cases(broken_too: bool) -> list:
+    cases = []
+    for name in OPTIONS:
+        marks = [pytest.mark.slow] if name in SLOW else []
+        cases.append(pytest.param(name, None, marks=marks, id=name))
+        for broken in BROKEN if broken_too else ():
+            if broken == "release-before-backward" and name in NO_BACKWARD:
+                continue
+            cases.append(pytest.param(name, broken, marks=marks, id=f"{name}-{broken}"))
+    return cases
+
+
+@pytest.mark.parametrize(("name", "broken"), _cases(False))
+def test_handoffs_are_ordered_released_after_last_use_and_bounded(pool, name, broken):
+    for rank, r in enumerate(pool.run(_case, name, broken, timeout=TIMEOUT)):
+        assert r["outputs"] == STEPS, f"rank {rank}: {r['outputs']} outputs"
+        assert r["error"] is None, f"rank {rank}: {r['error']}"
+        assert r["drained"] is None, f"rank {rank}: {r['drained']}"
+        assert r["holds"] >= STEPS, f"rank {rank}: {r['holds']} holds: the batches were not handed off"
+        assert r["uses"] > 0, f"rank {rank}: no use of a handed-off tensor was seen"
+        if name in WATCHED:
+            assert r["compiled"] > 0, f"rank {rank}: nothing was compiled after the watched steps"
+        third = len(r["kept"]) // 3  # after each release; the first third fills the pipeline
+        middle, last = r["kept"][third : 2 * third], r["kept"][2 * third :]
+        assert max(last) <= max(middle), f"rank {rank}: what is kept grows with the run: {r['kept']}"
+        per_batch = math.ceil(r["holds"] / STEPS)
+        bound = per_batch * (INFLIGHT + LAG + 1)
+        assert r["peak"] <= bound, f"rank {rank}: {r['peak']} objects kept at once, above {bound}"
+
+
+@pytest.mark.parametrize(("name", "broken"), [c for c in _cases(True) if c.values[1] is not None])
+def test_a_broken_handoff_is_caught(pool, name, broken):
+    for rank, r in enumerate(pool.run(_case, name, broken, timeout=TIMEOUT)):
+        assert r["error"] is not None, f"rank {rank}: {broken} was not caught"
+        assert BROKEN[broken] in r["error"], f"rank {rank}: {broken} caught as: {r['error']}"
