@@ -57,7 +57,10 @@ def _opt_state(opt) -> list:
     return tensors_in(opt.state)
 
 
-def _opt_stash_case(rank: int, world_size: int, kind: str, sharding: str, site: str, twin: bool) -> dict:
+def _opt_stash_case(
+    rank: int, world_size: int, kind: str, sharding: str, site: str, twin: bool, end: str = "detach"
+) -> dict:
+    """`end`: how the state is given back once the data ends (`detach` or `reset`)."""
     import torch
     from torchrec.distributed.types import ShardingType
 
@@ -94,11 +97,17 @@ def _opt_stash_case(rank: int, world_size: int, kind: str, sharding: str, site: 
         stopped = False
     except StopIteration:
         stopped = True
-    pipe.detach()  # gives the state back
+    after_stop = sum(_storage_bytes(_opt_state(opt)))
+    getattr(pipe, end)()  # gives the state back
+    back = all(n > 0 for n in _storage_bytes(_opt_state(opt)))
     return {
+        "after_stop": after_stop,
+        "back": back,
         "outputs": models.bitwise_equal(expected, outputs),
         "params": models.bitwise_equal(ref.state_dict(), model.state_dict()),
-        "state": models.bitwise_equal(_opt_state(ref_opt), _opt_state(opt)) and len(_opt_state(opt)) > 0,
+        "state": back
+        and models.bitwise_equal(_opt_state(ref_opt), _opt_state(opt))
+        and len(_opt_state(opt)) > 0,
         "stopped": stopped,
         "between": between,
         "seen": seen,
@@ -133,3 +142,12 @@ def test_opt_stash_twin_sparse_dist_keeps_the_state(pool):
     for rank, r in enumerate(pool.run(_opt_stash_case, "dlrm", "table_wise", EBC, True, timeout=TIMEOUT)):
         assert r["outputs"] and r["state"], f"rank {rank}: SparseDist with Adam is not the plain loop"
         assert all(b > 0 for b in r["between"]), f"rank {rank}: SparseDist freed the state: {r['between']}"
+
+
+def test_opt_stash_reset_gives_the_state_back(pool):
+    results = pool.run(_opt_stash_case, "split", "column_wise", "a", False, "reset", timeout=TIMEOUT)
+    for rank, r in enumerate(results):
+        where = f"OptStash reset after the data ended, rank {rank}"
+        assert r["after_stop"] == 0, f"{where}: the state was back before reset: {r['after_stop']} bytes"
+        assert r["back"], f"{where}: reset did not give every state tensor back"
+        assert r["state"], f"{where}: the state given back differs from the plain loop's"

@@ -39,10 +39,10 @@ class TrainPipelineSparseDistOptStash(InputDistCore):
 
     Numerics: the plain loop's, bit for bit (the state comes back byte for byte before each
     step). The state tensors keep their identity: between two `progress()` calls they are empty
-    (their storage freed); `detach()` and `drain()` give them back, so call one before saving the
-    optimizer's state (torchrec redirects its checkpoint stager to the host copy instead). On a
-    GPU the copies run on the memcpy stream (host memory pinned); on CPU the host copy is in the
-    same memory, so nothing is saved there.
+    (their storage freed), also after StopIteration; `detach()`, `drain()` and `reset()` give them
+    back, so call one before saving the optimizer's state (torchrec redirects its checkpoint stager
+    to the host copy instead). On a GPU the copies run on the memcpy stream (host memory pinned); on
+    CPU the host copy is in the same memory, so nothing is saved there.
 
     Args (torchrec's, in its order):
         model, optimizer, device: as in `TrainPipelineSparseDist`.
@@ -135,7 +135,7 @@ class TrainPipelineSparseDistOptStash(InputDistCore):
         self._stash = Stash(self._streams, "optimizer_state")
         self._stash_min_bytes = stash_min_bytes
         self._armed = False
-        self._on_reset.append(self._disarm)
+        self._on_reset.append(self._give_back)
         site = InjectionSite(site_fqn, OutputDistTensorFinder(sharding_type))
         hook_backward(
             site, unwrap_model(model), lambda grad: self._stash.restore(), active=lambda: self._armed
@@ -193,8 +193,11 @@ class TrainPipelineSparseDistOptStash(InputDistCore):
         tensors = tensors_in(getattr(self._optimizer, "state", {}))
         return [t for t in tensors if t.device.type == device.type and t.numel() * t.element_size() >= least]
 
-    def _disarm(self) -> None:
+    def _give_back(self) -> None:
+        """On reset (an error in a step, or an abandoned iterator): the state back, so that the
+        optimizer can be used or saved."""
         self._armed = False
+        self._stash.ready()
 
 
 # torchrec's class derives from its TrainPipelineSparseDist: `isinstance` answers as it does there,
