@@ -256,8 +256,10 @@ def test_predict_gives_every_pipeline_at_each_config_link_and_world_size(tmp_pat
         assert named <= set(steps), f"{scenario}: not every pipeline and schedule: {sorted(steps)}"
         assert all(ms > 0 for ms in steps.values()), f"{scenario}: {steps}"
         assert steps[r["winner"]] <= 1.005 * min(steps.values()), f"{scenario}: the winner is not the fastest"
-    for two, eight in ((rows[0], rows[1]), (rows[2], rows[3])):
-        assert eight["step_ms"]["base"] > two["step_ms"]["base"], f"{two['link']}: 8 ranks, not slower"
+    # over 1 Gbit the all-to-alls' per-peer latency grows with the ranks; over loopback 8 ranks may
+    # be faster (tiny's 4 tables: one table a rank at most, two at 2 ranks), so no order is asserted
+    two, eight = rows[0], rows[1]
+    assert eight["step_ms"]["base"] > two["step_ms"]["base"], "1gbit: 8 ranks, not slower than 2"
     assert "| tiny / 1gbit / 8 |" in md.read_text(), "the Markdown table has a row per world size"
     assert png.read_bytes()[:4] == b"\x89PNG", "the plot was not written"
     bad = bench("predict", "--config", "tiny", "--world-size", "2", "--link", "fast", "--plot", "")
