@@ -156,6 +156,10 @@ class RecordingStreams(OrderedStreams):
         self._recorded.add((oid, stream.name))
         self.log.append(("record", oid, stream.name))
 
+    def free_after(self, tensor: Any, stream: Any) -> None:
+        # the storage is freed next and its address reused: it is logged, not tracked for uses
+        self.log.append(("free_after", id(tensor), stream.name))
+
     def produced(self, obj: Any) -> None:
         oid = self._id(obj)
         self._origin.setdefault(oid, set()).add(self.current().name)

@@ -17,7 +17,7 @@ import torch
 
 from tests import models
 
-__all__ = ["CLASSES", "STEPS", "run_case"]
+__all__ = ["CLASSES", "HOST_ONLY", "OPTIONS", "STEPS", "run_case"]
 
 STEPS = 20
 CLASSES = (
@@ -30,7 +30,37 @@ CLASSES = (
     "StagedTrainPipeline",
     "TrainPipelinePT2",
     "TrainPipelineSparseDistCompAutograd",
+    "TrainPipelineSparseDistLite",
+    "TrainPipelineSparseDistT",
+    "TrainEvalHybridPipelineBase",
+    "TrainPipelineSparseDistBwdOpt",
+    "TrainPipelineSparseDistOptStash",
+    "TrainPipelineSparseDistEmbStash",
+    "TrainPipelinePrefetchEMS",
+    "TrainPipelinePEC",
+    "EvalPipelineFusedSparseDist",
+    "EvalPipelineCPUSparse",
+    "StagedTrainPipeline+prefetch",
+    "StagedTrainPipeline+lookup",
 )
+"""Staged "+prefetch" / "+lookup": SparseDataDistUtil's prefetch or embedding-lookup stage after its
+input_dist stage."""
+HOST_ONLY = ("EvalPipelineCPUSparse",)
+"""Classes whose sharded modules run on the host: `tests/models` puts the whole model on one device,
+so these run on the CPU (the dry run) only."""
+_EBC = "model.sparse_arch.embedding_bag_collection"
+OPTIONS: dict[str, dict[str, Any]] = {
+    "TrainPipelineSparseDistBwdOpt": {"site_fqn": _EBC},
+    "TrainPipelineSparseDistOptStash": {"site_fqn": _EBC, "stash_min_bytes": 0},
+    "TrainPipelineSparseDistEmbStash": {"site_fqn": "model.over_arch"},
+    "TrainPipelinePrefetchEMS": {"site_fqn": "model.over_arch"},
+}
+"""The classes that need a site of the model: its DLRM's modules (these run the "dlrm" kind only)."""
+_STASHED = {
+    "TrainPipelineSparseDistEmbStash": ("t0", "t1", "t2"),
+    "TrainPipelinePrefetchEMS": ("t0", "t1", "t2"),
+}
+"""The DLRM tables marked for the embedding stash."""
 _DYNAMO = {
     "capture_scalar_outputs": True,
     "capture_dynamic_output_shape_ops": True,
@@ -52,7 +82,11 @@ def run_case(
 ) -> dict:
     """Train with pipeline `name` and with its reference on the current CUDA device (`device`
     "cpu": on `RecordingStreams`, a dry run of the same code without a GPU)."""
+    if name in OPTIONS and kind != "dlrm":
+        raise ValueError(f"{name} runs on the 'dlrm' kind only (its site is a DLRM module); got {kind!r}")
     device = device or torch.device("cuda", torch.cuda.current_device())
+    if name in HOST_ONLY and device.type == "cuda":
+        raise ValueError(f"{name} wants its sharded modules on the host: run it with device cpu")
     on_gpu = device.type == "cuda"
     data = models.batches(kind, steps, rank=0)
     build = _builder(name, kind, sharding, device, cache)
@@ -96,7 +130,8 @@ def _builder(name: str, kind: str, sharding: str, device: torch.device, cache: A
                 model, opt = models.build(kind, sharding, device=device, cache=cache)
             model._compiled_autograd_options = dict(_AUTOGRAD)
             return model, opt
-        model, opt = models.build(kind, sharding, device=device, cache=cache)
+        stash = _STASHED.get(name, ())
+        model, opt = models.build(kind, sharding, device=device, cache=cache, stash=stash)
         if name.startswith("Eval"):
             model.eval()
         return model, opt
@@ -128,29 +163,34 @@ def _train(name: str, model, opt, device, data: list, handoff: str) -> tuple[lis
         streams = pipeline.CudaStreams(device, handoff=handoff)
     else:
         streams = pipeline.RecordingStreams(handoff=handoff)
-    if name == "StagedTrainPipeline":
-        outputs, report = _staged(model, opt, device, data, streams)
+    if name.startswith("StagedTrainPipeline"):
+        outputs, report = _staged(model, opt, device, data, streams, name.partition("+")[2])
         return outputs, streams, report
-    options: dict[str, Any] = {"streams": streams}
+    options: dict[str, Any] = {"streams": streams, **OPTIONS.get(name, {})}
     if name == "TrainPipelinePT2":
         options["compile_configs"] = pipeline.TorchCompileConfig(backend="aot_eager", compile_on_iter=2)
     pipe = getattr(pipeline, name)(model, opt, device, **options)
     return models.run_to_end(pipe, iter(data)), streams, getattr(pipe, "rewrite_report", None)
 
 
-def _staged(model, opt, device, data: list, streams) -> tuple[list, Any]:
-    """The copy on the memcpy stream, SparseDataDistUtil's stage on data_dist; the caller's loop."""
+def _staged(model, opt, device, data: list, streams, extra: str) -> tuple[list, Any]:
+    """The copy on the memcpy stream, SparseDataDistUtil's stage on data_dist, with `extra`
+    ("prefetch" or "lookup") its prefetch or lookup stage on the prefetch stream; the caller's loop."""
     import pipeline
     from pipeline.stages.copy import to_device
 
-    sdd = pipeline.SparseDataDistUtil(model, streams.data_dist, streams=streams)
-    pipe = pipeline.StagedTrainPipeline(
-        [
-            pipeline.PipelineStage("copy", lambda b: to_device(b, device, True), stream=streams.memcpy),
-            sdd.start_sparse_data_dist_stage(),
-        ],
-        streams=streams,
-    )
+    extra_stream = {"prefetch": "prefetch_stream", "lookup": "embedding_lookup_stream"}
+    options = {extra_stream[extra]: streams.prefetch} if extra else {}
+    sdd = pipeline.SparseDataDistUtil(model, streams.data_dist, streams=streams, **options)
+    stages = [
+        pipeline.PipelineStage("copy", lambda b: to_device(b, device, True), stream=streams.memcpy),
+        sdd.start_sparse_data_dist_stage(),
+    ]
+    if extra == "prefetch":
+        stages.append(pipeline.PipelineStage("prefetch", sdd.prefetch, stream=streams.prefetch))
+    elif extra == "lookup":
+        stages.append(sdd.start_embedding_lookup_stage())
+    pipe = pipeline.StagedTrainPipeline(stages, streams=streams)
     it, outputs = iter(data), []
     while (batch := pipe.progress(it)) is not None:
         opt.zero_grad()

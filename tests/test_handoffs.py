@@ -23,6 +23,9 @@ TIMEOUT = 200
 STEPS = 10
 LAG = 1
 INFLIGHT = 4
+EBC = "model.sparse_arch.embedding_bag_collection"
+STASHED = ("TrainPipelineSparseDistEmbStash", "TrainPipelinePrefetchEMS")
+"""Classes that lend marked embedding weights to host memory: the test model marks every table."""
 """The most batches a class has in flight (SemiSync: i to i+3), for the bound on what is kept."""
 pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
 
@@ -37,9 +40,22 @@ OPTIONS = {
     "StagedTrainPipeline": {},
     "TrainPipelinePT2": {},
     "TrainPipelineSparseDistCompAutograd": {},
+    "TrainPipelineSparseDistLite": {},
+    "TrainPipelineSparseDistT": {},
+    "TrainEvalHybridPipelineBase": {},
+    "TrainPipelineSparseDistBwdOpt": {"site_fqn": EBC},
+    "TrainPipelineSparseDistOptStash": {"site_fqn": EBC, "stash_min_bytes": 0},
+    "TrainPipelineSparseDistEmbStash": {"site_fqn": "model.over_arch"},
+    "TrainPipelinePrefetchEMS": {"site_fqn": "model.over_arch"},
+    "TrainPipelinePEC": {},
+    "EvalPipelineFusedSparseDist": {},
+    "EvalPipelineCPUSparse": {},
+    "StagedTrainPipeline+prefetch": {},
+    "StagedTrainPipeline+lookup": {},
 }
 """Every class a user constructs; "+stage": Prefetch made to run its prefetch stage, which the
-test model's fused kernels (nothing to prefetch) would skip."""
+test model's fused kernels (nothing to prefetch) would skip; Staged "+prefetch" and "+lookup":
+SparseDataDistUtil's prefetch or embedding-lookup stage after its input_dist stage."""
 BROKEN = {
     "no-wait": "without a wait",
     "release-at-handoff": "after its release",
@@ -47,7 +63,14 @@ BROKEN = {
     "release-before-backward": "after its release",
 }
 """A deliberately wrong hand-off -> what the checker must say."""
-NO_BACKWARD = ("EvalPipelineSparseDist", "StagedTrainPipeline")
+NO_BACKWARD = (
+    "EvalPipelineSparseDist",
+    "EvalPipelineFusedSparseDist",
+    "EvalPipelineCPUSparse",
+    "StagedTrainPipeline",
+    "StagedTrainPipeline+prefetch",
+    "StagedTrainPipeline+lookup",
+)
 """Classes without a backward of their own (Staged: the caller's loop runs it)."""
 SLOW = ("TrainPipelinePT2", "TrainPipelineSparseDistCompAutograd")
 WATCHED = {"TrainPipelinePT2": 2, "TrainPipelineSparseDistCompAutograd": 1}
@@ -80,7 +103,7 @@ def _build(name: str):
     if name == "TrainPipelineSparseDistCompAutograd":  # compiled autograd needs DDP's Python reducer
         with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
             return models.build("dlrm", "table_wise")
-    return models.build("dlrm", "table_wise")
+    return models.build("dlrm", "table_wise", stash=("t0", "t1", "t2") if name in STASHED else ())
 
 
 def _case(rank: int, world_size: int, name: str, broken: str | None) -> dict:
@@ -94,12 +117,13 @@ def _case(rank: int, world_size: int, name: str, broken: str | None) -> dict:
 
     torch._dynamo.reset()
     model, opt = _build(name)
-    if name == "EvalPipelineSparseDist":
+    if name.startswith("EvalPipeline"):
         model.eval()
     data = models.batches("dlrm", STEPS, rank, seed=9)
     with contextlib.ExitStack() as patches:
-        if name.endswith("+stage"):
-            always = mock.patch("pipeline.pipelines.prefetch.prefetch_does_work", lambda m: True)
+        if name.endswith(("+stage", "+prefetch")):
+            where = "pipelines" if name.endswith("+stage") else "stages"
+            always = mock.patch(f"pipeline.{where}.prefetch.prefetch_does_work", lambda m: True)
             patches.enter_context(always)
         if broken == "release-before-backward":
             backward = PipelineCore._backward_stage
@@ -110,8 +134,8 @@ def _case(rank: int, world_size: int, name: str, broken: str | None) -> dict:
 
             patches.enter_context(mock.patch.object(PipelineCore, "_backward_stage", release_first))
         streams_broken = None if broken == "release-before-backward" else broken
-        if name == "StagedTrainPipeline":
-            return _staged(model, opt, data, streams_broken)
+        if name.startswith("StagedTrainPipeline"):
+            return _staged(model, opt, data, streams_broken, name.partition("+")[2])
         torch._dynamo.utils.counters.clear()
         result, _ = models.recorded_run(
             lambda streams: _make(name, model, opt, streams),
@@ -125,24 +149,30 @@ def _case(rank: int, world_size: int, name: str, broken: str | None) -> dict:
     return result
 
 
-def _staged(model, opt, data, broken: str | None) -> dict:
-    """StagedTrainPipeline with a copy stage on memcpy, a dense transform on the prefetch stream and
-    SparseDataDistUtil's stage on data_dist; the caller's loop (forward, backward, step) watched."""
+def _staged(model, opt, data, broken: str | None, extra: str) -> dict:
+    """StagedTrainPipeline with a copy stage on memcpy, a dense transform on the prefetch stream,
+    SparseDataDistUtil's stage on data_dist and, with `extra` ("prefetch" or "lookup"), its
+    prefetch or embedding-lookup stage after it; the caller's loop (forward, backward, step)
+    watched."""
     import torch
 
     import pipeline
     from tests import models
 
     streams = pipeline.RecordingStreams(lag=LAG, broken=broken)
-    sdd = pipeline.SparseDataDistUtil(model, streams.data_dist, streams=streams)
-    pipe = pipeline.StagedTrainPipeline(
-        [
-            pipeline.PipelineStage("copy", lambda b: b, stream=streams.memcpy),
-            pipeline.PipelineStage("double_dense", _double_dense, stream=streams.prefetch),
-            sdd.start_sparse_data_dist_stage(),
-        ],
-        streams=streams,
-    )
+    extra_stream = {"prefetch": "prefetch_stream", "lookup": "embedding_lookup_stream"}
+    options = {extra_stream[extra]: streams.prefetch} if extra else {}
+    sdd = pipeline.SparseDataDistUtil(model, streams.data_dist, streams=streams, **options)
+    stages = [
+        pipeline.PipelineStage("copy", lambda b: b, stream=streams.memcpy),
+        pipeline.PipelineStage("double_dense", _double_dense, stream=streams.prefetch),
+        sdd.start_sparse_data_dist_stage(),
+    ]
+    if extra == "prefetch":
+        stages.append(pipeline.PipelineStage("prefetch", sdd.prefetch, stream=streams.prefetch))
+    elif extra == "lookup":
+        stages.append(sdd.start_embedding_lookup_stage())
+    pipe = pipeline.StagedTrainPipeline(stages, streams=streams)
     it, outputs = iter(data), 0
     while True:
         with streams.watch():

@@ -9,7 +9,7 @@ once, however many of the tensors view them.
 On CUDA the copies run on the memcpy stream (host memory pinned): the stash after the producer's
 work on the caller's stream, the restore after the caller's stream too; `ready()` orders the
 caller's stream after the restore, and the freed block is kept from reuse until its copy is done
-(it is recorded on the memcpy stream). On CPU the host copy is in the same memory: nothing is
+(`Streams.free_after`). On CPU the host copy is in the same memory: nothing is
 saved, and the stash runs for its semantics (which tests check on CPU).
 """
 
@@ -92,9 +92,7 @@ class Stash:
                 added.append(_Lent(storage, storage.nbytes(), host, tensor.device))
             for lent in added:
                 if streams.memcpy is not None:  # the block is not reused before its copy is done
-                    # record_stream, not a keep-alive: the block is freed now, so no reference can
-                    # hold it, and ordering the caller's stream after the copy would stall compute
-                    streams.record(_view(lent.storage, lent.device), streams.memcpy)
+                    streams.free_after(_view(lent.storage, lent.device), streams.memcpy)
                 _resize(lent.storage, 0)
         self._lent += added
 

@@ -22,8 +22,8 @@ Implementations: `Streams` (CPU, no streams: no-ops), `CudaStreams`, `pipeline.t
 `OrderedStreams`, where the hand-off is written once. Nobody asks which one it has.
 
 Where `record_stream` remains (`Streams.record`): with `handoff="record-stream"` (the previous
-hand-off, kept to measure the difference), for what `returned` gives the caller, and for a block
-`stash.Stash` frees while its copy to the host runs (nothing can hold freed memory). torchrec and
+hand-off, kept to measure the difference), for what `returned` gives the caller, and for a storage
+freed while a side stream still copies it (`free_after`: a stash). torchrec and
 fbgemm also record streams inside their own APIs: a collective's awaitable records its result on the
 stream that waits for it (`torchrec.distributed.comm_ops.Request`), and a UVM-caching table's
 `prefetch(..., forward_stream)` records its cache locations on the forward stream.
@@ -101,6 +101,12 @@ class Streams:
 
     def record(self, obj: Any, stream: Any) -> None:
         """`record_stream(stream)` on every tensor of `obj` (see the module's docstring for where)."""
+
+    def free_after(self, tensor: Any, stream: Any) -> None:
+        """`tensor`'s storage is freed next while `stream` still reads it (a stash's copy): its block
+        is not reused before the work queued on `stream` so far is done. A freed storage leaves no
+        object to keep alive, and ordering the caller's stream after the copy would stall it: this
+        is where `record_stream` stays under either hand-off."""
 
     def produced(self, obj: Any) -> None:
         """`obj` was just created on the current stream (a checking hook; no-op here)."""
@@ -283,6 +289,9 @@ class CudaStreams(OrderedStreams):
 
     def record(self, obj: Any, stream: Any) -> None:
         _record_stream(obj, stream)
+
+    def free_after(self, tensor: Any, stream: Any) -> None:
+        _record_stream(tensor, stream)
 
 
 def _record_stream(obj: Any, stream: Any) -> None:

@@ -20,13 +20,13 @@ import sys
 
 sys.path.insert(0, os.getcwd())
 
-from tests.cuda_cases import CLASSES
+from tests.cuda_cases import CLASSES, OPTIONS
 from tests.harness import run_ranks
 
 KINDS = (("dlrm", False), ("nested", False), ("dlrm", True))
 """(model kind, UVM-caching tables): HBM tables, and tables behind a cache `prefetch()` fills."""
 COMPARED = ("torchrec.TrainPipelineSparseDist", "torchrec.PrefetchTrainPipelineSparseDist")
-DLRM_ONLY = ("TrainPipelinePT2", "TrainPipelineSparseDistCompAutograd", *COMPARED)
+DLRM_ONLY = ("TrainPipelinePT2", "TrainPipelineSparseDistCompAutograd", *OPTIONS, *COMPARED)
 
 
 def cases(classes: list[str]) -> list[tuple[str, str, bool]]:
