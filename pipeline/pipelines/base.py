@@ -78,8 +78,6 @@ class TrainPipelineBase(PipelineCore):
             ),
             enable_inplace_copy_batch=enable_inplace_copy_batch,
         )
-        # the sharded modules run their own input all-to-alls inside forward
-        self._ranks.report_forward_collectives(model)
 
     def _fill(self, lane: Lane) -> None:
         if not lane.inflight:

@@ -25,7 +25,7 @@ from pipeline.compat.arguments import sync_interval
 from pipeline.compat.hooks import SubclassPoints
 from pipeline.compat.types import TrainPipeline
 from pipeline.config import RankOptions
-from pipeline.ranks import AgreedError, Lane, LaneState, Ranks, backward_spans_world
+from pipeline.ranks import AgreedError, Lane, LaneState, Ranks
 from pipeline.stages.context import BatchContext
 from pipeline.stages.copy import to_device, to_device_in_place
 from pipeline.stages.input_dist import InputDist
@@ -87,7 +87,6 @@ class PipelineCore(SubclassPoints, TrainPipeline):
         self._inplace_copy = enable_inplace_copy_batch
         self._streams: Streams = streams if streams is not None else streams_for(device)
         self._ranks = Ranks(ranks, model=model, next_batch=self._next_batch)  # a subclass's, if any
-        self._backward_spans_world: bool | None = None
         """Backward runs a collective over every rank that has completed when it returns (known at
         the first backward)."""
         self._context_type = context_type
@@ -324,14 +323,9 @@ class PipelineCore(SubclassPoints, TrainPipeline):
         streams.consumed(batch)
 
     def _backward_stage(self, ctx: BatchContext, losses: Any) -> None:
-        """The backward stage of `ctx`'s batch: `_backward(losses)`, labelled, with its collective
-        over every rank reported to the ranks' protocol."""
-        if self._backward_spans_world is None:
-            self._backward_spans_world = self._on_host and backward_spans_world(self._model)
-        mark = self._ranks.world_collective_issued() if self._backward_spans_world else None
+        """The backward stage of `ctx`'s batch: `_backward(losses)`, labelled."""
         with run_stage(self._streams, "backward", ctx.index):
             self._backward(losses)
-        self._ranks.world_collective_completed(mark)
 
     def _sync_replicas(self, ctx: BatchContext) -> None:
         """After backward: a `DMPCollection` (2D sharding) syncs its replicas' embeddings and

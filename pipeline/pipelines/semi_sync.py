@@ -2,8 +2,8 @@
 
 The lookup stage is `pipeline.stages.lookup`'s; this module places it between forward and backward of
 the previous batch (from `start_batch` on) and keeps four batches in flight: batch k+1 is fetched
-before the input_dist of batch k starts, so that batch k's input_dist is a collective every rank
-issued after fetching batch k+1 (the rule of `Ranks.after_world_collective`).
+(and its vote started) before the input_dist of batch k starts, so that the vote has a step to
+arrive before batch k+1 is admitted.
 """
 
 from __future__ import annotations
@@ -135,7 +135,6 @@ class TrainPipelineSemiSync(SemiSyncMethods, InputDistCore):
             pipeline_postproc=pipeline_postproc,
             schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
             memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
-            predict_as="semi-sync",
         )
         self._lookup = LookupStage(self._streams, self._input_dist, model, optimizer)
         self._start_batch = start_batch

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.ranks.flags import StoreFlags
 from pipeline.ranks.status import Status
 from pipeline.ranks.votes import Vote
 
@@ -41,14 +40,14 @@ class Ticket:
 
     seq: int
     """The batch's sequence number in its lane: contexts added before it, placeholders included
-    (the same on every rank). The cross-rank rule is stated in these numbers
-    (`pipeline.ranks.Ranks.world_collective_completed`)."""
+    (the same on every rank)."""
     position: int
     """Index of the batch in its dataloader (the same position on every rank)."""
     status: Status
     """This rank's status for the batch (written at fetch)."""
     vote: Vote | None = None
-    """Every rank's status, when this batch is voted on (else the store flags tell)."""
+    """How many ranks have each status for this batch (started at fetch; None with one rank or
+    `agreement=False`)."""
     found_keys: Any = None
     """The keys the batch has, when the key check failed."""
     problem: str | None = None
@@ -70,11 +69,6 @@ class Lane:
     """Contexts added so far (placeholders included): the same count on every rank."""
     steps: int = 0
     """Batches of this iterator run so far."""
-    flags: StoreFlags | None = None
-    """The lane's store flags (across ranks, once a status other than HAVE may be published)."""
-    readable_through: int = -1
-    """The highest ticket `seq` whose peers' flags may be read: every rank has completed a
-    collective over every rank that it issued after fetching that batch."""
 
     @property
     def fetching(self) -> bool:

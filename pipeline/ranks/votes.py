@@ -1,10 +1,12 @@
-"""Votes: every rank's status for one batch, by one asynchronous all_reduce.
+"""Votes: how many ranks have each `Status` for one batch, by one small asynchronous all_reduce.
 
-A vote is a `[world_size]` int64 tensor in which each rank fills its own slot, summed on a gloo group
-of the pipeline's own. It is issued when the batch is fetched and waited before the batch's first
-collective. On two shared cores its threads cost about a millisecond a step, so the protocol
-(`pipeline.ranks.protocol`) votes only where nothing else orders the ranks, and uses store flags
-(`pipeline.ranks.flags`) for every other batch.
+A vote is an int64 tensor with one slot per status; each rank puts 1 in its own status's slot and
+the ranks sum it on a gloo group of the pipeline's own. Its size does not grow with the world: at
+1,024 ranks it is still 32 bytes, and its cost is the all_reduce's latency (gloo's ring or tree:
+O(log world) to O(world) hops of a tiny message), never a request per rank to one rank's server.
+It is issued when the batch is fetched and waited before the batch's first collective, a step
+later, so the wait finds it done. Which rank had which status is only asked for on the rare paths
+that report it (`Votes.gather`).
 """
 
 from __future__ import annotations
@@ -22,21 +24,23 @@ from pipeline.ranks.status import Status
 
 __all__ = ["Vote", "Votes"]
 
+_SLOTS = len(Status)
+
 
 @dataclass(eq=False)
 class Vote:
-    """One batch's vote: `wait()` returns every rank's status for it, by rank."""
+    """One batch's vote: `wait()` returns, per `Status`, how many ranks have it."""
 
     work: Any
     tensor: torch.Tensor
-    statuses: list[Status] | None = None
+    counts: dict[Status, int] | None = None
 
-    def wait(self) -> list[Status]:
-        if self.statuses is None:
+    def wait(self) -> dict[Status, int]:
+        if self.counts is None:
             if self.work is not None:
                 self.work.wait()
-            self.statuses = [Status(int(v)) for v in self.tensor.tolist()]
-        return self.statuses
+            self.counts = {s: int(n) for s, n in zip(Status, self.tensor.tolist(), strict=True)}
+        return self.counts
 
 
 class Votes:
@@ -60,18 +64,17 @@ class Votes:
 
     def vote(self, status: Status) -> Vote:
         """Start this rank's vote for the next batch; every rank calls it once per batch, in order."""
-        rank, world = rank_and_world()
-        if world == 1:
-            return Vote(None, torch.tensor([int(status)]))
+        tensor = torch.zeros(_SLOTS, dtype=torch.int64)
+        tensor[list(Status).index(status)] = 1
+        if not self.distributed:
+            return Vote(None, tensor)
         if self._group is None:
             self._group = self._new_group(backend="gloo", timeout=self._timeout)
-        tensor = torch.zeros(world, dtype=torch.int64)
-        tensor[rank] = int(status)
         return Vote(dist.all_reduce(tensor, group=self._group, async_op=True), tensor)
 
     def gather(self, obj: Any) -> list[Any]:
-        """Every rank's `obj` (a rare, blocking exchange: only on the error paths, which every rank
-        enters at the same vote)."""
+        """Every rank's `obj` (a rare, blocking exchange: only on the paths that report a batch
+        some rank lacks or rejects, which every rank enters at the same vote)."""
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * dist.get_world_size()

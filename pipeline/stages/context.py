@@ -55,9 +55,6 @@ class BatchContext:
     `take_input_dist`, or by the prefetch stage."""
     started: bool = False
     """input_dist start ran (for pipelines without input_dist: never)."""
-    world_mark: Any = None
-    """Written by input_dist start when one of its splits all-to-alls spans every rank (the
-    ranks' `WorldMark` of it); read by the splits wait, which reports it completed."""
     ticket: Ticket | None = None
     """Written at fetch by the ranks' protocol (`pipeline.ranks.Ranks`): this rank's status for the
     batch, its vote, whether every rank admitted it; read before the batch's first collective."""
