@@ -149,7 +149,7 @@ BIG_GB ?= 16
 bench-big: setup
 	$(BIN)/python -m benchmarks big-tables --total-gb $(BIG_GB) --store-dir $(BENCH_STORE_DIR)-big $(BIG_ARGS)
 
-# Each pipeline's predicted step (the cost model of pipeline.predict) for benchmark configs over world
+# Each pipeline's predicted step (the cost model of benchmarks.predictor.predict) for benchmark configs over world
 # sizes and links: a table and out/predict/predict.png. Times nothing but the dense part;
 # PREDICT_ARGS=--validate measures the sweep points against it (a benchmark, docs/benchmarks.md).
 PREDICT_ARGS ?= --world-size 2 8 64 512 1024 --link 1gbit 10gbit

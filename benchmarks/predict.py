@@ -1,11 +1,11 @@
-"""`python -m benchmarks predict`: each pipeline's predicted step (`pipeline.predict`) for benchmark
+"""`python -m benchmarks predict`: each pipeline's predicted step (`benchmarks.predictor.predict`) for benchmark
 configs over world sizes and links, as a table and a plot; with `--validate`, predicted against measured.
 
 The table's predictions are made in this process: each config's model built at one rank (a process
 group of one over an in-memory store), its dense part timed once, its tables placed again on each
-world size (`pipeline.predictor`). The validation runs each sweep point's variants with `run`'s
+world size (`benchmarks.predictor`). The validation runs each sweep point's variants with `run`'s
 machinery (`benchmarks.run.run_benchmark`, paired rounds); before the rounds the ranks call
-`pipeline.predict` on a fresh model of the point, as a job would (the link probed: at 2 ranks, the
+`benchmarks.predictor.predict` on a fresh model of the point, as a job would (the link probed: at 2 ranks, the
 emulated one), and each run's prediction is set beside its measured median step.
 """
 
@@ -43,7 +43,7 @@ def predict(*, config: list[str], world_size: list[int], link: list[str], cores_
     """The `predict` subcommand: the table and the plot, or with `validate` predicted against measured."""
     import torch
 
-    from pipeline.predictor import machine_costs
+    from benchmarks.predictor import machine_costs
 
     torch.set_num_threads(1)  # as every benchmark rank runs: the costs are cached per thread count
     costs = machine_costs(refresh=refresh_costs)
@@ -93,7 +93,7 @@ def predictions(configs: list[str], world_sizes: list[int], links: list[str], co
     import torch.distributed as dist
 
     from benchmarks.models import build_model, make_batches
-    from pipeline.predictor import predict_workload, time_dense, workload_of
+    from benchmarks.predictor import predict_workload, time_dense, workload_of
 
     warnings.filterwarnings("ignore")  # torchrec's planner and DMP warn on every build, as in the worker
     logging.getLogger("torch").setLevel(logging.ERROR)

@@ -14,8 +14,6 @@ its package's exports: `TrainPipelineSparseDistLite` (one batch in flight),
 lookup ahead), `EvalPipelineCPUSparse` (host embeddings, device forward), `TrainPipelinePEC` (every
 module looked up at the top of the step) and `TrainPipelineSparseDistBwdOpt` (the dense step inside
 backward). Stages and streams: `pipeline.stages`.
-`predict(model, sample_batch, world_size=..., link=...)` predicts each class's step before running
-it (`pipeline.predictor`).
 
 Every class is a torchrec `TrainPipeline` and takes torchrec's parameters in torchrec's order, then
 ours, keyword-only; our options are also `pipeline.config` objects (`RankOptions`,
@@ -67,7 +65,6 @@ from pipeline.pipelines.semi_sync import TrainPipelineSemiSync
 from pipeline.pipelines.sparse_data_dist import SparseDataDistUtil
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.pipelines.staged import PipelineStage, StagedTrainPipeline
-from pipeline.predictor import Prediction, predict
 from pipeline.ranks import (
     AgreedError,
     BatchKeysError,
@@ -118,7 +115,6 @@ __all__ = [
     "PeerFailedError",
     "PipelineStage",
     "PipelineState",
-    "Prediction",
     "PrefetchOptions",
     "PrefetchTrainPipelineSparseDist",
     "RankOptions",
@@ -151,7 +147,6 @@ __all__ = [
     "TrainPipelineSparseDistT",
     "Tuner",
     "UnevenDataError",
-    "predict",
     "register_backward_hook",
     "will_hook_fire",
 ]

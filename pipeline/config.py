@@ -115,13 +115,14 @@ class RewriteOptions:
 class InputDistOptions:
     """When the next batch's input all-to-alls run, and on which process group."""
 
-    schedule: str = "auto"
-    """"auto", "early", "late" (torchrec's), "early-shared" or "late-own" (`pipeline.stages.schedule`).
-    "early", "late-own" and "auto" create one more process group per input_dist group."""
+    schedule: str = "late"
+    """"late" (torchrec's order, the default: no trials, no extra process group), "early",
+    "early-shared", "late-own" (`pipeline.stages.schedule`), or "auto": paired trials of real
+    training steps choose among them (`pipeline.Tuner`; bit for bit, within a bounded number of
+    steps). "early", "late-own" and "auto" create one more process group per input_dist group."""
     tuner: Tuner | None = None
-    """Under "auto", the `pipeline.Tuner` to use; None: one that starts from the cost model's
-    prediction (`Tuner(predictor=...)`, `pipeline.predictor.prior`) and measures only the schedules
-    it cannot tell apart."""
+    """Under "auto", the `pipeline.Tuner` to use (e.g. `Tuner(prior=...)` with a prediction made
+    beforehand by `python -m benchmarks predict`); None: `Tuner()`, which measures every schedule."""
 
     def __post_init__(self) -> None:
         _one_of("input_dist_schedule", self.schedule, SCHEDULE_NAMES)

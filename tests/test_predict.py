@@ -1,4 +1,4 @@
-"""pipeline.predictor: the simulator on hand-computed cases, each pipeline's program on stage costs
+"""benchmarks.predictor: the simulator on hand-computed cases, each pipeline's program on stage costs
 chosen so that the answer is known, the loads per rank, the link, the result table, and the dense
 timing leaving the model as it was. One process, no process group."""
 
@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.predictor.costs import Collective, StageCosts, rank_loads
-from pipeline.predictor.dense import time_dense
-from pipeline.predictor.link import Link, alltoall_seconds, parse_link
-from pipeline.predictor.programs import program, run_pipeline
-from pipeline.predictor.simulate import Task, attribute, simulate
-from pipeline.predictor.workload import Feature, Table, Workload
+from benchmarks.predictor.costs import Collective, StageCosts, rank_loads
+from benchmarks.predictor.dense import time_dense
+from benchmarks.predictor.link import Link, alltoall_seconds, parse_link
+from benchmarks.predictor.programs import program, run_pipeline
+from benchmarks.predictor.simulate import Task, attribute, simulate
+from benchmarks.predictor.workload import Feature, Table, Workload
 
 NONE = Collective(host=0.0, latency=0.0, wire=0.0)
 LOOPBACK = Link(name="loopback", bandwidth=1e9, latency=1e-4, cpu_per_byte=1e-9)
@@ -229,8 +229,8 @@ def test_links_by_name_and_the_all_to_all_cost():
 
 
 def test_the_prediction_table_names_the_winner():
-    from pipeline.predictor.api import predict_workload
-    from pipeline.predictor.machine import CollectiveCost, MachineCosts
+    from benchmarks.predictor.api import predict_workload
+    from benchmarks.predictor.machine import CollectiveCost, MachineCosts
 
     zero = CollectiveCost(host=0.0, latency=1e-4)
     numbers = {f.name: 1e-9 for f in dataclasses.fields(MachineCosts) if f.type == "float"}
@@ -278,7 +278,7 @@ def test_timing_the_dense_part_changes_nothing_of_the_model():
 
 
 def test_on_a_gpu_the_lookups_come_from_torchrecs_planner_estimator():
-    from pipeline.predictor.planner import gpu_lookup
+    from benchmarks.predictor.planner import gpu_lookup
 
     small = dataclasses.replace(workload(2), device="cuda")
     heavy = dataclasses.replace(small, batch_size=small.batch_size * 10)
@@ -288,8 +288,8 @@ def test_on_a_gpu_the_lookups_come_from_torchrecs_planner_estimator():
 
 
 def test_machine_costs_are_cached_per_set_of_facts(tmp_path, monkeypatch):
-    from pipeline.predictor import machine
-    from pipeline.predictor.machine import CollectiveCost, MachineCosts, machine_costs, machine_facts
+    from benchmarks.predictor import machine
+    from benchmarks.predictor.machine import CollectiveCost, MachineCosts, machine_costs, machine_facts
 
     zero = CollectiveCost(host=0.0, latency=1e-4)
     numbers = {f.name: 1e-9 for f in dataclasses.fields(MachineCosts) if f.type == "float"}

@@ -1,5 +1,6 @@
-"""pipeline.predict on 2 gloo ranks: what it reads of a sharded model and its batch, the link it probes,
-and the "auto" tuner starting from the prediction on every rank alike (each scenario its own test).
+"""The prediction tool (`benchmarks.predictor`) on 2 gloo ranks: what it reads of a sharded model and its
+batch, the link it probes, and the "auto" tuner starting from a prior the caller made with it, on every
+rank alike (each scenario its own test). The pipeline itself never predicts.
 
 The machine's costs are measured once into a cache of this module (`$TORCHREC_PIPELINE_CACHE` set by
 each scenario), so the first scenario takes some 15 s more."""
@@ -29,15 +30,15 @@ def _cache(path: str) -> None:
 
 def _predicts(rank: int, world_size: int, cache: str) -> dict:
     _cache(cache)
-    import pipeline
-    from pipeline.predictor import workload_of
+    import benchmarks.predictor
+    from benchmarks.predictor import workload_of
     from tests import models
 
     model, _ = models.build("dlrm", "table_wise")
     batch = models.batches("dlrm", 1, rank)[0]
     workload = workload_of(model, batch)
-    prediction = pipeline.predict(model, batch)  # probes the link: a collective call
-    at_eight = pipeline.predict(model, batch, world_size=8, link="1gbit")
+    prediction = benchmarks.predictor.predict(model, batch)  # probes the link: a collective call
+    at_eight = benchmarks.predictor.predict(model, batch, world_size=8, link="1gbit")
     return {
         "tables": len(workload.tables),
         "ranks": sorted({r for t in workload.tables for r in t.ranks}),
@@ -61,16 +62,20 @@ def test_predict_reads_the_model_and_probes_the_link(pool, cache):
         assert "winner:" in r["table"], f"rank {rank}: no winner line in\n{r['table']}"
 
 
-def _auto(rank: int, world_size: int, cache: str, pipe_name: str, own_tuner: bool = False) -> dict:
+def _auto(rank: int, world_size: int, cache: str, pipe_name: str, with_prior: bool = True) -> dict:
     _cache(cache)
     import torch
 
     import pipeline
+    from benchmarks.predictor.prior import schedule_prior
     from tests import models
 
     model, opt = models.build("dlrm", "table_wise")
-    tuner = pipeline.Tuner() if own_tuner else None  # the caller's tuner, without a predictor
-    pipe = getattr(pipeline, pipe_name)(model, opt, torch.device("cpu"), tuner=tuner)
+    kind = {"TrainPipelineFusedSparseDist": "fused"}.get(pipe_name, "sparse-dist")
+    prior = schedule_prior(model, models.batches("dlrm", 1, rank)[0], pipeline=kind) if with_prior else None
+    pipe = getattr(pipeline, pipe_name)(
+        model, opt, torch.device("cpu"), input_dist_schedule="auto", tuner=pipeline.Tuner(prior=prior)
+    )
     schedules = []
     it = iter(models.batches("dlrm", STEPS + 4, rank))
     for _ in range(STEPS):
@@ -101,8 +106,8 @@ def test_auto_starts_from_the_prediction_on_every_rank_alike(pool, cache, pipe_n
         assert "predicted" in first["reason"], first["reason"]
 
 
-def test_a_tuner_of_the_callers_without_a_predictor_measures_every_schedule(pool, cache):
+def test_a_tuner_without_a_prior_measures_every_schedule(pool, cache):
     # the negative twin: no prediction, the first steps run torchrec's order and all four are tried
-    for rank, r in enumerate(pool.run(_auto, cache, "TrainPipelineSparseDist", True, timeout=TIMEOUT)):
+    for rank, r in enumerate(pool.run(_auto, cache, "TrainPipelineSparseDist", False, timeout=TIMEOUT)):
         assert r["predicted"] == {} and r["first"] == "late", f"rank {rank}: {r['predicted']}, {r['first']}"
         assert set(r["schedules"]) == {"early", "late", "early-shared", "late-own"}, f"rank {rank}"

@@ -21,13 +21,20 @@ class FakeClock:
         return self.now
 
 
-def run_tuner(cost, steps: int | None = None, **kw) -> tuple[Tuner, list[str], list[list[float]]]:
+RULES = {"rounds": 3, "margin": 0.03, "recheck_after": 300}
+"""The rule's settings these scenarios were written for (the defaults are longer and never re-check:
+`test_default_tuning_is_short` runs those)."""
+
+
+def run_tuner(
+    cost, steps: int | None = None, *, defaults: bool = False, **kw
+) -> tuple[Tuner, list[str], list[list[float]]]:
     """Step a tuner; a step under schedule s takes cost(s, step) seconds. Until its first decision, or
-    for `steps` steps. With a `predictor`, the tuner starts from its prediction."""
+    for `steps` steps. With a `prior`, the tuner starts from it."""
     clock = FakeClock()
     sums: list[list[float]] = []
-    tuner = Tuner(clock=clock, agree=lambda v: sums.append(v) or v, **kw)
-    tuner.start_from_prediction(None, None)
+    tuner = Tuner(clock=clock, agree=lambda v: sums.append(v) or v, **{**({} if defaults else RULES), **kw})
+    tuner.start_from_prior()
     schedules: list[str] = []
     while (tuner.choice is None) if steps is None else len(schedules) < steps:
         schedule = tuner.next_schedule()
@@ -189,9 +196,9 @@ def test_rejects_bad_settings():
 
 
 def test_default_tuning_is_short():
-    # warm-up 2, a visit of each of 4 schedules, 3 rounds of 4-step blocks: 54 steps at most
-    tuner, schedules, _ = run_tuner({s: 0.01 for s in FOUR})
-    assert len(schedules) - 1 == tuner.tuning_steps == 2 + 4 + 3 * 4 * 4
+    # warm-up 2, a visit of each of 4 schedules, 5 rounds of 4-step blocks: 86 steps at most
+    tuner, schedules, _ = run_tuner({s: 0.01 for s in FOUR}, defaults=True)
+    assert len(schedules) - 1 == tuner.tuning_steps == 2 + 4 + 5 * 4 * 4
 
 
 def test_first_round_rules_out_a_much_slower_schedule():
@@ -260,10 +267,10 @@ def test_repr_says_it_is_still_tuning_and_for_how_long():
     tuner = Tuner()
     assert tuner.tuning
     assert repr(tuner).startswith("Tuner(tuning: compares when the next batch's input_dist waits")
-    assert "decides in at most 54 more steps; late runs now)" in repr(tuner)
+    assert "decides in at most 86 more steps; late runs now)" in repr(tuner)
     for _ in range(10):
         tuner.next_schedule()
-    assert tuner.steps_left == 44 and "at most 44 more steps; late runs now" in repr(tuner)
+    assert tuner.steps_left == 76 and "at most 76 more steps; late runs now" in repr(tuner)
 
 
 def test_settle_keeps_a_choice_without_trials_or_rechecks():
@@ -282,9 +289,9 @@ def test_settle_keeps_a_choice_without_trials_or_rechecks():
 # -- starting from the cost model's prediction (pipeline.stages.prediction) ---------------------------
 
 
-def _says(**figures: float):
-    """A predictor that predicts these step times (ms) per schedule."""
-    return lambda model, batch: dict(figures)
+def _says(**figures: float) -> dict[str, float]:
+    """A prior that predicts these step times (ms) per schedule."""
+    return dict(figures)
 
 
 def test_a_sure_prediction_is_measured_against_torchrecs_order_only():
@@ -292,13 +299,13 @@ def test_a_sure_prediction_is_measured_against_torchrecs_order_only():
     # error may exceed the noise) are measured, early first
     costs = {"early": 0.008, "late": 0.010, "late-own": 0.010, "early-shared": 0.011}
     predictor = _says(early=8.0, late=10.0, **{"late-own": 10.0, "early-shared": 11.0})
-    tuner, schedules, _ = run_tuner(costs, steps=100, predictor=predictor)
+    tuner, schedules, _ = run_tuner(costs, steps=100, prior=predictor)
     assert set(schedules) == {"early", "late"} and schedules[:2] == ["early", "early"], schedules[:12]
     assert tuner.choice == "early" and "measured against late" in tuner.reason, tuner.reason
     # the checkpoint keeps it: a restarted tuner neither predicts nor tries
-    fresh = Tuner(clock=FakeClock(), agree=lambda v: v, predictor=lambda m, b: pytest.fail("predicted again"))
+    fresh = Tuner(clock=FakeClock(), agree=lambda v: pytest.fail("planned again"), prior=tuner.predicted_ms)
     fresh.load_state_dict(tuner.state_dict())
-    fresh.start_from_prediction(None, None)
+    fresh.start_from_prior()
     assert fresh.next_schedule() == "early" and fresh.reason == tuner.reason
     assert (
         fresh.predicted_ms
@@ -310,7 +317,7 @@ def test_a_sure_prediction_is_measured_against_torchrecs_order_only():
 def test_a_sure_prediction_of_torchrecs_order_runs_no_trials():
     costs = {"early": 0.012, "late": 0.010, "late-own": 0.012, "early-shared": 0.013}
     predictor = _says(early=12.0, late=10.0, **{"late-own": 12.0, "early-shared": 13.0})  # late by 20 %
-    tuner, schedules, sums = run_tuner(costs, steps=100, predictor=predictor)
+    tuner, schedules, sums = run_tuner(costs, steps=100, prior=predictor)
     assert schedules == ["late"] * 100, "torchrec's order from the first step on"
     assert tuner.tuning_steps == 0 and not tuner.tuning and len(sums) == 1, "no trial, one agreement"
     assert tuner.choice == "late" and "no trials" in tuner.reason and "20% slower" in tuner.reason
@@ -328,29 +335,24 @@ def test_a_prediction_within_the_noise_tries_only_those_schedules():
     # late-own is in fact 20 % faster, and the trials find it
     costs = {"early": 0.010, "late-own": 0.008, "late": 0.012, "early-shared": 0.013}
     predictor = _says(early=10.0, late=12.0, **{"late-own": 10.3, "early-shared": 13.0})
-    tuner, schedules, _ = run_tuner(costs, predictor=predictor)
+    tuner, schedules, _ = run_tuner(costs, prior=predictor)
     assert set(schedules) == {"early", "late-own", "late"}, (
         "the schedules the model cannot tell apart, and late"
     )
     assert schedules[:2] == ["early", "early"], "the warm-up runs the predicted best"
     assert tuner.choice == "late-own" and tuner.reason.startswith("predicted within the noise (5%)")
-    assert tuner.tuning_steps <= 2 + 3 + 3 * 3 * 4, "warm-up, three visits, three rounds of three blocks"
+    assert tuner.tuning_steps <= 2 + 3 + 5 * 3 * 4, "warm-up, three visits, five rounds of three blocks"
 
 
 @pytest.mark.parametrize(
-    "predictor",
-    [
-        lambda m, b: None,
-        lambda m, b: {"early": 1.0},
-        lambda m, b: {s: math.nan for s in FOUR},
-        lambda m, b: 1 / 0,
-    ],
-    ids=["none", "partial", "nan", "raises"],
+    "prior",
+    [None, {"early": 1.0}, {s: math.nan for s in FOUR}],
+    ids=["none", "partial", "nan"],
 )
-def test_no_usable_prediction_leaves_every_trial(predictor):
-    tuner = Tuner(clock=FakeClock(), agree=lambda v: v, predictor=predictor)
-    tuner.start_from_prediction(None, None)
-    assert tuner.steps_left == 54 and tuner.predicted_ms == {} and tuner.choice is None
+def test_no_usable_prior_leaves_every_trial(prior):
+    tuner = Tuner(clock=FakeClock(), agree=lambda v: v, prior=prior)
+    tuner.start_from_prior()
+    assert tuner.steps_left == 86 and tuner.predicted_ms == {} and tuner.choice is None
 
 
 def test_the_ranks_average_their_predictions_before_planning():
@@ -361,20 +363,20 @@ def test_the_ranks_average_their_predictions_before_planning():
     tuner = Tuner(
         clock=FakeClock(),
         agree=lambda v: [a + b for a, b in zip(v, other, strict=True)],
-        predictor=lambda m, b: mine,
+        prior=mine,
     )
-    tuner.start_from_prediction(None, None)
+    tuner.start_from_prior()
     assert tuner.predicted_ms == {"late": 9.0, "early": 9.0, "late-own": 12.0, "early-shared": 12.0}
     assert tuner.tuning and "early" in repr(tuner) and "late-own" not in repr(tuner), "early and late tried"
 
 
-def test_the_prediction_is_asked_once_and_only_before_the_first_step():
+def test_the_prior_is_agreed_once_and_only_before_the_first_step():
     calls = []
-    tuner = Tuner(clock=FakeClock(), agree=lambda v: v, predictor=lambda m, b: calls.append(1) or None)
+    tuner = Tuner(clock=FakeClock(), agree=lambda v: calls.append(1) or v, prior=_says(late=1.0))
     tuner.next_schedule()
-    tuner.start_from_prediction(None, None)
-    assert calls == [], "after the first step the plan is under way: no prediction"
-    tuner = Tuner(clock=FakeClock(), agree=lambda v: v, predictor=lambda m, b: calls.append(1) or None)
-    tuner.start_from_prediction(None, None)
-    tuner.start_from_prediction(None, None)
+    tuner.start_from_prior()
+    assert calls == [], "after the first step the plan is under way: the prior is not used"
+    tuner = Tuner(clock=FakeClock(), agree=lambda v: calls.append(1) or v, prior=_says(late=1.0))
+    tuner.start_from_prior()
+    tuner.start_from_prior()
     assert calls == [1], "once"

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pipeline.stages import tuner_text
 from pipeline.stages.schedule import SCHEDULES
 from pipeline.stages.tuner import Tuner
-from tests.test_schedule import FakeClock, run_tuner
+from tests.test_schedule import RULES, FakeClock, run_tuner
 
 FOUR = ("late", "early", "late-own", "early-shared")
 
@@ -15,7 +15,7 @@ FOUR = ("late", "early", "late-own", "early-shared")
 def _interrupted_tuning(**kw) -> tuple[Tuner, FakeClock]:
     """A tuner whose every step is interrupted (an eval step after each training step)."""
     clock = FakeClock()
-    tuner = Tuner(clock=clock, agree=lambda v: v, **kw)
+    tuner = Tuner(clock=clock, agree=lambda v: v, **{**RULES, **kw})
     while tuner.choice is None:
         tuner.next_schedule()
         clock.now += 0.01
@@ -41,7 +41,7 @@ def test_still_tuning_says_what_is_compared_for_how_long_and_what_runs():
         "forward) and on which process group its all-to-alls run (one of their own, or torchrec's): "
         "late (torchrec's order), early (splits before forward, own process group), "
     ), text
-    assert text.endswith("; decides in at most 54 more steps; late runs now)"), text
+    assert text.endswith("; decides in at most 86 more steps; late runs now)"), text
 
 
 def test_chosen_says_what_by_how_much_over_how_many_rounds_and_when_it_rechecks():

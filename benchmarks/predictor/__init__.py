@@ -1,7 +1,7 @@
 """Predict a pipeline's step before running it: a per-stage cost model and a simulation of each
 pipeline class's streams and threads.
 
-`pipeline.predict(model, sample_batch, world_size=..., link=...)` (`api.py`) returns, per pipeline
+`benchmarks.predictor.predict(model, sample_batch, world_size=..., link=...)` (`api.py`) returns, per pipeline
 class and input_dist schedule, the predicted step, the stage that bounds it and the memory it keeps
 in flight, and the winner. The pieces, one concept a module:
 
@@ -28,13 +28,13 @@ follow the busiest rank's shards (table-wise tables placed greedily: at more ran
 ranks look up nothing and one rank receives W batches' ids of a table).
 """
 
-from pipeline.predictor.api import PipelineStep, Prediction, predict, predict_workload
-from pipeline.predictor.costs import StageCosts, rank_loads, stage_costs
-from pipeline.predictor.dense import DenseTimes, time_dense
-from pipeline.predictor.link import Link, alltoall_seconds, parse_link, probe_link
-from pipeline.predictor.machine import MachineCosts, cache_path, machine_costs
-from pipeline.predictor.programs import PIPELINES, run_pipeline
-from pipeline.predictor.workload import Workload, workload_of
+from benchmarks.predictor.api import PipelineStep, Prediction, predict, predict_workload
+from benchmarks.predictor.costs import StageCosts, rank_loads, stage_costs
+from benchmarks.predictor.dense import DenseTimes, time_dense
+from benchmarks.predictor.link import Link, alltoall_seconds, parse_link, probe_link
+from benchmarks.predictor.machine import MachineCosts, cache_path, machine_costs
+from benchmarks.predictor.programs import PIPELINES, run_pipeline
+from benchmarks.predictor.workload import Workload, workload_of
 
 __all__ = [
     "PIPELINES",

@@ -15,13 +15,13 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.predictor.costs import stage_costs
-from pipeline.predictor.dense import DenseTimes, time_dense
-from pipeline.predictor.link import Link, parse_link, probe_link
-from pipeline.predictor.machine import MachineCosts, machine_costs
-from pipeline.predictor.planner import gpu_lookup
-from pipeline.predictor.programs import PIPELINES, run_pipeline
-from pipeline.predictor.workload import Workload, workload_of
+from benchmarks.predictor.costs import stage_costs
+from benchmarks.predictor.dense import DenseTimes, time_dense
+from benchmarks.predictor.link import Link, parse_link, probe_link
+from benchmarks.predictor.machine import MachineCosts, machine_costs
+from benchmarks.predictor.planner import gpu_lookup
+from benchmarks.predictor.programs import PIPELINES, run_pipeline
+from benchmarks.predictor.workload import Workload, workload_of
 from pipeline.stages.schedule import SCHEDULES
 
 __all__ = ["PipelineStep", "Prediction", "predict", "predict_workload"]
@@ -123,7 +123,7 @@ def predict(
             again on that many ranks (`Workload.at_world_size`).
         link: "probe" measures the current process group (a collective call: every rank must call
             `predict` at the same point; at one rank it falls back to "loopback"); or a link name
-            ("loopback", "1gbit", "25gbit:10us"; `pipeline.predictor.parse_link`), or a `Link`.
+            ("loopback", "1gbit", "25gbit:10us"; `benchmarks.predictor.parse_link`), or a `Link`.
         batch_size: samples per rank to predict for (default: the sample batch's).
         cores_per_rank: cores each rank's threads share (default: this machine's cores over
             `$LOCAL_WORLD_SIZE`).

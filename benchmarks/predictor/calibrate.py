@@ -1,11 +1,11 @@
-"""The micro-benchmarks behind `MachineCosts`: `python -m pipeline.predictor.calibrate OUT THREADS`
-(started by `pipeline.predictor.machine.machine_costs`, in a process of its own, so that it can make
+"""The micro-benchmarks behind `MachineCosts`: `python -m benchmarks.predictor.calibrate OUT THREADS`
+(started by `benchmarks.predictor.machine.machine_costs`, in a process of its own, so that it can make
 its own one-rank process group and time on an otherwise idle interpreter).
 
 Each figure is the fastest of a few runs at each of a few sizes, fitted by least squares as a fixed
 cost plus costs per unit (`_fit`). The lookups are torchrec's own (a sharded EmbeddingBagCollection
 at one rank on the fused kernel, SGD in backward). What needs a peer (the loopback link, the fixed
-costs of each collective) is measured by two more processes (`pipeline.predictor.calibrate_pair`).
+costs of each collective) is measured by two more processes (`benchmarks.predictor.calibrate_pair`).
 About 10-20 s in all.
 """
 
@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.predictor.calibrate_pair import tiny_model, tiny_step_seconds
-from pipeline.predictor.dense import time_dense
+from benchmarks.predictor.calibrate_pair import tiny_model, tiny_step_seconds
+from benchmarks.predictor.dense import time_dense
 
 __all__ = ["main"]
 
@@ -196,13 +196,13 @@ def _checks_and_calls() -> dict[str, float]:
 
 
 def _pair() -> dict[str, object]:
-    """The two-rank measurements (`pipeline.predictor.calibrate_pair`), in two processes."""
+    """The two-rank measurements (`benchmarks.predictor.calibrate_pair`), in two processes."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     with tempfile.TemporaryDirectory(prefix="pipeline-pair-") as tmp:
         out = Path(tmp) / "pair.json"
-        argv = [sys.executable, "-m", "pipeline.predictor.calibrate_pair"]
+        argv = [sys.executable, "-m", "benchmarks.predictor.calibrate_pair"]
         procs = [subprocess.Popen([*argv, str(rank), port, str(out)]) for rank in range(2)]
         codes = [p.wait(timeout=240) for p in procs]
         if any(codes):

@@ -1,6 +1,6 @@
 """The two-rank micro-benchmarks behind `MachineCosts`: two processes of this machine joined by a
-gloo process group over loopback TCP (`python -m pipeline.predictor.calibrate_pair RANK PORT OUT`,
-started by `pipeline.predictor.calibrate`).
+gloo process group over loopback TCP (`python -m benchmarks.predictor.calibrate_pair RANK PORT OUT`,
+started by `benchmarks.predictor.calibrate`).
 
 They measure what only shows with a peer: the loopback link's transfer curve and CPU per byte, and
 the fixed costs of each collective a step issues, run through torchrec's own code at a tiny size (a
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.predictor.link import link_from_curve, time_alltoalls
+from benchmarks.predictor.link import link_from_curve, time_alltoalls
 
 __all__ = ["main", "tiny_model", "tiny_step_seconds"]
 

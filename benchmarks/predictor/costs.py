@@ -11,9 +11,9 @@ whichever is more: the link is full duplex), so each figure is the maximum over 
 
 Where each number comes from: measured on this machine once (`MachineCosts`: the lookup, the
 collectives' host work and round trips at two ranks, the optimizer, the KJT check, the step's
-overhead); measured on the model (`pipeline.predictor.dense.time_dense`: its dense forward and
+overhead); measured on the model (`benchmarks.predictor.dense.time_dense`: its dense forward and
 backward, else the micro-benchmarks' per-operation and per-FLOP costs); the link (`Link`); and on
-CUDA only torchrec's planner estimator for the lookup and the cache fill (`pipeline.predictor.planner`
+CUDA only torchrec's planner estimator for the lookup and the cache fill (`benchmarks.predictor.planner`
 says why only there).
 """
 
@@ -23,10 +23,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from pipeline.predictor.dense import DenseTimes
-from pipeline.predictor.link import Link
-from pipeline.predictor.machine import CollectiveCost, MachineCosts
-from pipeline.predictor.workload import Workload
+from benchmarks.predictor.dense import DenseTimes
+from benchmarks.predictor.link import Link
+from benchmarks.predictor.machine import CollectiveCost, MachineCosts
+from benchmarks.predictor.workload import Workload
 
 __all__ = ["Collective", "RankLoad", "StageCosts", "rank_loads", "stage_costs", "step_overhead"]
 

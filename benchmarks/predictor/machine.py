@@ -1,5 +1,5 @@
 """What one operation costs on this machine (`MachineCosts`), measured once by micro-benchmarks
-(`pipeline.predictor.calibrate`, in a process of its own) and cached in a file, one entry per set of
+(`benchmarks.predictor.calibrate`, in a process of its own) and cached in a file, one entry per set of
 machine facts: `~/.cache/torchrec-pipeline/costs-<host>.json` (`$TORCHREC_PIPELINE_CACHE` moves the
 folder).
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from pipeline.predictor.link import Link
+from benchmarks.predictor.link import Link
 
 __all__ = ["CollectiveCost", "MachineCosts", "cache_path", "machine_costs", "machine_facts"]
 
@@ -81,7 +81,7 @@ class MachineCosts:
     dense_flop: float
     """Forward and backward of a small dense operation (a linear layer, an activation, a loss),
     and per floating-point operation: the fallback where the model's dense part cannot be timed
-    itself (`pipeline.predictor.dense`)."""
+    itself (`benchmarks.predictor.dense`)."""
     optimizer_tensor: float
     optimizer_param: float
     """The dense optimizer's step: per parameter tensor and per parameter."""
@@ -105,7 +105,7 @@ class MachineCosts:
     tiny_dense: float
     """The plain loop's step on the smallest sharded model (two tables, one linear layer) at one
     and at two ranks, and its dense forward and backward: what a step costs beyond its stages
-    measured one by one (`pipeline.predictor.costs.step_overhead`)."""
+    measured one by one (`benchmarks.predictor.costs.step_overhead`)."""
     facts: dict[str, Any]
     """The machine facts it was measured under (`machine_facts()`)."""
     load: float = 0.0
@@ -196,7 +196,7 @@ def _measure(facts: dict[str, Any], timeout: float) -> MachineCosts:
     load = _load()
     with tempfile.TemporaryDirectory(prefix="pipeline-costs-") as tmp:
         out = Path(tmp) / "costs.json"
-        argv = [sys.executable, "-m", "pipeline.predictor.calibrate", str(out), str(facts["threads"])]
+        argv = [sys.executable, "-m", "benchmarks.predictor.calibrate", str(out), str(facts["threads"])]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, check=False)
         if done.returncode != 0 or not out.exists():

@@ -5,7 +5,7 @@ torchrec's `EmbeddingPerfEstimator` rates a shard by the bytes it reads and writ
 memory bandwidth (HBM, or host memory for UVM-cached tables), with its kernel penalties, for a
 given batch size, pooling factor and world size: a model of GPU kernels, which the cost model has
 no measurement of. On a CPU the lookup's cost is dominated by per-id and per-call host work that
-those formulas do not have, so `pipeline.predictor.costs` uses the machine's measured figures there
+those formulas do not have, so `benchmarks.predictor.costs` uses the machine's measured figures there
 instead. The estimator's communication figures are not used on either device (they are bandwidth
 only: no per-message or per-call cost).
 
@@ -23,7 +23,7 @@ from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
 
-from pipeline.predictor.workload import Workload
+from benchmarks.predictor.workload import Workload
 
 __all__ = ["gpu_lookup"]
 

@@ -1,12 +1,11 @@
 """The prediction the "auto" input_dist tuner starts from: `schedule_prior(model, batch)`, each
-schedule's predicted step for one pipeline class (`pipeline.stages.tuner.Tuner(predictor=...)`).
+schedule's predicted step for one pipeline class, to pass as `pipeline.Tuner(prior=...)`.
 
-It is called once on every rank at the first batch, before that batch's input_dist starts. It first
-probes the link over the default process group (a collective every rank issues, whatever happens
-next; the `Link` is kept for the rest of the process, so a second pipeline does not probe again),
-then predicts locally. Anything that goes wrong after the probe (no cached machine costs and no way
-to measure them, a model the cost model cannot read) returns None: the tuner then measures every
-schedule, as it does without a prediction.
+A tool, not part of the training path: the caller decides to run it (it probes the link over the
+default process group, a collective every rank must issue at the same point, and may measure the
+machine's costs in subprocesses: `benchmarks.predictor.machine`), and passes what it returns to the
+pipeline. Anything that goes wrong after the probe (no cached machine costs and no way to measure
+them, a model the cost model cannot read) returns None: the tuner then measures every schedule.
 """
 
 from __future__ import annotations
@@ -17,9 +16,9 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.predictor.api import predict
-from pipeline.predictor.link import Link, probe_link
-from pipeline.predictor.machine import machine_costs
+from benchmarks.predictor.api import predict
+from benchmarks.predictor.link import Link, probe_link
+from benchmarks.predictor.machine import machine_costs
 
 __all__ = ["schedule_prior"]
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.predictor.costs import Collective, StageCosts
-from pipeline.predictor.simulate import Key, Task, attribute, simulate
+from benchmarks.predictor.costs import Collective, StageCosts
+from benchmarks.predictor.simulate import Key, Task, attribute, simulate
 from pipeline.stages.schedule import SCHEDULES
 
 __all__ = ["PIPELINES", "Outcome", "program", "run_pipeline"]

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["NUM_DENSE", "NUM_SPARSE", "PIPELINES", "InputError", "TrainConfig"]
+__all__ = ["NUM_DENSE", "NUM_SPARSE", "PIPELINES", "SCHEDULES", "InputError", "TrainConfig"]
 
 PIPELINES = ("none", "base", "sparse-dist", "prefetch")
+SCHEDULES = ("late", "early", "early-shared", "late-own", "auto")
 NUM_DENSE = 13
 NUM_SPARSE = 26
 
@@ -35,6 +36,10 @@ class TrainConfig:
 
     pipeline: str = "sparse-dist"
     """`none` (plain loop), `base`, `sparse-dist` or `prefetch` (classes of the `pipeline` package)."""
+    input_dist_schedule: str = "late"
+    """With `sparse-dist` or `prefetch`: when the next batch's input all-to-alls run (the pipeline's
+    `input_dist_schedule`): `late` (torchrec's order, the library's default), `early`,
+    `early-shared`, `late-own`, or `auto` (trials of real steps choose; bit for bit)."""
     batch_size: int = 256
     """Global batch size: every step trains on this many samples, split evenly over the ranks, so it
     must be divisible by the world size."""
@@ -109,6 +114,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.pipeline not in PIPELINES:
             raise InputError(f"unknown pipeline {self.pipeline!r}; choose one of {PIPELINES}")
+        if self.input_dist_schedule not in SCHEDULES:
+            raise InputError(
+                f"unknown --input-dist-schedule {self.input_dist_schedule!r}; choose one of {SCHEDULES}"
+            )
         _positive(batch_size=self.batch_size, epochs=self.epochs, embedding_dim=self.embedding_dim)
         _positive(pooling=self.pooling, eval_batches=self.eval_batches, log_every=self.log_every)
         _positive(profile_steps=self.profile_steps)

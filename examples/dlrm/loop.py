@@ -63,7 +63,13 @@ def train(
     sharded = build_model(
         config, device=device, world_size=world_size, local_world_size=local_world_size or 1
     )
-    runner = make_runner(config.pipeline, sharded.model, sharded.optimizer, device)
+    runner = make_runner(
+        config.pipeline,
+        sharded.model,
+        sharded.optimizer,
+        device,
+        input_dist_schedule=config.input_dist_schedule,
+    )
     if config.embedding_store is not None:
         runner = guard_cache(runner, config)
     per_epoch = sources.steps_per_epoch

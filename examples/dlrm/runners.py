@@ -70,9 +70,14 @@ class PlainLoop:
 
 
 def make_runner(
-    name: str, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+    name: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    *,
+    input_dist_schedule: str = "late",
 ) -> Runner:
-    """The runner for `--pipeline name`.
+    """The runner for `--pipeline name` (`input_dist_schedule` for the classes that have one).
 
     Raises:
         InputError: the `pipeline` package is not installed or lacks the class for `name`.
@@ -95,7 +100,9 @@ def make_runner(
             f"--pipeline {name} needs `pipeline.{class_name}`, which the installed `pipeline` "
             f"package does not provide (yet); use --pipeline none"
         )
-    return cls(model, optimizer, device)
+    if name == "base":
+        return cls(model, optimizer, device)
+    return cls(model, optimizer, device, input_dist_schedule=input_dist_schedule)
 
 
 def unwrap(runner: Runner) -> Any:
@@ -113,7 +120,7 @@ def describe_pipeline(runner: Runner) -> dict[str, str]:
     if schedule is not None:
         tuner = getattr(pipe, "tuner", None)
         if tuner is None:
-            found["input_dist_schedule"] = f"{schedule} (forced)"
+            found["input_dist_schedule"] = f"{schedule} (fixed)"
         elif tuner.tuning:
             found["input_dist_schedule"] = (
                 f"{schedule} (auto, still tuning: decides within {tuner.steps_left} more steps)"

@@ -28,7 +28,7 @@ import os
 import socket
 from typing import Any, NoReturn
 
-from examples.dlrm.config import PIPELINES, InputError, TrainConfig
+from examples.dlrm.config import PIPELINES, SCHEDULES, InputError, TrainConfig
 
 __all__ = ["format_summary", "main"]
 
@@ -170,6 +170,7 @@ def _free_port() -> int:
 def _config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         pipeline=args.pipeline,
+        input_dist_schedule=args.input_dist_schedule,
         batch_size=args.batch_size,
         steps=args.steps,
         epochs=args.epochs,
@@ -255,6 +256,12 @@ def _parser() -> argparse.ArgumentParser:
         return ",".join(map(str, values))
 
     add("--pipeline", choices=PIPELINES, default=d.pipeline, help="training loop")
+    add(
+        "--input-dist-schedule",
+        choices=SCHEDULES,
+        default=d.input_dist_schedule,
+        help="sparse-dist/prefetch: when the next batch's all-to-alls run (late: torchrec's order)",
+    )
     add("--steps", type=int, default=d.steps, help="batches per epoch (with --data: cap; 0: all)")
     add("--epochs", type=int, default=d.epochs, help="passes over the data")
     add("--batch-size", type=int, default=d.batch_size, help="global; divisible by world size")

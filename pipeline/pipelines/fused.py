@@ -123,7 +123,6 @@ class TrainPipelineFusedSparseDist(FusedMethods, InputDistCore):
             pipeline_postproc=pipeline_postproc,
             schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
             memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
-            predict_as="fused",
         )
         self._lookup = LookupStage(
             self._streams,

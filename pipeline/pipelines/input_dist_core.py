@@ -6,8 +6,6 @@ Each class writes its step in its own module, calling its `InputDist` by name.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import Any
 
 from torch import nn
@@ -15,7 +13,6 @@ from torch import nn
 from pipeline.compat.methods import SparseDistMethods
 from pipeline.config import InputDistOptions, RewriteOptions
 from pipeline.pipelines.core import PipelineCore
-from pipeline.predictor.prior import schedule_prior
 from pipeline.ranks import Lane
 from pipeline.stages.input_dist import InputDist
 from pipeline.stages.memory import MemoryFlags
@@ -119,15 +116,9 @@ class InputDistCore(SparseDistMethods, PipelineCore):
         pipeline_postproc: bool,
         schedule: InputDistOptions,
         memory: MemoryFlags,
-        predict_as: str = "sparse-dist",
     ) -> InputDist:
-        """The class's `InputDist`, reset with the pipeline (`forward`: see `InputDist`). Under "auto"
-        without a tuner of the caller's, the tuner starts from the cost model's prediction for the
-        class `predict_as` names (`pipeline.predictor.prior`)."""
+        """The class's `InputDist`, reset with the pipeline (`forward`: see `InputDist`)."""
         self._clear_data_dist_inputs = memory.clear_data_dist_inputs  # torchrec's attribute
-        if schedule.schedule == "auto" and schedule.tuner is None:
-            predictor = functools.partial(schedule_prior, pipeline=predict_as)
-            schedule = dataclasses.replace(schedule, tuner=Tuner(predictor=predictor))
         input_dist = InputDist(
             self._model,
             self._streams,

@@ -126,7 +126,6 @@ class TrainPipelinePEC(InputDistCore):
             pipeline_postproc=False,  # torchrec's class passes SparseDist's default
             schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
             memory=MemoryFlags(),
-            predict_as="fused",
         )
         self._lookup = LookupStage(self._streams, self._input_dist, model, optimizer)
         self._noted = False

@@ -115,7 +115,6 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
             pipeline_postproc=pipeline_postproc,
             schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
             memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
-            predict_as="prefetch",
         )
         options = resolve(prefetch, PrefetchOptions, prefetch_ahead=prefetch_ahead, trial=prefetch_trial)
         self._prefetch = PrefetchStage(

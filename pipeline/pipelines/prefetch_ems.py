@@ -113,7 +113,6 @@ class TrainPipelinePrefetchEMS(InputDistCore):
             pipeline_postproc=pipeline_postproc,
             schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
             memory=MemoryFlags(free_features_storage_early, False),
-            predict_as="prefetch",
         )
         self._prefetch = PrefetchStage(self._streams, self._input_dist, ahead="auto")
         self._emb_stash = EmbeddingStash(self._streams, model, device, delay=False)

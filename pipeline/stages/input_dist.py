@@ -59,7 +59,7 @@ class InputDist:
             (they take the lookup stage's output).
         ranks: the pipeline's ranks' protocol: it admits each batch before its input_dist starts,
             creates the all-to-alls' own process groups (`Ranks.new_group`: it does not wait for
-            a peer that failed) and is told of each splits all-to-all over every rank. None
+            a peer that failed). None
             (`SparseDataDistUtil`): no admission, groups by `dist.new_group`.
     """
 
@@ -153,8 +153,8 @@ class InputDist:
         """Rewrite the model's sharded modules, once, with `batch` as the sample. The rewrite may
         wait for the first forward to be recorded (`recording`) before anything is pipelined."""
         if self.rewrite is None:
-            if self.tuner is not None:  # before the rewrite: the prediction runs the model's forward
-                self.tuner.start_from_prediction(self._model, batch)
+            if self.tuner is not None:  # one small collective, at the same batch on every rank
+                self.tuner.start_from_prior()
             options = self._options
             self.rewrite = rewrite_model(
                 self._model,
@@ -240,10 +240,7 @@ class InputDist:
             if self._free_early:  # every module has its own permuted copy
                 self.freed_bytes += release_features(ctx.module_contexts.values())
             if fused:
-                ctx.splits_requests, groups = fuse_splits_requests(requests, ctx.module_contexts)
-                world = dist.get_world_size() if dist.is_initialized() else 1
-                if self._ranks is not None and any(pg is not None and pg.size() == world for pg in groups):
-                    ctx.world_mark = self._ranks.world_collective_issued()
+                ctx.splits_requests, _ = fuse_splits_requests(requests, ctx.module_contexts)
             else:
                 ctx.splits_requests = one_by_one(requests)
         ctx.started = True
@@ -256,9 +253,6 @@ class InputDist:
                 for name, values in zip(names, request.wait(), strict=True):
                     ctx.input_dist_requests[name] = values
             ctx.splits_requests = []
-        if ctx.world_mark is not None:
-            self._ranks.world_collective_completed(ctx.world_mark)
-            ctx.world_mark = None
 
     # -- the next batch, within a step (the pipelines' steps call these by name) ---------------
 

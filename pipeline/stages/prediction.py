@@ -1,5 +1,5 @@
-"""Where the "auto" input_dist tuner starts from a prediction of each schedule's step
-(`pipeline.predictor`): the rule `start_from`, pure, and what it concluded (`Start`).
+"""Where the "auto" input_dist tuner starts from a prediction of each schedule's step (a prior the
+caller passes, `Tuner(prior=...)`, made by a tool such as `python -m benchmarks predict`): the rule `start_from`, pure, and what it concluded (`Start`).
 
 The predicted best schedule is run from the first step. The schedules predicted within `noise` of
 it are the ones the prediction cannot tell apart: those are measured by the tuner's paired trials,
@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 __all__ = ["Start", "predicted_steps", "start_from"]
 
@@ -71,17 +70,9 @@ def start_from(
 
 
 def predicted_steps(
-    predictor: Callable[[Any, Any], dict[str, float] | None],
-    model: Any,
-    batch: Any,
-    candidates: list[str],
-    agree: Callable[[list[float]], list[float]],
+    prior: dict[str, float], candidates: list[str], agree: Callable[[list[float]], list[float]]
 ) -> dict[str, float]:
-    """Each candidate's predicted step, averaged over the ranks (`agree` sums), so that every rank
-    plans alike; NaN where a rank could not predict (a failed prediction on one rank fails on all)."""
-    try:
-        predicted = predictor(model, batch) or {}
-    except Exception:  # the tuner then measures every candidate, on every rank
-        predicted = {}
-    *summed, ranks = agree([float(predicted.get(s, math.nan)) for s in candidates] + [1.0])
+    """Each candidate's predicted step in `prior`, averaged over the ranks (`agree` sums), so that
+    every rank plans alike; NaN where a rank's prior misses it (then every candidate is measured)."""
+    *summed, ranks = agree([float(prior.get(s, math.nan)) for s in candidates] + [1.0])
     return {s: v / ranks for s, v in zip(candidates, summed, strict=True)}

@@ -3,10 +3,11 @@ interleaved measurement of real training steps, cheaply, and can be saved with a
 
 Every step a worse schedule runs is lost time, so the trials are short and a schedule that the first
 round already rules out (more than `drop_above` times the best of that round) runs no more rounds.
-With a `predictor` (the cost model, `pipeline.predictor`) the tuner starts on the predicted best and
-measures only it, the schedules predicted within `noise` of it, and torchrec's order
-(`pipeline.stages.prediction`), so the choice is never worse than "late" by more than the paired
-rule's margin. A restarted job reloads the decision (`state_dict()`) instead of tuning again.
+With a `prior` (each schedule's predicted step, which the caller computed beforehand, e.g. with the
+`python -m benchmarks predict` tool) the tuner starts on the predicted best and measures only it,
+the schedules predicted within `noise` of it, and torchrec's order (`pipeline.stages.prediction`),
+so the choice is never worse than "late" by more than the paired rule's margin. The tuner itself
+never measures anything but the training steps it runs. A restarted job reloads the decision (`state_dict()`) instead of tuning again.
 """
 
 from __future__ import annotations
@@ -57,9 +58,8 @@ class Tuner:
         recheck_rounds: rounds of a re-check.
         clock: seconds, monotonic (tests inject a fake one).
         agree: sums a list of floats over the ranks (tests inject one without a process group).
-        predictor: `predictor(model, batch)` -> predicted step ms per schedule, or None; called
-            once on every rank at the first batch (`start_from_prediction`; it may run
-            collectives: `pipeline.predictor.prior`).
+        prior: predicted step in ms per schedule (the same on every rank), e.g. a
+            `benchmarks.predictor.Prediction.schedule_ms(...)` saved by a tool; None: no prior.
         noise: schedules predicted within this fraction of the best are measured.
     """
 
@@ -70,16 +70,16 @@ class Tuner:
         baseline: str = "late",
         warmup: int = 2,
         block: int = 4,
-        rounds: int = 3,
+        rounds: int = 5,
         settle: int = 1,
         visit: int = 1,
-        margin: float = 0.03,
+        margin: float = 0.05,
         drop_above: float = 1.25,
-        recheck_after: int = 300,
+        recheck_after: int = 0,
         recheck_rounds: int = 2,
         clock: Callable[[], float] = time.perf_counter,
         agree: Callable[[list[float]], list[float]] | None = None,
-        predictor: Callable[[Any, Any], dict[str, float] | None] | None = None,
+        prior: dict[str, float] | None = None,
         noise: float = 0.05,
     ) -> None:
         unknown = set(candidates) - set(SCHEDULES)
@@ -89,7 +89,7 @@ class Tuner:
         self._recheck_rounds, self._interval = recheck_rounds, recheck_after
         self._clock = clock
         self._agree = agree or all_reduce_sum
-        self._rounds, self._predictor, self._noise = rounds, predictor, noise
+        self._rounds, self._prior, self._noise = rounds, prior, noise
         self._phase: Phase | None = self._tuning(list(candidates), baseline, warmup=warmup, visit=visit)
         self._again: list[str] | None = None
         """The candidates of a tuning without valid rounds: the next look tunes them again."""
@@ -109,18 +109,19 @@ class Tuner:
         self.tuning_steps_by_schedule: dict[str, int] = {}
         """`tuning_steps` per schedule they ran under (what tuning cost is computed from)."""
         self.predicted_ms: dict[str, float] = {}
-        """Per schedule, the predicted step in ms (averaged over ranks), if a predictor gave one."""
+        """Per schedule, the predicted step in ms (the prior averaged over ranks), if one was given."""
 
-    def start_from_prediction(self, model: Any, batch: Any) -> None:
+    def start_from_prior(self) -> None:
         """Once, on every rank, before the first step: narrow the trials to the predicted best, the
         schedules predicted within `noise` of it and torchrec's order; where only torchrec's order
         is left, keep it with no trials. The ranks average the predictions first, so all of them
-        plan alike. A no-op without a predictor, after the first step, or once a decision is loaded."""
-        predictor, self._predictor = self._predictor, None
-        if predictor is None or self._steps or self.decisions or self._phase is None:
+        plan alike (one small collective). A no-op without a prior, after the first step, or once a
+        decision is loaded."""
+        prior, self._prior = self._prior, None
+        if prior is None or self._steps or self.decisions or self._phase is None:
             return
         phase = self._phase
-        predicted = predicted_steps(predictor, model, batch, phase.candidates, self._agree)
+        predicted = predicted_steps(prior, phase.candidates, self._agree)
         start = start_from(predicted, tuple(phase.candidates), noise=self._noise, keep=phase.baseline)
         if start is None:
             return
@@ -128,7 +129,10 @@ class Tuner:
         if len(start.trials) == 1:
             self.settle(start.best, start.reason)
             return
-        self._phase = self._tuning(list(start.trials), start.best, warmup=2, visit=1)
+        # the baseline stays torchrec's order where it is measured: a predicted best that does not
+        # beat it significantly in the trials is not kept
+        baseline = phase.baseline if phase.baseline in start.trials else start.best
+        self._phase = self._tuning(list(start.trials), baseline, warmup=2, visit=1, first=start.best)
         self._phase.reason = start.reason
 
     @property
@@ -239,16 +243,23 @@ class Tuner:
         self._steps, self._next_check, self._interval = state["steps"], state["next_check"], state["interval"]
         self._again = state.get("again")
         self.predicted_ms = dict(state.get("predicted_ms", {}))
-        self._phase, self._pos, self._last, self._predictor = None, 0, None, None
+        self._phase, self._pos, self._last, self._prior = None, 0, None, None
 
     def _tuning(
-        self, candidates: list[str], baseline: str, *, warmup: int, visit: int, kind: str = "tuning"
+        self,
+        candidates: list[str],
+        baseline: str,
+        *,
+        warmup: int,
+        visit: int,
+        kind: str = "tuning",
+        first: str | None = None,
     ) -> Phase:
-        """A tuning phase of `candidates`: warm-up and visits (untimed), then its first round; the
-        others are planned after it (`_end_of_round`)."""
+        """A tuning phase of `candidates`: warm-up (under `first`, default the baseline) and visits
+        (untimed), then its first round; the others are planned after it (`_end_of_round`)."""
         phase = Phase(candidates=candidates, baseline=baseline, kind=kind, rounds=self._rounds)
         visits = [(s, -1, False) for s in candidates for _ in range(visit)]
-        phase.plan = [(baseline, -1, False)] * warmup + visits
+        phase.plan = [(first or baseline, -1, False)] * warmup + visits
         phase.add_round(0, block=self._block, settle=self._settle)
         return phase
 
