@@ -25,3 +25,11 @@ def pool() -> Iterator[RankPool]:
     ranks = RankPool(2)
     yield ranks
     ranks.close()
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> Iterator[RankPool]:
+    """One gloo rank (a world of one: torchrec's collectives are no-ops there)."""
+    ranks = RankPool(1)
+    yield ranks
+    ranks.close()

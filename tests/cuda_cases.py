@@ -6,7 +6,8 @@ GPU scripts (`scripts/gpu/csan.py`, `scripts/gpu/memory.py`); run inside a harne
 per-step outputs and final parameters are bit for bit equal, what the keep-alive kept, and the
 peak memory of the pipeline's run. The references: the plain loop (zero_grad, forward, backward,
 step); for Eval, the model's outputs in eval mode without gradients; for PT2 and CompAutograd, the
-plain loop compiled the same way (aot_eager: eager's kernels, so bit for bit is the contract).
+plain loop compiled the same way (aot_eager: eager's kernels, so bit for bit is the contract); for
+Staged "+lookup", `models.stale_lookup_loop` (its lookup of batch i+1 runs before batch i's update).
 """
 
 from __future__ import annotations
@@ -147,6 +148,8 @@ def _reference(name: str, model, opt, data: list) -> list:
         return _compiled_loop(model, opt, data)
     if name.endswith("CompAutograd"):
         return _compiled_autograd_loop(model, opt, data)
+    if name == "StagedTrainPipeline+lookup":  # semi-synchronous: embeddings one step stale
+        return models.stale_lookup_loop(model, opt, data)
     return models.plain_loop(model, opt, data)
 
 

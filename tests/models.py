@@ -287,6 +287,42 @@ def plain_loop(model: nn.Module, opt: torch.optim.Optimizer, data: list) -> list
     return outputs
 
 
+def stale_lookup_loop(model: nn.Module, opt: torch.optim.Optimizer, data: list) -> list:
+    """The reference of a semi-synchronous lookup (SparseDataDistUtil's lookup stage): the plain
+    loop, except that batch i+1's embeddings are looked up before batch i's update.
+
+    Step i: the tables as they are now (after batch i-1's update) are what batch i+1 will read;
+    batch i reads the ones saved at step i-1 (for i = 0, the current ones). The embeddings are
+    updated in backward (fused SGD), which does not read the weights, so the gradients of the stale
+    lookup go to the current tables. Dense parameters are current. The tables are swapped through
+    the state_dict: a kernel whose state_dict tensors are its weights (not a UVM cache's store).
+    """
+    tables = embedding_tables(model)
+    saved: list | None = None  # the tables before the previous batch's update
+    outputs = []
+    for batch in data:
+        now = [t.clone() for t in tables]
+        if saved is not None:  # through .data: autograd must not see the swap as a change
+            for t, old in zip(tables, saved, strict=True):
+                t.data.copy_(old)
+        opt.zero_grad()
+        loss, out = model(batch)
+        if saved is not None:
+            for t, cur in zip(tables, now, strict=True):
+                t.data.copy_(cur)
+        saved = now
+        torch.sum(loss).backward()
+        opt.step()
+        outputs.append(out)
+    return outputs
+
+
+def embedding_tables(model: nn.Module) -> list[torch.Tensor]:
+    """This rank's shards of every embedding table of `model`, sharing the kernels' storage."""
+    state = model.state_dict()
+    return flat_tensors({k: v for k, v in state.items() if ".embedding_bags." in k})
+
+
 def flat_tensors(obj) -> list[torch.Tensor]:
     """Every tensor in `obj` (outputs, or a state_dict with ShardedTensors), in a fixed order."""
     if isinstance(obj, torch.Tensor):

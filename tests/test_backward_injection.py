@@ -173,3 +173,49 @@ def test_will_hook_fire_and_the_finder_protocol():
     assert not pipeline.will_hook_fire(torch.ones(1, requires_grad=True) * 2)  # not a leaf
     assert isinstance(pipeline.FirstGradTensorFinder(), pipeline.GradTensorFinder)
     assert isinstance(theirs.OutputDistTensorFinder(), pipeline.GradTensorFinder)
+
+
+class _OneRank(nn.Module):
+    """A sharded collection's output as on one rank: its table-wise output "all-to-all" is no
+    collective, torchrec hands the embeddings over in a NoWait instead of a Request."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ebc = _OneRankCollection()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ebc(x)._awaitables[0]._tensor_awaitable._obj.sum()
+
+
+class _OneRankCollection(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(2, 3))
+
+    def forward(self, x: torch.Tensor) -> _Sharded:
+        pooled = type("Pooled", (), {"_tensor_awaitable": NoWait(x @ self.weight)})()
+        return _Sharded([pooled], ["table_wise"])
+
+
+def test_a_pipelines_output_dist_site_on_one_rank_is_not_reached():
+    """The finder finds nothing on one rank. The public API raises there, as torchrec's does; a
+    pipeline's own site (BwdOpt's step, OptStash's restore) hooks nothing, so that forward and
+    backward run and the pipeline does its work after backward."""
+    from pipeline.compat.backward_injection import hook_backward
+
+    model, fired = _OneRank(), []
+    site = pipeline.InjectionSite("ebc", pipeline.OutputDistTensorFinder())
+    assert site.tensor_finder((), {}, model.ebc(torch.ones(1, 2))) is None, "one rank's all-to-all found"
+    handle = hook_backward(site, model, fired.append, active=lambda: True)
+    model(torch.ones(1, 2)).backward()
+    handle.remove()
+    assert fired == [] and model.ebc.weight.grad is not None, "backward did not run past the site"
+    torchrecs = theirs.InjectionSite("ebc", theirs.OutputDistTensorFinder())
+    for register, each in (
+        (pipeline.register_backward_hook, site),
+        (theirs.register_backward_hook, torchrecs),
+    ):
+        handle = register(each, model, fired.append)
+        with pytest.raises(RuntimeError, match="no grad-requiring tensor in output of 'ebc'"):
+            model(torch.ones(1, 2))
+        handle.remove()

@@ -104,6 +104,17 @@ def test_bwd_opt_steps_inside_backward_with_the_plain_loops_numbers(pool, kind, 
         assert r["is_sparse_dist"], f"{where}: not an instance of TrainPipelineSparseDist"
 
 
+def test_bwd_opt_on_one_rank_steps_after_backward_with_the_plain_loops_numbers(one_rank):
+    """On one rank the output all-to-all is no collective: backward never reaches the site, and
+    the step runs after backward (noted in the report), with the plain loop's numbers."""
+    r = one_rank.run(_case, "dlrm", "table_wise", True, timeout=TIMEOUT)[0]
+    assert r["stopped"], f"no StopIteration after {STEPS} outputs: {r}"
+    assert r["outputs"] and r["params"], f"outputs or parameters differ from the plain loop: {r}"
+    assert r["placement"] == "AFTER_BACKWARD", f"the step ran {r['placement']}"
+    assert r["inside"] == [False] * STEPS, f"a step ran inside backward: {r['inside']}"
+    assert any("after backward" in n for n in r["notes"]), f"no note: {r['notes']}"
+
+
 def _torchrec_case(rank: int, world_size: int) -> dict:
     """torchrec's own class, the negative twin: it steps at the site whatever the gradients are."""
     import torch

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.cuda_cases import CLASSES
-from tests.harness import RankPool, pytest_timeout
+from tests.harness import pytest_timeout
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = ROOT / "scripts" / "gpu"
@@ -180,13 +180,6 @@ def test_memory_script_dry_runs_on_cpu():
     assert "MEMORY TrainPipelineSparseDist keep-alive: {" in out.stdout, out.stdout
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    ranks = RankPool(1)
-    yield ranks
-    ranks.close()
-
-
 def _dry(rank: int, world_size: int, name: str) -> dict:
     import torch
 
@@ -196,30 +189,39 @@ def _dry(rank: int, world_size: int, name: str) -> dict:
     return run_case(name, "dlrm", "table_wise", steps=4, device=torch.device("cpu"))
 
 
-DRY_RUN_DIFFERS = (
-    "TrainPipelineSparseDistBwdOpt",
-    "TrainPipelineSparseDistOptStash",
-    "StagedTrainPipeline+lookup",
-)
-"""Cases whose dry run (one rank, 4 steps) is not bit for bit its reference yet: not diagnosed (the
-case's wiring or the class); their hand-offs pass tests/test_handoffs.py."""
-
-
 @pytest.mark.timeout(pytest_timeout(TIMEOUT))
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            n, marks=pytest.mark.xfail(strict=True, reason="not bit for bit yet, see DRY_RUN_DIFFERS")
-        )
-        if n in DRY_RUN_DIFFERS
-        else n
-        for n in CLASSES
-    ],
-)
+@pytest.mark.parametrize("name", CLASSES)
 def test_every_gpu_case_dry_runs_on_cpu(one_rank, name):
     """tests/test_cuda.py's cases, on CPU with RecordingStreams: the references and the classes'
     wiring hold before a GPU sees them."""
     r = one_rank.run(_dry, name, timeout=TIMEOUT)[0]
     assert r["count"] == 4 and r["outputs_equal"] and r["params_equal"], r
     assert r["kept_at_end"] == 0 and r["kept_peak"] > 0, r
+
+
+def _lookup_references(rank: int, world_size: int) -> dict:
+    """The lookup case's reference beside the stale loop and the plain loop: which it equals."""
+    from tests import models
+    from tests.cuda_cases import _reference
+
+    data = models.batches("dlrm", 4, rank=0)
+    loops = {
+        "case": lambda model, opt, batches: _reference("StagedTrainPipeline+lookup", model, opt, batches),
+        "stale": models.stale_lookup_loop,
+        "plain": models.plain_loop,
+    }
+    runs = {}
+    for name, loop in loops.items():
+        model, opt = models.build("dlrm", "table_wise")
+        runs[name] = (loop(model, opt, data), model.state_dict())
+    return {name: models.bitwise_equal(runs["case"], runs[name]) for name in ("stale", "plain")}
+
+
+@pytest.mark.timeout(pytest_timeout(TIMEOUT))
+def test_the_lookup_stages_case_is_checked_against_the_stale_loop(one_rank):
+    """SparseDataDistUtil's lookup stage is semi-synchronous (batch i+1 is looked up before batch
+    i's update, as torchrec documents): the case's reference is that loop, not the plain loop,
+    which differs from it (so the dry run tells a stale lookup from a current one)."""
+    r = one_rank.run(_lookup_references, timeout=TIMEOUT)[0]
+    assert r["stale"], "the lookup case's reference is not models.stale_lookup_loop"
+    assert not r["plain"], "the stale loop equals the plain loop here: the case cannot tell them apart"

@@ -151,3 +151,15 @@ def test_opt_stash_reset_gives_the_state_back(pool):
         assert r["after_stop"] == 0, f"{where}: the state was back before reset: {r['after_stop']} bytes"
         assert r["back"], f"{where}: reset did not give every state tensor back"
         assert r["state"], f"{where}: the state given back differs from the plain loop's"
+
+
+def test_opt_stash_on_one_rank_restores_after_backward(one_rank):
+    """On one rank the output all-to-all is no collective: backward never reaches the site, the
+    state stays lent through backward and comes back before the step, with the plain loop's numbers."""
+    r = one_rank.run(_opt_stash_case, "dlrm", "table_wise", EBC, False, timeout=TIMEOUT)[0]
+    assert r["stopped"], f"no StopIteration after {STEPS} outputs: {r}"
+    assert r["outputs"] and r["params"], f"outputs or parameters differ from the plain loop: {r}"
+    assert r["state"], "the optimizer state given back differs from the plain loop's"
+    assert r["between"] == [0] * STEPS, f"state bytes left between steps: {r['between']}"
+    lent = r["seen"]["before_site"][1:] + r["seen"]["after_site"][1:]
+    assert lent == [0] * (2 * (STEPS - 1)), f"restored inside backward: {r['seen']}"

@@ -5,8 +5,8 @@ batch's KJT split between two collections), distinct batches per step and rank, 
 zero_grad/forward/backward/step around `progress()`, one batch per call, then None.
 
 - prefetch stage: bit for bit the plain loop; a twin with one optimizer step skipped differs.
-- lookup stage (semi-synchronous): bit for bit `stale_lookup_loop`, a plain loop that looks batch
-  i+1's embeddings up before applying batch i's update (written here from the documented
+- lookup stage (semi-synchronous): bit for bit `models.stale_lookup_loop`, a plain loop that looks
+  batch i+1's embeddings up before applying batch i's update (written from the documented
   semantics); the plain loop differs (negative twin).
 - a lookup stream without its stage in the list is refused at the first forward.
 """
@@ -20,44 +20,6 @@ from tests.harness import pytest_timeout
 STEPS = 6
 TIMEOUT = 150
 pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
-
-
-def _tables(model) -> list:
-    """This rank's shards of every embedding table, sharing the kernels' storage."""
-    from tests import models
-
-    state = model.state_dict()
-    return models.flat_tensors({k: v for k, v in state.items() if ".embedding_bags." in k})
-
-
-def stale_lookup_loop(model, opt, data: list) -> list:
-    """The plain loop, except that batch i+1's embeddings are looked up before batch i's update.
-
-    Step i: the tables as they are now (after batch i-1's update) are what batch i+1 will read;
-    batch i reads the ones saved at step i-1 (for i = 0, the current ones). The embeddings are
-    updated in backward (fused SGD), which does not read the weights, so the gradients of the stale
-    lookup go to the current tables. Dense parameters are current.
-    """
-    import torch
-
-    tables = _tables(model)
-    saved: list | None = None  # the tables before the previous batch's update
-    outputs = []
-    for batch in data:
-        now = [t.clone() for t in tables]
-        if saved is not None:  # through .data: autograd must not see the swap as a change
-            for t, old in zip(tables, saved, strict=True):
-                t.data.copy_(old)
-        opt.zero_grad()
-        loss, out = model(batch)
-        if saved is not None:
-            for t, cur in zip(tables, now, strict=True):
-                t.data.copy_(cur)
-        saved = now
-        torch.sum(loss).backward()
-        opt.step()
-        outputs.append(out)
-    return outputs
 
 
 def _staged_run(model, opt, rank: int, extra: str, with_stage: bool = True) -> tuple[list, object, bool]:
@@ -106,7 +68,7 @@ def _case(rank: int, world_size: int, extra: str) -> dict:
         twin_model, twin_opt = user_models.build("split")
         twin = models.plain_loop(twin_model, twin_opt, data[:-1])
     else:
-        expected = stale_lookup_loop(ref_model, ref_opt, data)
+        expected = models.stale_lookup_loop(ref_model, ref_opt, data)
         twin_model, twin_opt = user_models.build("split")
         twin = models.plain_loop(twin_model, twin_opt, data)
     model, opt = user_models.build("split")

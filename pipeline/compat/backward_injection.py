@@ -106,7 +106,8 @@ class FirstGradTensorFinder:
 class OutputDistTensorFinder:
     """In a sharded embedding module's output (the awaitable of its output all-to-alls), the
     all-to-all of `sharding_type`; returns the tensor whose gradient arrives when that
-    all-to-all's backward runs (None when that all-to-all is not a tensor request).
+    all-to-all's backward runs (None when that all-to-all is not a tensor request: on one rank, or
+    under torchrec's sync collectives).
 
     Raises (when called):
         RuntimeError: the output is not a sharded embedding module's awaitable, or has no
@@ -185,7 +186,9 @@ def hook_backward(
 ) -> RemovableHandle:
     """`register_backward_hook`, for a pipeline's own work: with `active`, the hook does nothing
     while `active()` is False (a forward and backward the user runs on the model directly, an
-    eval forward), and an ACTIVATION site hooks nothing in a forward that records no gradient."""
+    eval forward), and an ACTIVATION site hooks nothing in a forward that records no gradient or
+    where the finder finds no tensor (the site is not reached in that backward: the pipeline must
+    run its work after backward then)."""
     try:
         target = model.get_submodule(site.fqn)
     except AttributeError:
@@ -251,9 +254,12 @@ def _hook_activation(
         if active is not None and not (active() and torch.is_grad_enabled()):
             return
         tensor = site.tensor_finder(args, kwargs, output)
-        if tensor is None:
+        if tensor is None and active is None:
             raise RuntimeError(f"register_backward_hook: no grad-requiring tensor in output of '{site.fqn}'.")
-        if active is None or tensor.requires_grad:
+        # a pipeline's site may have nothing to hook: on one rank (or under torchrec's sync
+        # collectives) the output all-to-all is no request with a gradient of its own; backward
+        # does not reach the site then, and the pipeline runs its work after backward
+        if tensor is not None and (active is None or tensor.requires_grad):
             tensor.register_hook(hook_fn)
 
     return target.register_forward_hook(at_forward, with_kwargs=True)

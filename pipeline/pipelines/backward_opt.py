@@ -48,8 +48,9 @@ class TrainPipelineSparseDistBwdOpt(InputDistCore):
     `step_placement` is where the last step ran: at the site; at the last dense gradient after it
     (no DDP); at the end of backward, after DDP's all-reduce (the dense part of a
     DistributedModelParallel is DDP-wrapped by default, so this is the usual case on several
-    ranks, and then nothing overlaps); or after backward (the site was not reached). The rewrite
-    report notes each placement other than the site the first time it happens.
+    ranks, and then nothing overlaps); or after backward (the site was not reached: on one rank
+    the output all-to-all is no collective and has no backward of its own). The rewrite report
+    notes each placement other than the site the first time it happens.
 
     Args (torchrec's, in its order):
         model, optimizer, device: as in `TrainPipelineSparseDist`.

@@ -6,7 +6,8 @@ forward and backward in between.
 
 Per step of batch i: input_dist of i+1 and the copy of i+2 as SparseDist; forward of i (the state
 is in host memory); backward of i, which at the site starts the restore; the optimizer step (after
-the restore is complete; if the site was not reached, the restore runs there); the stash.
+the restore is complete; if the site was not reached, the restore runs there: always on one rank,
+whose output all-to-all is no collective); the stash.
 """
 
 from __future__ import annotations
