@@ -7,6 +7,8 @@
     hit-rates   each cache policy's hit rate against Belady's optimum (offline, no I/O)
     big-tables  tables far larger than RAM, trained in one process; peak RSS
     predict     each pipeline's predicted step over configs, world sizes, links; --validate: vs measured
+    calibrate   measure this machine's costs for the cost model into its cache (subprocesses)
+    agreement   the ranks' per-batch vote at 2-16 local ranks, against a request to rank 0's store
     selfcheck   the benchmarks' own arithmetic and link setup, against fakes (no ranks, no root)
 
 A subcommand is a module with one function taking keyword arguments named as its flags' `dest`,
@@ -143,6 +145,18 @@ def _function(module: str, name: str) -> Callable[..., int]:
     return call
 
 
+def _calibrate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--refresh", action="store_true", help="measure even if the cache has this machine")
+    p.add_argument("--path", help="the cache file (default: under $TORCHREC_PIPELINE_CACHE or ~/.cache)")
+
+
+def _agreement(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4, 8, 16], metavar="N")
+    p.add_argument("--votes", type=int, default=300, help="votes per world size (default 300)")
+    p.add_argument("--json", default="out/bench/agreement.json", help="'' for none")
+    p.add_argument("--md", default="out/bench/agreement.md", help="'' for none")
+
+
 _SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[..., int]]] = {
     "run": (_run, _function("run", "run")),
     "overhead": (_overhead, _function("overhead", "overhead")),
@@ -152,6 +166,8 @@ _SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callabl
     "big-tables": (_big_tables, _function("big_tables", "big_tables")),
     "predict": (_predict, _function("predict", "predict")),
     "selfcheck": (_selfcheck, _function("selfcheck", "selfcheck")),
+    "calibrate": (_calibrate, _function("predictor.machine", "calibrate")),
+    "agreement": (_agreement, _function("agreement", "agreement")),
 }
 
 

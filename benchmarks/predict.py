@@ -1,5 +1,6 @@
-"""`python -m benchmarks predict`: each pipeline's predicted step (`benchmarks.predictor.predict`) for benchmark
-configs over world sizes and links, as a table and a plot; with `--validate`, predicted against measured.
+"""`python -m benchmarks predict`: each pipeline's predicted step (`benchmarks.predictor.predict`) for
+benchmark configs over world sizes and links, as a table and a plot; with `--validate`, predicted
+against measured.
 
 The table's predictions are made in this process: each config's model built at one rank (a process
 group of one over an in-memory store), its dense part timed once, its tables placed again on each

@@ -107,8 +107,8 @@ class RunSpec:
     cprofile: str | None = None
     """This variant's timed steps run under cProfile on rank 0 (its functions land in the record)."""
     predict: bool = False
-    """Before a config's rounds, `benchmarks.predictor.predict` on a fresh model (a collective: the link is probed);
-    every record of the config gets each pipeline's predicted step (`predicted_ms`)."""
+    """Before a config's rounds, `benchmarks.predictor.predict` on a fresh model (a collective: the
+    link is probed); every record of the config gets each pipeline's predicted step (`predicted_ms`)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.rounds < 1 or min(self.warmup, self.auto_warmup, self.profile_steps) < 0:

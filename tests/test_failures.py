@@ -87,6 +87,28 @@ def test_every_rank_raising_within_the_grace_keeps_the_process_group():
         assert r["group_alive"] and r["all_reduce"] == 2, r
 
 
+def _interrupted(rank: int) -> None:
+    raise KeyboardInterrupt  # Ctrl-C under torchrun reaches every worker
+
+
+def _every_rank_interrupted(rank: int, world_size: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    try:
+        _train_until_error(rank, _interrupted)
+        return {"interrupted": False}
+    except KeyboardInterrupt:
+        t = torch.ones(1)
+        dist.all_reduce(t)  # the user's handler may save a checkpoint: the group still works
+        return {"interrupted": True, "all_reduce": t.item()}
+
+
+def test_a_keyboard_interrupt_on_every_rank_leaves_the_process_groups_usable():
+    for rank, r in enumerate(run_ranks(_every_rank_interrupted, 2, timeout=TIMEOUT)):
+        assert r == {"interrupted": True, "all_reduce": 2.0}, f"rank {rank}: {r}"
+
+
 def test_a_rank_raising_after_the_grace_is_taken_for_an_asymmetric_failure():
     # rank 1 raises 3 s after rank 0, whose grace is 0.5 s: rank 0 destroys its groups
     r0, r1 = run_ranks(_every_rank_raises, 2, timeout=TIMEOUT, args=((0.0, 3.0), 0.5))

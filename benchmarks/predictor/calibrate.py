@@ -195,6 +195,17 @@ def _checks_and_calls() -> dict[str, float]:
     return {"kjt_check_id": per_id, "a2a_call": call}
 
 
+_LAUNCHER = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
 def _pair() -> dict[str, object]:
     """The two-rank measurements (`benchmarks.predictor.calibrate_pair`), in two processes."""
     with socket.socket() as s:
@@ -203,8 +214,17 @@ def _pair() -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="pipeline-pair-") as tmp:
         out = Path(tmp) / "pair.json"
         argv = [sys.executable, "-m", "benchmarks.predictor.calibrate_pair"]
-        procs = [subprocess.Popen([*argv, str(rank), port, str(out)]) for rank in range(2)]
-        codes = [p.wait(timeout=240) for p in procs]
+        # A launcher's variables (torchrun's TORCHELASTIC_USE_AGENT_STORE, RANK, MASTER_PORT...)
+        # would make the pair rendezvous with an agent that is not there: the pair gets its own.
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER and not k.startswith("TORCHELASTIC")}
+        procs = [subprocess.Popen([*argv, str(rank), port, str(out)], env=env) for rank in range(2)]
+        try:
+            codes = [p.wait(timeout=240) for p in procs]
+        finally:
+            for p in procs:  # a pair that hangs must not outlive the calibration
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
         if any(codes):
             raise RuntimeError(f"the two-rank micro-benchmarks failed (exit codes {codes})")
         return json.loads(out.read_text())

@@ -29,7 +29,7 @@ import torch
 
 from benchmarks.predictor.link import Link
 
-__all__ = ["CollectiveCost", "MachineCosts", "cache_path", "machine_costs", "machine_facts"]
+__all__ = ["CollectiveCost", "MachineCosts", "cache_path", "calibrate", "machine_costs", "machine_facts"]
 
 _VERSION = 6
 _BUSY, _QUIET = 0.5, 0.25
@@ -221,3 +221,13 @@ def _version(package: str) -> str | None:
         return version(package)
     except PackageNotFoundError:
         return None
+
+
+def calibrate(*, refresh: bool, path: str | None, command: str) -> int:
+    """`python -m benchmarks calibrate`: this machine's costs, measured (or read from the cache) and
+    printed with the cache's path. Run it before `predict` on a machine where a job will run; a
+    training job never measures anything itself."""
+    where = Path(path) if path else cache_path(machine_facts())
+    costs = machine_costs(refresh=refresh, path=where)
+    print(f"{command}\ncache: {where}\n{json.dumps(costs.to_json(), indent=1, default=str)}")
+    return 0

@@ -45,11 +45,13 @@ def plain_config(config: TrainConfig) -> TrainConfig:
 
 def comparison(pipelined: dict[str, Any], plain: dict[str, Any]) -> dict[str, Any]:
     """The summary keys that compare the two runs: `plain_step_time_ms` and `vs_plain` (the
-    pipeline's step time over the plain loop's; below 1 is faster)."""
+    pipeline's step time over the plain loop's; below 1 is faster), and `plain_first_step_ms` (the
+    plain loop's first step, beside the pipeline's `first_step_ms`)."""
     mine, base = pipelined.get("step_time_ms"), plain.get("step_time_ms")
+    first = {"plain_first_step_ms": plain.get("first_step_ms")}
     if not mine or not base:
-        return {"plain_step_time_ms": base, "vs_plain": None}
-    return {"plain_step_time_ms": base, "vs_plain": round(mine / base, 3)}
+        return {"plain_step_time_ms": base, "vs_plain": None, **first}
+    return {"plain_step_time_ms": base, "vs_plain": round(mine / base, 3), **first}
 
 
 def verdict(summary: dict[str, Any]) -> str | None:

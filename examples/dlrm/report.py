@@ -68,6 +68,9 @@ class Reporter:
         """Wall time of each timed step (after the warm-up): from the end of the previous step to the
         end of this one, eval passes left out. Its median is the summary's `step_time_ms`."""
         self._last: dict[str, float] = {}
+        self._first_step: float | None = None
+        """Seconds from the start of training to the end of the first step (the pipeline's fill
+        and first-batch work included): the summary's `first_step_ms`."""
 
     def train_step(self, output: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
         """Record one training step's `(loss, logits, labels)`; reports every `log_every` steps."""
@@ -75,6 +78,8 @@ class Reporter:
         self.losses.append(loss.detach())
         self._train_auc.update(torch.sigmoid(logits.detach()), labels)
         self._step += 1
+        if self._first_step is None:
+            self._first_step = time.perf_counter() - self._started
         self._since_report += 1
         self._bar.update(1)
         if self._step >= self._config.warmup_steps:
@@ -135,6 +140,7 @@ class Reporter:
             "train_seconds": round(_global_max(end - self._started, self._device), 3),
             "timed_steps": measured,
             "step_time_ms": round(1000 * median, 3) if self.step_seconds else None,
+            "first_step_ms": round(1000 * _global_max(self._first_step or 0.0, self._device), 3),
             "samples_per_second": round(measured * self._config.batch_size / seconds, 1)
             if measured
             else None,
