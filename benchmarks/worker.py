@@ -93,8 +93,9 @@ def _build(spec: RunSpec, config: BenchConfig, variant: str, device: torch.devic
 
 
 def _predict(spec: RunSpec, config: BenchConfig, device: torch.device, batch: Any) -> dict[str, float]:
-    """Each pipeline and schedule's step by `benchmarks.predictor.predict` on a fresh model, as a job would call it
-    (a collective: the link is probed; the rank's cores are the machine's over the local ranks)."""
+    """Each pipeline and schedule's step by `benchmarks.predictor.predict` on a fresh model, as a job
+    would call it (a collective: the link is probed; the rank's cores are the machine's over the local
+    ranks)."""
     from benchmarks.predictor import predict
 
     model, _ = _build(spec, config, "plain", device)

@@ -1,5 +1,6 @@
 """Where the "auto" input_dist tuner starts from a prediction of each schedule's step (a prior the
-caller passes, `Tuner(prior=...)`, made by a tool such as `python -m benchmarks predict`): the rule `start_from`, pure, and what it concluded (`Start`).
+caller passes, `Tuner(prior=...)`, made by a tool such as `python -m benchmarks predict`): the rule
+`start_from`, pure, and what it concluded (`Start`).
 
 The predicted best schedule is run from the first step. The schedules predicted within `noise` of
 it are the ones the prediction cannot tell apart: those are measured by the tuner's paired trials,

@@ -7,7 +7,8 @@ With a `prior` (each schedule's predicted step, which the caller computed before
 `python -m benchmarks predict` tool) the tuner starts on the predicted best and measures only it,
 the schedules predicted within `noise` of it, and torchrec's order (`pipeline.stages.prediction`),
 so the choice is never worse than "late" by more than the paired rule's margin. The tuner itself
-never measures anything but the training steps it runs. A restarted job reloads the decision (`state_dict()`) instead of tuning again.
+never measures anything but the training steps it runs. A restarted job reloads the decision
+(`state_dict()`) instead of tuning again.
 """
 
 from __future__ import annotations
