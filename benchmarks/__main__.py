@@ -9,6 +9,7 @@
     predict     each pipeline's predicted step over configs, world sizes, links; --validate: vs measured
     calibrate   measure this machine's costs for the cost model into its cache (subprocesses)
     agreement   the ranks' per-batch vote at 2-16 local ranks, against a request to rank 0's store
+    first-step  time to first output in fresh torchrun jobs: plain, our pipelines, torchrec's
     selfcheck   the benchmarks' own arithmetic and link setup, against fakes (no ranks, no root)
 
 A subcommand is a module with one function taking keyword arguments named as its flags' `dest`,
@@ -157,6 +158,14 @@ def _agreement(p: argparse.ArgumentParser) -> None:
     p.add_argument("--md", default="out/bench/agreement.md", help="'' for none")
 
 
+def _first_step(p: argparse.ArgumentParser) -> None:
+    _names(p, "--variants", "plain ours-sparse-dist ours-prefetch torchrec-sparse-dist (default: all)")
+    p.add_argument("--rounds", type=int, default=3, help="jobs per variant, order rotated (default 3)")
+    p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--json", default="out/bench/first_step.json", help="'' for none")
+    p.add_argument("--md", default="out/bench/first_step.md", help="'' for none")
+
+
 _SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[..., int]]] = {
     "run": (_run, _function("run", "run")),
     "overhead": (_overhead, _function("overhead", "overhead")),
@@ -168,6 +177,7 @@ _SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callabl
     "selfcheck": (_selfcheck, _function("selfcheck", "selfcheck")),
     "calibrate": (_calibrate, _function("predictor.machine", "calibrate")),
     "agreement": (_agreement, _function("agreement", "agreement")),
+    "first-step": (_first_step, _function("first_step", "first_step")),
 }
 
 

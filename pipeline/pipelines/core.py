@@ -146,6 +146,7 @@ class PipelineCore(SubclassPoints, TrainPipeline):
             self._fill(lane)
             if not lane.inflight:
                 del self._lanes[id(dataloader_iter)]
+                self._ranks.settle_votes()
                 raise StopIteration
             head = lane.inflight[0]
             if self._step_context is None:
@@ -158,14 +159,19 @@ class PipelineCore(SubclassPoints, TrainPipeline):
             self._streams.release(head)
             self._streams.returned(output)
             lane.steps += 1
+            self._ranks.settle_votes()  # nothing in flight between calls: the caller may tear down
             return output
         except StopIteration:
             raise
         except AgreedError:
             self.reset()  # every rank raises it at the same step: the process group is fine
+            self._ranks.settle_votes()
             raise
         except BaseException as e:
-            self._ranks.fail(e, self.reset)
+            try:
+                self._ranks.fail(e, self.reset)
+            finally:
+                self._ranks.settle_votes()
             raise
 
     def drain(self, dataloader_iter: Iterator[Any]) -> list[Any]:

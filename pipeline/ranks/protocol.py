@@ -14,6 +14,7 @@ flight and issues the same collectives in order.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +38,7 @@ from pipeline.ranks.status import (
     uneven_message,
     warn_untrained,
 )
-from pipeline.ranks.votes import Votes
+from pipeline.ranks.votes import Vote, Votes
 
 __all__ = ["Ranks"]
 
@@ -77,6 +78,8 @@ class Ranks:
         """The lane whose step runs now (`enter`): the collectives issued belong to its batches."""
         self.untrained_batches: list[Any] = []
         """Batches this rank fetched but did not train because another rank's data ended first."""
+        self._pending: list[Vote] = []
+        """Votes started since the last `settle_votes`."""
         self.votes = 0
         """Votes started (one per batch fetched, placeholders included, while `voting`)."""
 
@@ -129,6 +132,7 @@ class Ranks:
                 ticket.status, ticket.problem = Status.MALFORMED, problem
         if self.voting:  # every rank fetches in the same order, so the votes pair up
             ticket.vote = self._votes.vote(ticket.status)
+            self._pending.append(ticket.vote)
             self.votes += 1
         lane.enqueued += 1
         return batch, ticket
@@ -173,6 +177,16 @@ class Ranks:
             self.untrained_batches.extend(untrained)
             warn_untrained(self._failure.rank, len(untrained), statuses, ticket.position)
         return False
+
+    def settle_votes(self) -> None:
+        """Wait for every vote started so far (they have normally arrived: each was started a step
+        earlier or during this one), so that none is in flight between two `progress()` calls, where
+        the caller may destroy the process groups. A vote that cannot complete (the groups are
+        gone after a failure) is dropped."""
+        pending, self._pending = self._pending, []
+        for vote in pending:
+            with contextlib.suppress(Exception):
+                vote.wait()
 
     def agree_on(self, what: str, text: str) -> None:
         """Check that every rank has the same `text` (once, before a collective that depends on it).
