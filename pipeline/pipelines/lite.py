@@ -120,6 +120,12 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist):
         if lane.inflight:
             self._ranks.admit(lane, lane.inflight[0])  # a batch the ranks drop leaves the lane
 
+    def _wait_for_batch(self) -> None:
+        """Make the head batch, copied on the memcpy stream, usable on the caller's. torchrec's Lite
+        overrides its parent's (it has no data_dist stream to wait on), so ours does too: a patch
+        of `TrainPipelineSparseDist._wait_for_batch` does not reach Lite there, nor here."""
+        self._wait_copied(self._ranks.lane.inflight[0].batch)
+
     def _step(self, lane: Lane) -> Any:
         ctx, input_dist = lane.inflight[0], self._input_dist
         self._state = PipelineState.IDLE
