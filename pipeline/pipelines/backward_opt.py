@@ -18,20 +18,17 @@ from typing import Any
 import torch
 from torchrec.distributed.types import ShardingType
 
-from pipeline.compat.arguments import refuse_jit
 from pipeline.compat.backward_injection import (
     InjectionSite,
     InjectionTargetType,
     OutputDistTensorFinder,
     hook_backward,
 )
-from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
-from pipeline.pipelines.input_dist_core import InputDistCore
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
 from pipeline.stages.backward_step import StepInBackward, StepPlacement
 from pipeline.stages.context import BatchContext, TrainPipelineContext
-from pipeline.stages.memory import MemoryFlags
 from pipeline.stages.streams import Streams
 from pipeline.stages.tuner import Tuner
 from rewrite import unwrap_model
@@ -39,7 +36,7 @@ from rewrite import unwrap_model
 __all__ = ["TrainPipelineSparseDistBwdOpt"]
 
 
-class TrainPipelineSparseDistBwdOpt(InputDistCore):
+class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist):
     """SparseDist with the optimizer stage moved into backward, at the output all-to-all of
     `site_fqn` (the all-to-all of its `sharding_type` tables), once every gradient it applies is
     final there or later.
@@ -105,37 +102,35 @@ class TrainPipelineSparseDistBwdOpt(InputDistCore):
         failure_grace: float | None = None,
         peer_timeout: timedelta | None = None,
     ) -> None:
-        refuse_jit(apply_jit)
-        super().__init__(
+        self._build(
             model,
             optimizer,
             device,
+            apply_jit=apply_jit,
             execute_all_batches=execute_all_batches,
-            custom_model_fwd=custom_model_fwd,
-            streams=streams,
-            ranks=resolve(
-                ranks,
-                RankOptions,
-                on_uneven=on_uneven,
-                check_keys=check_keys,
-                check_kjts=check_kjts,
-                agreement=agreement,
-                abort_on_error=abort_on_error,
-                failure_grace=failure_grace,
-                peer_timeout=peer_timeout,
-            ),
-            enable_inplace_copy_batch=enable_inplace_copy_batch,
-            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
-            lookahead=2,
-        )
-        self._enqueue_batch_after_forward = enqueue_batch_after_forward
-        self._input_dist = self._make_input_dist(
-            forward="input_dist",
-            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
-            strict=strict,
             pipeline_postproc=pipeline_postproc,
-            schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
-            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+            custom_model_fwd=custom_model_fwd,
+            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
+            enqueue_batch_after_forward=enqueue_batch_after_forward,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            strict=strict,
+            rewrite=rewrite,
+            rewrite_method=rewrite_method,
+            arg_paths=arg_paths,
+            input_dist=input_dist,
+            input_dist_schedule=input_dist_schedule,
+            tuner=tuner,
+            streams=streams,
+            ranks=ranks,
+            on_uneven=on_uneven,
+            check_keys=check_keys,
+            check_kjts=check_kjts,
+            agreement=agreement,
+            abort_on_error=abort_on_error,
+            failure_grace=failure_grace,
+            peer_timeout=peer_timeout,
         )
         self._in_backward = StepInBackward(model, optimizer, self._step_head)
         self._on_reset.append(self._in_backward.disarm)
@@ -150,9 +145,6 @@ class TrainPipelineSparseDistBwdOpt(InputDistCore):
     def step_placement(self) -> StepPlacement | None:
         """Where the optimizer stage of the last training step ran (None before the first)."""
         return self._in_backward.placement
-
-    def _fill(self, lane: Lane) -> None:
-        self._input_dist.fill(lane, self._enqueue)
 
     def _step(self, lane: Lane) -> Any:
         ctx = lane.inflight[0]
@@ -190,8 +182,3 @@ class TrainPipelineSparseDistBwdOpt(InputDistCore):
             return
         self._noted.add(placement)
         report.notes.append(f"TrainPipelineSparseDistBwdOpt: the optimizer step ran {placement.value}")
-
-
-# torchrec's class derives from its TrainPipelineSparseDist: `isinstance` answers as it does there,
-# without inheriting a step to override
-TrainPipelineSparseDist.register(TrainPipelineSparseDistBwdOpt)

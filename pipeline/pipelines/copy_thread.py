@@ -18,20 +18,17 @@ from typing import Any
 
 import torch
 
-from pipeline.compat.arguments import refuse_jit
-from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
-from pipeline.pipelines.input_dist_core import InputDistCore
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
 from pipeline.stages.context import BatchContext, TrainPipelineContext
-from pipeline.stages.memory import MemoryFlags
 from pipeline.stages.streams import Streams
 from pipeline.stages.tuner import Tuner
 
 __all__ = ["TrainPipelineSparseDistT"]
 
 
-class TrainPipelineSparseDistT(InputDistCore):
+class TrainPipelineSparseDistT(TrainPipelineSparseDist):
     """SparseDist with the copy of batch i+2 dispatched from a worker thread (on a device).
 
     Numerics: the plain loop's, bit for bit (the copy's dispatch moves, not what it copies).
@@ -77,42 +74,37 @@ class TrainPipelineSparseDistT(InputDistCore):
         failure_grace: float | None = None,
         peer_timeout: timedelta | None = None,
     ) -> None:
-        refuse_jit(apply_jit)
-        super().__init__(
+        self._build(
             model,
             optimizer,
             device,
+            apply_jit=apply_jit,
             execute_all_batches=execute_all_batches,
-            custom_model_fwd=custom_model_fwd,
-            streams=streams,
-            ranks=resolve(
-                ranks,
-                RankOptions,
-                on_uneven=on_uneven,
-                check_keys=check_keys,
-                check_kjts=check_kjts,
-                agreement=agreement,
-                abort_on_error=abort_on_error,
-                failure_grace=failure_grace,
-                peer_timeout=peer_timeout,
-            ),
-            enable_inplace_copy_batch=enable_inplace_copy_batch,
-            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
-            lookahead=2,
-        )
-        self._input_dist = self._make_input_dist(
-            forward="input_dist",
-            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
-            strict=strict,
             pipeline_postproc=pipeline_postproc,
-            schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
-            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+            custom_model_fwd=custom_model_fwd,
+            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            strict=strict,
+            rewrite=rewrite,
+            rewrite_method=rewrite_method,
+            arg_paths=arg_paths,
+            input_dist=input_dist,
+            input_dist_schedule=input_dist_schedule,
+            tuner=tuner,
+            streams=streams,
+            ranks=ranks,
+            on_uneven=on_uneven,
+            check_keys=check_keys,
+            check_kjts=check_kjts,
+            agreement=agreement,
+            abort_on_error=abort_on_error,
+            failure_grace=failure_grace,
+            peer_timeout=peer_timeout,
         )
         self._copy_worker: ThreadPoolExecutor | None = None
         """The copy's thread, started at the first copy off the host (never on CPU)."""
-
-    def _fill(self, lane: Lane) -> None:
-        self._input_dist.fill(lane, self._enqueue)  # copies inline: each is used at once
 
     def _step(self, lane: Lane) -> Any:
         ctx, input_dist = lane.inflight[0], self._input_dist
@@ -143,8 +135,3 @@ class TrainPipelineSparseDistT(InputDistCore):
             return False
         lane.inflight.append(ctx)
         return True
-
-
-# torchrec's class derives from its TrainPipelineSparseDist: `isinstance` answers as it does there,
-# without inheriting a step to override
-TrainPipelineSparseDist.register(TrainPipelineSparseDistT)

@@ -13,20 +13,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.compat.arguments import refuse_jit
 from pipeline.compat.backward_injection import (
     FirstGradTensorFinder,
     InjectionSite,
     InjectionTargetType,
     hook_backward,
 )
-from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
-from pipeline.pipelines.input_dist_core import InputDistCore
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
 from pipeline.stages.context import BatchContext, TrainPipelineContext
 from pipeline.stages.embedding_stash import EmbeddingStash
-from pipeline.stages.memory import MemoryFlags
 from pipeline.stages.streams import Streams
 from pipeline.stages.tuner import Tuner
 from rewrite import unwrap_model
@@ -55,7 +52,7 @@ def hook_embedding_stash(
     hook_backward(site, root, lambda grad: stash.restore(), active=lambda: stash.armed)
 
 
-class TrainPipelineSparseDistEmbStash(InputDistCore):
+class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist):
     """SparseDist whose embedding weights marked `stash_weights=True` (a table config's flag) are
     in host memory from their lookup until backward comes back to them.
 
@@ -120,10 +117,28 @@ class TrainPipelineSparseDistEmbStash(InputDistCore):
         failure_grace: float | None = None,
         peer_timeout: timedelta | None = None,
     ) -> None:
-        refuse_jit(apply_jit)
-        ranks = resolve(
-            ranks,
-            RankOptions,
+        self._build(
+            model,
+            optimizer,
+            device,
+            apply_jit=apply_jit,
+            execute_all_batches=execute_all_batches,
+            pipeline_postproc=pipeline_postproc,
+            custom_model_fwd=custom_model_fwd,
+            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
+            enqueue_batch_after_forward=enqueue_batch_after_forward,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            strict=strict,
+            rewrite=rewrite,
+            rewrite_method=rewrite_method,
+            arg_paths=arg_paths,
+            input_dist=input_dist,
+            input_dist_schedule=input_dist_schedule,
+            tuner=tuner,
+            streams=streams,
+            ranks=ranks,
             on_uneven=on_uneven,
             check_keys=check_keys,
             check_kjts=check_kjts,
@@ -131,27 +146,6 @@ class TrainPipelineSparseDistEmbStash(InputDistCore):
             abort_on_error=abort_on_error,
             failure_grace=failure_grace,
             peer_timeout=peer_timeout,
-        )
-        super().__init__(
-            model,
-            optimizer,
-            device,
-            execute_all_batches=execute_all_batches,
-            custom_model_fwd=custom_model_fwd,
-            streams=streams,
-            ranks=ranks,
-            enable_inplace_copy_batch=enable_inplace_copy_batch,
-            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
-            lookahead=2,
-        )
-        self._enqueue_batch_after_forward = enqueue_batch_after_forward
-        self._input_dist = self._make_input_dist(
-            forward="input_dist",
-            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
-            strict=strict,
-            pipeline_postproc=pipeline_postproc,
-            schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
-            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
         )
         self._emb_stash = EmbeddingStash(self._streams, model, device, delay=delay_stash)
         self._on_reset.append(self._emb_stash.finish)
@@ -163,9 +157,6 @@ class TrainPipelineSparseDistEmbStash(InputDistCore):
     def stashed_bytes(self) -> int:
         """Bytes of embedding weights in host memory now (between a lookup and its restore)."""
         return self._emb_stash.lent_bytes
-
-    def _fill(self, lane: Lane) -> None:
-        self._input_dist.fill(lane, self._enqueue)
 
     def _step(self, lane: Lane) -> Any:
         ctx = lane.inflight[0]
@@ -192,8 +183,3 @@ class TrainPipelineSparseDistEmbStash(InputDistCore):
             self._optimizer_stage(ctx)
         lane.inflight.popleft()
         return output
-
-
-# torchrec's class derives from its TrainPipelineSparseDist: `isinstance` answers as it does there,
-# without inheriting a step to override
-TrainPipelineSparseDist.register(TrainPipelineSparseDistEmbStash)

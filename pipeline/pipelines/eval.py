@@ -14,18 +14,28 @@ from typing import Any
 
 import torch
 
-from pipeline.compat.arguments import refuse_jit
 from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
-from pipeline.pipelines.input_dist_core import InputDistCore
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
-from pipeline.stages.memory import MemoryFlags
 from pipeline.stages.streams import Streams
 
-__all__ = ["EvalPipelineSparseDist"]
+__all__ = ["EvalPipelineSparseDist", "fixed_schedule"]
 
 
-class EvalPipelineSparseDist(InputDistCore):
+def fixed_schedule(input_dist: InputDistOptions | None, schedule: str | None, owner: str) -> InputDistOptions:
+    """The input_dist options of an eval pipeline: "early-shared" unless given; "auto" is refused.
+
+    Raises:
+        ValueError: the schedule is "auto" (the tuner times training steps).
+    """
+    default = InputDistOptions(schedule="early-shared")
+    options = resolve(input_dist or default, InputDistOptions, schedule=schedule)
+    if options.schedule == "auto":
+        raise ValueError(f'{owner} takes a fixed input_dist_schedule; "auto" tunes training')
+    return options
+
+
+class EvalPipelineSparseDist(TrainPipelineSparseDist):
     """Forward-only pipeline: input_dist of batch i+1 and the copy of batch i+2 overlap forward of i.
 
     Numerics: each output is bit for bit the model's own output for that batch (`model(batch)` in
@@ -75,47 +85,31 @@ class EvalPipelineSparseDist(InputDistCore):
         failure_grace: float | None = None,
         peer_timeout: timedelta | None = None,
     ) -> None:
-        refuse_jit(apply_jit)
-        schedule = resolve(
-            input_dist or InputDistOptions(schedule="early-shared"),
-            InputDistOptions,
-            schedule=input_dist_schedule,
-        )
-        if schedule.schedule == "auto":
-            raise ValueError(
-                'EvalPipelineSparseDist takes a fixed input_dist_schedule; "auto" tunes training'
-            )
-        super().__init__(
+        self._build(
             model,
             optimizer,
             device,
-            execute_all_batches=True,
-            custom_model_fwd=None,
-            streams=streams,
-            ranks=resolve(
-                ranks,
-                RankOptions,
-                on_uneven=on_uneven,
-                check_keys=check_keys,
-                check_kjts=check_kjts,
-                agreement=agreement,
-                abort_on_error=abort_on_error,
-                failure_grace=failure_grace,
-                peer_timeout=peer_timeout,
-            ),
-            enable_inplace_copy_batch=enable_inplace_copy_batch,
-        )
-        self._input_dist = self._make_input_dist(
-            forward="input_dist",
-            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
-            strict=strict,
+            apply_jit=apply_jit,
             pipeline_postproc=pipeline_postproc,
-            schedule=schedule,
-            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            strict=strict,
+            rewrite=rewrite,
+            rewrite_method=rewrite_method,
+            arg_paths=arg_paths,
+            input_dist=fixed_schedule(input_dist, input_dist_schedule, "EvalPipelineSparseDist"),
+            streams=streams,
+            ranks=ranks,
+            on_uneven=on_uneven,
+            check_keys=check_keys,
+            check_kjts=check_kjts,
+            agreement=agreement,
+            abort_on_error=abort_on_error,
+            failure_grace=failure_grace,
+            peer_timeout=peer_timeout,
+            lookahead=0,
         )
-
-    def _fill(self, lane: Lane) -> None:
-        self._input_dist.fill(lane, self._enqueue)
 
     def _step(self, lane: Lane) -> Any:
         ctx, input_dist = lane.inflight[0], self._input_dist
@@ -129,8 +123,3 @@ class EvalPipelineSparseDist(InputDistCore):
             input_dist.wait_splits(nxt)  # a no-op after early splits
         lane.inflight.popleft()
         return output
-
-
-# torchrec's class derives from its TrainPipelineSparseDist: `isinstance` answers as it does there,
-# without inheriting a step to override
-TrainPipelineSparseDist.register(EvalPipelineSparseDist)

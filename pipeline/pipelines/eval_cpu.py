@@ -20,22 +20,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.compat.arguments import refuse_jit
-from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
-from pipeline.pipelines.input_dist_core import InputDistCore
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
 from pipeline.stages.context import HostLookupBatchContext
 from pipeline.stages.copy import to_device, to_device_in_place
 from pipeline.stages.labels import run_stage
 from pipeline.stages.lookup import LookupStage
-from pipeline.stages.memory import MemoryFlags
 from pipeline.stages.streams import Streams, streams_for
 
 __all__ = ["EvalPipelineCPUSparse"]
 
 
-class EvalPipelineCPUSparse(InputDistCore):
+class EvalPipelineCPUSparse(TrainPipelineSparseDist):
     """Forward-only pipeline: the sparse stage of batch i+`pipeline_depth` on the host, the copy of
     i+1 and forward of i on the device.
 
@@ -96,36 +93,33 @@ class EvalPipelineCPUSparse(InputDistCore):
         failure_grace: float | None = None,
         peer_timeout: timedelta | None = None,
     ) -> None:
-        refuse_jit(apply_jit)
         if pipeline_depth not in (1, 2):
             raise ValueError(f"pipeline_depth must be 1 or 2; got {pipeline_depth!r}")
-        super().__init__(
+        self._build(
             model,
             optimizer,
             torch.device("cpu"),  # fetched batches stay on the host, where the sparse stage reads them
-            execute_all_batches=True,
-            custom_model_fwd=None,
-            streams=Streams(),  # the sparse stage's: the host has none
-            ranks=resolve(
-                ranks,
-                RankOptions,
-                on_uneven=on_uneven,
-                check_keys=check_keys,
-                check_kjts=check_kjts,
-                agreement=agreement,
-                abort_on_error=abort_on_error,
-                failure_grace=failure_grace,
-                peer_timeout=peer_timeout,
-            ),
-            context_type=HostLookupBatchContext,
-        )
-        self._input_dist = self._make_input_dist(
-            forward="lookup",
-            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
-            strict=strict,
+            apply_jit=apply_jit,
             pipeline_postproc=pipeline_postproc,
-            schedule=InputDistOptions(schedule="late"),  # waited for at once: nothing to schedule
-            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            strict=strict,
+            rewrite=rewrite,
+            rewrite_method=rewrite_method,
+            arg_paths=arg_paths,
+            input_dist=InputDistOptions(schedule="late"),  # waited for at once: nothing to schedule
+            streams=Streams(),  # the sparse stage's: the host has none
+            ranks=ranks,
+            on_uneven=on_uneven,
+            check_keys=check_keys,
+            check_kjts=check_kjts,
+            agreement=agreement,
+            abort_on_error=abort_on_error,
+            failure_grace=failure_grace,
+            peer_timeout=peer_timeout,
+            forward="lookup",
+            context_type=HostLookupBatchContext,
+            lookahead=0,
         )
         self._lookup = LookupStage(self._streams, self._input_dist, model, optimizer, forward_only=True)
         self._dense_device = device
@@ -243,8 +237,3 @@ def _communicates(modules: list[Any]) -> bool:
         return False
     kinds = [getattr(pm.module, "_sharding_types", None) for pm in modules]
     return any(k is None or any(t != "data_parallel" for t in k) for k in kinds)
-
-
-# torchrec's class derives from its TrainPipelineSparseDist: `isinstance` answers as it does there,
-# without inheriting a step to override
-TrainPipelineSparseDist.register(EvalPipelineCPUSparse)

@@ -17,15 +17,12 @@ from typing import Any
 
 import torch
 
-from pipeline.compat.arguments import refuse_jit
-from pipeline.compat.methods import FusedMethods
-from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions
+from pipeline.pipelines.eval import fixed_schedule
 from pipeline.pipelines.fused import TrainPipelineFusedSparseDist
-from pipeline.pipelines.input_dist_core import InputDistCore
 from pipeline.ranks import Lane
 from pipeline.stages.context import LookupBatchContext
 from pipeline.stages.lookup import LookupStage
-from pipeline.stages.memory import MemoryFlags
 from pipeline.stages.streams import Streams
 
 __all__ = ["EvalPipelineFusedSparseDist"]
@@ -33,7 +30,7 @@ __all__ = ["EvalPipelineFusedSparseDist"]
 _LOOKUP_STREAMS = ("data_dist", "new", "current")
 
 
-class EvalPipelineFusedSparseDist(FusedMethods, InputDistCore):
+class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
     """Forward-only pipeline whose embedding lookup runs ahead of forward.
 
     Numerics: each output is bit for bit the model's own output for that batch (`model(batch)`
@@ -95,45 +92,36 @@ class EvalPipelineFusedSparseDist(FusedMethods, InputDistCore):
         failure_grace: float | None = None,
         peer_timeout: timedelta | None = None,
     ) -> None:
-        refuse_jit(apply_jit)
         if emb_lookup_stream not in _LOOKUP_STREAMS:
             raise ValueError(f"emb_lookup_stream must be one of {_LOOKUP_STREAMS}; got {emb_lookup_stream!r}")
-        default = InputDistOptions(schedule="early-shared")
-        schedule = resolve(input_dist or default, InputDistOptions, schedule=input_dist_schedule)
-        if schedule.schedule == "auto":
-            raise ValueError(
-                'EvalPipelineFusedSparseDist takes a fixed input_dist_schedule; "auto" tunes training'
-            )
-        super().__init__(
+        self._build(
             model,
             optimizer,
             device,
+            apply_jit=apply_jit,
             execute_all_batches=execute_all_batches,
-            custom_model_fwd=custom_model_fwd,
-            streams=streams,
-            ranks=resolve(
-                ranks,
-                RankOptions,
-                on_uneven=on_uneven,
-                check_keys=check_keys,
-                check_kjts=check_kjts,
-                agreement=agreement,
-                abort_on_error=abort_on_error,
-                failure_grace=failure_grace,
-                peer_timeout=peer_timeout,
-            ),
-            enable_inplace_copy_batch=enable_inplace_copy_batch,
-            context_type=LookupBatchContext,
-            lookahead=2,
-        )
-        self._enqueue_batch_after_forward = enqueue_batch_after_forward
-        self._input_dist = self._make_input_dist(
-            forward="lookup",
-            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
-            strict=strict,
             pipeline_postproc=pipeline_postproc,
-            schedule=schedule,
-            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+            custom_model_fwd=custom_model_fwd,
+            enqueue_batch_after_forward=enqueue_batch_after_forward,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            strict=strict,
+            rewrite=rewrite,
+            rewrite_method=rewrite_method,
+            arg_paths=arg_paths,
+            input_dist=fixed_schedule(input_dist, input_dist_schedule, "EvalPipelineFusedSparseDist"),
+            streams=streams,
+            ranks=ranks,
+            on_uneven=on_uneven,
+            check_keys=check_keys,
+            check_kjts=check_kjts,
+            agreement=agreement,
+            abort_on_error=abort_on_error,
+            failure_grace=failure_grace,
+            peer_timeout=peer_timeout,
+            forward="lookup",
+            context_type=LookupBatchContext,
         )
         self._lookup = LookupStage(
             self._streams,
@@ -145,9 +133,6 @@ class EvalPipelineFusedSparseDist(FusedMethods, InputDistCore):
         )
         self._lookup_ahead = enable_embedding_lookup_prefetch
         self._lookup_first = enable_embedding_lookup_prefetch or not embedding_lookup_after_data_dist
-
-    def _fill(self, lane: Lane) -> None:
-        self._input_dist.fill(lane, self._enqueue)
 
     def _step(self, lane: Lane) -> Any:
         ctx = lane.inflight[0]
@@ -169,8 +154,3 @@ class EvalPipelineFusedSparseDist(FusedMethods, InputDistCore):
             lookup.run(nxt)  # batch i+1's lookup, while forward of i runs on the caller's stream
         lane.inflight.popleft()
         return output
-
-
-# torchrec's class derives from its TrainPipelineFusedSparseDist (so from its SparseDist too):
-# `isinstance` answers as it does there, without inheriting a step to override
-TrainPipelineFusedSparseDist.register(EvalPipelineFusedSparseDist)

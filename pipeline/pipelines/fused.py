@@ -14,15 +14,12 @@ from typing import Any
 
 import torch
 
-from pipeline.compat.arguments import refuse_jit
 from pipeline.compat.methods import FusedMethods
-from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
-from pipeline.pipelines.input_dist_core import InputDistCore
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
 from pipeline.stages.context import LookupBatchContext
 from pipeline.stages.lookup import LookupStage
-from pipeline.stages.memory import MemoryFlags
 from pipeline.stages.streams import Streams
 from pipeline.stages.tuner import Tuner
 
@@ -31,7 +28,7 @@ __all__ = ["TrainPipelineFusedSparseDist"]
 _LOOKUP_STREAMS = ("data_dist", "new", "current")
 
 
-class TrainPipelineFusedSparseDist(FusedMethods, InputDistCore):
+class TrainPipelineFusedSparseDist(FusedMethods, TrainPipelineSparseDist):
     """SparseDist whose embedding lookup of batch i runs at the start of step i, ahead of forward.
 
     Numerics: bit for bit the plain loop's (zero_grad, forward, backward, step per batch), for
@@ -90,39 +87,38 @@ class TrainPipelineFusedSparseDist(FusedMethods, InputDistCore):
         failure_grace: float | None = None,
         peer_timeout: timedelta | None = None,
     ) -> None:
-        refuse_jit(apply_jit)
         if emb_lookup_stream not in _LOOKUP_STREAMS:
             raise ValueError(f"emb_lookup_stream must be one of {_LOOKUP_STREAMS}; got {emb_lookup_stream!r}")
-        super().__init__(
+        self._build(
             model,
             optimizer,
             device,
+            apply_jit=apply_jit,
             execute_all_batches=execute_all_batches,
-            custom_model_fwd=custom_model_fwd,
-            streams=streams,
-            ranks=resolve(
-                ranks,
-                RankOptions,
-                on_uneven=on_uneven,
-                check_keys=check_keys,
-                check_kjts=check_kjts,
-                agreement=agreement,
-                abort_on_error=abort_on_error,
-                failure_grace=failure_grace,
-                peer_timeout=peer_timeout,
-            ),
-            enable_inplace_copy_batch=enable_inplace_copy_batch,
-            context_type=LookupBatchContext,
-            lookahead=2,
-        )
-        self._enqueue_batch_after_forward = enqueue_batch_after_forward
-        self._input_dist = self._make_input_dist(
-            forward="lookup",
-            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
-            strict=strict,
             pipeline_postproc=pipeline_postproc,
-            schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
-            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+            custom_model_fwd=custom_model_fwd,
+            enqueue_batch_after_forward=enqueue_batch_after_forward,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            strict=strict,
+            rewrite=rewrite,
+            rewrite_method=rewrite_method,
+            arg_paths=arg_paths,
+            input_dist=input_dist,
+            input_dist_schedule=input_dist_schedule,
+            tuner=tuner,
+            streams=streams,
+            ranks=ranks,
+            on_uneven=on_uneven,
+            check_keys=check_keys,
+            check_kjts=check_kjts,
+            agreement=agreement,
+            abort_on_error=abort_on_error,
+            failure_grace=failure_grace,
+            peer_timeout=peer_timeout,
+            forward="lookup",
+            context_type=LookupBatchContext,
         )
         self._lookup = LookupStage(
             self._streams,
@@ -132,9 +128,6 @@ class TrainPipelineFusedSparseDist(FusedMethods, InputDistCore):
             on_caller_stream=emb_lookup_stream == "current",
         )
         self._lookup_first = not embedding_lookup_after_data_dist
-
-    def _fill(self, lane: Lane) -> None:
-        self._input_dist.fill(lane, self._enqueue)
 
     def _step(self, lane: Lane) -> Any:
         ctx = lane.inflight[0]
@@ -159,8 +152,3 @@ class TrainPipelineFusedSparseDist(FusedMethods, InputDistCore):
             )
         lane.inflight.popleft()
         return output
-
-
-# torchrec's class derives from its TrainPipelineSparseDist: `isinstance` answers as it does there,
-# without inheriting a step to override
-TrainPipelineSparseDist.register(TrainPipelineFusedSparseDist)

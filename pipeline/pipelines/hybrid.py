@@ -18,21 +18,18 @@ from typing import Any
 
 import torch
 
-from pipeline.compat.arguments import refuse_jit
 from pipeline.compat.types import PipelineState
-from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
-from pipeline.pipelines.input_dist_core import InputDistCore
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane, LaneState
 from pipeline.stages.context import BatchContext, TrainPipelineContext
-from pipeline.stages.memory import MemoryFlags
 from pipeline.stages.streams import Streams
 from pipeline.stages.tuner import Tuner
 
 __all__ = ["TrainEvalHybridPipelineBase"]
 
 
-class TrainEvalHybridPipelineBase(InputDistCore):
+class TrainEvalHybridPipelineBase(TrainPipelineSparseDist):
     """SparseDist that trains a batch in training mode and only evaluates it in eval mode.
 
     Per `progress(it)` call: the SparseDist step on the oldest batch of `it` (copy of i+2,
@@ -90,39 +87,37 @@ class TrainEvalHybridPipelineBase(InputDistCore):
         failure_grace: float | None = None,
         peer_timeout: timedelta | None = None,
     ) -> None:
-        refuse_jit(apply_jit)
-        super().__init__(
+        self._build(
             model,
             optimizer,
             device,
+            apply_jit=apply_jit,
             execute_all_batches=True,  # the training steps' tail rule is `_fill`'s
+            pipeline_postproc=pipeline_postproc,
             custom_model_fwd=custom_model_fwd,
-            streams=streams,
-            ranks=resolve(
-                ranks,
-                RankOptions,
-                on_uneven=on_uneven,
-                check_keys=check_keys,
-                check_kjts=check_kjts,
-                agreement=agreement,
-                abort_on_error=abort_on_error,
-                failure_grace=failure_grace,
-                peer_timeout=peer_timeout,
-            ),
-            enable_inplace_copy_batch=enable_inplace_copy_batch,
             dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
-            lookahead=2,
+            enqueue_batch_after_forward=enqueue_batch_after_forward,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            strict=strict,
+            rewrite=rewrite,
+            rewrite_method=rewrite_method,
+            arg_paths=arg_paths,
+            input_dist=input_dist,
+            input_dist_schedule=input_dist_schedule,
+            tuner=tuner,
+            streams=streams,
+            ranks=ranks,
+            on_uneven=on_uneven,
+            check_keys=check_keys,
+            check_kjts=check_kjts,
+            agreement=agreement,
+            abort_on_error=abort_on_error,
+            failure_grace=failure_grace,
+            peer_timeout=peer_timeout,
         )
         self._train_all_batches = execute_all_batches
-        self._enqueue_batch_after_forward = enqueue_batch_after_forward
-        self._input_dist = self._make_input_dist(
-            forward="input_dist",
-            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
-            strict=strict,
-            pipeline_postproc=pipeline_postproc,
-            schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
-            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
-        )
         self._last_mode: str | None = None
 
     @property
@@ -162,8 +157,3 @@ class TrainEvalHybridPipelineBase(InputDistCore):
         lane.inflight.popleft()
         self._last_mode = "train" if training else "eval"
         return output
-
-
-# torchrec's class derives from its TrainPipelineSparseDist: `isinstance` answers as it does there,
-# without inheriting a step to override
-TrainPipelineSparseDist.register(TrainEvalHybridPipelineBase)

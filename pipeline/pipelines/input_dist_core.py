@@ -1,21 +1,29 @@
-"""`InputDistCore`: what the pipelines that run input_dist ahead of forward (SparseDist, Prefetch,
-Fused, SemiSync, Eval) share besides `PipelineCore`: their `InputDist` component and its public
-face, `rewrite_report`, `input_dist_schedule`, `tuner`, `released_bytes`, `detach()`/`attach()`.
-Each class writes its step in its own module, calling its `InputDist` by name.
+"""`InputDistCore`: the base of `TrainPipelineSparseDist`, and so of every class that torchrec derives
+from it (Fused, SemiSync, Prefetch, Eval, Lite, PEC, the stash pipelines, ...): the one builder of
+their machinery (`_build`), their `InputDist` component and its public face, `rewrite_report`,
+`input_dist_schedule`, `tuner`, `released_bytes`, `detach()`/`attach()`. Each class declares its
+constructor, passes its arguments on to `_build`, adds what differs and writes its step in its own
+module, calling its `InputDist` by name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
+import torch
 from torch import nn
 
+from pipeline.compat.arguments import refuse_jit
 from pipeline.compat.methods import SparseDistMethods
-from pipeline.config import InputDistOptions, RewriteOptions
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
 from pipeline.pipelines.core import PipelineCore
 from pipeline.ranks import Lane
+from pipeline.stages.context import BatchContext
 from pipeline.stages.input_dist import InputDist
 from pipeline.stages.memory import MemoryFlags
+from pipeline.stages.streams import Streams
 from pipeline.stages.tuner import Tuner
 from rewrite import RewriteReport
 
@@ -23,8 +31,8 @@ __all__ = ["InputDistCore"]
 
 
 class InputDistCore(SparseDistMethods, PipelineCore):
-    """A `PipelineCore` with an `InputDist` (made by `_make_input_dist` in the class's constructor),
-    and torchrec's methods of its `TrainPipelineSparseDist` (`pipeline.compat.methods`)."""
+    """A `PipelineCore` with an `InputDist` (made by `_build` in the class's constructor), and
+    torchrec's methods of its `TrainPipelineSparseDist` (`pipeline.compat.methods`)."""
 
     _input_dist: InputDist
 
@@ -107,28 +115,85 @@ class InputDistCore(SparseDistMethods, PipelineCore):
         lane.inflight.popleft()
         return output
 
-    def _make_input_dist(
+    def _build(
         self,
+        model: nn.Module,
+        optimizer: Any,
+        device: torch.device,
         *,
-        forward: str,
-        rewrite: RewriteOptions,
-        strict: bool,
+        apply_jit: bool,
         pipeline_postproc: bool,
-        schedule: InputDistOptions,
-        memory: MemoryFlags,
-    ) -> InputDist:
-        """The class's `InputDist`, reset with the pipeline (`forward`: see `InputDist`)."""
-        self._clear_data_dist_inputs = memory.clear_data_dist_inputs  # torchrec's attribute
-        input_dist = InputDist(
-            self._model,
+        strict: bool,
+        rewrite: RewriteOptions | None,
+        rewrite_method: str | None,
+        arg_paths: dict[str, Any] | None,
+        streams: Streams | None,
+        ranks: RankOptions | None,
+        on_uneven: str | None,
+        check_keys: bool | None,
+        check_kjts: bool | None,
+        agreement: bool | None,
+        abort_on_error: bool | None,
+        failure_grace: float | None,
+        peer_timeout: timedelta | None,
+        execute_all_batches: bool = True,
+        custom_model_fwd: Callable[[Any], Any] | None = None,
+        enable_inplace_copy_batch: bool = False,
+        input_dist: InputDistOptions | None = None,
+        input_dist_schedule: str | None = None,
+        tuner: Tuner | None = None,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        dmp_collection_sync_interval_batches: int | None = 1,
+        enqueue_batch_after_forward: bool = False,
+        forward: str = "input_dist",
+        context_type: type[BatchContext] = BatchContext,
+        lookahead: int = 2,
+    ) -> None:
+        """The one construction of every class of the family: each constructor passes its
+        arguments on (see `TrainPipelineSparseDist` for what they mean), then adds what differs.
+
+        Besides the constructors' arguments: `forward`, what the hijacked forwards run (see
+        `InputDist`); `context_type`, the per-batch context the class's stages need; `lookahead`,
+        how many batches must follow the head under `execute_all_batches=False` (torchrec's rule
+        for the class). Options objects and their keywords are resolved here (`resolve`).
+        """
+        refuse_jit(apply_jit)
+        PipelineCore.__init__(
+            self,
+            model,
+            optimizer,
+            device,
+            execute_all_batches=execute_all_batches,
+            custom_model_fwd=custom_model_fwd,
+            streams=streams,
+            ranks=resolve(
+                ranks,
+                RankOptions,
+                on_uneven=on_uneven,
+                check_keys=check_keys,
+                check_kjts=check_kjts,
+                agreement=agreement,
+                abort_on_error=abort_on_error,
+                failure_grace=failure_grace,
+                peer_timeout=peer_timeout,
+            ),
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
+            context_type=context_type,
+            lookahead=lookahead,
+        )
+        self._enqueue_batch_after_forward = enqueue_batch_after_forward
+        self._clear_data_dist_inputs = clear_data_dist_inputs  # torchrec's attribute
+        self._input_dist = InputDist(
+            model,
             self._streams,
-            rewrite=rewrite,
+            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
             strict=strict,
             pipeline_postproc=pipeline_postproc,
-            schedule=schedule,
-            memory=memory,
+            schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
+            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
             forward=forward,
             ranks=self._ranks,
         )
-        self._on_reset.append(input_dist.interrupt)
-        return input_dist
+        self._on_reset.append(self._input_dist.interrupt)

@@ -16,20 +16,17 @@ from typing import Any
 
 import torch
 
-from pipeline.compat.arguments import refuse_jit
 from pipeline.compat.types import PipelineState
-from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
-from pipeline.pipelines.input_dist_core import InputDistCore
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
 from pipeline.stages.context import BatchContext, TrainPipelineContext
-from pipeline.stages.memory import MemoryFlags
 from pipeline.stages.streams import Streams, streams_for
 
 __all__ = ["TrainPipelineSparseDistLite"]
 
 
-class TrainPipelineSparseDistLite(InputDistCore):
+class TrainPipelineSparseDistLite(TrainPipelineSparseDist):
     """The copy of batch i+1 overlaps the step of batch i; input_dist of i runs before forward of i.
 
     Per `progress()` call that returns batch i: input_dist of i (its splits all-to-all, waited, then
@@ -88,35 +85,32 @@ class TrainPipelineSparseDistLite(InputDistCore):
         failure_grace: float | None = None,
         peer_timeout: timedelta | None = None,
     ) -> None:
-        refuse_jit(apply_jit)
-        super().__init__(
+        self._build(
             model,
             optimizer,
             device,
-            execute_all_batches=True,
-            custom_model_fwd=custom_model_fwd,
-            streams=streams if streams is not None else streams_for(device, data_dist=False),
-            ranks=resolve(
-                ranks,
-                RankOptions,
-                on_uneven=on_uneven,
-                check_keys=check_keys,
-                check_kjts=check_kjts,
-                agreement=agreement,
-                abort_on_error=abort_on_error,
-                failure_grace=failure_grace,
-                peer_timeout=peer_timeout,
-            ),
-            enable_inplace_copy_batch=enable_inplace_copy_batch,
-            dmp_collection_sync_interval_batches=None,  # torchrec's class never syncs replicas
-        )
-        self._input_dist = self._make_input_dist(
-            forward="input_dist",
-            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
-            strict=strict,
+            apply_jit=apply_jit,
             pipeline_postproc=pipeline_postproc,
-            schedule=InputDistOptions(schedule="late"),  # no next batch: nothing to schedule
-            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+            custom_model_fwd=custom_model_fwd,
+            dmp_collection_sync_interval_batches=None,  # torchrec's class never syncs replicas
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            strict=strict,
+            rewrite=rewrite,
+            rewrite_method=rewrite_method,
+            arg_paths=arg_paths,
+            input_dist=InputDistOptions(schedule="late"),  # no next batch: nothing to schedule
+            streams=streams if streams is not None else streams_for(device, data_dist=False),
+            ranks=ranks,
+            on_uneven=on_uneven,
+            check_keys=check_keys,
+            check_kjts=check_kjts,
+            agreement=agreement,
+            abort_on_error=abort_on_error,
+            failure_grace=failure_grace,
+            peer_timeout=peer_timeout,
+            lookahead=0,
         )
 
     def _fill(self, lane: Lane) -> None:
@@ -125,6 +119,12 @@ class TrainPipelineSparseDistLite(InputDistCore):
             self._enqueue(lane)
         if lane.inflight:
             self._ranks.admit(lane, lane.inflight[0])  # a batch the ranks drop leaves the lane
+
+    def _wait_for_batch(self) -> None:
+        """Make the head batch, copied on the memcpy stream, usable on the caller's. torchrec's Lite
+        overrides its parent's (it has no data_dist stream to wait on), so ours does too: a patch
+        of `TrainPipelineSparseDist._wait_for_batch` does not reach Lite there, nor here."""
+        self._wait_copied(self._ranks.lane.inflight[0].batch)
 
     def _step(self, lane: Lane) -> Any:
         ctx, input_dist = lane.inflight[0], self._input_dist
@@ -143,8 +143,3 @@ class TrainPipelineSparseDistLite(InputDistCore):
             self._optimizer_stage(ctx)
         lane.inflight.popleft()
         return output
-
-
-# torchrec's class derives from its TrainPipelineSparseDist: `isinstance` answers as it does there,
-# without inheriting a step to override
-TrainPipelineSparseDist.register(TrainPipelineSparseDistLite)

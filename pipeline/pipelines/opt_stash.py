@@ -19,14 +19,11 @@ from typing import Any
 import torch
 from torchrec.distributed.types import ShardingType
 
-from pipeline.compat.arguments import refuse_jit
 from pipeline.compat.backward_injection import InjectionSite, OutputDistTensorFinder, hook_backward
-from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
-from pipeline.pipelines.input_dist_core import InputDistCore
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
 from pipeline.stages.context import BatchContext, TrainPipelineContext
-from pipeline.stages.memory import MemoryFlags
 from pipeline.stages.stash import Stash, tensors_in
 from pipeline.stages.streams import Streams
 from pipeline.stages.tuner import Tuner
@@ -35,7 +32,7 @@ from rewrite import unwrap_model
 __all__ = ["TrainPipelineSparseDistOptStash"]
 
 
-class TrainPipelineSparseDistOptStash(InputDistCore):
+class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist):
     """SparseDist whose optimizer state is in host memory between optimizer steps.
 
     Numerics: the plain loop's, bit for bit (the state comes back byte for byte before each
@@ -101,37 +98,35 @@ class TrainPipelineSparseDistOptStash(InputDistCore):
         failure_grace: float | None = None,
         peer_timeout: timedelta | None = None,
     ) -> None:
-        refuse_jit(apply_jit)
-        super().__init__(
+        self._build(
             model,
             optimizer,
             device,
+            apply_jit=apply_jit,
             execute_all_batches=execute_all_batches,
-            custom_model_fwd=custom_model_fwd,
-            streams=streams,
-            ranks=resolve(
-                ranks,
-                RankOptions,
-                on_uneven=on_uneven,
-                check_keys=check_keys,
-                check_kjts=check_kjts,
-                agreement=agreement,
-                abort_on_error=abort_on_error,
-                failure_grace=failure_grace,
-                peer_timeout=peer_timeout,
-            ),
-            enable_inplace_copy_batch=enable_inplace_copy_batch,
-            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
-            lookahead=2,
-        )
-        self._enqueue_batch_after_forward = enqueue_batch_after_forward
-        self._input_dist = self._make_input_dist(
-            forward="input_dist",
-            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
-            strict=strict,
             pipeline_postproc=pipeline_postproc,
-            schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
-            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+            custom_model_fwd=custom_model_fwd,
+            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
+            enqueue_batch_after_forward=enqueue_batch_after_forward,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            strict=strict,
+            rewrite=rewrite,
+            rewrite_method=rewrite_method,
+            arg_paths=arg_paths,
+            input_dist=input_dist,
+            input_dist_schedule=input_dist_schedule,
+            tuner=tuner,
+            streams=streams,
+            ranks=ranks,
+            on_uneven=on_uneven,
+            check_keys=check_keys,
+            check_kjts=check_kjts,
+            agreement=agreement,
+            abort_on_error=abort_on_error,
+            failure_grace=failure_grace,
+            peer_timeout=peer_timeout,
         )
         self._stash = Stash(self._streams, "optimizer_state")
         self._stash_min_bytes = stash_min_bytes
@@ -158,9 +153,6 @@ class TrainPipelineSparseDistOptStash(InputDistCore):
         outputs = super().drain(dataloader_iter)
         self._stash.ready()
         return outputs
-
-    def _fill(self, lane: Lane) -> None:
-        self._input_dist.fill(lane, self._enqueue)
 
     def _step(self, lane: Lane) -> Any:
         ctx = lane.inflight[0]
@@ -199,8 +191,3 @@ class TrainPipelineSparseDistOptStash(InputDistCore):
         optimizer can be used or saved."""
         self._armed = False
         self._stash.ready()
-
-
-# torchrec's class derives from its TrainPipelineSparseDist: `isinstance` answers as it does there,
-# without inheriting a step to override
-TrainPipelineSparseDist.register(TrainPipelineSparseDistOptStash)

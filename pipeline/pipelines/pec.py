@@ -22,14 +22,11 @@ from typing import Any
 
 import torch
 
-from pipeline.compat.arguments import refuse_jit
-from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
-from pipeline.pipelines.input_dist_core import InputDistCore
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
 from pipeline.stages.context import LookupBatchContext
 from pipeline.stages.lookup import LookupStage
-from pipeline.stages.memory import MemoryFlags
 from pipeline.stages.streams import Streams
 from pipeline.stages.tuner import Tuner
 
@@ -48,7 +45,7 @@ def pec_modules(model: torch.nn.Module) -> list[str]:
     return [fqn for fqn, m in model.named_modules() if isinstance(m, ShardedPECEmbeddingCollection)]
 
 
-class TrainPipelinePEC(InputDistCore):
+class TrainPipelinePEC(TrainPipelineSparseDist):
     """SparseDist whose embedding lookup of batch i runs at the top of step i, for every sharded
     module (PEC modules looked up whole: torchrec's split of their ids is not done, see the module).
 
@@ -97,35 +94,32 @@ class TrainPipelinePEC(InputDistCore):
         failure_grace: float | None = None,
         peer_timeout: timedelta | None = None,
     ) -> None:
-        refuse_jit(apply_jit)
-        super().__init__(
+        self._build(
             model,
             optimizer,
             device,
+            apply_jit=apply_jit,
             execute_all_batches=execute_all_batches,
-            custom_model_fwd=custom_model_fwd,
-            streams=streams,
-            ranks=resolve(
-                ranks,
-                RankOptions,
-                on_uneven=on_uneven,
-                check_keys=check_keys,
-                check_kjts=check_kjts,
-                agreement=agreement,
-                abort_on_error=abort_on_error,
-                failure_grace=failure_grace,
-                peer_timeout=peer_timeout,
-            ),
-            context_type=LookupBatchContext,
-            lookahead=2,
-        )
-        self._input_dist = self._make_input_dist(
-            forward="lookup",
-            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
-            strict=strict,
             pipeline_postproc=False,  # torchrec's class passes SparseDist's default
-            schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
-            memory=MemoryFlags(),
+            custom_model_fwd=custom_model_fwd,
+            strict=strict,
+            rewrite=rewrite,
+            rewrite_method=rewrite_method,
+            arg_paths=arg_paths,
+            input_dist=input_dist,
+            input_dist_schedule=input_dist_schedule,
+            tuner=tuner,
+            streams=streams,
+            ranks=ranks,
+            on_uneven=on_uneven,
+            check_keys=check_keys,
+            check_kjts=check_kjts,
+            agreement=agreement,
+            abort_on_error=abort_on_error,
+            failure_grace=failure_grace,
+            peer_timeout=peer_timeout,
+            forward="lookup",
+            context_type=LookupBatchContext,
         )
         self._lookup = LookupStage(self._streams, self._input_dist, model, optimizer)
         self._noted = False
@@ -163,8 +157,3 @@ class TrainPipelinePEC(InputDistCore):
             )
         lane.inflight.popleft()
         return output
-
-
-# torchrec's class derives from its TrainPipelineSparseDist: `isinstance` answers as it does there,
-# without inheriting a step to override
-TrainPipelineSparseDist.register(TrainPipelinePEC)

@@ -12,13 +12,10 @@ from typing import Any
 
 import torch
 
-from pipeline.compat.arguments import refuse_jit
 from pipeline.config import InputDistOptions, PrefetchOptions, RankOptions, RewriteOptions, resolve
-from pipeline.pipelines.input_dist_core import InputDistCore
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
 from pipeline.stages.context import PrefetchBatchContext
-from pipeline.stages.memory import MemoryFlags
 from pipeline.stages.overlap import OverlapTrial
 from pipeline.stages.prefetch import PrefetchStage, prefetch_does_work
 from pipeline.stages.streams import Streams, streams_for
@@ -28,7 +25,7 @@ from rewrite import outermost_sharded, unwrap_model
 __all__ = ["PrefetchTrainPipelineSparseDist"]
 
 
-class PrefetchTrainPipelineSparseDist(InputDistCore):
+class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
     """Adds a prefetch stage: the input_dist wait and each module's `prefetch()` run before
     forward, on the prefetch stream, so forward never waits on communication.
 
@@ -83,38 +80,37 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
         failure_grace: float | None = None,
         peer_timeout: timedelta | None = None,
     ) -> None:
-        refuse_jit(apply_jit)
         if streams is None and device.type != "cuda":  # CPU: the prefetch stream is a worker thread
             streams = streams_for(device, prefetch_thread=True)
-        super().__init__(
+        self._build(
             model,
             optimizer,
             device,
+            apply_jit=apply_jit,
             execute_all_batches=execute_all_batches,
-            custom_model_fwd=custom_model_fwd,
-            streams=streams,
-            ranks=resolve(
-                ranks,
-                RankOptions,
-                on_uneven=on_uneven,
-                check_keys=check_keys,
-                check_kjts=check_kjts,
-                agreement=agreement,
-                abort_on_error=abort_on_error,
-                failure_grace=failure_grace,
-                peer_timeout=peer_timeout,
-            ),
-            enable_inplace_copy_batch=enable_inplace_copy_batch,
-            context_type=PrefetchBatchContext,
-            lookahead=2,  # torchrec's fixed rule (1.8.0's refill made it 4 after the first step)
-        )
-        self._input_dist = self._make_input_dist(
-            forward="prefetch",
-            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
-            strict=strict,
             pipeline_postproc=pipeline_postproc,
-            schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
-            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+            custom_model_fwd=custom_model_fwd,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            strict=strict,
+            rewrite=rewrite,
+            rewrite_method=rewrite_method,
+            arg_paths=arg_paths,
+            input_dist=input_dist,
+            input_dist_schedule=input_dist_schedule,
+            tuner=tuner,
+            streams=streams,
+            ranks=ranks,
+            on_uneven=on_uneven,
+            check_keys=check_keys,
+            check_kjts=check_kjts,
+            agreement=agreement,
+            abort_on_error=abort_on_error,
+            failure_grace=failure_grace,
+            peer_timeout=peer_timeout,
+            forward="prefetch",
+            context_type=PrefetchBatchContext,
         )
         options = resolve(prefetch, PrefetchOptions, prefetch_ahead=prefetch_ahead, trial=prefetch_trial)
         self._prefetch = PrefetchStage(
@@ -191,8 +187,3 @@ class PrefetchTrainPipelineSparseDist(InputDistCore):
             self._optimizer_stage(ctx)
         lane.inflight.popleft()
         return output
-
-
-# torchrec's class derives from its TrainPipelineSparseDist: `isinstance` answers as it does there,
-# without inheriting a step to override
-TrainPipelineSparseDist.register(PrefetchTrainPipelineSparseDist)

@@ -12,16 +12,12 @@ from typing import Any
 
 import torch
 
-from pipeline.compat.arguments import refuse_jit
 from pipeline.compat.backward_injection import InjectionSite
-from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions
 from pipeline.pipelines.emb_stash import TrainPipelineSparseDistEmbStash, hook_embedding_stash
-from pipeline.pipelines.input_dist_core import InputDistCore
-from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
 from pipeline.stages.context import BatchContext, PrefetchBatchContext, TrainPipelineContext
 from pipeline.stages.embedding_stash import EmbeddingStash
-from pipeline.stages.memory import MemoryFlags
 from pipeline.stages.prefetch import PrefetchStage
 from pipeline.stages.streams import Streams, streams_for
 from pipeline.stages.tuner import Tuner
@@ -29,7 +25,7 @@ from pipeline.stages.tuner import Tuner
 __all__ = ["TrainPipelinePrefetchEMS"]
 
 
-class TrainPipelinePrefetchEMS(InputDistCore):
+class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash):
     """EmbStash plus a prefetch stage: after forward of batch i the stashed weights come back
     and the prefetch of batch i+1 is submitted, before backward of i.
 
@@ -80,10 +76,27 @@ class TrainPipelinePrefetchEMS(InputDistCore):
         failure_grace: float | None = None,
         peer_timeout: timedelta | None = None,
     ) -> None:
-        refuse_jit(apply_jit)
-        ranks = resolve(
-            ranks,
-            RankOptions,
+        self._build(
+            model,
+            optimizer,
+            device,
+            apply_jit=apply_jit,
+            execute_all_batches=execute_all_batches,
+            pipeline_postproc=pipeline_postproc,
+            custom_model_fwd=custom_model_fwd,
+            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
+            enqueue_batch_after_forward=enqueue_batch_after_forward,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            strict=strict,
+            rewrite=rewrite,
+            rewrite_method=rewrite_method,
+            arg_paths=arg_paths,
+            input_dist=input_dist,
+            input_dist_schedule=input_dist_schedule,
+            tuner=tuner,
+            streams=streams if streams is not None else streams_for(device, prefetch_thread=True),
+            ranks=ranks,
             on_uneven=on_uneven,
             check_keys=check_keys,
             check_kjts=check_kjts,
@@ -91,41 +104,13 @@ class TrainPipelinePrefetchEMS(InputDistCore):
             abort_on_error=abort_on_error,
             failure_grace=failure_grace,
             peer_timeout=peer_timeout,
-        )
-        super().__init__(
-            model,
-            optimizer,
-            device,
-            execute_all_batches=execute_all_batches,
-            custom_model_fwd=custom_model_fwd,
-            streams=streams if streams is not None else streams_for(device, prefetch_thread=True),
-            ranks=ranks,
-            enable_inplace_copy_batch=enable_inplace_copy_batch,
-            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
-            context_type=PrefetchBatchContext,
-            lookahead=2,
-        )
-        self._enqueue_batch_after_forward = enqueue_batch_after_forward
-        self._input_dist = self._make_input_dist(
             forward="prefetch",
-            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
-            strict=strict,
-            pipeline_postproc=pipeline_postproc,
-            schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
-            memory=MemoryFlags(free_features_storage_early, False),
+            context_type=PrefetchBatchContext,
         )
         self._prefetch = PrefetchStage(self._streams, self._input_dist, ahead="auto")
         self._emb_stash = EmbeddingStash(self._streams, model, device, delay=False)
         self._on_reset.append(self._emb_stash.finish)
         hook_embedding_stash(model, self._emb_stash, site_fqn, delay=False, stash_site_fqn=None)
-
-    @property
-    def stashed_bytes(self) -> int:
-        """Bytes of embedding weights in host memory now (between a lookup and its restore)."""
-        return self._emb_stash.lent_bytes
-
-    def _fill(self, lane: Lane) -> None:
-        self._input_dist.fill(lane, self._enqueue)
 
     def _step(self, lane: Lane) -> Any:
         ctx = lane.inflight[0]
@@ -155,9 +140,3 @@ class TrainPipelinePrefetchEMS(InputDistCore):
             self._optimizer_stage(ctx)
         lane.inflight.popleft()
         return output
-
-
-# torchrec's class derives from its TrainPipelineSparseDistEmbStash (itself from
-# TrainPipelineSparseDist): `isinstance` answers as it does there, without inheriting a step
-TrainPipelineSparseDist.register(TrainPipelinePrefetchEMS)
-TrainPipelineSparseDistEmbStash.register(TrainPipelinePrefetchEMS)

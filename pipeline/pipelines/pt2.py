@@ -19,9 +19,8 @@ from torch import nn
 from torchrec.pt2.utils import kjt_for_pt2_tracing
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from pipeline.config import RankOptions, TorchCompileConfig, resolve
+from pipeline.config import RankOptions, TorchCompileConfig
 from pipeline.pipelines.base import TrainPipelineBase
-from pipeline.pipelines.core import PipelineCore
 from pipeline.stages.streams import Streams
 
 __all__ = [
@@ -173,25 +172,20 @@ class TrainPipelinePT2(TrainPipelineBase):
             post_compile_fn=post_compile_fn,
             input_transformer=input_transformer,
         )
-        PipelineCore.__init__(
-            self,
+        super().__init__(
             model,
             optimizer,
             device,
-            execute_all_batches=True,
-            custom_model_fwd=self._compiled,
+            self._compiled,
             streams=streams,
-            ranks=resolve(
-                ranks,
-                RankOptions,
-                on_uneven=on_uneven,
-                check_keys=check_keys,
-                check_kjts=check_kjts,
-                agreement=agreement,
-                abort_on_error=abort_on_error,
-                failure_grace=failure_grace,
-                peer_timeout=peer_timeout,
-            ),
+            ranks=ranks,
+            on_uneven=on_uneven,
+            check_keys=check_keys,
+            check_kjts=check_kjts,
+            agreement=agreement,
+            abort_on_error=abort_on_error,
+            failure_grace=failure_grace,
+            peer_timeout=peer_timeout,
         )
 
     @property

@@ -15,15 +15,12 @@ from typing import Any
 
 import torch
 
-from pipeline.compat.arguments import refuse_jit
 from pipeline.compat.methods import SemiSyncMethods
-from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
-from pipeline.pipelines.input_dist_core import InputDistCore
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
 from pipeline.stages.context import BatchContext, LookupBatchContext
 from pipeline.stages.lookup import LookupStage
-from pipeline.stages.memory import MemoryFlags
 from pipeline.stages.streams import Streams
 from pipeline.stages.tuner import Tuner
 
@@ -32,7 +29,7 @@ __all__ = ["TrainPipelineSemiSync"]
 logger = logging.getLogger(__name__)
 
 
-class TrainPipelineSemiSync(SemiSyncMethods, InputDistCore):
+class TrainPipelineSemiSync(SemiSyncMethods, TrainPipelineSparseDist):
     """The embedding lookup of batch i+1 runs before backward of batch i, so it reads embeddings
     one update stale (torchrec 1.8's semi-synchronous training).
 
@@ -103,38 +100,39 @@ class TrainPipelineSemiSync(SemiSyncMethods, InputDistCore):
         failure_grace: float | None = None,
         peer_timeout: timedelta | None = None,
     ) -> None:
-        refuse_jit(apply_jit)
         if not isinstance(start_batch, int) or start_batch < 0:
             raise ValueError(f"start_batch must be an int >= 0; got {start_batch!r}")
-        super().__init__(
+        self._build(
             model,
             optimizer,
             device,
+            apply_jit=apply_jit,
             execute_all_batches=execute_all_batches,
-            custom_model_fwd=custom_model_fwd,
-            streams=streams,
-            ranks=resolve(
-                ranks,
-                RankOptions,
-                on_uneven=on_uneven,
-                check_keys=check_keys,
-                check_kjts=check_kjts,
-                agreement=agreement,
-                abort_on_error=abort_on_error,
-                failure_grace=failure_grace,
-                peer_timeout=peer_timeout,
-            ),
-            enable_inplace_copy_batch=enable_inplace_copy_batch,
-            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
-            context_type=LookupBatchContext,
-        )
-        self._input_dist = self._make_input_dist(
-            forward="lookup",
-            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
-            strict=strict,
             pipeline_postproc=pipeline_postproc,
-            schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
-            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+            custom_model_fwd=custom_model_fwd,
+            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            strict=strict,
+            rewrite=rewrite,
+            rewrite_method=rewrite_method,
+            arg_paths=arg_paths,
+            input_dist=input_dist,
+            input_dist_schedule=input_dist_schedule,
+            tuner=tuner,
+            streams=streams,
+            ranks=ranks,
+            on_uneven=on_uneven,
+            check_keys=check_keys,
+            check_kjts=check_kjts,
+            agreement=agreement,
+            abort_on_error=abort_on_error,
+            failure_grace=failure_grace,
+            peer_timeout=peer_timeout,
+            forward="lookup",
+            context_type=LookupBatchContext,
+            lookahead=0,
         )
         self._lookup = LookupStage(self._streams, self._input_dist, model, optimizer)
         self._start_batch = start_batch
@@ -224,8 +222,3 @@ class TrainPipelineSemiSync(SemiSyncMethods, InputDistCore):
             if self._strict_sharing:
                 raise ValueError(message)
             logger.warning(message)
-
-
-# torchrec's class derives from its TrainPipelineSparseDist: `isinstance` answers as it does there,
-# without inheriting a step to override
-TrainPipelineSparseDist.register(TrainPipelineSemiSync)

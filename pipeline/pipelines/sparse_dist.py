@@ -16,12 +16,10 @@ from typing import Any
 
 import torch
 
-from pipeline.compat.arguments import refuse_jit
-from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions
 from pipeline.pipelines.input_dist_core import InputDistCore
 from pipeline.ranks import Lane
 from pipeline.stages.context import BatchContext, TrainPipelineContext
-from pipeline.stages.memory import MemoryFlags
 from pipeline.stages.streams import Streams
 from pipeline.stages.tuner import Tuner
 
@@ -95,37 +93,35 @@ class TrainPipelineSparseDist(InputDistCore):
         failure_grace: float | None = None,
         peer_timeout: timedelta | None = None,
     ) -> None:
-        refuse_jit(apply_jit)
-        super().__init__(
+        self._build(
             model,
             optimizer,
             device,
+            apply_jit=apply_jit,
             execute_all_batches=execute_all_batches,
-            custom_model_fwd=custom_model_fwd,
-            streams=streams,
-            ranks=resolve(
-                ranks,
-                RankOptions,
-                on_uneven=on_uneven,
-                check_keys=check_keys,
-                check_kjts=check_kjts,
-                agreement=agreement,
-                abort_on_error=abort_on_error,
-                failure_grace=failure_grace,
-                peer_timeout=peer_timeout,
-            ),
-            enable_inplace_copy_batch=enable_inplace_copy_batch,
-            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
-            lookahead=2,  # torchrec's fetches batch i+2 during step i and stops when it is missing
-        )
-        self._enqueue_batch_after_forward = enqueue_batch_after_forward
-        self._input_dist = self._make_input_dist(
-            forward="input_dist",
-            rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
-            strict=strict,
             pipeline_postproc=pipeline_postproc,
-            schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
-            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+            custom_model_fwd=custom_model_fwd,
+            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
+            enqueue_batch_after_forward=enqueue_batch_after_forward,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            strict=strict,
+            rewrite=rewrite,
+            rewrite_method=rewrite_method,
+            arg_paths=arg_paths,
+            input_dist=input_dist,
+            input_dist_schedule=input_dist_schedule,
+            tuner=tuner,
+            streams=streams,
+            ranks=ranks,
+            on_uneven=on_uneven,
+            check_keys=check_keys,
+            check_kjts=check_kjts,
+            agreement=agreement,
+            abort_on_error=abort_on_error,
+            failure_grace=failure_grace,
+            peer_timeout=peer_timeout,
         )
 
     def _fill(self, lane: Lane) -> None:
