@@ -143,8 +143,10 @@ def test_run_sh_install_without_the_wheels_says_what_to_carry(tmp_path):
 
 def test_stage_sh_reads_the_pins_and_its_arguments(tmp_path):
     (tmp_path / "Makefile").write_text(STACKS)
-    dry = _sh("stage.sh", "--stack", "1.8", "--dry-run", MAKEFILE=str(tmp_path / "Makefile"))
-    assert dry.returncode == 0 and "torch=2.13.0 fbgemm=1.8.0 torchrec=1.8.0 (stack 1.8)" in dry.stdout, dry
+    dry = _sh("stage.sh", "--image-torch", "2.11.0", "--dry-run", MAKEFILE=str(tmp_path / "Makefile"))
+    assert dry.returncode == 0, dry
+    said = "pins: torch=2.14.1 fbgemm=1.9.0 torchrec=1.9.2; image torch 2.11.0: fbgemm-gpu~=1.6.0"
+    assert said in dry.stdout, dry
     bad = _sh("stage.sh", "--frobnicate")
     assert bad.returncode == 2 and "unknown argument --frobnicate" in bad.stderr, bad
 
