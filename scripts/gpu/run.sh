@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED=1
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit "${1:-0}"; }
 # The budgets, in seconds; scripts/gpu/README.md's table gives what each rests on, and
 # tests/test_gpu_scripts.py fails when the two differ or the sequence's sum passes DEVICE_S.
-B_receive=20 B_install=60 B_probe=30 B_tests=210 B_csan=100 B_memory=75
+B_receive=20 B_install=60 B_probe=40 B_tests=210 B_csan=100 B_memory=75
 START_S=180    # the machine's start, paid by the first call
 CALL_S=30      # each call: the upload of its carry, the files back, the wait for the next call
 COMMAND_S=600  # one command's limit (the calls' timeout_s)
@@ -40,11 +40,14 @@ export PYTHONPATH=/tmp/site:$PWD
 do_() { if [ "${DRY:-0}" = 1 ]; then echo "+ $*"; else "$@"; fi; }
 quiet() { grep -v -E "WARNING:root|_fbgemm_torch_compat|cannot determine|^\s*$|\[0m|\[33m"; }
 G=${GPU_DIR:-.gpu}
+# A step's budget holds its kill: SIGTERM at the budget less 5 s, SIGKILL 5 s later, to the step's
+# process group (a rank stuck in NCCL may ignore SIGTERM and would hold the GPU for the next step).
+bound() { local b=$1; shift; do_ timeout -k 5 $((b - 5)) "$@"; }
 budget() { local s=0 step; for step in "$@"; do s=$((s + B_$step)); done; echo $s; }
 stack() { [ -f "$G/whl/stack.env" ] && cat "$G/whl/stack.env" || cat /tmp/site/.stack.env 2>/dev/null; }
 receive() {
   do_ mkdir -p /tmp/gpu-parts
-  for d in ${CARRIED:-"$G"/p*}; do [ -d "$d" ] && { do_ timeout "$B_receive" cp "$d"/part.* /tmp/gpu-parts/ || return 1; }; done; true
+  for d in ${CARRIED:-"$G"/p*}; do [ -d "$d" ] && { bound "$B_receive" cp "$d"/part.* /tmp/gpu-parts/ || return 1; }; done; true
 }
 install() {
   [ -f "$G/whl/stack.env" ] || { echo "install: carry $G/whl in this call (stage.sh wrote it)" >&2; return 1; }
@@ -53,15 +56,15 @@ install() {
   have=$(ls /tmp/gpu-parts/part.* 2>/dev/null | wc -l)
   [ "${DRY:-0}" = 1 ] || [ "$have" = "$PARTS" ] || {
     echo "install: $have of $PARTS parts in /tmp/gpu-parts: the machine went cold between the calls" >&2; return 1; }
-  do_ timeout "$B_install" bash -c "mkdir -p /tmp/site && cat /tmp/gpu-parts/part.* | xz -d -T0 | tar -x -C /tmp/site &&
+  bound "$B_install" bash -c "mkdir -p /tmp/site && cat /tmp/gpu-parts/part.* | xz -d -T0 | tar -x -C /tmp/site &&
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $G/whl/*.whl &&
     cp $G/whl/stack.env /tmp/site/.stack.env"
 }
 probe() {
-  [ "${DRY:-0}" = 1 ] && { echo "+ timeout $B_probe: nvidia-smi; python3 (torch, fbgemm_gpu, torchrec, one fbgemm CUDA op)"; return 0; }
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+  [ "${DRY:-0}" = 1 ] && { echo "+ timeout 5 nvidia-smi; timeout -k 5 $((B_probe - 10)) python3 (torch, fbgemm_gpu, torchrec, one fbgemm CUDA op)"; return 0; }
+  timeout 5 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
   eval "$(stack | tr '\n' ' ')"
-  NEEDS=$NEEDS timeout "$B_probe" python3 - <<'EOF' 2>&1 | quiet | tee -a "$OUT/gpu.txt"
+  NEEDS=$NEEDS timeout -k 5 $((B_probe - 10)) python3 - <<'EOF' 2>&1 | quiet | tee -a "$OUT/gpu.txt"
 import os, sys
 import torch
 print("python", sys.version.split()[0], "torch", torch.__version__, torch.__file__, "cuda", torch.version.cuda)
@@ -117,9 +120,9 @@ for step in "$@"; do
     sequence) sequence ;;
     # Tests first: the sanitizer and the memory table come after, so a step cut at its budget loses
     # only its own later cases (each prints its line as it ends).
-    tests) do_ timeout "$B_tests" python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | quiet | tee "$OUT/test_cuda.log" ;;
-    csan) do_ timeout "$B_csan" python3 scripts/gpu/csan.py --timeout "$((B_csan - 5))" 2>&1 | quiet | grep -E "^CSAN|^\+ |fbgemm::|aten::|argument" | tee "$OUT/csan.log" ;;
-    memory) do_ timeout "$B_memory" python3 scripts/gpu/memory.py --config gpu-large --steps 10 --json "$OUT/memory.json" 2>&1 | quiet | tee "$OUT/memory.log" ;;
+    tests) bound "$B_tests" python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | quiet | tee "$OUT/test_cuda.log" ;;
+    csan) bound "$B_csan" python3 scripts/gpu/csan.py --timeout "$((B_csan - 10))" 2>&1 | quiet | grep -E "^CSAN|^\+ |fbgemm::|aten::|argument" | tee "$OUT/csan.log" ;;
+    memory) bound "$B_memory" python3 scripts/gpu/memory.py --config gpu-large --steps 10 --json "$OUT/memory.json" 2>&1 | quiet | tee "$OUT/memory.log" ;;
     smoke) do_ timeout 120 python3 -m pytest -q -x -p no:cacheprovider "tests/test_cuda.py::test_hbm_kernel_bitwise_equal[TrainPipelineSparseDist-dlrm-table_wise]" 2>&1 | quiet | tee "$OUT/smoke.log" || exit 1 ;;
     bench) bench bench_cuda 540 demo input-dist-heavy compute-heavy ;;
     uvm) bench bench_uvm 420 tiered tiered-skewed ;;
