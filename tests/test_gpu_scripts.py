@@ -1,10 +1,12 @@
 """The CPU side of the GPU scripts (scripts/gpu/): the pins they stage, the fatbin pruning on a small
-synthetic ELF, the steps and arguments of run.sh and stage.sh, and the GPU cases, the sanitizer's
-and the memory script's code paths run on CPU (`tests/cuda_cases.py` on RecordingStreams)."""
+synthetic ELF, the steps and arguments of run.sh and stage.sh, the device sequence's dry run and its budget
+against the README's, and the GPU cases, the sanitizer's and the memory script's code paths run on
+CPU (`tests/cuda_cases.py` on RecordingStreams)."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -143,10 +145,82 @@ def test_run_sh_install_without_the_wheels_says_what_to_carry(tmp_path):
 
 def test_stage_sh_reads_the_pins_and_its_arguments(tmp_path):
     (tmp_path / "Makefile").write_text(STACKS)
-    dry = _sh("stage.sh", "--stack", "1.8", "--dry-run", MAKEFILE=str(tmp_path / "Makefile"))
-    assert dry.returncode == 0 and "torch=2.13.0 fbgemm=1.8.0 torchrec=1.8.0 (stack 1.8)" in dry.stdout, dry
+    dry = _sh("stage.sh", "--image-torch", "2.11.0", "--dry-run", MAKEFILE=str(tmp_path / "Makefile"))
+    assert dry.returncode == 0, dry
+    said = "pins: torch=2.14.1 fbgemm=1.9.0 torchrec=1.9.2; image torch 2.11.0: fbgemm-gpu~=1.6.0"
+    assert said in dry.stdout, dry
     bad = _sh("stage.sh", "--frobnicate")
     assert bad.returncode == 2 and "unknown argument --frobnicate" in bad.stderr, bad
+
+
+def _staged(tmp: Path, parts: int = 2) -> Path:
+    """What stage.sh writes, in small: `parts` parts, a torchrec wheel and stack.env."""
+    gpu = tmp / "gpu"
+    for i in range(1, parts + 1):
+        (gpu / f"p{i}").mkdir(parents=True)
+        (gpu / f"p{i}" / f"part.aa{i}").write_bytes(b"x" * 1000)
+    (gpu / "whl").mkdir()
+    (gpu / "whl" / "torchrec-1.6.1-py312-none-any.whl").write_bytes(b"")
+    env = f"TORCH=2.11.0 FBGEMM=1.6.0 TORCHREC=1.6.1\nNEEDS=2.11 PARTS={parts}\n"
+    (gpu / "whl" / "stack.env").write_text(env)
+    return gpu
+
+
+def test_the_sequence_dry_runs_every_call_on_cpu(tmp_path):
+    gpu = _staged(tmp_path)
+    dry = _sh("run.sh", "sequence", DRY="1", OUT=str(tmp_path), GPU_DIR=str(gpu))
+    assert dry.returncode == 0, dry.stderr
+    assert f'call 1 of 2, timeout_s 600, carry ["{gpu}/p1"]' in dry.stdout, dry.stdout
+    assert f'call 2 of 2, timeout_s 600, carry ["{gpu}/p2", "{gpu}/whl"]' in dry.stdout, dry.stdout
+    for command in (f"cp {gpu}/p1/part.aa1 /tmp/gpu-parts/", "xz -d -T0", "tests/test_cuda.py",
+                    "scripts/gpu/csan.py", "scripts/gpu/memory.py --config gpu-large"):  # fmt: skip
+        assert command in dry.stdout, f"{command!r} not in the dry run:\n{dry.stdout}"
+    at = [dry.stdout.index(step) for step in ("tests/test_cuda.py", "csan.py", "memory.py")]
+    assert at == sorted(at), "the tests, then the sanitizer, then the memory table"
+    assert "device time: start 180 s + steps + 30 s a call" in dry.stdout, dry.stdout
+
+
+def test_the_sequence_dry_run_refuses_a_missing_part_a_large_carry_and_an_overrun(tmp_path):
+    gpu = _staged(tmp_path, parts=3)
+    (gpu / "p2" / "part.aa2").unlink()
+    out = _sh("run.sh", "sequence", DRY="1", OUT=str(tmp_path), GPU_DIR=str(gpu))
+    assert out.returncode == 1 and f"{gpu}/p2 has no part" in out.stderr, out
+    with open(gpu / "p2" / "part.aa2", "wb") as f:
+        f.truncate(64 << 20)  # sparse: du -b counts its 64 MiB
+    out = _sh("run.sh", "sequence", DRY="1", OUT=str(tmp_path), GPU_DIR=str(gpu))
+    assert out.returncode == 1 and "call 2 carries" in out.stderr and "over 64 MiB" in out.stderr, out
+    gpu = _staged(tmp_path / "b")
+    out = _sh("run.sh", "sequence", DRY="1", OUT=str(tmp_path), GPU_DIR=str(gpu), DEVICE_S="600")
+    assert out.returncode == 1 and "over the 600 s of device time" in out.stderr, out
+    assert _sh("run.sh", "sequence", OUT=str(tmp_path)).returncode == 1, "not dry: the sequence spans calls"
+
+
+def _budgets() -> dict[str, int]:
+    text = (GPU / "run.sh").read_text()
+    found = {f"`{k}`": int(v) for k, v in re.findall(r"\bB_(\w+)=(\d+)", text)}
+    for name in ("START_S", "CALL_S", "COMMAND_S"):
+        found[name] = int(re.search(rf"^{name}=(\d+)", text, re.M).group(1))
+    found["DEVICE_S"] = int(re.search(r"^DEVICE_S=\$\{DEVICE_S:-(\d+)\}", text, re.M).group(1))
+    found["LAST"] = re.search(r'^LAST="([^"]+)"', text, re.M).group(1).split()
+    return found
+
+
+def test_the_readmes_budget_is_the_scripts_and_fits_13_minutes():
+    """scripts/gpu/README.md's budget table gives each step's timeout in run.sh, and its total is
+    what the scripts sum to: raising a timeout fails here until the README says so, and the total
+    may not pass 13 minutes (780 s) of device time."""
+    b = _budgets()
+    rows = dict(re.findall(r"^\| (.+?) \| (\d+) \|", (GPU / "README.md").read_text(), re.M))
+    steps = {k: v for k, v in b.items() if k.startswith("`")}
+    assert {k: int(rows.get(k, -1)) for k in steps} == steps, "README's step budgets differ from run.sh's"
+    assert int(rows["start"]) == b["START_S"] and int(rows["each call"]) == b["CALL_S"], rows
+    total = next(k for k in rows if k.startswith("**total"))
+    calls = int(re.search(r"(\d+) calls", total).group(1))
+    last = sum(steps[f"`{s}`"] for s in b["LAST"])
+    expected = b["START_S"] + calls * b["CALL_S"] + (calls - 1) * steps["`receive`"] + last
+    assert int(rows[total]) == expected, f"README's total {rows[total]} s, the scripts' {expected} s"
+    assert last + b["CALL_S"] <= b["COMMAND_S"], "the last call's steps overrun one command's limit"
+    assert expected <= b["DEVICE_S"] <= 780, f"{expected} s of device time is over 13 minutes"
 
 
 def test_csan_runs_every_class_and_torchrecs_for_comparison():
