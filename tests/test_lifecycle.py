@@ -263,7 +263,9 @@ def _auto(rank: int, pipe_name: str) -> dict:
         return [a2a._pg for a2a in kjt_all_to_alls(model)]
 
     ref, ref_opt, model, pipe = _pair(
-        pipe_name, tuner=Tuner(warmup=1, block=2, rounds=1, settle=1, visit=0, recheck_after=2)
+        pipe_name,
+        input_dist_schedule="auto",
+        tuner=Tuner(warmup=1, block=2, rounds=1, settle=1, visit=0, recheck_after=2),
     )
     data = models.batches(KIND, 3 * N, rank, seed=12)
     expected = models.plain_loop(ref, ref_opt, data)
