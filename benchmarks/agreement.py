@@ -23,7 +23,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from benchmarks.report import markdown_table, text_table, write
+from benchmarks.report import markdown_table, stamp, text_table, write
 
 __all__ = ["agreement"]
 
@@ -47,7 +47,7 @@ def agreement(*, world_sizes: list[int], votes: int, command: str, json: str | N
         )
     columns = ["ranks", "vote us (median)", "vote us (p90)", "vote CPU us", "store request us (median)"]
     print(text_table(columns, [[f"{v:.0f}" if isinstance(v, float) else v for v in r] for r in rows]))
-    lines = [f"`{command}` ({os.cpu_count()} cores, {votes} votes per size)", ""]
+    lines = [*stamp(command), "", f"{votes} votes per world size, local ranks over loopback.", ""]
     lines += markdown_table(columns, [[f"{v:.0f}" if isinstance(v, float) else v for v in r] for r in rows])
     write(result, "\n".join(lines) + "\n", json_path=json, md_path=md)
     return 0

@@ -87,6 +87,17 @@ def header(meta: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def stamp(command: str) -> list[str]:
+    """The lines that head a figure file: the command, the machine with the stack's versions, the
+    date (docs quote the file, so a reader sees where and when its figures came from)."""
+    import datetime
+
+    from benchmarks.measure import machine
+
+    today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return [f"Command: `{command}`  ", f"Machine: {machine()}  ", f"Date: {today}"]
+
+
 def cell(value: Any, spec: str) -> str | None:
     """`value` formatted with `spec` for a table cell; None (shown as "-") for no value."""
     return None if value is None else format(value, spec)
