@@ -73,6 +73,8 @@ def train(
     if config.embedding_store is not None:
         runner = guard_cache(runner, config)
     per_epoch = sources.steps_per_epoch
+    if torch.distributed.is_initialized():  # every rank starts the clock together: first_step_ms
+        torch.distributed.barrier()  # must not count a peer still building its model
     reporter = Reporter(
         config,
         rank=rank,

@@ -74,12 +74,12 @@ class Reporter:
 
     def train_step(self, output: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
         """Record one training step's `(loss, logits, labels)`; reports every `log_every` steps."""
+        if self._first_step is None:  # before this method's own first-call costs (the AUC's)
+            self._first_step = time.perf_counter() - self._started
         loss, logits, labels = output
         self.losses.append(loss.detach())
         self._train_auc.update(torch.sigmoid(logits.detach()), labels)
         self._step += 1
-        if self._first_step is None:
-            self._first_step = time.perf_counter() - self._started
         self._since_report += 1
         self._bar.update(1)
         if self._step >= self._config.warmup_steps:
