@@ -5,7 +5,7 @@ interpreter with nothing cached: the plain loop's first step, and each pipeline'
 `progress()` from the call to its return (the fill, the rewrite, the groups it makes, the first
 batch's step). Also the pipeline's fill alone (its first `progress()` minus the median of steps 2-6)
 so that the goal "first step within 2x the plain loop's first step plus the fill" can be read off.
-The model is the tests' small DLRM, table-wise on every rank.
+The model is the `demo` benchmark config (`benchmarks/configs.py`).
 """
 
 from __future__ import annotations
@@ -83,10 +83,13 @@ def _rank(library: str, cls: str) -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    from tests import models
+    from benchmarks.configs import get_config
+    from benchmarks.models import build_model, make_batches
 
-    model, opt = models.build("dlrm", "table_wise")
-    batches = iter(models.batches("dlrm", 12, rank))
+    config = get_config("demo")
+    built = build_model(config, device=torch.device("cpu"))
+    model, opt = built.model, built.optimizer
+    batches = iter(make_batches(config, count=12, rank=rank))
     if library == "plain":
 
         def step() -> None:
