@@ -100,17 +100,17 @@ class _One:
 
 def fuse_splits_requests(
     requests: dict[str, Any], module_contexts: dict[str, Any]
-) -> tuple[list[tuple[list[str], Any]], list[Any]]:
+) -> list[tuple[list[str], Any]]:
     """One splits all-to-all per process group, over every module using that group (`names, awaitable`
-    pairs whose `wait()` returns the values awaitables in `names` order); and the groups (None for
-    modules without a splits all-to-all). Before the input dists are patched (`install_fused_splits`)
-    a module's splits request is already issued: `one_by_one` wraps those instead."""
+    pairs whose `wait()` returns the values awaitables in `names` order). Before the input dists are
+    patched (`install_fused_splits`) a module's splits request is already issued: `one_by_one` wraps
+    those instead."""
     groups: dict[int, tuple[Any, list[str]]] = {}
     for name, request in requests.items():
         metas = [a for a in getattr(request, "awaitables", []) if isinstance(a, KJTSplitsAllToAllMeta)]
         pg = metas[0].pg if metas else None
         groups.setdefault(id(pg), (pg, []))[1].append(name)
-    fused = [
+    return [
         (
             names,
             FusedKJTListSplitsAwaitable(
@@ -121,7 +121,6 @@ def fuse_splits_requests(
         )
         for pg, names in groups.values()
     ]
-    return fused, [pg for pg, _ in groups.values()]
 
 
 def one_by_one(requests: dict[str, Any]) -> list[tuple[list[str], Any]]:

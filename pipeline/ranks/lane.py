@@ -38,9 +38,6 @@ class LaneState(enum.Enum):
 class Ticket:
     """What the ranks' protocol records for one batch this rank fetched (or a placeholder)."""
 
-    seq: int
-    """The batch's sequence number in its lane: contexts added before it, placeholders included
-    (the same on every rank)."""
     position: int
     """Index of the batch in its dataloader (the same position on every rank)."""
     status: Status
@@ -65,8 +62,6 @@ class Lane:
     state: LaneState = LaneState.OPEN
     fetched: int = 0
     """Batches taken from the iterator so far."""
-    enqueued: int = 0
-    """Contexts added so far (placeholders included): the same count on every rank."""
     steps: int = 0
     """Batches of this iterator run so far."""
 

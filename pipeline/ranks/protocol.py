@@ -1,7 +1,7 @@
 """`Ranks`: the one owner of the ranks' agreement on every batch, before it enters a collective.
 
 Every rank has a status for every batch position it fetches (`Status`), recorded in the batch's
-`Ticket`, whose sequence number is the same on every rank. At fetch each rank starts a vote on it
+`Ticket`. Every rank fetches in the same order, placeholders included; at fetch each rank starts a vote on it
 (`pipeline.ranks.votes`: one small all_reduce, the same size at any world size); before the batch's
 first collective (`admit`, a step later) it waits for the vote, which has long arrived.
 
@@ -75,7 +75,7 @@ class Ranks:
         self._pipeline_id = next(_PIPELINE_IDS)  # the same on every rank: pipelines are built in step
         self._failure = FailureSignal(grace=options.failure_grace, scope=f"p{self._pipeline_id}/")
         self._lane: Lane | None = None
-        """The lane whose step runs now (`enter`): the collectives issued belong to its batches."""
+        """The lane whose step runs now (`enter`)."""
         self.untrained_batches: list[Any] = []
         """Batches this rank fetched but did not train because another rank's data ended first."""
         self._pending: list[Vote] = []
@@ -123,7 +123,7 @@ class Ranks:
                 status = Status.HAVE
         if status == Status.EXHAUSTED and not self.voting:
             return None
-        ticket = Ticket(seq=lane.enqueued, position=lane.fetched, status=status)
+        ticket = Ticket(position=lane.fetched, status=status)
         if status == Status.HAVE:
             lane.fetched += 1
             if self.keys is not None and (found := self.keys.check(batch)) is not None:
@@ -134,7 +134,6 @@ class Ranks:
             ticket.vote = self._votes.vote(ticket.status)
             self._pending.append(ticket.vote)
             self.votes += 1
-        lane.enqueued += 1
         return batch, ticket
 
     def admit(self, lane: Lane, ctx: Any) -> bool:

@@ -240,7 +240,7 @@ class InputDist:
             if self._free_early:  # every module has its own permuted copy
                 self.freed_bytes += release_features(ctx.module_contexts.values())
             if fused:
-                ctx.splits_requests, _ = fuse_splits_requests(requests, ctx.module_contexts)
+                ctx.splits_requests = fuse_splits_requests(requests, ctx.module_contexts)
             else:
                 ctx.splits_requests = one_by_one(requests)
         ctx.started = True
