@@ -2,7 +2,12 @@
 torchrun, with `HOME` an empty folder and the working directory an empty folder, the DLRM example
 trains with a pipeline's defaults and
 
-- no rank starts a process (none during the run, none left after it);
+- our code starts no process on any rank (none during the run, none left after it). Each start is
+  attributed to the Python stack that made it (an audit hook, tests/quiet_probe/). The only ones
+  allowed come from the example's own imports, with none of our code on the stack: torch's CUDA
+  build runs `/sbin/ldconfig -p` (ctypes.util.find_library) on `import torch`, and matplotlib,
+  which torchmetrics imports where it is installed, runs `fc-list` to build its font cache. A
+  process that no rank's Python started (the run is also watched through /proc) fails the test;
 - nothing is written under `HOME`, and nothing in the working directory but the file the user named;
 - the library's own source has no subprocess, file lock, home-directory path or multiprocessing on
   the training path, and `import pipeline` imports neither the cost model nor the benchmarks.
@@ -10,6 +15,7 @@ trains with a pipeline's defaults and
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -23,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 SMALL = ["--batch-size", "8", "--num-embeddings", "100", "--embedding-dim", "4", "--no-progress"]
 TRAINING_PATH = ("pipeline", "rewrite", "tiered")
+PROBE = ROOT / "tests" / "quiet_probe"
 FORBIDDEN = re.compile(r"\b(subprocess|fcntl|multiprocessing)\b|Path\.home\(|expanduser\(")
 
 
@@ -61,6 +68,24 @@ def _cmdline(pid: int) -> str:
         return "?"
 
 
+def _starts(log: Path) -> list[dict]:
+    if not log.exists():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def _from_an_import_of_theirs(start: dict) -> bool:
+    """Started while a third-party package ran its module body on import, with none of our code on
+    the stack."""
+    ours = [f for f in start["stack"] if any(f.startswith(str(ROOT / d) + os.sep) for d in TRAINING_PATH)]
+    importing = any(f.endswith(":<module>") and f"{os.sep}site-packages{os.sep}" in f for f in start["stack"])
+    return importing and not ours
+
+
+def _describe(start: dict) -> str:
+    return f"{' '.join(start['argv']) or start['event']} from\n  " + "\n  ".join(start["stack"][:20])
+
+
 def _has_env(pid: int, entry: str) -> bool:
     try:
         return entry.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -79,7 +104,8 @@ def test_a_job_under_torchrun_starts_no_process_and_writes_nothing_unasked(tmp_p
     env.update(
         HOME=str(home),
         OMP_NUM_THREADS="1",
-        PYTHONPATH=str(ROOT),
+        PYTHONPATH=f"{ROOT}{os.pathsep}{PROBE}",
+        QUIET_PROBE_LOG=str(tmp_path / "starts.jsonl"),
         XDG_CACHE_HOME=str(home / ".cache"),  # where a cache under the home directory would go
         TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),  # torch's own, outside the check
         # the example's AUC comes from torchmetrics, which imports matplotlib where it is installed
@@ -90,18 +116,37 @@ def test_a_job_under_torchrun_starts_no_process_and_writes_nothing_unasked(tmp_p
     cmd += ["--pipeline", pipe, "--input-dist-schedule", schedule, "--steps", "30", *SMALL]
     cmd += ["--summary-json", "summary.json"]
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    started, grandchildren = time.monotonic(), {}
+    started, grandchildren, workers = time.monotonic(), {}, {}
     while proc.poll() is None and time.monotonic() - started < 240:
         # torchrun (depth 0) -> its workers (depth 1); anything deeper was started by a rank
-        for pid, depth in _descendants(proc.pid).items():
+        tree = _descendants(proc.pid)
+        for pid, depth in tree.items():
             if depth >= 2:
-                grandchildren[pid] = _cmdline(pid)
+                line = _cmdline(pid)
+                if line != "?" and (pid not in grandchildren or line != grandchildren[pid]):
+                    grandchildren[pid] = line  # caught between fork and exec, it has its parent's line
+                    workers.setdefault(pid, {p: _cmdline(p) for p, d in tree.items() if d == 1})
         time.sleep(0.1)
     if proc.poll() is None:
         proc.kill()
     out = proc.communicate(timeout=30)[0].decode(errors="replace")
     assert proc.returncode == 0, out[-4000:]
-    assert not grandchildren, f"a rank started processes: {grandchildren}"
+    starts = _starts(tmp_path / "starts.jsonl")
+    ranks = [s for s in starts if s["pid"] != proc.pid]  # torchrun's own starts are its workers
+    assert any("ldconfig" in " ".join(s["argv"]) for s in ranks), (
+        "the audit hook saw not even torch's ldconfig"
+    )
+    others = [s for s in ranks if not _from_an_import_of_theirs(s)]
+    assert not others, "a rank started processes:\n" + "\n\n".join(_describe(s) for s in others)
+    seen = {" ".join(s["argv"]) for s in ranks}
+    forking = {pid for s in ranks for pid in [s["pid"]]}
+    unseen = {
+        pid: line
+        for pid, line in grandchildren.items()
+        if line.strip() not in seen  # an exec'd command some rank's Python started
+        and not any(line == wline and wpid in forking for wpid, wline in workers[pid].items())  # pre-exec
+    }
+    assert not unseen, f"a rank started processes its Python did not: {unseen}"
     time.sleep(1)  # a process that was left behind is still alive after its parents exited
     left = [pid for pid in _children(0) if _has_env(pid, f"HOME={home}")]
     assert not left, f"processes left behind: {[_cmdline(p) for p in left]}"
