@@ -82,7 +82,9 @@ class RankOptions:
     failure_grace: float = 2.0
     """Seconds a failed rank waits for the others to fail too before destroying its groups."""
     peer_timeout: timedelta = timedelta(minutes=5)
-    """How long the per-batch vote waits for a peer that neither votes nor fails."""
+    """How long a vote waits for a peer that neither votes nor fails. The first batch of every
+    dataloader iterator is voted on; later batches' statuses may ride on their splits all-to-all,
+    which waits as long as its process group's timeout."""
 
     def __post_init__(self) -> None:
         _one_of("on_uneven", self.on_uneven, ("stop", "error"))

@@ -39,11 +39,14 @@ from rewrite.record import record_calls
 from rewrite.report import ModuleReport, RewriteError, RewriteReport, SiteReport
 from rewrite.sites import CallSite, ExplicitInput, PipelinedModule, SiteInput
 from rewrite.splits import (
+    StatusOnly,
+    StatusSplits,
     fuse_splits_requests,
     input_dists_ready,
     install_fused_splits,
     kjt_all_to_alls,
     one_by_one,
+    splits_shape,
 )
 from rewrite.trace import Tracer, trace_call_sites
 
@@ -77,6 +80,8 @@ __all__ = [
     "RewriteReport",
     "SiteInput",
     "SiteReport",
+    "StatusOnly",
+    "StatusSplits",
     "Tracer",
     "find_kjts",
     "fuse_splits_requests",
@@ -89,6 +94,7 @@ __all__ = [
     "record_calls",
     "rewrite_model",
     "site_key",
+    "splits_shape",
     "trace_call_sites",
     "unwrap_model",
 ]

@@ -5,6 +5,11 @@ torchrec's KJTAllToAll issues its splits all-to-all as soon as it is called. Rep
 can send the splits of every module on one process group in a single all-to-all
 (`FusedKJTListSplitsAwaitable`). Input dists are created lazily on a module's first input, so this is
 installed after the first batch.
+
+A fused splits all-to-all can also carry one number per rank, its status for the batch
+(`StatusSplits`): the ranks learn whether every rank has the batch from the collective they issue
+anyway, before any values move. A rank without the batch sends zero splits of the same shape with its
+status (`StatusOnly`), as recorded from an earlier batch (`splits_shape`).
 """
 
 from __future__ import annotations
@@ -15,16 +20,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.dist_data import KJTAllToAll
+from torchrec.distributed.dist_data import KJTAllToAll, SplitsAllToAllAwaitable
 from torchrec.distributed.embedding_sharding import FusedKJTListSplitsAwaitable, KJTSplitsAllToAllMeta
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 __all__ = [
+    "StatusOnly",
+    "StatusSplits",
     "fuse_splits_requests",
     "input_dists_ready",
     "install_fused_splits",
     "kjt_all_to_alls",
     "one_by_one",
+    "splits_shape",
 ]
 
 
@@ -99,28 +107,108 @@ class _One:
 
 
 def fuse_splits_requests(
-    requests: dict[str, Any], module_contexts: dict[str, Any]
+    requests: dict[str, Any], module_contexts: dict[str, Any], *, status: int | None = None
 ) -> list[tuple[list[str], Any]]:
     """One splits all-to-all per process group, over every module using that group (`names, awaitable`
     pairs whose `wait()` returns the values awaitables in `names` order). Before the input dists are
     patched (`install_fused_splits`) a module's splits request is already issued: `one_by_one` wraps
-    those instead."""
+    those instead. With `status`, the first group spanning every rank carries it (`StatusSplits`)."""
     groups: dict[int, tuple[Any, list[str]]] = {}
     for name, request in requests.items():
         metas = [a for a in getattr(request, "awaitables", []) if isinstance(a, KJTSplitsAllToAllMeta)]
         pg = metas[0].pg if metas else None
         groups.setdefault(id(pg), (pg, []))[1].append(name)
-    return [
-        (
-            names,
-            FusedKJTListSplitsAwaitable(
-                requests=[requests[n] for n in names],
-                contexts=[module_contexts[n] for n in names],
-                pg=pg,
-            ),
-        )
-        for pg, names in groups.values()
-    ]
+    fused = []
+    for pg, names in groups.values():
+        inputs = {
+            "requests": [requests[n] for n in names],
+            "contexts": [module_contexts[n] for n in names],
+            "pg": pg,
+        }
+        if status is not None and _spans_world(pg):
+            fused.append((names, StatusSplits(**inputs, status=status)))
+            status = None
+        else:
+            fused.append((names, FusedKJTListSplitsAwaitable(**inputs)))
+    return fused
+
+
+def _spans_world(pg: Any) -> bool:
+    return pg is not None and pg.size() == dist.get_world_size()
+
+
+class _Rows:
+    """A splits all-to-all whose row `status_row` is every rank's status: `wait()` gives every row
+    (once waited, kept: the status is read before the splits)."""
+
+    def __init__(self, inner: Any, status_row: int) -> None:
+        self._inner, self._status_row, self._rows = inner, status_row, None
+
+    def wait(self) -> list[list[int]]:
+        if self._rows is None:
+            self._rows = self._inner.wait()
+        return self._rows
+
+    def statuses(self) -> list[int]:
+        return self.wait()[self._status_row]
+
+
+class StatusSplits(FusedKJTListSplitsAwaitable):
+    """torchrec's fused splits all-to-all with one row more: `status`, this rank's status for the
+    batch, which every rank receives (`statuses()`, one per rank) before the values all-to-alls,
+    which `wait()` starts, are issued. The row rides on the last module's splits while the
+    all-to-all is built and is left out when the splits are read."""
+
+    def __init__(self, requests: list[Any], contexts: list[Any], pg: Any, status: int) -> None:
+        metas = [a for r in requests for a in r.awaitables if isinstance(a, KJTSplitsAllToAllMeta)]
+        last = metas[-1]
+        last.splits_tensors.append(_row(pg.size(), status, last.device))
+        try:
+            super().__init__(requests=requests, contexts=contexts, pg=pg)
+        finally:
+            last.splits_tensors.pop()
+        index = max(i for i, a in enumerate(self._awaitables) if a is last)
+        self._lengths[index] -= 1
+        self._splits_awaitable = _Rows(self._splits_awaitable, sum(self._lengths))
+        self.carries = True
+
+    def statuses(self) -> list[int]:
+        return self._splits_awaitable.statuses()
+
+
+class StatusOnly:
+    """What a rank without the batch sends where the others send their fused splits: `rows` rows
+    of zero splits (the shape the others send) and, where the others send `StatusSplits`, its
+    status."""
+
+    def __init__(self, pg: Any, rows: int, status: int | None, device: torch.device) -> None:
+        tensors = [_row(pg.size(), 0, device) for _ in range(rows)]
+        tensors += [] if status is None else [_row(pg.size(), status, device)]
+        self._rows = _Rows(SplitsAllToAllAwaitable(tensors, pg), rows)
+        self.carries = status is not None
+
+    def statuses(self) -> list[int]:
+        return self._rows.statuses()
+
+    def wait(self) -> list[Any]:
+        raise RuntimeError("a rank that sent only its status has no batch to distribute")
+
+
+def _row(world: int, value: int, device: torch.device) -> torch.Tensor:
+    return torch.full((world,), value, dtype=torch.int64, device=device)
+
+
+def splits_shape(fused: list[tuple[list[str], Any]]) -> list[tuple[Any, int, torch.device, bool]] | None:
+    """What one batch's `fuse_splits_requests(..., status=...)` sends, so that a rank without a batch
+    can send the same: per group, its process group, the number of splits rows, their device, and
+    whether the status rides there. None if no group spans every rank (the status cannot ride)."""
+    shape = []
+    for _, awaitable in fused:
+        metas = [a for a in getattr(awaitable, "_awaitables", []) if isinstance(a, KJTSplitsAllToAllMeta)]
+        if metas and metas[0].pg is not None:
+            carries = isinstance(awaitable, StatusSplits)
+            shape.append((metas[0].pg, sum(awaitable._lengths), metas[0].device, carries))
+    return shape if any(carries for *_, carries in shape) else None
 
 
 def one_by_one(requests: dict[str, Any]) -> list[tuple[list[str], Any]]:

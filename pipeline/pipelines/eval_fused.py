@@ -148,8 +148,8 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
         _, output = self._forward(ctx, train=False, input_dist=input_dist)
         if copy_late and len(lane.inflight) < 3:
             self._enqueue(lane)
-        if nxt is not None:
-            input_dist.wait_splits(nxt)  # a no-op after early splits
+        if nxt is not None and not input_dist.wait_splits(nxt):  # a no-op after early splits
+            nxt = None  # the ranks dropped it (its status rode on its splits)
         if nxt is not None and self._lookup_ahead:
             lookup.run(nxt)  # batch i+1's lookup, while forward of i runs on the caller's stream
         lane.inflight.popleft()

@@ -35,6 +35,9 @@ class InputDistCore(SparseDistMethods, PipelineCore):
     torchrec's methods of its `TrainPipelineSparseDist` (`pipeline.compat.methods`)."""
 
     _input_dist: InputDist
+    _status_rides_splits = True
+    """Every batch is admitted through `InputDist.fill` and `start_next`, so its status can ride on its
+    splits all-to-all (`InputDist`'s `carry`); False for a class that admits batches itself."""
 
     @property
     def input_dist_schedule(self) -> str:
@@ -195,5 +198,6 @@ class InputDistCore(SparseDistMethods, PipelineCore):
             memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
             forward=forward,
             ranks=self._ranks,
+            carry=self._status_rides_splits and execute_all_batches,  # a look-ahead admits itself
         )
         self._on_reset.append(self._input_dist.interrupt)

@@ -57,6 +57,8 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist):
         A keyword left None takes its options object's value, else that dataclass's default.
     """
 
+    _status_rides_splits = False  # it admits batches itself
+
     def __init__(
         self,
         model: torch.nn.Module,

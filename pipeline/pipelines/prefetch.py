@@ -176,8 +176,8 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
         prefetch.wait(ctx)  # submits it first if it did not run ahead
         self._wait_for_batch()
         losses, output = self._forward(ctx, train=True, input_dist=input_dist)
-        if nxt is not None:
-            input_dist.wait_splits(nxt)  # a no-op after early splits
+        if nxt is not None and not input_dist.wait_splits(nxt):  # a no-op after early splits
+            nxt = None  # the ranks dropped it (its status rode on its splits)
         if nxt is not None and prefetch.ahead:
             # overlaps backward and optimizer of batch i (torchrec's GPU order); the rows it
             # needs are pinned by the kernel, so backward of i cannot lose them

@@ -127,8 +127,8 @@ class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash):
         losses, output = self._forward(ctx, train=True, input_dist=input_dist)
         if copy_late and len(lane.inflight) < 3:
             self._enqueue(lane)
-        if nxt is not None:
-            input_dist.wait_splits(nxt)  # a no-op after early splits
+        if nxt is not None and not input_dist.wait_splits(nxt):  # a no-op after early splits
+            nxt = None  # the ranks dropped it (its status rode on its splits)
         emb_stash.ready()  # before backward, and before the prefetch of i+1 touches the kernels
         if nxt is not None:
             prefetch.submit(nxt)

@@ -67,6 +67,8 @@ class TrainPipelineSemiSync(SemiSyncMethods, TrainPipelineSparseDist):
         A keyword left None takes its options object's value, else that dataclass's default.
     """
 
+    _status_rides_splits = False  # it admits batches itself
+
     def __init__(
         self,
         model: torch.nn.Module,

@@ -45,6 +45,9 @@ class Ticket:
     vote: Vote | None = None
     """How many ranks have each status for this batch (started at fetch; None with one rank or
     `agreement=False`)."""
+    carried: bool = False
+    """No vote was started at fetch: the status rides on the batch's splits all-to-all (the
+    input dist's `StatusSplits`), or, if the batch's first collective is another, is voted then."""
     found_keys: Any = None
     """The keys the batch has, when the key check failed."""
     problem: str | None = None
@@ -62,6 +65,8 @@ class Lane:
     state: LaneState = LaneState.OPEN
     fetched: int = 0
     """Batches taken from the iterator so far."""
+    tickets: int = 0
+    """Batches and placeholders fetched so far (the same count on every rank)."""
     steps: int = 0
     """Batches of this iterator run so far."""
 

@@ -1,9 +1,12 @@
 """`Ranks`: the one owner of the ranks' agreement on every batch, before it enters a collective.
 
 Every rank has a status for every batch position it fetches (`Status`), recorded in the batch's
-`Ticket`. Every rank fetches in the same order, placeholders included; at fetch each rank starts a vote on it
-(`pipeline.ranks.votes`: one small all_reduce, the same size at any world size); before the batch's
-first collective (`admit`, a step later) it waits for the vote, which has long arrived.
+`Ticket`. Every rank fetches in the same order, placeholders included. Each rank learns every rank's
+status before the batch's first collective: in steady state on that collective itself, the fused
+splits all-to-all, where the status rides as one more row (`carried` tickets, concluded by
+`conclude` at the splits wait: `pipeline.stages.riding`); otherwise by a vote started at fetch
+(`pipeline.ranks.votes`: one small all_reduce, the same size at any world size) and waited before the
+batch's first collective (`admit`, a step later), when it has long arrived.
 
 So uneven data ends on every rank at the shortest rank's count, a batch with wrong keys or a
 malformed KeyedJaggedTensor stops every rank with the same error, and a rank that raises makes its
@@ -81,7 +84,15 @@ class Ranks:
         self._pending: list[Vote] = []
         """Votes started since the last `settle_votes`."""
         self.votes = 0
-        """Votes started (one per batch fetched, placeholders included, while `voting`)."""
+        """Votes started (one per batch fetched, placeholders included, while `voting`, unless
+        the batch's status rides on its splits all-to-all)."""
+        self.carried = 0
+        """Batches fetched whose status rides on their splits all-to-all instead of a vote (a batch
+        counts in `votes` or here, never both)."""
+        self.carrying = False
+        """Set by the input dist while a batch's status can ride on its fused splits all-to-all:
+        batches fetched meanwhile start no vote (`Ticket.carried`). Changed only at points every
+        rank reaches in the same order."""
 
     def new_group(self, **kwargs: Any) -> dist.ProcessGroup:
         """`dist.new_group(**kwargs)`, entered only once every rank reached it.
@@ -130,11 +141,18 @@ class Ranks:
                 ticket.status, ticket.found_keys = Status.BAD_KEYS, found
             elif self.kjts is not None and (problem := self.kjts.check(batch)) is not None:
                 ticket.status, ticket.problem = Status.MALFORMED, problem
-        if self.voting:  # every rank fetches in the same order, so the votes pair up
-            ticket.vote = self._votes.vote(ticket.status)
-            self._pending.append(ticket.vote)
-            self.votes += 1
+        lane.tickets += 1
+        if self.voting and self.carrying and lane.tickets > 1:  # a dataloader's first is voted on,
+            ticket.carried = True  # so that `peer_timeout` bounds the wait for a peer that stopped
+            self.carried += 1
+        elif self.voting:  # every rank fetches in the same order, so the votes pair up
+            self._vote(ticket)
         return batch, ticket
+
+    def _vote(self, ticket: Ticket) -> None:
+        ticket.vote = self._votes.vote(ticket.status)
+        self._pending.append(ticket.vote)
+        self.votes += 1
 
     def admit(self, lane: Lane, ctx: Any) -> bool:
         """Learn every rank's status for `ctx`'s batch; call before its first collective.
@@ -151,7 +169,15 @@ class Ranks:
         ticket: Ticket = ctx.ticket
         if ticket.admitted:
             return True
+        if ticket.carried and ticket.vote is None:  # its first collective is not its splits: vote now
+            self._vote(ticket)
+            self.carried -= 1
         counts = ticket.vote.wait() if ticket.vote is not None else {ticket.status: 1}
+        return self.conclude(lane, ctx, counts)
+
+    def conclude(self, lane: Lane, ctx: Any, counts: dict[Status, int]) -> bool:
+        """`admit` once every rank's status is known (`counts`: how many ranks have each)."""
+        ticket: Ticket = ctx.ticket
         world = sum(counts.values())
         if counts.get(Status.HAVE, 0) == world:
             ticket.admitted = True

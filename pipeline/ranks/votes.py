@@ -76,9 +76,12 @@ class Votes:
             return Vote(None, tensor)
         if rank_and_world()[1] > _MAX_WORLD:
             raise RuntimeError(f"the ranks' vote counts up to {_MAX_WORLD} ranks; use agreement=False")
+        return Vote(dist.all_reduce(tensor, group=self._own_group(), async_op=True), tensor)
+
+    def _own_group(self) -> Any:
         if self._group is None:
             self._group = self._new_group(backend="gloo", timeout=self._timeout)
-        return Vote(dist.all_reduce(tensor, group=self._group, async_op=True), tensor)
+        return self._group
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj` (a rare, blocking exchange: only on the paths that report a batch
@@ -86,5 +89,5 @@ class Votes:
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj, group=self._group)
+        dist.all_gather_object(out, obj, group=self._own_group())
         return out

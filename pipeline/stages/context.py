@@ -55,6 +55,9 @@ class BatchContext:
     `take_input_dist`, or by the prefetch stage."""
     started: bool = False
     """input_dist start ran (for pipelines without input_dist: never)."""
+    status_rides: bool = False
+    """Started before every rank's status was known: the status rode on the splits, and the
+    splits wait decides whether the batch runs."""
     ticket: Ticket | None = None
     """Written at fetch by the ranks' protocol (`pipeline.ranks.Ranks`): this rank's status for the
     batch, its vote, whether every rank admitted it; read before the batch's first collective."""

@@ -1,5 +1,4 @@
-"""`InputDist`: the component that starts and waits the input all-to-alls of the pipelined sharded
-modules, and owns the process groups they run on (`InputDistGroups`).
+"""`InputDist`: starts and waits the input all-to-alls of the pipelined sharded modules.
 
 Its life: `attach` rewrites the model's sharded modules on the first batch (`rewrite.rewrite_model`);
 `start` launches each module's splits all-to-all for one batch (`input_dist::start`); `wait_splits`
@@ -19,11 +18,13 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.config import InputDistOptions, RewriteOptions
-from pipeline.ranks import Lane, Ranks
+from pipeline.ranks import Lane, Ranks, Status
 from pipeline.stages.context import BatchContext
+from pipeline.stages.groups import InputDistGroups
 from pipeline.stages.labels import run_stage
-from pipeline.stages.memory import MemoryFlags, free_features_early, release_features, release_sent_inputs
+from pipeline.stages.memory import MemoryFlags, free_early_where_safe, release_features, release_sent_inputs
 from pipeline.stages.not_pipelined import warn_not_pipelined
+from pipeline.stages.riding import RidingStatus
 from pipeline.stages.schedule import SCHEDULES
 from pipeline.stages.streams import Streams
 from pipeline.stages.tuner import Tuner
@@ -35,12 +36,11 @@ from rewrite import (
     Rewrite,
     RewriteReport,
     fuse_splits_requests,
-    kjt_all_to_alls,
     one_by_one,
     rewrite_model,
 )
 
-__all__ = ["InputDist", "InputDistGroups"]
+__all__ = ["InputDist"]
 
 
 class InputDist:
@@ -57,10 +57,11 @@ class InputDist:
         forward: which hijacked forward the sharded modules get: "input_dist" (they wait for the
             values all-to-all), "prefetch" (they take the prefetch stage's output) or "lookup"
             (they take the lookup stage's output).
+        carry: a batch's status may ride on its fused splits all-to-all instead of a vote of its own
+            (only for pipelines that admit every batch through `fill` and `start_next`).
         ranks: the pipeline's ranks' protocol: it admits each batch before its input_dist starts,
-            creates the all-to-alls' own process groups (`Ranks.new_group`: it does not wait for
-            a peer that failed). None
-            (`SparseDataDistUtil`): no admission, groups by `dist.new_group`.
+            creates the all-to-alls' own groups (`Ranks.new_group`, which does not wait for a peer
+            that failed). None (`SparseDataDistUtil`): no admission, groups by `dist.new_group`.
     """
 
     def __init__(
@@ -75,6 +76,7 @@ class InputDist:
         memory: MemoryFlags | None = None,
         forward: str = "input_dist",
         ranks: Ranks | None = None,
+        carry: bool = False,
     ) -> None:
         self._model, self._streams, self._options = model, streams, rewrite
         self._memory = memory or MemoryFlags()
@@ -94,11 +96,11 @@ class InputDist:
         self.freed_bytes = 0
         """Bytes released by the memory flags so far."""
         self._ranks = ranks
+        self._riding = RidingStatus(ranks, carry)
         self._groups = InputDistGroups(ranks.new_group if ranks is not None else dist.new_group)
         self._undo: list[Callable[[], None]] = []
         self._warned: set[str] = set()
         """The sharded modules warned about as not pipelined (once each, not at a re-attach)."""
-        self._undo_groups: Callable[[], None] | None = None
         self._settled = False
         """The complete rewrite was checked across ranks (`_settle`)."""
         self._free_early = False
@@ -134,8 +136,8 @@ class InputDist:
             self.tuner.interrupt()
 
     def use_forward(self, forward: str) -> None:
-        """Change which hijacked forward the sharded modules get (see the class); only before the
-        first batch rewrote them.
+        """Change which hijacked forward the sharded modules get (see the class), before the first
+        batch rewrote them.
 
         Raises:
             RuntimeError: the modules are rewritten already.
@@ -146,8 +148,7 @@ class InputDist:
 
     def interrupt(self) -> None:
         """The step ended abnormally (the pipeline reset): the tuner does not time across it."""
-        if self.tuner is not None:
-            self.tuner.interrupt()
+        self.choose_schedule(training=False)
 
     def attach(self, batch: Any) -> Rewrite:
         """Rewrite the model's sharded modules, once, with `batch` as the sample. The rewrite may
@@ -187,22 +188,15 @@ class InputDist:
         warn_not_pipelined(rewrite.report, self._warned, pipeline_postproc=self._pipeline_postproc)
         if self._ranks is not None:
             self._ranks.agree_on("call sites of the sharded modules", rewrite.signature())
-        if not self._memory.free_features_storage_early:
-            return
-        computed = [site.key for site in rewrite.sites if not site.args.is_path]
-        if computed:
-            rewrite.report.notes.append(
-                "free_features_storage_early is off: forward computes the input of "
-                f"{', '.join(computed)} from the batch's tensors, which freeing would break"
-            )
-            self._free_early = False
-        else:
-            self._undo.append(free_features_early(pm.module for pm in rewrite.modules))
-            self._free_early = True
+        undo = free_early_where_safe(rewrite) if self._memory.free_features_storage_early else None
+        self._free_early = undo is not None
+        if undo is not None:
+            self._undo.append(undo)
 
     def detach(self) -> None:
         """Restore every original forward and process group; the next `start` re-attaches."""
-        self._restore_groups()
+        self._groups.restore()
+        self._riding.forget()
         while self._undo:
             self._undo.pop()()
         if self.rewrite is not None:
@@ -216,6 +210,12 @@ class InputDist:
         the rewrite waits for a recorded forward: the batch is started by a later `fill`)."""
         if ctx.started:
             return
+        if self._riding.provisional(ctx):
+            ctx.status_rides = True
+            if ctx.ticket.status is not Status.HAVE:  # zero splits where the others send theirs
+                self._groups.place(SCHEDULES[self.schedule].own_group, self.rewrite.modules)
+                ctx.splits_requests, ctx.started = self._riding.status_only(ctx, self._groups.current), True
+                return
         ctx.wait_copy()  # the device batch, if its copy was dispatched on a worker
         streams = self._streams
         rewrite = self.attach(ctx.batch)
@@ -224,8 +224,8 @@ class InputDist:
         if not self._settled:
             self._settle(rewrite)
         fused = not self._one_rank and rewrite.fuse_splits()
-        if fused:
-            self._place_all_to_alls(rewrite)
+        if fused:  # on their own groups or on torchrec's, as the schedule says
+            self._groups.place(SCHEDULES[self.schedule].own_group, rewrite.modules)
 
         with run_stage(streams, "input_dist::start", ctx.index, streams.data_dist):
             streams.handoff(ctx.batch, streams.memcpy, ctx)
@@ -240,19 +240,28 @@ class InputDist:
             if self._free_early:  # every module has its own permuted copy
                 self.freed_bytes += release_features(ctx.module_contexts.values())
             if fused:
-                ctx.splits_requests = fuse_splits_requests(requests, ctx.module_contexts)
+                status = self._riding.status(ctx)
+                ctx.splits_requests = fuse_splits_requests(requests, ctx.module_contexts, status=status)
+                self._riding.learn(ctx.splits_requests)
             else:
                 ctx.splits_requests = one_by_one(requests)
         ctx.started = True
 
-    def wait_splits(self, ctx: BatchContext) -> None:
+    def wait_splits(self, ctx: BatchContext) -> bool:
         """Wait for the splits all-to-all of `ctx` and launch its values all-to-alls (a no-op once
-        done)."""
+        done). Where the batch's status rode on it, the ranks' statuses decide first (`Ranks.conclude`).
+
+        Returns:
+            False: some rank lacks the batch; it and the batches after it left the lane.
+        """
         with run_stage(self._streams, "input_dist::splits", ctx.index, self._streams.data_dist):
+            if not self._riding.conclude(ctx):
+                return False
             for names, request in ctx.splits_requests:
                 for name, values in zip(names, request.wait(), strict=True):
                     ctx.input_dist_requests[name] = values
             ctx.splits_requests = []
+        return True
 
     # -- the next batch, within a step (the pipelines' steps call these by name) ---------------
 
@@ -275,78 +284,17 @@ class InputDist:
         if nxt is None or not self._admit(lane, nxt):
             return None
         self.start(nxt)
-        if self.early_splits:
-            self.wait_splits(nxt)
+        if self.early_splits and not self.wait_splits(nxt):
+            return None
         return nxt
 
     def _admit(self, lane: Lane, ctx: BatchContext) -> bool:
-        return self._ranks is None or self._ranks.admit(lane, ctx)
+        """Every rank has `ctx`'s batch, or its status rides on its splits (`wait_splits` decides)."""
+        return self._ranks is None or self._riding.provisional(ctx) or self._ranks.admit(lane, ctx)
 
     def release_inputs(self, ctx: BatchContext) -> None:
         """`clear_data_dist_inputs`: wait for `ctx`'s values all-to-alls and free what they sent
         (before the batch's input is taken)."""
         if self._memory.clear_data_dist_inputs and ctx.started:
-            self.clear_inputs(ctx)
-
-    def clear_inputs(self, ctx: BatchContext) -> None:
-        """Wait for `ctx`'s values all-to-alls and free what they sent, whatever the flags say."""
-        with self._streams.use(self._streams.data_dist):
-            self.freed_bytes += release_sent_inputs(ctx.input_dist_requests.values())
-
-    def _place_all_to_alls(self, rewrite: Rewrite) -> None:
-        """Input all-to-alls on their own groups or on torchrec's, as the schedule says."""
-        own = SCHEDULES[self.schedule].own_group
-        if own and self._undo_groups is None:
-            self._undo_groups = self._groups.install([pm.module for pm in rewrite.modules])
-        elif not own:
-            self._restore_groups()
-
-    def _restore_groups(self) -> None:
-        if self._undo_groups is not None:
-            self._undo_groups()
-            self._undo_groups = None
-
-
-class InputDistGroups:
-    """Process groups reserved for the input all-to-alls, one per group they were created on.
-
-    A process group runs its collectives in the order they were issued. The pipeline issues the
-    values all-to-all of batch i+1 before the backward of batch i, so on a shared group backward's
-    embedding all-to-all and DDP's all-reduce would queue behind it. On a group of its own it runs
-    alongside them. Each group is created once (all ranks must reach `install` at the same point of
-    the schedule, which the pipelines guarantee) and reused when the all-to-alls move again.
-
-    Only groups spanning every rank get their own: creating a copy of a subgroup would need every
-    rank to know every other rank's subgroups. Subgroups keep sharing.
-    The cost is one more communicator per group: on NCCL, its buffers on every GPU.
-    """
-
-    def __init__(self, new_group: Callable[..., Any] = dist.new_group) -> None:
-        self._new_group = new_group
-        self._made: list[tuple[dist.ProcessGroup, dist.ProcessGroup]] = []
-
-    def own_group(self, pg: dist.ProcessGroup) -> dist.ProcessGroup:
-        """The group reserved for all-to-alls originally on `pg` (`pg` itself for subgroups)."""
-        for original, own in self._made:
-            if original is pg or own is pg:
-                return own
-        if pg.size() != dist.get_world_size():
-            return pg
-        own = self._new_group(backend=dist.get_backend(pg), group_desc="pipeline_input_dist")
-        self._made.append((pg, own))
-        return own
-
-    def install(self, modules: list[nn.Module]) -> Callable[[], None]:
-        """Move the modules' KJT all-to-alls to their own groups; returns the undo function.
-
-        Collectives already issued keep the group they were issued on."""
-        moved = []
-        for a2a in (a for m in modules for a in kjt_all_to_alls(m)):
-            moved.append((a2a, a2a._pg))
-            a2a._pg = self.own_group(a2a._pg)
-
-        def undo() -> None:
-            for a2a, pg in reversed(moved):
-                a2a._pg = pg
-
-        return undo
+            with self._streams.use(self._streams.data_dist):
+                self.freed_bytes += release_sent_inputs(ctx.input_dist_requests.values())

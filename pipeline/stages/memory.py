@@ -50,6 +50,19 @@ def free_features_early(modules: Iterable[nn.Module]) -> Callable[[], None]:
     return undo
 
 
+def free_early_where_safe(rewrite: Any) -> Callable[[], None] | None:
+    """`free_features_early` on `rewrite`'s modules where forward never reads the batch's features
+    (every call site's input is a path in the batch); else a note in its report and None."""
+    computed = [site.key for site in rewrite.sites if not site.args.is_path]
+    if computed:
+        rewrite.report.notes.append(
+            "free_features_storage_early is off: forward computes the input of "
+            f"{', '.join(computed)} from the batch's tensors, which freeing would break"
+        )
+        return None
+    return free_features_early(pm.module for pm in rewrite.modules)
+
+
 def release_features(module_contexts: Iterable[Any]) -> int:
     """Free the original features the modules' contexts hold for release; returns the bytes."""
     size = 0

@@ -8,7 +8,7 @@ A schedule is two independent choices:
   optimizer step of i to finish in), or after forward of i (torchrec's order: no blocking round trip
   before forward);
 - group "own" or "shared": the input all-to-alls run on a process group of their own
-  (`pipeline.stages.input_dist.InputDistGroups`), so backward's collectives do not queue behind them, or
+  (`pipeline.stages.groups.InputDistGroups`), so backward's collectives do not queue behind them, or
   on torchrec's group (no extra communicator, no second transfer competing for the link and the
   cores).
 

@@ -1,0 +1,99 @@
+"""`RidingStatus`: a batch's status rides on its fused splits all-to-all instead of a vote.
+
+The ranks must agree that every rank has a batch before it enters a collective (`pipeline.ranks`).
+Once the sharded modules' splits all-to-alls are fused, a batch's first collective is that one
+all-to-all, which every rank issues anyway: each rank adds its status as one more row
+(`rewrite.StatusSplits`), and the splits wait reads every rank's status before any values move. A rank
+without the batch (its data ended, or the batch is rejected) sends zero splits of the shape the
+others send, recorded from an earlier batch, with its status (`rewrite.StatusOnly`). So in steady
+state the agreement costs no collective of its own.
+
+The first batch of every dataloader iterator is still voted on (`Ranks.fetch`), as is any batch
+fetched before the splits are fused; a pipeline that admits batches itself never lets statuses ride.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from pipeline.ranks import Ranks, Status
+from pipeline.stages.context import BatchContext
+from rewrite import StatusOnly, splits_shape
+
+__all__ = ["RidingStatus"]
+
+
+class RidingStatus:
+    """Whether and how the statuses of one pipeline's batches ride on their splits.
+
+    Args:
+        ranks: the pipeline's ranks' protocol (None: no agreement, nothing rides).
+        enabled: the pipeline admits every batch through `InputDist.fill` and `start_next`.
+    """
+
+    def __init__(self, ranks: Ranks | None, enabled: bool) -> None:
+        self._ranks = ranks
+        self.enabled = enabled and ranks is not None and ranks.voting and not _validating()
+        self._shape: list[tuple[Any, int, Any, bool]] | None = None
+        """What the last fused splits all-to-all sent (`splits_shape`): while known, statuses ride."""
+
+    def status(self, ctx: BatchContext) -> int | None:
+        """The status to send with `ctx`'s fused splits (HAVE for a batch already agreed on, so
+        that the shape is learnt), or None when statuses do not ride."""
+        return int(ctx.ticket.status) if self.enabled else None
+
+    def learn(self, fused: list[tuple[list[str], Any]]) -> None:
+        """After a fused start: what a rank without a batch must send from now on."""
+        if self.enabled:
+            self._shape = splits_shape(fused)
+            self._ranks.carrying = self._shape is not None
+
+    def forget(self) -> None:
+        """The modules were restored: batches fetched from now on are voted on."""
+        if self._shape is not None:
+            self._shape, self._ranks.carrying = None, False
+
+    def provisional(self, ctx: BatchContext) -> bool:
+        """`ctx`'s status rides on its splits: it starts before the ranks' statuses are known."""
+        ticket = ctx.ticket
+        return (
+            self._shape is not None
+            and ticket is not None
+            and ticket.carried
+            and ticket.vote is None
+            and not ticket.admitted
+        )
+
+    def status_only(self, ctx: BatchContext, current: Callable[[Any], Any]) -> list[tuple[list[str], Any]]:
+        """What a rank without `ctx`'s batch sends: zero splits on every group the others use
+        (`current` maps a recorded group to the one in use now) and its status where it rides."""
+        status = int(ctx.ticket.status)
+        return [
+            ([], StatusOnly(current(pg), rows, status if carries else None, device))
+            for pg, rows, device, carries in self._shape
+        ]
+
+    def conclude(self, ctx: BatchContext) -> bool:
+        """At the splits wait: where `ctx`'s status rode, read every rank's and let the ranks'
+        protocol decide (`Ranks.conclude`: it may raise on every rank). False: some rank lacks
+        the batch, which left the lane with the batches after it."""
+        if not (ctx.status_rides and ctx.splits_requests):
+            return True
+        ctx.status_rides = False
+        carrier = next(r for _, r in ctx.splits_requests if getattr(r, "carries", False))
+        if self._ranks.conclude(self._ranks.lane, ctx, Counter(Status(s) for s in carrier.statuses())):
+            return True
+        ctx.splits_requests = []
+        return False
+
+
+def _validating() -> bool:
+    """torchrec can tag each splits all-to-all to check that the ranks' collectives match; a rank
+    without a batch could not send the tag, so statuses do not ride then."""
+    try:
+        from torchrec.distributed.collective_utils import validate_collectives_enabled
+    except ImportError:  # an older torchrec: no tags
+        return False
+    return validate_collectives_enabled()
