@@ -86,30 +86,10 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist):
         peer_timeout: timedelta | None = None,
     ) -> None:
         self._build(
-            model,
-            optimizer,
-            device,
-            apply_jit=apply_jit,
-            pipeline_postproc=pipeline_postproc,
-            custom_model_fwd=custom_model_fwd,
+            locals(),
             dmp_collection_sync_interval_batches=None,  # torchrec's class never syncs replicas
-            enable_inplace_copy_batch=enable_inplace_copy_batch,
-            free_features_storage_early=free_features_storage_early,
-            clear_data_dist_inputs=clear_data_dist_inputs,
-            strict=strict,
-            rewrite=rewrite,
-            rewrite_method=rewrite_method,
-            arg_paths=arg_paths,
             input_dist=InputDistOptions(schedule="late"),  # no next batch: nothing to schedule
             streams=streams if streams is not None else streams_for(device, data_dist=False),
-            ranks=ranks,
-            on_uneven=on_uneven,
-            check_keys=check_keys,
-            check_kjts=check_kjts,
-            agreement=agreement,
-            abort_on_error=abort_on_error,
-            failure_grace=failure_grace,
-            peer_timeout=peer_timeout,
             lookahead=0,
         )
 

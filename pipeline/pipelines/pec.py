@@ -95,31 +95,10 @@ class TrainPipelinePEC(TrainPipelineSparseDist):
         peer_timeout: timedelta | None = None,
     ) -> None:
         self._build(
-            model,
-            optimizer,
-            device,
-            apply_jit=apply_jit,
-            execute_all_batches=execute_all_batches,
+            locals(),
             pipeline_postproc=False,  # torchrec's class passes SparseDist's default
-            custom_model_fwd=custom_model_fwd,
-            strict=strict,
-            rewrite=rewrite,
-            rewrite_method=rewrite_method,
-            arg_paths=arg_paths,
-            input_dist=input_dist,
-            input_dist_schedule=input_dist_schedule,
-            tuner=tuner,
-            streams=streams,
-            ranks=ranks,
-            on_uneven=on_uneven,
-            check_keys=check_keys,
-            check_kjts=check_kjts,
-            agreement=agreement,
-            abort_on_error=abort_on_error,
-            failure_grace=failure_grace,
-            peer_timeout=peer_timeout,
             forward="lookup",
-            context_type=LookupBatchContext,
+            batch_context=LookupBatchContext,
         )
         self._lookup = LookupStage(self._streams, self._input_dist, model, optimizer)
         self._noted = False
