@@ -49,14 +49,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
             accepts it and copies before forward all the same).
         enable_embedding_lookup_prefetch: look batch i+1 up right after forward of i.
 
-    Keyword-only, ours:
-        rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
-        input_dist_schedule: the field of `InputDistOptions` (`input_dist` may give it);
-            "early-shared" by default; "auto" is refused, since the tuner times training steps.
-        streams: the streams to run on; None: CUDA streams on a GPU, none on CPU.
-        on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
-            peer_timeout: the fields of `RankOptions` (`ranks` may give them).
-        A keyword left None takes its options object's value, else that dataclass's default.
+    Keyword-only, ours: as in `EvalPipelineSparseDist`.
     """
 
     def __init__(

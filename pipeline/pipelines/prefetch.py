@@ -35,14 +35,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
     free_features_storage_early, clear_data_dist_inputs, async_inplace_copy: as in
     `TrainPipelineSparseDist`.
 
-    Keyword-only, ours:
-        strict: fail on the first batch if a sharded module cannot be pipelined.
-        rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
-        input_dist_schedule, tuner: the fields of `InputDistOptions` (`input_dist` may give them).
-        streams: the streams to run on; None: CUDA streams on a GPU, none on CPU.
-        on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
-            peer_timeout: the fields of `RankOptions` (`ranks` may give them).
-        A keyword left None takes its options object's value, else that dataclass's default.
+    Keyword-only, ours: those of `TrainPipelineSparseDist`, and
         prefetch_ahead, prefetch_trial: the fields of `PrefetchOptions` (`prefetch` may give them).
     """
 
