@@ -55,14 +55,9 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist):
             Otherwise it stays on the calling thread, and the rewrite report says so.
         pipeline_depth: 2 or 1 (batches whose sparse stage ran ahead of their forward).
 
-    Keyword-only, ours:
-        strict: fail on the first batch if a sharded module cannot be pipelined.
-        rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
-        streams: the device's streams (the copy runs on its memcpy); None: a memcpy stream on a
-            GPU, none on CPU. The sparse stage is on the host and uses none.
-        on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
-            peer_timeout: the fields of `RankOptions` (`ranks` may give them).
-        A keyword left None takes its options object's value, else that dataclass's default.
+    Keyword-only, ours: as in `TrainPipelineSparseDist`, less the input_dist schedule (each
+    batch's is waited for at once); `streams`: the device's (the copy runs on its memcpy), None: a
+    memcpy stream on a GPU, none on CPU. The sparse stage is on the host and uses none.
     """
 
     def __init__(

@@ -47,14 +47,9 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist):
         async_inplace_copy: accepted (torchrec 1.9 added it), no effect: our copy is dispatched
             on the caller's thread.
 
-    Keyword-only, ours:
-        strict: fail on the first batch if a sharded module cannot be pipelined.
-        rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
-        streams: the streams to run on; None: a memcpy stream on a GPU (input_dist on the
-            caller's stream), none on CPU.
-        on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
-            peer_timeout: the fields of `RankOptions` (`ranks` may give them).
-        A keyword left None takes its options object's value, else that dataclass's default.
+    Keyword-only, ours: as in `TrainPipelineSparseDist`, less the input_dist schedule (no next
+    batch: nothing to schedule); `streams` None: a memcpy stream on a GPU (input_dist on the
+    caller's stream), none on CPU.
     """
 
     def __init__(
