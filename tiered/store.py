@@ -1,13 +1,14 @@
 """The slow tier: one table shard's rows and optimizer state in a file on local disk.
 
 A store knows row I/O and nothing else: no cache, no torchrec. The file (`tiered.layout`) is a 4 KiB
-header (shape and dtype, checked on open), then the weights `[rows, dim]` and the optimizer state `[rows, state_width]`
-as two contiguous float32 regions. Rows move in runs of whole pages (`tiered.pages`): every page a call
-needs is asked for at once, so the reads proceed in parallel on the device, then each run is read
-with one `preadv` (waiting with the GIL released) and the rows gathered in one vectorized step. Per
-row that is a few microseconds of CPU, so a prefetch on a worker thread spends its time waiting on
-the disk, which is what lets it overlap compute on cores that are already busy. Nothing is mapped
-during training, so resident memory stays bounded by the cache however large the table.
+header (shape and dtype, checked on open), then the weights `[rows, dim]` and the optimizer state
+`[rows, state_width]` as two contiguous float32 regions. Rows move in runs of whole pages
+(`tiered.pages`): every page a call needs is asked for at once, so the reads proceed in parallel on
+the device, then each run is read with one `preadv` (waiting with the GIL released) and the rows
+gathered in one vectorized step. Per row that is a few microseconds of CPU, so a prefetch on a
+worker thread spends its time waiting on the disk, which is what lets it overlap compute on cores
+that are already busy. Nothing is mapped during training, so resident memory stays bounded by the
+cache however large the table.
 
 Writes are written behind: `write()` queues a copy of the rows (at most `WRITE_BEHIND` writes, then
 it waits for the oldest) and the process's writer thread (`tiered.writer`, one for every store)
