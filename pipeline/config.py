@@ -25,6 +25,7 @@ __all__ = [
     "RankOptions",
     "RewriteOptions",
     "TorchCompileConfig",
+    "fields_in",
     "resolve",
 ]
 
@@ -44,6 +45,12 @@ def resolve(options: _T | None, kind: type[_T], **keywords: Any) -> _T:
         raise TypeError(f"expected a {kind.__name__}, got {type(options).__name__}")
     given = {name: value for name, value in keywords.items() if value is not None}
     return dataclasses.replace(options, **given) if given else options
+
+
+def fields_in(arguments: dict[str, Any], kind: type) -> dict[str, Any]:
+    """The fields of dataclass `kind` that a constructor's `arguments` (its `locals()`) name, each
+    keyword by the field's name (`resolve(ranks, RankOptions, **fields_in(locals(), RankOptions))`)."""
+    return {f.name: arguments[f.name] for f in dataclasses.fields(kind) if f.name in arguments}
 
 
 SCHEDULE_NAMES = ("auto", "early", "late", "early-shared", "late-own")

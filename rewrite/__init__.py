@@ -32,11 +32,12 @@ from rewrite.forwards import (
     PrefetchPipelinedForward,
     site_key,
 )
-from rewrite.model import Rewrite, outermost_sharded, rewrite_model, unwrap_model
+from rewrite.model import Rewrite, rewrite_model
 from rewrite.ops import CONSTRUCTORS, METHODS
 from rewrite.paths import parse_path
 from rewrite.record import record_calls
 from rewrite.report import ModuleReport, RewriteError, RewriteReport, SiteReport
+from rewrite.sharded import outermost_sharded, unwrap_model
 from rewrite.sites import CallSite, ExplicitInput, PipelinedModule, SiteInput
 from rewrite.splits import (
     StatusOnly,

@@ -17,12 +17,12 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from tiered.kernel import TieredEmbeddingBag
+from tiered.layout import HEADER
 from tiered.pages import StoreError
 
 __all__ = ["digest_stores", "load_stores", "save_stores"]
 
 _CHUNK = 16 << 20
-_HEADER = 4096  # a store file's header: magic and shape (tiered.store)
 
 
 def save_stores(kernels: Iterable[TieredEmbeddingBag], directory: str | os.PathLike) -> list[str]:
@@ -84,7 +84,7 @@ def digest_stores(kernels: Iterable[TieredEmbeddingBag]) -> list[tuple[str, str]
 
 def _header(path: Path) -> bytes:
     with open(path, "rb") as f:
-        return f.read(_HEADER)
+        return f.read(HEADER)
 
 
 def _copy(source: Path, target: Path) -> None:

@@ -1,13 +1,14 @@
 """The slow tier: one table shard's rows and optimizer state in a file on local disk.
 
-A store knows row I/O and nothing else: no cache, no torchrec. The file is a 4 KiB header (shape and
-dtype, checked on open), then the weights `[rows, dim]` and the optimizer state `[rows, state_width]`
-as two contiguous float32 regions. Rows move in runs of whole pages (`tiered.pages`): every page a call
-needs is asked for at once, so the reads proceed in parallel on the device, then each run is read
-with one `preadv` (waiting with the GIL released) and the rows gathered in one vectorized step. Per
-row that is a few microseconds of CPU, so a prefetch on a worker thread spends its time waiting on
-the disk, which is what lets it overlap compute on cores that are already busy. Nothing is mapped
-during training, so resident memory stays bounded by the cache however large the table.
+A store knows row I/O and nothing else: no cache, no torchrec. The file (`tiered.layout`) is a 4 KiB
+header (shape and dtype, checked on open), then the weights `[rows, dim]` and the optimizer state
+`[rows, state_width]` as two contiguous float32 regions. Rows move in runs of whole pages
+(`tiered.pages`): every page a call needs is asked for at once, so the reads proceed in parallel on
+the device, then each run is read with one `preadv` (waiting with the GIL released) and the rows
+gathered in one vectorized step. Per row that is a few microseconds of CPU, so a prefetch on a
+worker thread spends its time waiting on the disk, which is what lets it overlap compute on cores
+that are already busy. Nothing is mapped during training, so resident memory stays bounded by the
+cache however large the table.
 
 Writes are written behind: `write()` queues a copy of the rows (at most `WRITE_BEHIND` writes, then
 it waits for the oldest) and the process's writer thread (`tiered.writer`, one for every store)
@@ -19,7 +20,6 @@ for them all; `weights()`/`state()` map the regions as tensors for checkpoints (
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
 import time
@@ -31,15 +31,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tiered.layout import check_header, offsets, write_file
 from tiered.pages import Pages, StoreError
 from tiered.writer import submit_write
 
 __all__ = ["RowStore", "StoreError", "StoreStats"]
 
-_MAGIC = b"TIEREDSTORE1\n"
-_HEADER = 4096
-_ALIGN = 4096
-_CHUNK_BYTES = 64 << 20  # initialisation writes at most this much at a time
 WRITE_BEHIND = 4
 """Writes queued per store before `write()` waits for the oldest (bounds the RAM they hold)."""
 
@@ -69,10 +66,6 @@ class _Queued:
     done: Future = field(default_factory=Future)
 
 
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
 class RowStore:
     """Rows of one table shard on disk.
 
@@ -90,9 +83,7 @@ class RowStore:
         self.rows, self.dim, self.state_width = rows, dim, state_width
         self.cold = cold
         self.stats = StoreStats()
-        self._w_off = _HEADER
-        self._s_off = _align(_HEADER + rows * dim * 4)
-        self._size = _align(self._s_off + rows * state_width * 4)
+        self._w_off, self._s_off, self._size = offsets(rows, dim, state_width)
         self._fd = os.open(self.path, os.O_RDWR)
         self._maps: dict[str, torch.Tensor] = {}
         self._queued: list[_Queued] = []  # oldest first; an entry leaves once it is on disk
@@ -127,24 +118,7 @@ class RowStore:
                 another shape.
         """
         path = Path(path)
-        _check_directory(path.parent)
-        if path.exists():
-            _check_header(path, rows, dim, state_width)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                header = json.dumps({"rows": rows, "dim": dim, "state_width": state_width, "dtype": "f32"})
-                f.write(_MAGIC + header.encode().ljust(_HEADER - len(_MAGIC), b" "))
-                chunk = max(1, _CHUNK_BYTES // (4 * max(dim, 1)))
-                for start in range(0, rows, chunk):
-                    block = torch.empty(min(chunk, rows - start), dim)
-                    init(block)
-                    f.write(block.numpy().tobytes())
-                f.truncate(_align(_align(_HEADER + rows * dim * 4) + rows * state_width * 4))
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        write_file(path, rows, dim, state_width, init)
         return cls(path, rows, dim, state_width, cold=cold)
 
     @classmethod
@@ -159,7 +133,7 @@ class RowStore:
         path = Path(path)
         if not path.exists():
             raise StoreError(f"no embedding store at {path}; create it first (store_mode='create')")
-        _check_header(path, rows, dim, state_width)
+        check_header(path, rows, dim, state_width)
         return cls(path, rows, dim, state_width, cold=cold)
 
     # -- row I/O ------------------------------------------------------------------------------
@@ -300,25 +274,3 @@ class RowStore:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
-
-
-def _check_directory(directory: Path) -> None:
-    if not directory.is_dir():
-        raise StoreError(f"embedding store directory {directory} does not exist; create it or pick another")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise StoreError(f"embedding store directory {directory} is not writable; pick a writable one")
-
-
-def _check_header(path: Path, rows: int, dim: int, state_width: int) -> None:
-    with open(path, "rb") as f:
-        head = f.read(_HEADER)
-    if not head.startswith(_MAGIC):
-        raise StoreError(f"{path} is not an embedding store; delete it or pick another directory")
-    found = json.loads(head[len(_MAGIC) :].decode().strip())
-    want = {"rows": rows, "dim": dim, "state_width": state_width}
-    got = {k: found.get(k) for k in want}
-    if got != want:
-        raise StoreError(
-            f"{path} was made for another table shape ({got}, this table needs {want}); "
-            "delete it or pick another store directory"
-        )

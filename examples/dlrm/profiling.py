@@ -15,7 +15,7 @@ import torch
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from pipeline.stages.streams import profiling_all_threads
+from pipeline.stages.thread_streams import profiling_all_threads
 
 __all__ = ["step_profiler"]
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from pipeline.config import RankOptions, resolve
+from pipeline.config import RankOptions, fields_in, resolve
 from pipeline.pipelines.core import PipelineCore
 from pipeline.ranks import Lane
 from pipeline.stages.streams import Streams
@@ -65,17 +65,7 @@ class TrainPipelineBase(PipelineCore):
             execute_all_batches=execute_all_batches,
             custom_model_fwd=custom_model_fwd,
             streams=streams,
-            ranks=resolve(
-                ranks,
-                RankOptions,
-                on_uneven=on_uneven,
-                check_keys=check_keys,
-                check_kjts=check_kjts,
-                agreement=agreement,
-                abort_on_error=abort_on_error,
-                failure_grace=failure_grace,
-                peer_timeout=peer_timeout,
-            ),
+            ranks=resolve(ranks, RankOptions, **fields_in(locals(), RankOptions)),
             enable_inplace_copy_batch=enable_inplace_copy_batch,
         )
 

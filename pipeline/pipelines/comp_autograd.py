@@ -88,33 +88,7 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
         peer_timeout: timedelta | None = None,
     ) -> None:
         _refuse_cpp_reducer(model)
-        super().__init__(
-            model,
-            optimizer,
-            device,
-            execute_all_batches,
-            apply_jit,
-            pipeline_postproc=pipeline_postproc,
-            custom_model_fwd=custom_model_fwd,
-            free_features_storage_early=free_features_storage_early,
-            clear_data_dist_inputs=clear_data_dist_inputs,
-            strict=strict,
-            rewrite=rewrite,
-            rewrite_method=rewrite_method,
-            arg_paths=arg_paths,
-            input_dist=input_dist,
-            input_dist_schedule=input_dist_schedule,
-            tuner=tuner,
-            streams=streams,
-            ranks=ranks,
-            on_uneven=on_uneven,
-            check_keys=check_keys,
-            check_kjts=check_kjts,
-            agreement=agreement,
-            abort_on_error=abort_on_error,
-            failure_grace=failure_grace,
-            peer_timeout=peer_timeout,
-        )
+        self._build(locals())
         options = _autograd_options(model, compiled_autograd_options, device)
         self.compiled_autograd_options: dict[str, Any] = options
         """The torch.compile arguments of the backward graph."""

@@ -1,7 +1,7 @@
 """`PipelineCore`: what every pipeline class shares, and only that: lanes of in-flight batches,
-`progress()` / `drain()` / `reset()`, and the stages every class runs (copy, forward, backward,
-optimizer). Each class declares its own constructor, composes its own components there and writes
-its own `_fill` and `_step` in its own module.
+`progress()` / `drain()` / `reset()`, on top of the stages every class runs (copy, forward,
+backward, optimizer: `BatchStages`, batch_stages.py). Each class declares its own constructor,
+composes its own components there and writes its own `_fill` and `_step` in its own module.
 
 Lanes: batches are kept per dataloader iterator (`pipeline.ranks.Lane`), so that `progress()` with
 another iterator (an eval loader) parks the batches in flight of the first one, and calling it
@@ -15,30 +15,24 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor
 from typing import Any
 
 import torch
 from torch import nn
 
 from pipeline.compat.arguments import sync_interval
-from pipeline.compat.hooks import SubclassPoints
 from pipeline.compat.types import TrainPipeline
 from pipeline.config import RankOptions
+from pipeline.pipelines.batch_stages import BatchStages
 from pipeline.ranks import AgreedError, Lane, LaneState, Ranks
 from pipeline.stages.context import BatchContext
-from pipeline.stages.copy import to_device, to_device_in_place
-from pipeline.stages.input_dist import InputDist
-from pipeline.stages.labels import label, run_stage
-from pipeline.stages.loader_state import capture, resume_state
+from pipeline.stages.loader_state import resume_state
 from pipeline.stages.streams import Streams, streams_for
 
 __all__ = ["PipelineCore"]
 
-_NOTHING = contextlib.nullcontext()
 
-
-class PipelineCore(SubclassPoints, TrainPipeline):
+class PipelineCore(BatchStages, TrainPipeline):
     """The machinery every pipeline class shares (a torchrec `TrainPipeline`).
 
     A class built on it declares its constructor (torchrec's parameters, then ours, keyword-only),
@@ -235,113 +229,3 @@ class PipelineCore(SubclassPoints, TrainPipeline):
                 return False
         # Across ranks this waits for the vote on the newest batch at once (this option's cost).
         return all(self._ranks.admit(lane, c) for c in list(lane.inflight)[: self._lookahead + 1])
-
-    # -- the stages every pipeline runs -------------------------------------------------------
-
-    def _enqueue(self, lane: Lane) -> bool:
-        """Fetch the next batch and copy it to the device, into the lane: the copy stage. False
-        when nothing was added."""
-        ctx = self._fetch_and_copy(lane, in_place=self._inplace_copy)
-        if ctx is None:
-            return False
-        lane.inflight.append(ctx)
-        return True
-
-    def _fetch_and_copy(
-        self, lane: Lane, *, in_place: bool, worker: Executor | None = None
-    ) -> BatchContext | None:
-        """The next batch of `lane` (`Ranks.fetch`, which records this rank's `Status` for it),
-        copied to the device in a new context (its batch is None for a placeholder); None when
-        nothing is to be added. With `worker`, a device copy is dispatched there: the context
-        holds the host batch and the job until `BatchContext.wait_copy`."""
-        loader_state = capture(lane.iterator)  # a no-drain checkpoint resumes from here
-        fetched = self._ranks.fetch(lane)
-        if fetched is None:
-            return None
-        batch, ticket = fetched
-        ctx = self._context_type(index=self._next_index, streams=self._streams, ticket=ticket)
-        ctx.loader_state = loader_state
-        self._next_index += 1
-        if batch is not None and (worker is None or self._on_host):
-            ctx.batch = self._copy_stage(ctx.index, batch, in_place)
-        elif batch is not None:
-            ctx.batch, ctx.copy_job = batch, worker.submit(self._copy_stage, ctx.index, batch, in_place)
-        return ctx
-
-    def _copy_stage(self, index: int, batch: Any, in_place: bool) -> Any:
-        """The copy stage of batch `index`, on the memcpy stream (of the calling thread)."""
-        streams = self._streams
-        with run_stage(streams, "copy", index, streams.memcpy):
-            if self._on_host:
-                copied = batch  # a host batch is already where it goes: no walk, no new objects
-            elif in_place:
-                copied = to_device_in_place(batch, self._device, streams)
-            else:
-                copied = to_device(batch, self._device, non_blocking=True)
-            streams.produced(copied)
-        return copied
-
-    def _forward(
-        self, ctx: BatchContext, *, train: bool, input_dist: InputDist | None = None
-    ) -> tuple[Any, Any]:
-        """The forward stage of `ctx`'s batch (waited for by `_wait_for_batch`); in training, after
-        `zero_grad`. With `input_dist`, its slot holds `ctx` for the hijacked forwards (whose calls
-        are checked after forward), and a forward the rewrite waits for runs unpipelined,
-        recorded. Returns `(losses or None, output)`."""
-        slot = input_dist.slot if input_dist is not None else None
-        recording = input_dist.recording(ctx) if input_dist is not None else None
-        streams = self._streams
-        training = train and self._model.training
-        if training:
-            self._optimizer.zero_grad()
-        if slot is not None:
-            slot.current = ctx
-        try:
-            with (
-                run_stage(streams, "forward", ctx.index),
-                torch.set_grad_enabled(training),
-                recording or _NOTHING,
-            ):
-                result = self._model_fwd(ctx.batch)
-        finally:
-            if slot is not None:
-                slot.current = None
-        if slot is not None and recording is None:
-            slot.check_calls()  # a module called fewer times than it has call sites: no output
-        if not training:
-            # torchrec returns `output` of `(loss, output)` in eval too; any other return value
-            # (a model that returns only predictions in eval) is passed through as it is.
-            is_pair = isinstance(result, tuple) and len(result) == 2
-            return None, result[1] if is_pair else result
-        if not (isinstance(result, tuple) and len(result) == 2):
-            raise TypeError(
-                "in training mode the model (or custom_model_fwd) must return (loss, output); got "
-                f"{type(result).__name__}. Wrap the model or pass custom_model_fwd."
-            )
-        return result
-
-    def _wait_copied(self, batch: Any) -> None:
-        """Make the copy stage's `batch` usable on the caller's stream (what `_wait_for_batch`
-        does by default)."""
-        streams = self._streams
-        # held for the caller's stream on behalf of the head batch, released after its step
-        streams.handoff(batch, streams.memcpy, self._ranks.lane.inflight[0])
-        streams.consumed(batch)
-
-    def _backward_stage(self, ctx: BatchContext, losses: Any) -> None:
-        """The backward stage of `ctx`'s batch: `_backward(losses)`, labelled."""
-        with run_stage(self._streams, "backward", ctx.index):
-            self._backward(losses)
-
-    def _sync_replicas(self, ctx: BatchContext) -> None:
-        """After backward: a `DMPCollection` (2D sharding) syncs its replicas' embeddings and
-        optimizer states every `dmp_collection_sync_interval_batches` batches, as torchrec's."""
-        interval = self._dmp_collection_sync_interval_batches
-        if interval is not None and ctx.index % interval == 0:
-            with label("pipeline::dmp_collection_sync"):
-                self._model.sync()
-
-    def _optimizer_stage(self, ctx: BatchContext) -> None:
-        """The optimizer stage of `ctx`'s batch: `_optimizer_step()`, labelled."""
-        with run_stage(self._streams, "optimizer", ctx.index):
-            self._optimizer_step()

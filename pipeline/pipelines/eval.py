@@ -47,15 +47,8 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
     False), pipeline_postproc, enable_inplace_copy_batch, free_features_storage_early,
     clear_data_dist_inputs: as in `TrainPipelineSparseDist`.
 
-    Keyword-only, ours:
-        strict: fail on the first batch if a sharded module cannot be pipelined.
-        rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
-        input_dist_schedule: the field of `InputDistOptions` (`input_dist` may give it);
-            "early-shared" by default; "auto" is refused, since the tuner times training steps.
-        streams: the streams to run on; None: CUDA streams on a GPU, none on CPU.
-        on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
-            peer_timeout: the fields of `RankOptions` (`ranks` may give them).
-        A keyword left None takes its options object's value, else that dataclass's default.
+    Keyword-only, ours: as in `TrainPipelineSparseDist`, less `tuner`: `input_dist_schedule` is
+    "early-shared" by default, and "auto" is refused, since the tuner times training steps.
     """
 
     def __init__(
@@ -86,28 +79,8 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
         peer_timeout: timedelta | None = None,
     ) -> None:
         self._build(
-            model,
-            optimizer,
-            device,
-            apply_jit=apply_jit,
-            pipeline_postproc=pipeline_postproc,
-            enable_inplace_copy_batch=enable_inplace_copy_batch,
-            free_features_storage_early=free_features_storage_early,
-            clear_data_dist_inputs=clear_data_dist_inputs,
-            strict=strict,
-            rewrite=rewrite,
-            rewrite_method=rewrite_method,
-            arg_paths=arg_paths,
+            locals(),
             input_dist=fixed_schedule(input_dist, input_dist_schedule, "EvalPipelineSparseDist"),
-            streams=streams,
-            ranks=ranks,
-            on_uneven=on_uneven,
-            check_keys=check_keys,
-            check_kjts=check_kjts,
-            agreement=agreement,
-            abort_on_error=abort_on_error,
-            failure_grace=failure_grace,
-            peer_timeout=peer_timeout,
             lookahead=0,
         )
 

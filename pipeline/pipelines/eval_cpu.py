@@ -55,14 +55,9 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist):
             Otherwise it stays on the calling thread, and the rewrite report says so.
         pipeline_depth: 2 or 1 (batches whose sparse stage ran ahead of their forward).
 
-    Keyword-only, ours:
-        strict: fail on the first batch if a sharded module cannot be pipelined.
-        rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
-        streams: the device's streams (the copy runs on its memcpy); None: a memcpy stream on a
-            GPU, none on CPU. The sparse stage is on the host and uses none.
-        on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
-            peer_timeout: the fields of `RankOptions` (`ranks` may give them).
-        A keyword left None takes its options object's value, else that dataclass's default.
+    Keyword-only, ours: as in `TrainPipelineSparseDist`, less the input_dist schedule (each
+    batch's is waited for at once); `streams`: the device's (the copy runs on its memcpy), None: a
+    memcpy stream on a GPU, none on CPU. The sparse stage is on the host and uses none.
     """
 
     _status_rides_splits = False  # it admits batches itself
@@ -98,29 +93,14 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist):
         if pipeline_depth not in (1, 2):
             raise ValueError(f"pipeline_depth must be 1 or 2; got {pipeline_depth!r}")
         self._build(
-            model,
-            optimizer,
-            torch.device("cpu"),  # fetched batches stay on the host, where the sparse stage reads them
-            apply_jit=apply_jit,
-            pipeline_postproc=pipeline_postproc,
-            free_features_storage_early=free_features_storage_early,
-            clear_data_dist_inputs=clear_data_dist_inputs,
-            strict=strict,
-            rewrite=rewrite,
-            rewrite_method=rewrite_method,
-            arg_paths=arg_paths,
+            locals(),
+            device=torch.device("cpu"),  # fetched batches stay on the host, where the sparse stage reads them
+            execute_all_batches=True,  # accepted; every batch runs
+            enable_inplace_copy_batch=False,  # the dense copies' (`_in_place`), not the sparse stage's
             input_dist=InputDistOptions(schedule="late"),  # waited for at once: nothing to schedule
             streams=Streams(),  # the sparse stage's: the host has none
-            ranks=ranks,
-            on_uneven=on_uneven,
-            check_keys=check_keys,
-            check_kjts=check_kjts,
-            agreement=agreement,
-            abort_on_error=abort_on_error,
-            failure_grace=failure_grace,
-            peer_timeout=peer_timeout,
             forward="lookup",
-            context_type=HostLookupBatchContext,
+            batch_context=HostLookupBatchContext,
             lookahead=0,
         )
         self._lookup = LookupStage(self._streams, self._input_dist, model, optimizer, forward_only=True)

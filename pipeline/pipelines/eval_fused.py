@@ -49,14 +49,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
             accepts it and copies before forward all the same).
         enable_embedding_lookup_prefetch: look batch i+1 up right after forward of i.
 
-    Keyword-only, ours:
-        rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
-        input_dist_schedule: the field of `InputDistOptions` (`input_dist` may give it);
-            "early-shared" by default; "auto" is refused, since the tuner times training steps.
-        streams: the streams to run on; None: CUDA streams on a GPU, none on CPU.
-        on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
-            peer_timeout: the fields of `RankOptions` (`ranks` may give them).
-        A keyword left None takes its options object's value, else that dataclass's default.
+    Keyword-only, ours: as in `EvalPipelineSparseDist`.
     """
 
     def __init__(
@@ -95,33 +88,10 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
         if emb_lookup_stream not in _LOOKUP_STREAMS:
             raise ValueError(f"emb_lookup_stream must be one of {_LOOKUP_STREAMS}; got {emb_lookup_stream!r}")
         self._build(
-            model,
-            optimizer,
-            device,
-            apply_jit=apply_jit,
-            execute_all_batches=execute_all_batches,
-            pipeline_postproc=pipeline_postproc,
-            custom_model_fwd=custom_model_fwd,
-            enqueue_batch_after_forward=enqueue_batch_after_forward,
-            enable_inplace_copy_batch=enable_inplace_copy_batch,
-            free_features_storage_early=free_features_storage_early,
-            clear_data_dist_inputs=clear_data_dist_inputs,
-            strict=strict,
-            rewrite=rewrite,
-            rewrite_method=rewrite_method,
-            arg_paths=arg_paths,
+            locals(),
             input_dist=fixed_schedule(input_dist, input_dist_schedule, "EvalPipelineFusedSparseDist"),
-            streams=streams,
-            ranks=ranks,
-            on_uneven=on_uneven,
-            check_keys=check_keys,
-            check_kjts=check_kjts,
-            agreement=agreement,
-            abort_on_error=abort_on_error,
-            failure_grace=failure_grace,
-            peer_timeout=peer_timeout,
             forward="lookup",
-            context_type=LookupBatchContext,
+            batch_context=LookupBatchContext,
         )
         self._lookup = LookupStage(
             self._streams,

@@ -45,13 +45,7 @@ class TrainPipelineFusedSparseDist(FusedMethods, TrainPipelineSparseDist):
         enable_inplace_copy_batch, enqueue_batch_after_forward, free_features_storage_early,
             clear_data_dist_inputs: as in `TrainPipelineSparseDist`.
 
-    Keyword-only, ours:
-        rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
-        input_dist_schedule, tuner: the fields of `InputDistOptions` (`input_dist` may give them).
-        streams: the streams to run on; None: CUDA streams on a GPU, none on CPU.
-        on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
-            peer_timeout: the fields of `RankOptions` (`ranks` may give them).
-        A keyword left None takes its options object's value, else that dataclass's default.
+    Keyword-only, ours: as in `TrainPipelineSparseDist`.
     """
 
     def __init__(
@@ -89,37 +83,7 @@ class TrainPipelineFusedSparseDist(FusedMethods, TrainPipelineSparseDist):
     ) -> None:
         if emb_lookup_stream not in _LOOKUP_STREAMS:
             raise ValueError(f"emb_lookup_stream must be one of {_LOOKUP_STREAMS}; got {emb_lookup_stream!r}")
-        self._build(
-            model,
-            optimizer,
-            device,
-            apply_jit=apply_jit,
-            execute_all_batches=execute_all_batches,
-            pipeline_postproc=pipeline_postproc,
-            custom_model_fwd=custom_model_fwd,
-            enqueue_batch_after_forward=enqueue_batch_after_forward,
-            enable_inplace_copy_batch=enable_inplace_copy_batch,
-            free_features_storage_early=free_features_storage_early,
-            clear_data_dist_inputs=clear_data_dist_inputs,
-            strict=strict,
-            rewrite=rewrite,
-            rewrite_method=rewrite_method,
-            arg_paths=arg_paths,
-            input_dist=input_dist,
-            input_dist_schedule=input_dist_schedule,
-            tuner=tuner,
-            streams=streams,
-            ranks=ranks,
-            on_uneven=on_uneven,
-            check_keys=check_keys,
-            check_kjts=check_kjts,
-            agreement=agreement,
-            abort_on_error=abort_on_error,
-            failure_grace=failure_grace,
-            peer_timeout=peer_timeout,
-            forward="lookup",
-            context_type=LookupBatchContext,
-        )
+        self._build(locals(), forward="lookup", batch_context=LookupBatchContext)
         self._lookup = LookupStage(
             self._streams,
             self._input_dist,

@@ -8,6 +8,7 @@ module, calling its `InputDist` by name.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -17,7 +18,7 @@ from torch import nn
 
 from pipeline.compat.arguments import refuse_jit
 from pipeline.compat.methods import SparseDistMethods
-from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, resolve
+from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, fields_in, resolve
 from pipeline.pipelines.core import PipelineCore
 from pipeline.ranks import Lane
 from pipeline.stages.context import BatchContext
@@ -118,7 +119,16 @@ class InputDistCore(SparseDistMethods, PipelineCore):
         lane.inflight.popleft()
         return output
 
-    def _build(
+    def _build(self, arguments: dict[str, Any], /, **fixed: Any) -> None:
+        """The one construction of every class of the family: each constructor passes its own
+        arguments, `locals()`, and what its class fixes or derives (`fixed`, which wins over an
+        argument of the same name), then adds what differs. Of `arguments` only the names that
+        `_compose` takes are read: torchrec's `context_type`, the arguments with no effect here
+        and the class's own (`site_fqn`, ...) are not."""
+        given = {name: value for name, value in arguments.items() if name in _COMPOSED}
+        self._compose(**{**given, **fixed})
+
+    def _compose(
         self,
         model: nn.Module,
         optimizer: Any,
@@ -150,14 +160,14 @@ class InputDistCore(SparseDistMethods, PipelineCore):
         dmp_collection_sync_interval_batches: int | None = 1,
         enqueue_batch_after_forward: bool = False,
         forward: str = "input_dist",
-        context_type: type[BatchContext] = BatchContext,
+        batch_context: type[BatchContext] = BatchContext,
         lookahead: int = 2,
     ) -> None:
-        """The one construction of every class of the family: each constructor passes its
-        arguments on (see `TrainPipelineSparseDist` for what they mean), then adds what differs.
+        """What `_build` runs, with the constructors' arguments (see `TrainPipelineSparseDist` for
+        what they mean).
 
-        Besides the constructors' arguments: `forward`, what the hijacked forwards run (see
-        `InputDist`); `context_type`, the per-batch context the class's stages need; `lookahead`,
+        Besides them: `forward`, what the hijacked forwards run (see `InputDist`);
+        `batch_context`, the per-batch context the class's stages need; `lookahead`,
         how many batches must follow the head under `execute_all_batches=False` (torchrec's rule
         for the class). Options objects and their keywords are resolved here (`resolve`).
         """
@@ -170,20 +180,10 @@ class InputDistCore(SparseDistMethods, PipelineCore):
             execute_all_batches=execute_all_batches,
             custom_model_fwd=custom_model_fwd,
             streams=streams,
-            ranks=resolve(
-                ranks,
-                RankOptions,
-                on_uneven=on_uneven,
-                check_keys=check_keys,
-                check_kjts=check_kjts,
-                agreement=agreement,
-                abort_on_error=abort_on_error,
-                failure_grace=failure_grace,
-                peer_timeout=peer_timeout,
-            ),
+            ranks=resolve(ranks, RankOptions, **fields_in(locals(), RankOptions)),
             enable_inplace_copy_batch=enable_inplace_copy_batch,
             dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
-            context_type=context_type,
+            context_type=batch_context,
             lookahead=lookahead,
         )
         self._enqueue_batch_after_forward = enqueue_batch_after_forward
@@ -201,3 +201,7 @@ class InputDistCore(SparseDistMethods, PipelineCore):
             carry=self._status_rides_splits and execute_all_batches,  # a look-ahead admits itself
         )
         self._on_reset.append(self._input_dist.interrupt)
+
+
+_COMPOSED = frozenset(inspect.signature(InputDistCore._compose).parameters) - {"self"}
+"""The names `_build` reads of a constructor's arguments."""

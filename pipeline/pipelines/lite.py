@@ -47,14 +47,9 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist):
         async_inplace_copy: accepted (torchrec 1.9 added it), no effect: our copy is dispatched
             on the caller's thread.
 
-    Keyword-only, ours:
-        strict: fail on the first batch if a sharded module cannot be pipelined.
-        rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
-        streams: the streams to run on; None: a memcpy stream on a GPU (input_dist on the
-            caller's stream), none on CPU.
-        on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
-            peer_timeout: the fields of `RankOptions` (`ranks` may give them).
-        A keyword left None takes its options object's value, else that dataclass's default.
+    Keyword-only, ours: as in `TrainPipelineSparseDist`, less the input_dist schedule (no next
+    batch: nothing to schedule); `streams` None: a memcpy stream on a GPU (input_dist on the
+    caller's stream), none on CPU.
     """
 
     _status_rides_splits = False  # it admits batches itself
@@ -88,30 +83,10 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist):
         peer_timeout: timedelta | None = None,
     ) -> None:
         self._build(
-            model,
-            optimizer,
-            device,
-            apply_jit=apply_jit,
-            pipeline_postproc=pipeline_postproc,
-            custom_model_fwd=custom_model_fwd,
+            locals(),
             dmp_collection_sync_interval_batches=None,  # torchrec's class never syncs replicas
-            enable_inplace_copy_batch=enable_inplace_copy_batch,
-            free_features_storage_early=free_features_storage_early,
-            clear_data_dist_inputs=clear_data_dist_inputs,
-            strict=strict,
-            rewrite=rewrite,
-            rewrite_method=rewrite_method,
-            arg_paths=arg_paths,
             input_dist=InputDistOptions(schedule="late"),  # no next batch: nothing to schedule
             streams=streams if streams is not None else streams_for(device, data_dist=False),
-            ranks=ranks,
-            on_uneven=on_uneven,
-            check_keys=check_keys,
-            check_kjts=check_kjts,
-            agreement=agreement,
-            abort_on_error=abort_on_error,
-            failure_grace=failure_grace,
-            peer_timeout=peer_timeout,
             lookahead=0,
         )
 

@@ -58,14 +58,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist):
             `TrainPipelineSparseDist`.
         apply_jit: not supported; must be False.
 
-    Keyword-only, ours:
-        strict: fail on the first batch if a sharded module cannot be pipelined.
-        rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
-        input_dist_schedule, tuner: the fields of `InputDistOptions` (`input_dist` may give them).
-        streams: the streams to run on; None: CUDA streams on a GPU, none on CPU.
-        on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
-            peer_timeout: the fields of `RankOptions` (`ranks` may give them).
-        A keyword left None takes its options object's value, else that dataclass's default.
+    Keyword-only, ours: as in `TrainPipelineSparseDist`.
     """
 
     def __init__(
@@ -95,31 +88,10 @@ class TrainPipelinePEC(TrainPipelineSparseDist):
         peer_timeout: timedelta | None = None,
     ) -> None:
         self._build(
-            model,
-            optimizer,
-            device,
-            apply_jit=apply_jit,
-            execute_all_batches=execute_all_batches,
+            locals(),
             pipeline_postproc=False,  # torchrec's class passes SparseDist's default
-            custom_model_fwd=custom_model_fwd,
-            strict=strict,
-            rewrite=rewrite,
-            rewrite_method=rewrite_method,
-            arg_paths=arg_paths,
-            input_dist=input_dist,
-            input_dist_schedule=input_dist_schedule,
-            tuner=tuner,
-            streams=streams,
-            ranks=ranks,
-            on_uneven=on_uneven,
-            check_keys=check_keys,
-            check_kjts=check_kjts,
-            agreement=agreement,
-            abort_on_error=abort_on_error,
-            failure_grace=failure_grace,
-            peer_timeout=peer_timeout,
             forward="lookup",
-            context_type=LookupBatchContext,
+            batch_context=LookupBatchContext,
         )
         self._lookup = LookupStage(self._streams, self._input_dist, model, optimizer)
         self._noted = False

@@ -35,14 +35,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
     free_features_storage_early, clear_data_dist_inputs, async_inplace_copy: as in
     `TrainPipelineSparseDist`.
 
-    Keyword-only, ours:
-        strict: fail on the first batch if a sharded module cannot be pipelined.
-        rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
-        input_dist_schedule, tuner: the fields of `InputDistOptions` (`input_dist` may give them).
-        streams: the streams to run on; None: CUDA streams on a GPU, none on CPU.
-        on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
-            peer_timeout: the fields of `RankOptions` (`ranks` may give them).
-        A keyword left None takes its options object's value, else that dataclass's default.
+    Keyword-only, ours: those of `TrainPipelineSparseDist`, and
         prefetch_ahead, prefetch_trial: the fields of `PrefetchOptions` (`prefetch` may give them).
     """
 
@@ -82,36 +75,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
     ) -> None:
         if streams is None and device.type != "cuda":  # CPU: the prefetch stream is a worker thread
             streams = streams_for(device, prefetch_thread=True)
-        self._build(
-            model,
-            optimizer,
-            device,
-            apply_jit=apply_jit,
-            execute_all_batches=execute_all_batches,
-            pipeline_postproc=pipeline_postproc,
-            custom_model_fwd=custom_model_fwd,
-            enable_inplace_copy_batch=enable_inplace_copy_batch,
-            free_features_storage_early=free_features_storage_early,
-            clear_data_dist_inputs=clear_data_dist_inputs,
-            strict=strict,
-            rewrite=rewrite,
-            rewrite_method=rewrite_method,
-            arg_paths=arg_paths,
-            input_dist=input_dist,
-            input_dist_schedule=input_dist_schedule,
-            tuner=tuner,
-            streams=streams,
-            ranks=ranks,
-            on_uneven=on_uneven,
-            check_keys=check_keys,
-            check_kjts=check_kjts,
-            agreement=agreement,
-            abort_on_error=abort_on_error,
-            failure_grace=failure_grace,
-            peer_timeout=peer_timeout,
-            forward="prefetch",
-            context_type=PrefetchBatchContext,
-        )
+        self._build(locals(), forward="prefetch", batch_context=PrefetchBatchContext)
         options = resolve(prefetch, PrefetchOptions, prefetch_ahead=prefetch_ahead, trial=prefetch_trial)
         self._prefetch = PrefetchStage(
             self._streams, self._input_dist, ahead=options.prefetch_ahead, trial=options.trial

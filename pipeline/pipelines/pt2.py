@@ -19,7 +19,7 @@ from torch import nn
 from torchrec.pt2.utils import kjt_for_pt2_tracing
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from pipeline.config import RankOptions, TorchCompileConfig
+from pipeline.config import RankOptions, TorchCompileConfig, fields_in
 from pipeline.pipelines.base import TrainPipelineBase
 from pipeline.stages.streams import Streams
 
@@ -179,13 +179,7 @@ class TrainPipelinePT2(TrainPipelineBase):
             self._compiled,
             streams=streams,
             ranks=ranks,
-            on_uneven=on_uneven,
-            check_keys=check_keys,
-            check_kjts=check_kjts,
-            agreement=agreement,
-            abort_on_error=abort_on_error,
-            failure_grace=failure_grace,
-            peer_timeout=peer_timeout,
+            **fields_in(locals(), RankOptions),
         )
 
     @property

@@ -58,13 +58,7 @@ class TrainPipelineSemiSync(SemiSyncMethods, TrainPipelineSparseDist):
             enable_inplace_copy_batch, free_features_storage_early, clear_data_dist_inputs: as in
             `TrainPipelineSparseDist`.
 
-    Keyword-only, ours:
-        rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
-        input_dist_schedule, tuner: the fields of `InputDistOptions` (`input_dist` may give them).
-        streams: the streams to run on; None: CUDA streams on a GPU, none on CPU.
-        on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
-            peer_timeout: the fields of `RankOptions` (`ranks` may give them).
-        A keyword left None takes its options object's value, else that dataclass's default.
+    Keyword-only, ours: as in `TrainPipelineSparseDist`.
     """
 
     _status_rides_splits = False  # it admits batches itself
@@ -104,38 +98,7 @@ class TrainPipelineSemiSync(SemiSyncMethods, TrainPipelineSparseDist):
     ) -> None:
         if not isinstance(start_batch, int) or start_batch < 0:
             raise ValueError(f"start_batch must be an int >= 0; got {start_batch!r}")
-        self._build(
-            model,
-            optimizer,
-            device,
-            apply_jit=apply_jit,
-            execute_all_batches=execute_all_batches,
-            pipeline_postproc=pipeline_postproc,
-            custom_model_fwd=custom_model_fwd,
-            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
-            enable_inplace_copy_batch=enable_inplace_copy_batch,
-            free_features_storage_early=free_features_storage_early,
-            clear_data_dist_inputs=clear_data_dist_inputs,
-            strict=strict,
-            rewrite=rewrite,
-            rewrite_method=rewrite_method,
-            arg_paths=arg_paths,
-            input_dist=input_dist,
-            input_dist_schedule=input_dist_schedule,
-            tuner=tuner,
-            streams=streams,
-            ranks=ranks,
-            on_uneven=on_uneven,
-            check_keys=check_keys,
-            check_kjts=check_kjts,
-            agreement=agreement,
-            abort_on_error=abort_on_error,
-            failure_grace=failure_grace,
-            peer_timeout=peer_timeout,
-            forward="lookup",
-            context_type=LookupBatchContext,
-            lookahead=0,
-        )
+        self._build(locals(), forward="lookup", batch_context=LookupBatchContext, lookahead=0)
         self._lookup = LookupStage(self._streams, self._input_dist, model, optimizer)
         self._start_batch = start_batch
         self._stash = stash_gradients

@@ -33,13 +33,12 @@ from torch import nn
 
 from pipeline.compat.arguments import refuse_jit
 from pipeline.config import InputDistOptions, PrefetchOptions, RewriteOptions, resolve
-from pipeline.pipelines.staged import PipelineStage, device_stream
+from pipeline.pipelines.staged import PipelineStage, util_streams
 from pipeline.stages.context import BatchContext, LookupBatchContext, PrefetchBatchContext
 from pipeline.stages.input_dist import InputDist
 from pipeline.stages.lookup import LookupStage
 from pipeline.stages.prefetch import PrefetchStage
-from pipeline.stages.streams import CudaStreams, Streams
-from pipeline.stages.thread_streams import ThreadStreams
+from pipeline.stages.streams import Streams
 
 __all__ = ["SparseDataDistUtil"]
 
@@ -57,22 +56,6 @@ _CONTEXTS = {
     _Extra.PREFETCH: PrefetchBatchContext,
     _Extra.LOOKUP: LookupBatchContext,
 }
-
-
-def _streams(data_dist_stream: Any, prefetch_stream: Any, streams: Streams | None) -> Streams:
-    """`streams` given (a test's `RecordingStreams`): it, with the stages' streams set; else CUDA
-    streams when `data_dist_stream` is one; on CPU, none, or a prefetch worker thread."""
-    if streams is not None:
-        if data_dist_stream is not None and not streams.inert:
-            streams.data_dist = data_dist_stream
-        return streams
-    if device_stream(data_dist_stream):
-        streams = CudaStreams(data_dist_stream.device, prefetch=prefetch_stream is not None)
-        streams.data_dist = data_dist_stream
-        if device_stream(prefetch_stream):
-            streams.prefetch = prefetch_stream
-        return streams
-    return ThreadStreams() if prefetch_stream is not None else Streams()
 
 
 class SparseDataDistUtil:
@@ -136,7 +119,7 @@ class SparseDataDistUtil:
         self.data_dist_stream = data_dist_stream
         self.prefetch_stream = prefetch_stream
         self.embedding_lookup_stream = embedding_lookup_stream
-        self._streams = streams = _streams(data_dist_stream, prefetch_stream, streams)
+        self._streams = streams = util_streams(data_dist_stream, prefetch_stream, streams)
         # torchrec's order ("late" schedule, torchrec's process group); no votes: the stages fetch
         self._input_dist = InputDist(
             model,

@@ -93,36 +93,7 @@ class TrainPipelineSparseDist(InputDistCore):
         failure_grace: float | None = None,
         peer_timeout: timedelta | None = None,
     ) -> None:
-        self._build(
-            model,
-            optimizer,
-            device,
-            apply_jit=apply_jit,
-            execute_all_batches=execute_all_batches,
-            pipeline_postproc=pipeline_postproc,
-            custom_model_fwd=custom_model_fwd,
-            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
-            enqueue_batch_after_forward=enqueue_batch_after_forward,
-            enable_inplace_copy_batch=enable_inplace_copy_batch,
-            free_features_storage_early=free_features_storage_early,
-            clear_data_dist_inputs=clear_data_dist_inputs,
-            strict=strict,
-            rewrite=rewrite,
-            rewrite_method=rewrite_method,
-            arg_paths=arg_paths,
-            input_dist=input_dist,
-            input_dist_schedule=input_dist_schedule,
-            tuner=tuner,
-            streams=streams,
-            ranks=ranks,
-            on_uneven=on_uneven,
-            check_keys=check_keys,
-            check_kjts=check_kjts,
-            agreement=agreement,
-            abort_on_error=abort_on_error,
-            failure_grace=failure_grace,
-            peer_timeout=peer_timeout,
-        )
+        self._build(locals())
 
     def _fill(self, lane: Lane) -> None:
         self._input_dist.fill(lane, self._enqueue)

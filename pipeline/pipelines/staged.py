@@ -22,8 +22,9 @@ from typing import Any
 from pipeline.compat.types import TrainPipeline
 from pipeline.stages.labels import label
 from pipeline.stages.streams import CudaStreams, Streams
+from pipeline.stages.thread_streams import ThreadStreams
 
-__all__ = ["PipelineStage", "StagedTrainPipeline", "device_stream"]
+__all__ = ["PipelineStage", "StagedTrainPipeline", "device_stream", "util_streams"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,23 @@ class PipelineStage:
 
 def device_stream(stream: Any) -> bool:
     return stream is not None and getattr(getattr(stream, "device", None), "type", "cpu") != "cpu"
+
+
+def util_streams(data_dist_stream: Any, prefetch_stream: Any, streams: Streams | None) -> Streams:
+    """The streams of a `SparseDataDistUtil`'s stages: `streams` given (a test's
+    `RecordingStreams`), it, with the stages' streams set; else CUDA streams when `data_dist_stream`
+    is one; on CPU, none, or a prefetch worker thread."""
+    if streams is not None:
+        if data_dist_stream is not None and not streams.inert:
+            streams.data_dist = data_dist_stream
+        return streams
+    if device_stream(data_dist_stream):
+        streams = CudaStreams(data_dist_stream.device, prefetch=prefetch_stream is not None)
+        streams.data_dist = data_dist_stream
+        if device_stream(prefetch_stream):
+            streams.prefetch = prefetch_stream
+        return streams
+    return ThreadStreams() if prefetch_stream is not None else Streams()
 
 
 class StagedTrainPipeline(TrainPipeline):

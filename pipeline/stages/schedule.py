@@ -28,7 +28,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-__all__ = ["OPTIONS", "SCHEDULES", "Decision", "Schedule", "decide"]
+__all__ = ["OPTIONS", "SCHEDULES", "Decision", "Schedule", "decide", "runner_up"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,3 +94,12 @@ def decide(rounds: list[dict[str, float]], *, baseline: str, margin: float) -> D
     winners = {s: statistics.median(r) for s, r in ratios.items() if significant(r)}
     choice = min(winners, key=winners.get) if winners else baseline
     return Decision(choice=choice, baseline=baseline, ratios=ratios)
+
+
+def runner_up(decision: Decision, choice: str) -> str | None:
+    """What a re-check compares `choice` with: the other schedule of `decision` with the lowest
+    median ratio to its baseline (the baseline's is 1); None where there is none."""
+    ratios = {s: statistics.median(r) for s, r in decision.ratios.items() if r}
+    ratios[decision.baseline] = 1.0
+    others = sorted((v, s) for s, v in ratios.items() if s != choice)
+    return others[0][1] if others else None

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -47,38 +47,12 @@ __all__ = [
     "CudaStreams",
     "OrderedStreams",
     "Streams",
-    "all_threads_profiled",
-    "profiling_all_threads",
     "streams_for",
 ]
 
 HANDOFFS = ("keep-alive", "record-stream")
 """How a hand-off keeps memory alive: "keep-alive" (`KeepAlive`) or "record-stream"
 (`Tensor.record_stream` on the consumer: the previous way, kept to measure the difference)."""
-
-_all_threads_profiled = False
-
-
-@contextmanager
-def profiling_all_threads() -> Iterator[None]:
-    """Declare that the active torch.profiler records every thread, i.e. was made with
-    `experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`.
-
-    Inside it, `ThreadStreams` keeps the prefetch stage on its worker thread while the profiler
-    runs, so the trace shows the overlap; outside it, the stage runs inline while profiling, since
-    a profiler started without that option drops the worker thread's events.
-    """
-    global _all_threads_profiled
-    previous, _all_threads_profiled = _all_threads_profiled, True
-    try:
-        yield
-    finally:
-        _all_threads_profiled = previous
-
-
-def all_threads_profiled() -> bool:
-    """Whether the code runs inside `profiling_all_threads()`."""
-    return _all_threads_profiled
 
 
 class Streams:

@@ -3,21 +3,49 @@
 Work submitted to the prefetch stream runs in order on that thread, and a hand-off waits for the
 future of the work that produced the object instead of `wait_stream`. Host memory needs no keeping
 alive: a Python reference is all the worker needs, so `release` and `returned` stay no-ops.
+
+A profiler that does not record every thread would drop the worker's events: while one runs, the
+prefetch stage stays inline unless the caller declares otherwise (`profiling_all_threads()`).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from pipeline.stages.streams import Streams, all_threads_profiled
+from pipeline.stages.streams import Streams
 
-__all__ = ["ThreadStreams"]
+__all__ = ["ThreadStreams", "all_threads_profiled", "profiling_all_threads"]
+
+_all_threads_profiled = False
+
+
+@contextmanager
+def profiling_all_threads() -> Iterator[None]:
+    """Declare that the active torch.profiler records every thread, i.e. was made with
+    `experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`.
+
+    Inside it, `ThreadStreams` keeps the prefetch stage on its worker thread while the profiler
+    runs, so the trace shows the overlap; outside it, the stage runs inline while profiling, since
+    a profiler started without that option drops the worker thread's events.
+    """
+    global _all_threads_profiled
+    previous, _all_threads_profiled = _all_threads_profiled, True
+    try:
+        yield
+    finally:
+        _all_threads_profiled = previous
+
+
+def all_threads_profiled() -> bool:
+    """Whether the code runs inside `profiling_all_threads()`."""
+    return _all_threads_profiled
 
 
 class _WorkerStream:

@@ -13,8 +13,6 @@ never measures anything but the training steps it runs. A restarted job reloads 
 
 from __future__ import annotations
 
-import math
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -22,7 +20,7 @@ from typing import Any
 
 from pipeline.stages import tuner_text as text
 from pipeline.stages.prediction import predicted_steps, start_from
-from pipeline.stages.schedule import SCHEDULES, Decision, decide
+from pipeline.stages.schedule import SCHEDULES, Decision, decide, runner_up
 from pipeline.stages.tuner_phase import Phase, all_reduce_sum
 
 __all__ = ["Tuner"]
@@ -246,23 +244,12 @@ class Tuner:
         self.predicted_ms = dict(state.get("predicted_ms", {}))
         self._phase, self._pos, self._last, self._prior = None, 0, None, None
 
-    def _tuning(
-        self,
-        candidates: list[str],
-        baseline: str,
-        *,
-        warmup: int,
-        visit: int,
-        kind: str = "tuning",
-        first: str | None = None,
-    ) -> Phase:
-        """A tuning phase of `candidates`: warm-up (under `first`, default the baseline) and visits
-        (untimed), then its first round; the others are planned after it (`_end_of_round`)."""
-        phase = Phase(candidates=candidates, baseline=baseline, kind=kind, rounds=self._rounds)
-        visits = [(s, -1, False) for s in candidates for _ in range(visit)]
-        phase.plan = [(first or baseline, -1, False)] * warmup + visits
-        phase.add_round(0, block=self._block, settle=self._settle)
-        return phase
+    def _tuning(self, candidates: list[str], baseline: str, **plan: Any) -> Phase:
+        """A tuning phase with this tuner's rounds and blocks (`Phase.tuning`; `plan`: its warm-up,
+        visits, kind and first schedule)."""
+        return Phase.tuning(
+            candidates, baseline, rounds=self._rounds, block=self._block, settle=self._settle, **plan
+        )
 
     def _start_recheck(self) -> None:
         self._pos = 0
@@ -270,21 +257,13 @@ class Tuner:
             again = self._tuning(self._again, self.choice, warmup=0, visit=0, kind="tuning again")
             self._phase, self._again = again, None
             return
-        last = self.decisions[-1][1]
-        ratios = {s: statistics.median(r) for s, r in last.ratios.items() if r}
-        ratios[last.baseline] = 1.0
-        others = sorted((v, s) for s, v in ratios.items() if s != self.choice)
-        if not others:
+        other = runner_up(self.decisions[-1][1], self.choice)
+        if other is None:
             self._next_check = None
             return
-        self._phase = Phase(
-            candidates=[self.choice, others[0][1]],
-            baseline=self.choice,
-            kind="re-checking",
-            rounds=self._recheck_rounds,
+        self._phase = Phase.recheck(
+            self.choice, other, rounds=self._recheck_rounds, block=self._block, settle=self._settle
         )
-        for k in range(self._recheck_rounds):
-            self._phase.add_round(k, block=self._block, settle=self._settle)
 
     def _end_of_round(self) -> None:
         """The plan ran out: agree on the rounds run, then drop losers and go on, or decide."""
@@ -301,12 +280,8 @@ class Tuner:
         self._conclude(phase)
 
     def _conclude(self, phase: Phase) -> None:
-        per_round = [{s: phase.agreed[k][s] for s in phase.candidates} for k in sorted(phase.agreed)]
-        decision = decide(per_round, baseline=phase.baseline, margin=self._margin)
-        for s in set(phase.agreed[0]):
-            finite = [r[s] for r in phase.agreed.values() if s in r and math.isfinite(r[s])]
-            if finite:
-                self.medians_ms[s] = statistics.median(finite) * 1e3
+        decision = decide(phase.per_round(), baseline=phase.baseline, margin=self._margin)
+        self.medians_ms.update(phase.medians_ms())
         self.decisions.append((self._steps, decision))
         self.choice = decision.choice
         self._phase = None
@@ -317,13 +292,7 @@ class Tuner:
         if self._interval > 0 and (valid or self._again is not None):  # else nothing to re-check
             self._next_check = self._steps + self._interval
             self._interval *= 2
-        if self._again is None:
-            decision.reason = text.decision_reason(decision, margin=self._margin)
-        else:
-            decision.reason = text.no_valid_rounds(
-                phase.baseline, interrupted=phase.interrupted, again_at=self._next_check
-            )
-        if phase.dropped:
-            decision.reason += f"; {text.ruled_out(phase.dropped)}"
-        if phase.reason:
-            decision.reason = f"{phase.reason}; {decision.reason}"
+        again_at = self._next_check if self._again is not None else None
+        decision.reason = text.concluded(
+            decision, phase, margin=self._margin, valid=self._again is None, again_at=again_at
+        )

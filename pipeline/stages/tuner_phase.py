@@ -36,6 +36,36 @@ class Phase:
     reason: str = ""
     """Why these candidates (a prediction narrowed them), put before the decision's reason."""
 
+    @classmethod
+    def tuning(
+        cls,
+        candidates: list[str],
+        baseline: str,
+        *,
+        rounds: int,
+        block: int,
+        settle: int,
+        warmup: int,
+        visit: int,
+        kind: str = "tuning",
+        first: str | None = None,
+    ) -> Phase:
+        """A tuning phase of `candidates`: warm-up (under `first`, default the baseline) and visits
+        (untimed), then its first round; the tuner plans the others after it."""
+        phase = cls(candidates=candidates, baseline=baseline, kind=kind, rounds=rounds)
+        visits = [(s, -1, False) for s in candidates for _ in range(visit)]
+        phase.plan = [(first or baseline, -1, False)] * warmup + visits
+        phase.add_round(0, block=block, settle=settle)
+        return phase
+
+    @classmethod
+    def recheck(cls, choice: str, runner_up: str, *, rounds: int, block: int, settle: int) -> Phase:
+        """A re-check: `rounds` paired rounds of the choice (the baseline) and the runner-up."""
+        phase = cls(candidates=[choice, runner_up], baseline=choice, kind="re-checking", rounds=rounds)
+        for k in range(rounds):
+            phase.add_round(k, block=block, settle=settle)
+        return phase
+
     def add_round(self, k: int, *, block: int, settle: int) -> None:
         shift = k % len(self.candidates)
         for name in self.candidates[shift:] + self.candidates[:shift]:  # no schedule always first
@@ -68,6 +98,20 @@ class Phase:
                 self.dropped[s] = first[s] / best
         if self.baseline in self.dropped:  # the round's best is kept without further evidence
             self.baseline = min(self.candidates, key=first.__getitem__)
+
+    def per_round(self) -> list[dict[str, float]]:
+        """Per agreed round, in order, each candidate's summed block median (what `decide` reads)."""
+        return [{s: self.agreed[k][s] for s in self.candidates} for k in sorted(self.agreed)]
+
+    def medians_ms(self) -> dict[str, float]:
+        """Per schedule timed in the first round, the median over the agreed rounds of its summed
+        block medians, in ms (where any is finite)."""
+        medians = {}
+        for s in set(self.agreed[0]):
+            finite = [r[s] for r in self.agreed.values() if s in r and math.isfinite(r[s])]
+            if finite:
+                medians[s] = statistics.median(finite) * 1e3
+        return medians
 
     def medians(self, k: int) -> list[float]:
         """Round k's median step time per candidate (inf where none was timed)."""

@@ -8,9 +8,11 @@ from __future__ import annotations
 import statistics
 
 from pipeline.stages.schedule import SCHEDULES, Decision
+from pipeline.stages.tuner_phase import Phase
 
 __all__ = [
     "ONE_RANK",
+    "concluded",
     "decided_repr",
     "decision_reason",
     "next_look",
@@ -69,6 +71,19 @@ def decision_reason(decision: Decision, *, margin: float) -> str:
         f"kept {schedule_words(decision.baseline)}: no other schedule was faster by more than "
         f"{margin * 100:.0f} % in the median and in every one of {_rounds(rounds)} ({others})"
     )
+
+
+def concluded(decision: Decision, phase: Phase, *, margin: float, valid: bool, again_at: int | None) -> str:
+    """The reason of a phase's decision: why `decide()` chose (`valid` rounds) or why it had
+    nothing to compare, then the schedules the first round ruled out, after why the phase
+    measured these candidates (`phase.reason`: a prediction narrowed them)."""
+    if valid:
+        reason = decision_reason(decision, margin=margin)
+    else:
+        reason = no_valid_rounds(phase.baseline, interrupted=phase.interrupted, again_at=again_at)
+    if phase.dropped:
+        reason += f"; {ruled_out(phase.dropped)}"
+    return f"{phase.reason}; {reason}" if phase.reason else reason
 
 
 def no_valid_rounds(baseline: str, *, interrupted: int, again_at: int | None) -> str:
