@@ -30,7 +30,7 @@ TESTS_1.8 := tests/test_compat.py tests/test_compat_names.py tests/test_torchrec
 	tests/test_pec.py tests/test_staged_stages.py tests/test_user_models.py tests/test_async_inplace_copy.py \
 	tests/test_upstream_fixes.py
 
-.PHONY: setup test test-1.8 lint demo demo-faults bench bench-overhead bench-tiered hit-rates bench-sweep bench-big bench-agreement predict timeline clean
+.PHONY: setup test test-1.8 lint demo demo-faults bench bench-overhead bench-tiered hit-rates bench-sweep bench-big bench-agreement predict figures timeline clean
 
 setup: $(STAMP)
 
@@ -155,6 +155,13 @@ bench-big: setup
 PREDICT_ARGS ?= --world-size 2 8 64 512 1024 --link 1gbit 10gbit
 predict: setup
 	$(BIN)/python -m benchmarks predict $(PREDICT_ARGS)
+
+# Every figure file in docs/results/ written again by the command its `Command:` line states, one at a
+# time (hours: the sweep alone is ~35 min); those emulating a link need root and are skipped without
+# it. FIGURES_ARGS=--list prints the plan and runs nothing; FIGURES_ARGS="--only vote.md" one file.
+FIGURES_ARGS ?=
+figures: setup
+	$(BIN)/python -m benchmarks figures $(FIGURES_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -11,6 +11,7 @@
     agreement   the ranks' per-batch vote at 2-16 local ranks, against a request to rank 0's store
     first-step  time to first output in fresh torchrun jobs: plain, our pipelines, torchrec's
     selfcheck   the benchmarks' own arithmetic and link setup, against fakes (no ranks, no root)
+    figures     re-run the command each docs/results/*.md states, one at a time (`make figures`)
 
 A subcommand is a module with one function taking keyword arguments named as its flags' `dest`,
 plus `command` (the command line, for the report); `_SUBCOMMANDS` maps the name to its parser and
@@ -166,6 +167,12 @@ def _first_step(p: argparse.ArgumentParser) -> None:
     p.add_argument("--md", default="out/bench/first_step.md", help="'' for none")
 
 
+def _figures(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--list", dest="list_only", action="store_true", help="print the plan; run nothing")
+    p.add_argument("--only", nargs="+", default=[], metavar="NAME", help="these files only (e.g. vote.md)")
+    p.add_argument("--results", help="the folder of results files (default docs/results)")
+
+
 _SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[..., int]]] = {
     "run": (_run, _function("run", "run")),
     "overhead": (_overhead, _function("overhead", "overhead")),
@@ -178,6 +185,7 @@ _SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callabl
     "calibrate": (_calibrate, _function("predictor.machine", "calibrate")),
     "agreement": (_agreement, _function("agreement", "agreement")),
     "first-step": (_first_step, _function("first_step", "first_step")),
+    "figures": (_figures, _function("figures", "figures")),
 }
 
 

@@ -11,6 +11,7 @@ share of a 1,000-step run. Writes the JSON, the Markdown and a PNG of the ratios
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections import Counter
 from pathlib import Path
@@ -49,7 +50,8 @@ def sweep(*, points: list[str], steps: int, warmup: int, auto_warmup: int, round
             *markdown_table(*forced_table(results)), ""]  # fmt: skip
     if png:
         plot(results, png, f"{command}  ({meta['started']})")
-        more += [f"![each variant's step over torchrec's SparseDist, per point]({Path(png).name})", ""]
+        where = os.path.relpath(png, Path(md).parent) if md else Path(png).name  # from the Markdown's folder
+        more += [f"![each variant's step over torchrec's SparseDist, per point]({where})", ""]
     publish({"meta": meta, "runs": runs, "points": results}, meta, "Sweep results", *table(results), _NOTES,
             json_path=json, md_path=md, more=more)  # fmt: skip
     return 0
