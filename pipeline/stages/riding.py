@@ -38,6 +38,8 @@ class RidingStatus:
         self.enabled = enabled and ranks is not None and ranks.voting and not _validating()
         self._shape: list[tuple[Any, int, Any, bool]] | None = None
         """What the last fused splits all-to-all sent (`splits_shape`): while known, statuses ride."""
+        self.refused = 0
+        """Batches some rank lacked, found out from statuses that rode (not from a vote)."""
 
     def status(self, ctx: BatchContext) -> int | None:
         """The status to send with `ctx`'s fused splits (HAVE for a batch already agreed on, so
@@ -86,6 +88,7 @@ class RidingStatus:
         if self._ranks.conclude(self._ranks.lane, ctx, Counter(Status(s) for s in carrier.statuses())):
             return True
         ctx.splits_requests = []
+        self.refused += 1
         return False
 
 
