@@ -30,7 +30,7 @@ TESTS_1.8 := tests/test_compat.py tests/test_compat_names.py tests/test_torchrec
 	tests/test_pec.py tests/test_staged_stages.py tests/test_user_models.py tests/test_async_inplace_copy.py \
 	tests/test_upstream_fixes.py
 
-.PHONY: setup test test-1.8 lint demo demo-faults bench bench-overhead bench-tiered hit-rates bench-sweep bench-big bench-agreement predict figures timeline clean
+.PHONY: setup test test-quick test-1.8 lint demo demo-faults bench bench-overhead bench-tiered hit-rates bench-sweep bench-big bench-agreement predict figures timeline clean
 
 setup: $(STAMP)
 
@@ -45,8 +45,14 @@ $(STAMP): Makefile pyproject.toml
 	@rm -f $(VENV)/.setup-*
 	@touch $@
 
+# Every test, `slow` ones included (the last to run).
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# A first signal in under 3 minutes: the tests not marked `slow` (pyproject.toml says what the mark
+# covers). `make test` before a merge: the quick tier is a subset, not a replacement.
+test-quick: setup
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # torchrec 1.8.0 / torch 2.13.0 in a venv of its own (.venv-1.8), and TESTS_1.8 on it. CI runs `test`.
 test-1.8:

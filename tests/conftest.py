@@ -1,6 +1,6 @@
 """Fixtures shared by the multi-rank test modules, and the order of the suite: tests marked `slow`
-(torchrun jobs, torch.compile, scenarios that wait out a timeout) run after all the others, so that
-the quick ones report first."""
+(pyproject.toml registers the mark: what `make test-quick` leaves out) run after all the others, so
+that the quick ones report first."""
 
 from __future__ import annotations
 
@@ -9,10 +9,6 @@ from collections.abc import Iterator
 import pytest
 
 from tests.harness import RankPool
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: takes more than ~10 s; runs after the quick tests")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -287,6 +287,27 @@ def plain_loop(model: nn.Module, opt: torch.optim.Optimizer, data: list) -> list
     return outputs
 
 
+_REFERENCES: dict[tuple, tuple[list, list]] = {}
+
+
+def reference(kind: str, sharding: str, steps: int, rank: int, seed: int = 1) -> tuple[list, list]:
+    """The plain loop on `build(kind, sharding)` and `batches(kind, steps, rank, seed)`: its per-step
+    outputs and its final state (the tensors of `flat_tensors(state_dict)`), both for
+    `bitwise_equal`. Computed once per rank process and (world size, arguments), then kept: a pool's
+    ranks check every pipeline of a module against one reference. Both ranks of a pool run the same
+    scenarios, so both build (a collective) or both reuse; a restarted pool starts empty. Read-only."""
+    key = (dist.get_world_size(), kind, sharding, steps, rank, seed)
+    if key not in _REFERENCES:
+        model, opt = build(kind, sharding)
+        outputs = plain_loop(model, opt, batches(kind, steps, rank, seed))
+        state = flat_tensors(model.state_dict())
+        _REFERENCES[key] = (
+            [o.detach().clone() for o in flat_tensors(outputs)],
+            [t.detach().clone() for t in state],
+        )
+    return _REFERENCES[key]
+
+
 def stale_lookup_loop(model: nn.Module, opt: torch.optim.Optimizer, data: list) -> list:
     """The reference of a semi-synchronous lookup (SparseDataDistUtil's lookup stage): the plain
     loop, except that batch i+1's embeddings are looked up before batch i's update.

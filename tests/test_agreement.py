@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 from torchrec import KeyedJaggedTensor
@@ -92,6 +93,7 @@ def _store_requests_per_batch(rank: int, world_size: int) -> dict:
         dist.distributed_c10d._get_default_store = real
 
 
+@pytest.mark.slow
 def test_the_agreement_sends_no_request_to_the_store_per_batch():
     """Per batch the ranks agree by a collective, never by a request to rank 0's store: at 1,024
     ranks that would be a fan-in of requests to one process. The first batches are voted on (one

@@ -46,6 +46,7 @@ def _python(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_beside_a_projects_own_pipeline_module(tmp_path):
     project = tmp_path / "proj"
     project.mkdir()
@@ -63,6 +64,7 @@ def test_beside_a_projects_own_pipeline_module(tmp_path):
     assert done.stdout.split() == ["3", "pipeline.pipelines.sparse_dist", "RankOptions"]
 
 
+@pytest.mark.slow
 def test_a_top_level_pipeline_module_that_hides_the_library_is_named(tmp_path):
     (tmp_path / "pipeline.py").write_text("STEPS = 3\n")
     (tmp_path / "train.py").write_text("import torchrec_pipeline\n")
@@ -72,6 +74,7 @@ def test_a_top_level_pipeline_module_that_hides_the_library_is_named(tmp_path):
     assert str(tmp_path / "pipeline.py") in done.stderr
 
 
+@pytest.mark.slow
 def test_the_wheel_ships_the_module():
     # the module beside the packages (setuptools' py-modules); tested by hand: pip wheel, install, import
     assert 'py-modules = ["torchrec_pipeline"]' in (ROOT / "pyproject.toml").read_text()

@@ -29,7 +29,7 @@ THEIRS_ON_CPU = {
 }
 OPTIONS = {"async_inplace_copy": True, "enable_inplace_copy_batch": True}
 TIMEOUT = 150
-pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 
 
 def _theirs(name: str):

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the benchmarks' smoke runs: subprocess interpreters and rank launches
+
 ROOT = Path(__file__).resolve().parent.parent
 SELFCHECKS = (
     "link_rates",

@@ -20,7 +20,7 @@ from tests.harness import pytest_timeout, run_ranks
 
 PIPELINES = ("TrainPipelineBase", "TrainPipelineSparseDist", "PrefetchTrainPipelineSparseDist")
 TIMEOUT = 90
-pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 
 # -- one iterator, three epochs ----------------------------------------------------------------
 

@@ -30,7 +30,7 @@ FIXTURE = ROOT / "tests" / "fixtures" / "criteo_tiny.tsv"
 _FIXTURE_SPEC = SyntheticSpec(table_sizes=(10_000,) * 26, missing_rate=0.1, seed=0)
 _STEPS = 6
 _TIMEOUT = 150
-pytestmark = pytest.mark.timeout(pytest_timeout(_TIMEOUT))
+pytestmark = [pytest.mark.timeout(pytest_timeout(_TIMEOUT)), pytest.mark.slow]
 
 
 def _config(pipeline: str, **overrides) -> TrainConfig:

@@ -57,7 +57,7 @@ TRAIN_MODE_CASES = [
 ]
 OPTIONS = {"EvalPipelineFusedSparseDist": FUSED_OPTIONS, "EvalPipelineCPUSparse": CPU_OPTIONS}
 TIMEOUT = 150
-pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 
 
 def _eval_case(rank: int, world_size: int, name: str, kind: str, sharding: str, option: str, mode: str):

@@ -27,7 +27,7 @@ from tests.harness import RankError, pytest_timeout, run_ranks
 PIPE = "TrainPipelineSparseDist"
 TIMEOUT = 90
 FAIL_AT = 6  # the forward call that fails (batch 5)
-pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 
 
 def _train_until_error(rank: int, fail, **options) -> dict:

@@ -38,7 +38,7 @@ SEMI_CASES = [(k, s, START_BATCH) for k, s in itertools.product(("dlrm", "nested
 SEMI_CASES.append(("dlrm", "table_wise", 900))  # all warm-up: the plain loop
 STASH_CASES = [("nested", "table_wise"), ("dlrm", "column_wise")]
 TIMEOUT = 150
-pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 
 
 def _tables(model) -> list:

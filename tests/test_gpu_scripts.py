@@ -18,6 +18,8 @@ import pytest
 from tests.cuda_cases import CLASSES
 from tests.harness import pytest_timeout
 
+pytestmark = pytest.mark.slow  # dry runs on 2 gloo ranks and subprocess scripts
+
 ROOT = Path(__file__).resolve().parents[1]
 GPU = ROOT / "scripts" / "gpu"
 sys.path.insert(0, str(GPU))

@@ -31,7 +31,7 @@ OTHERS = (
 )
 TORCHREC_ON_CPU = ("TrainPipelineSparseDist", "TrainPipelineBase")
 TIMEOUT = 120
-pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 
 
 def _accumulating_loop(model, opt, data: list, k: int) -> list:

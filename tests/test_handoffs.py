@@ -27,7 +27,7 @@ EBC = "model.sparse_arch.embedding_bag_collection"
 STASHED = ("TrainPipelineSparseDistEmbStash", "TrainPipelinePrefetchEMS")
 """Classes that lend marked embedding weights to host memory: the test model marks every table."""
 """The most batches a class has in flight (SemiSync: i to i+3), for the bound on what is kept."""
-pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 
 OPTIONS = {
     "TrainPipelineBase": {},

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
@@ -88,6 +89,7 @@ def _idle_prefetch(rank: int, world_size: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_prefetch_with_nothing_to_prefetch_runs_sparse_dists_step_and_is_exact():
     """Fused kernels: no prefetch() call, no stage, no worker thread, from the first batch on; the
     mode is visible (prefetch_mode, and one note in the rewrite report)."""

@@ -48,7 +48,7 @@ PHASES = (
 )
 """The hybrid loop: (mode, which eval pass, how many `progress()` calls)."""
 TIMEOUT = 150
-pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 
 
 def theirs(name: str):

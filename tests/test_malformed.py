@@ -19,7 +19,7 @@ from tests.harness import pytest_timeout
 
 PIPELINES = ("TrainPipelineBase", "TrainPipelineSparseDist", "PrefetchTrainPipelineSparseDist")
 TIMEOUT = 90
-pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 TRAINED_BEFORE = {"TrainPipelineBase": 5, "TrainPipelineSparseDist": 4, "PrefetchTrainPipelineSparseDist": 4}
 """Batches trained before the error when batch 5 is bad (as for wrong keys, tests/test_ranks.py)."""
 

@@ -19,7 +19,7 @@ from tests import models
 from tests.harness import pytest_timeout
 
 TIMEOUT = 120
-pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 
 
 def _report() -> RewriteReport:

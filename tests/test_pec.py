@@ -22,7 +22,7 @@ from tests.harness import pytest_timeout
 
 STEPS = 6
 TIMEOUT = 150
-pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 
 
 @dataclass

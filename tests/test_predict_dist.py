@@ -13,7 +13,7 @@ from tests.harness import pytest_timeout
 
 TIMEOUT = 240
 STEPS = 12
-pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

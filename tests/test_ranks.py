@@ -17,7 +17,7 @@ from tests.harness import RankTimeout, pytest_timeout, run_ranks
 
 PIPELINES = ("TrainPipelineBase", "TrainPipelineSparseDist", "PrefetchTrainPipelineSparseDist")
 TIMEOUT = 120
-pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 LONG = 12
 # (batches on rank 0, batches on rank 1): rank 1 short by 1, 2, 3 and 10; rank 0 short by 2; rank 1
 # with one batch and with none

@@ -9,6 +9,8 @@ import pytest
 from tests.harness import run_ranks
 from tests.models import SHARDINGS
 
+pytestmark = pytest.mark.slow  # 2-rank launches (run_ranks), one per sharding
+
 
 def _ahead_equals_original(rank: int, world_size: int, sharding: str) -> dict:
     import torch

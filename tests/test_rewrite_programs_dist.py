@@ -10,6 +10,8 @@ import pytest
 
 from tests.harness import run_ranks
 
+pytestmark = pytest.mark.slow  # 2-rank launches (run_ranks)
+
 _SHARDINGS = ("table_wise", "column_wise")
 
 

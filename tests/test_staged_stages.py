@@ -19,7 +19,7 @@ from tests.harness import pytest_timeout
 
 STEPS = 6
 TIMEOUT = 150
-pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 
 
 def _staged_run(model, opt, rank: int, extra: str, with_stage: bool = True) -> tuple[list, object, bool]:

@@ -20,7 +20,7 @@ from tests.harness import pytest_timeout
 
 STEPS = 6
 TIMEOUT = 150
-pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 DLRM_TABLES = ("t0", "t1", "t2")
 USER_TABLES = ("st0", "st1", "st2", "ht0")
 

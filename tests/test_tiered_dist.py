@@ -34,7 +34,7 @@ OTHER_POLICIES = ("lfu", "tinylfu", "second-hit")
 STEPS = 12
 ROWS, DIM, TABLES, BATCH, CACHE = 400, 8, 3, 8, 130
 TIMEOUT = 150
-pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 
 
 def _build(

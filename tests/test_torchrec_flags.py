@@ -18,6 +18,8 @@ import pytest
 
 from tests.harness import run_ranks
 
+pytestmark = pytest.mark.slow  # scenarios on 2 gloo ranks
+
 FLAGS = {
     "TrainPipelineSparseDist": (
         "enable_inplace_copy_batch",

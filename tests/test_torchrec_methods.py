@@ -27,7 +27,7 @@ from tests.harness import pytest_timeout
 
 STEPS = 9
 TIMEOUT = 120
-pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 
 CLASSES = {
     "TrainPipelineBase": torchrec_pipelines.TrainPipelineBase,

@@ -32,7 +32,7 @@ PIPELINES = ("TrainPipelineBase", "TrainPipelineSparseDist", "PrefetchTrainPipel
 TORCHREC_PREFETCH_FIXED = tuple(int(part) for part in version("torchrec").split(".")[:2]) >= (1, 9)
 LENGTHS = (0, 1, 2, 3, 4, 5, 9)
 TIMEOUT = 120
-pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 
 
 # -- the schedule alone: a model without sharded modules ---------------------------------------

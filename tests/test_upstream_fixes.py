@@ -17,7 +17,7 @@ import pytest
 from tests.harness import pytest_timeout
 
 TIMEOUT = 150
-pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 
 
 def _counting_synchronize(calls: list):

@@ -33,7 +33,7 @@ CLASSES = (
 )
 STEPS = 8
 TIMEOUT = 120
-pytestmark = pytest.mark.timeout(pytest_timeout(TIMEOUT))
+pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 
 
 def _reference(name: str):
