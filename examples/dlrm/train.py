@@ -23,6 +23,7 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -66,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     status = _publish(result.summary, args.summary_json) if rank == 0 else 0
     # Tear down together: a rank that destroys its group while a peer's gloo threads still use the
     # connection can abort that peer at exit ("terminate called without an active exception", seen
-    # once in CI on rank 1).
+    # in CI on rank 1, twice). Free the pipeline first: it may hold the work objects of collectives
+    # still in flight (the next batch's input all-to-alls) in reference cycles, which the
+    # interpreter would otherwise free during its own shutdown, after the groups are gone.
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
     return status
