@@ -6,7 +6,9 @@ bound (`benchmarks.bound`): I/O alone (the prefetch of the same batches with no 
 alone (every row cached, no collective). A pipeline that overlaps the two cannot beat the larger, so
 Prefetch's step over max(I/O alone, compute alone), paired within each round, is its distance to the
 bound. At world size 1 a core is free for the prefetch thread. Per config and world size: the step
-times, that distance, Prefetch over the plain loop, process CPU per step and the hit rate.
+times, that distance, Prefetch over the plain loop, process CPU per step and the hit rate; and, once,
+what a cold 4 KiB read costs in the stores' folder (`benchmarks.disk`), so that the figures are read
+with their machine.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import statistics
 from typing import Any
 
 from benchmarks.configs import TIERED_CONFIGS
+from benchmarks.disk import read_cost_line
 from benchmarks.report import by_round, cell, over_rounds, paired, publish
 from benchmarks.run import run_benchmark
 from benchmarks.spec import RunSpec
@@ -29,6 +32,8 @@ def tiered(*, configs: list[str], world_sizes: list[int], steps: int, warmup: in
            timeout: float, store_dir: str, json: str | None, md: str | None,
            command: str) -> int:  # fmt: skip
     """The `tiered` subcommand: every world size in turn, then one table."""
+    disk = read_cost_line(store_dir)  # before the runs, on a quiet machine
+    print(f"[bench] {disk}", flush=True)
     results = []
     for world_size in world_sizes:
         spec = RunSpec(configs=tuple(configs or TIERED_CONFIGS), variants=VARIANTS, steps=steps,
@@ -41,7 +46,7 @@ def tiered(*, configs: list[str], world_sizes: list[int], steps: int, warmup: in
     note = ("ms: median over rounds of each run's median step. CPU: process CPU ms per step of plain / "
             "Prefetch / I/O alone / compute alone, the busiest rank. Hit rate: Prefetch's.")  # fmt: skip
     publish({"meta": meta, "world_sizes": results}, meta, "Tables on disk: Prefetch against its bound",
-            *table(results), [note], json_path=json, md_path=md)  # fmt: skip
+            *table(results), [note, disk], json_path=json, md_path=md)  # fmt: skip
     return 0
 
 

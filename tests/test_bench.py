@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -211,6 +212,9 @@ def test_tables_on_disk_against_their_bound_at_one_rank(tmp_path: Path) -> None:
     distance = step["ours-prefetch"] / max(step["io-alone"], step["compute-alone"])
     report = md.read_text()
     assert "| 1 / tiered-tiny |" in report and f"{distance:.2f} [" in report, f"Prefetch / bound:\n{report}"
+    cost = re.search(r"a cold 4 KiB read at a random offset takes (\d+) us \((\d+) us of CPU\)", report)
+    assert cost, f"the report must give the disk's read cost:\n{report}"
+    assert not list((tmp_path / "stores").glob(".read-cost-*")), "the read-cost file was left behind"
 
 
 @pytest.mark.slow
