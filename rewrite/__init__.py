@@ -47,6 +47,7 @@ from rewrite.splits import (
     install_fused_splits,
     kjt_all_to_alls,
     one_by_one,
+    settle_splits,
     splits_shape,
 )
 from rewrite.trace import Tracer, trace_call_sites
@@ -94,6 +95,7 @@ __all__ = [
     "parse_path",
     "record_calls",
     "rewrite_model",
+    "settle_splits",
     "site_key",
     "splits_shape",
     "trace_call_sites",

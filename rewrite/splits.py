@@ -32,6 +32,7 @@ __all__ = [
     "install_fused_splits",
     "kjt_all_to_alls",
     "one_by_one",
+    "settle_splits",
     "splits_shape",
 ]
 
@@ -184,14 +185,23 @@ class StatusOnly:
     def __init__(self, pg: Any, rows: int, status: int | None, device: torch.device) -> None:
         tensors = [_row(pg.size(), 0, device) for _ in range(rows)]
         tensors += [] if status is None else [_row(pg.size(), status, device)]
-        self._rows = _Rows(SplitsAllToAllAwaitable(tensors, pg), rows)
+        self._splits_awaitable = _Rows(SplitsAllToAllAwaitable(tensors, pg), rows)
         self.carries = status is not None
 
     def statuses(self) -> list[int]:
-        return self._rows.statuses()
+        return self._splits_awaitable.statuses()
 
     def wait(self) -> list[Any]:
         raise RuntimeError("a rank that sent only its status has no batch to distribute")
+
+
+def settle_splits(fused: list[tuple[list[str], Any]]) -> None:
+    """Wait for the splits all-to-all of each awaitable of a batch the ranks refused
+    (`fuse_splits_requests`' or `StatusOnly`), starting no values all-to-all: none is left in
+    flight, on any group."""
+    for _, awaitable in fused:
+        if getattr(awaitable, "_splits_awaitable", None) is not None:
+            awaitable._splits_awaitable.wait()
 
 
 def _row(world: int, value: int, device: torch.device) -> torch.Tensor:

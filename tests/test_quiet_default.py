@@ -139,7 +139,7 @@ def test_a_job_under_torchrun_starts_no_process_and_writes_nothing_unasked(tmp_p
     others = [s for s in ranks if not _from_an_import_of_theirs(s)]
     assert not others, "a rank started processes:\n" + "\n\n".join(_describe(s) for s in others)
     seen = {" ".join(s["argv"]) for s in ranks}
-    forking = {pid for s in ranks for pid in [s["pid"]]}
+    forking = {s["pid"] for s in ranks}
     unseen = {
         pid: line
         for pid, line in grandchildren.items()

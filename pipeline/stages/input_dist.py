@@ -148,7 +148,8 @@ class InputDist:
 
     def interrupt(self) -> None:
         """The step ended abnormally (the pipeline reset): the tuner does not time across it."""
-        self.choose_schedule(training=False)
+        if self.tuner is not None:
+            self.tuner.interrupt()
 
     def attach(self, batch: Any) -> Rewrite:
         """Rewrite the model's sharded modules, once, with `batch` as the sample. The rewrite may

@@ -20,7 +20,7 @@ from typing import Any
 
 from pipeline.ranks import Ranks, Status
 from pipeline.stages.context import BatchContext
-from rewrite import StatusOnly, splits_shape
+from rewrite import StatusOnly, settle_splits, splits_shape
 
 __all__ = ["RidingStatus"]
 
@@ -85,7 +85,10 @@ class RidingStatus:
             return True
         ctx.status_rides = False
         carrier = next(r for _, r in ctx.splits_requests if getattr(r, "carries", False))
-        if self._ranks.conclude(self._ranks.lane, ctx, Counter(Status(s) for s in carrier.statuses())):
+        counts = Counter(Status(s) for s in carrier.statuses())
+        if counts[Status.HAVE] < sum(counts.values()):  # refused: wait for every group's splits first
+            settle_splits(ctx.splits_requests)
+        if self._ranks.conclude(self._ranks.lane, ctx, counts):
             return True
         ctx.splits_requests = []
         self.refused += 1
