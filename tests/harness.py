@@ -1,4 +1,4 @@
-"""Run test scenarios on N gloo (or NCCL) ranks in spawned processes, one scenario a test.
+"""Run test scenarios on N gloo (or NCCL) ranks in processes of their own, one scenario a test.
 
 `RankPool(world_size)` keeps one set of rank processes, joined in a process group over a free local
 port, and runs scenarios on them one at a time: `pool.run(fn, *args)` calls `fn(rank, world_size,
@@ -7,10 +7,10 @@ each rank on its own (a result file, or its traceback), so a scenario that raise
 rank fails exactly the test that ran it, naming the scenario; the pool then stops its ranks and the
 next scenario starts fresh ones, so every later scenario still runs, on ranks in a known state.
 
-Why a pool and not a process pair per scenario: starting a pair (spawn, import torch and torchrec,
-gloo rendezvous) costs 6-10 s on two cores, and the suite has ~250 multi-rank scenarios, which would
-add half an hour to `make test`. Scenarios that pass share the ranks; only a failure pays for a
-restart. Scenarios that end a rank on purpose (a process group destroyed after a failure, a rank
+Ranks are forked from one server process per pytest session that imported torch and torchrec once
+(`multiprocessing`'s forkserver): a pair of ranks starts in about a second, where a spawned pair
+imports them again (6-10 s on two cores). Scenarios that pass also share the ranks; a failure pays
+for a restart. Scenarios that end a rank on purpose (a process group destroyed after a failure, a rank
 killed) are run with `run_ranks` (a pool of its own, stopped afterwards); a rank whose process group
 is gone after a scenario also ends itself, so the pool restarts.
 
@@ -19,13 +19,16 @@ Timeouts: `pool.run(..., timeout=T)` waits at most `START_TIMEOUT` for the ranks
 is the pytest-timeout a test must have for the harness to fire first (pytest-timeout counts fixture
 setup, where a module's pool starts), so a hang fails as "scenario X hung", not as a pytest stack dump.
 
-`fn` must be importable by name (a module-level function), since ranks are spawned, not forked; its
-return value must be loadable by `torch.load(weights_only=False)`.
+`fn` must be importable by name (a module-level function): the server forks a rank before the
+test's module is imported there. Its return value must be loadable by `torch.load(weights_only=False)`.
+A rank takes the environment of the test that starts it, but what torch read from the environment on
+import is the server's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import multiprocessing as mp
 import os
 import pickle
@@ -82,6 +85,19 @@ def pytest_timeout(timeout: float, *, grace: float = _GRACE) -> int:
     return int(START_TIMEOUT + timeout + grace + 30)
 
 
+def _context() -> Any:
+    """Ranks are forked from one server process per session that has imported torch and torchrec
+    once: a rank starts in well under a second instead of the 6-10 s of a spawned interpreter that
+    imports them again. The server imports nothing that starts CUDA, threads of torch's or a process
+    group, so each fork starts clean; it ends with the session."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+_PRELOAD = ["torch", "torch.distributed", "torchrec", "tests.harness"]
+
+
 def _scenario_name(fn: Callable[..., Any], args: tuple) -> str:
     shown = ", ".join(repr(a) for a in args)
     return f"{fn.__name__}({shown})" if shown else fn.__name__
@@ -93,10 +109,24 @@ def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     os.replace(tmp, path)  # the parent never reads a half-written file
 
 
-def _serve(rank: int, world_size: int, port: int, out_dir: str, inbox: Any, backend: str) -> None:
+def _serve(
+    rank: int,
+    world_size: int,
+    port: int,
+    out_dir: str,
+    inbox: Any,
+    backend: str,
+    env: dict,
+    pg_timeout: float | None,
+) -> None:
     """A rank's loop: join the group, then run each request (seq, pickled (fn, args)) until None."""
     import torch
     import torch.distributed as dist
+
+    # A rank is forked from the session's fork server, which holds the environment of its own start:
+    # take the test's, as a spawned rank would.
+    os.environ.clear()
+    os.environ.update(env)
 
     # Ranks share two cores: one intra-op thread each keeps them from thrashing, and makes results
     # independent of how many threads a reduction happened to use.
@@ -106,8 +136,9 @@ def _serve(rank: int, world_size: int, port: int, out_dir: str, inbox: Any, back
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        timeout = {} if pg_timeout is None else {"timeout": datetime.timedelta(seconds=pg_timeout)}
         dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, **timeout
         )
         (out / f"start-{rank}.ok").write_text("")
         while (request := inbox.get()) is not None:
@@ -144,10 +175,20 @@ class RankPool:
         backend: "gloo", or "nccl" (rank r on GPU r).
         grace: seconds the other ranks get to finish after one rank failed, before they are killed
             (they are usually blocked in a collective with the failed rank).
+        pg_timeout: seconds before a collective of the default process group gives up (None:
+            torch's default, 30 minutes): a scenario that leaves a collective unmatched on purpose
+            then fails on gloo's timeout, not on the harness's.
     """
 
-    def __init__(self, world_size: int = 2, *, backend: str = "gloo", grace: float = _GRACE) -> None:
-        self.world_size, self.backend, self.grace = world_size, backend, grace
+    def __init__(
+        self,
+        world_size: int = 2,
+        *,
+        backend: str = "gloo",
+        grace: float = _GRACE,
+        pg_timeout: float | None = None,
+    ) -> None:
+        self.world_size, self.backend, self.grace, self.pg_timeout = world_size, backend, grace, pg_timeout
         self.starts = 0
         """How many times the ranks were started (a restart follows every failed scenario)."""
         self._procs: list[Any] = []
@@ -193,14 +234,23 @@ class RankPool:
         if self._procs and all(p.is_alive() for p in self._procs):
             return
         self.close()
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._dir = Path(tempfile.mkdtemp(prefix="ranks-"))
         self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
         port = free_port()
         self._procs = [
             ctx.Process(
                 target=_serve,
-                args=(rank, self.world_size, port, str(self._dir), self._inboxes[rank], self.backend),
+                args=(
+                    rank,
+                    self.world_size,
+                    port,
+                    str(self._dir),
+                    self._inboxes[rank],
+                    self.backend,
+                    dict(os.environ),
+                    self.pg_timeout,
+                ),
                 daemon=True,
             )
             for rank in range(self.world_size)
@@ -304,13 +354,14 @@ def run_ranks(
     args: tuple | list = (),
     grace: float = _GRACE,
     backend: str = "gloo",
+    pg_timeout: float | None = None,
 ) -> list[Any]:
     """Run one scenario `fn(rank, world_size, *args)` on fresh ranks, then stop them.
 
     For scenarios that end a rank or its process group on purpose; `RankPool.run` for the rest.
     Same arguments, return value and errors as `RankPool.run`.
     """
-    pool = RankPool(world_size, backend=backend, grace=grace)
+    pool = RankPool(world_size, backend=backend, grace=grace, pg_timeout=pg_timeout)
     try:
         return pool.run(fn, *args, timeout=timeout)
     finally:
