@@ -17,7 +17,7 @@ FBGEMM_cpu := fbgemm-gpu-cpu==$(word 2,$(STACK))
 FBGEMM_cuda := fbgemm-gpu==$(word 2,$(STACK))
 TORCHREC_PIN := torchrec==$(word 3,$(STACK))
 TORCHREC_NEEDS := tensordict torchmetrics==1.0.3 tqdm pyre-extensions numpy
-DEV_TOOLS := pytest pytest-timeout ruff matplotlib setuptools torchdata
+DEV_TOOLS := pytest pytest-timeout pytest-xdist ruff matplotlib setuptools torchdata
 STAMP := $(VENV)/.setup-$(VARIANT)-torchrec$(TORCHREC)
 PYTEST_ARGS ?=
 

@@ -98,6 +98,12 @@ def _context() -> Any:
 _PRELOAD = ["torch", "torch.distributed", "torchrec", "tests.harness"]
 
 
+def _host_store(world_size: int) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+
+
 def _scenario_name(fn: Callable[..., Any], args: tuple) -> str:
     shown = ", ".join(repr(a) for a in args)
     return f"{fn.__name__}({shown})" if shown else fn.__name__
@@ -137,9 +143,8 @@ def _serve(
         if backend == "nccl":
             torch.cuda.set_device(rank)
         timeout = {} if pg_timeout is None else {"timeout": datetime.timedelta(seconds=pg_timeout)}
-        dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, **timeout
-        )
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **timeout)
         (out / f"start-{rank}.ok").write_text("")
         while (request := inbox.get()) is not None:
             seq, payload = request
@@ -194,6 +199,7 @@ class RankPool:
         self._procs: list[Any] = []
         self._inboxes: list[Any] = []
         self._dir: Path | None = None
+        self._store: Any = None
         self._seq = 0
 
     def run(
@@ -237,7 +243,8 @@ class RankPool:
         ctx = _context()
         self._dir = Path(tempfile.mkdtemp(prefix="ranks-"))
         self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
-        port = free_port()
+        self._store = _host_store(self.world_size)  # here, as torchrun's agent hosts it: a rank that
+        port = self._store.port  # ends (rank 0 too) leaves it to the peers that read a failure from it
         self._procs = [
             ctx.Process(
                 target=_serve,
@@ -343,7 +350,7 @@ class RankPool:
             inbox.cancel_join_thread()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
-        self._procs, self._inboxes, self._dir = [], [], None
+        self._procs, self._inboxes, self._dir, self._store = [], [], None, None
 
 
 def run_ranks(
