@@ -79,7 +79,6 @@ from pipeline.stages.overlap import OverlapTrial
 from pipeline.stages.streams import CudaStreams, Streams
 from pipeline.stages.thread_streams import ThreadStreams
 from pipeline.stages.tuner import Tuner
-from pipeline.testing import HandoffError, RecordingStreams
 from rewrite import NotPreparedError, RewriteError
 from rewrite.torchrec_args import ArgInfo, ArgInfoStepFactory, CallArgs
 from rewrite.trace import Tracer
@@ -100,7 +99,6 @@ __all__ = [
     "GradTensorFinder",
     "GradientAccumulationConfig",
     "GradientAccumulationWrapper",
-    "HandoffError",
     "In",
     "InjectionSite",
     "InjectionTargetType",
@@ -118,7 +116,6 @@ __all__ = [
     "PrefetchOptions",
     "PrefetchTrainPipelineSparseDist",
     "RankOptions",
-    "RecordingStreams",
     "RewriteError",
     "RewriteOptions",
     "SparseDataDistUtil",

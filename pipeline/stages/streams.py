@@ -16,7 +16,7 @@ The hand-off contract, for every implementation:
 - `returned(obj)`: `obj` leaves the pipeline for the caller (a step's output, which may hold the
   batch's labels): the caller's later use of it is beyond any point the pipeline can order.
 
-Implementations: `Streams` (CPU, no streams: no-ops), `CudaStreams`, `pipeline.testing.RecordingStreams`
+Implementations: `Streams` (CPU, no streams: no-ops), `CudaStreams`, `streamcheck.RecordingStreams`
 (fake streams that log every hand-off and every use of a handed-off tensor: CI's checker) and
 `thread_streams.ThreadStreams` (CPU, the prefetch stream a worker thread). The middle two share
 `OrderedStreams`, where the hand-off is written once. Nobody asks which one it has.
@@ -158,7 +158,7 @@ class Streams:
 
 class OrderedStreams(Streams):
     """The hand-off of real or fake streams: a wait, then the object held (`KeepAlive`) or, under
-    `handoff="record-stream"`, recorded. `CudaStreams` and `pipeline.testing.RecordingStreams`
+    `handoff="record-stream"`, recorded. `CudaStreams` and `streamcheck.RecordingStreams`
     supply the streams, the events and `record`.
 
     Args:
