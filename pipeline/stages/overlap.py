@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torchrec.distributed.comm import get_local_size
 
 from pipeline.stages.schedule import decide
 
@@ -66,7 +67,8 @@ class OverlapTrial:
         clock, cpu_clock: wall and process CPU seconds (tests inject fake ones).
         agree: sums a list of floats over the ranks (tests inject one without a process group).
         cores, local_ranks: the cores this process may run on and the ranks on this host, for the
-            reason's words (default: the affinity mask and `LOCAL_WORLD_SIZE` or the world size).
+            reason's words (default: the affinity mask, and torchrec's `get_local_size`: the launcher's
+            local world size, else the world size).
     """
 
     def __init__(
@@ -176,7 +178,9 @@ class OverlapTrial:
 
     def _busy(self, cpu_ms: float, step_ms: float, ranks: int) -> float:
         cores = self._cores or len(os.sched_getaffinity(0))
-        local = self._local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
+        if self._local_ranks is None:  # asked once: torchrec warns where the launcher did not say
+            self._local_ranks = get_local_size(ranks) if ranks > 1 else 1
+        local = self._local_ranks
         return cpu_ms * local / (step_ms * cores) if step_ms > 0 and math.isfinite(step_ms) else math.nan
 
     def _words(self, ahead: bool, step: dict, cpu: dict, busy: float, ranks: int) -> str:

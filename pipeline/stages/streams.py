@@ -32,7 +32,6 @@ stream that waits for it (`torchrec.distributed.comm_ops.Request`), and a UVM-ca
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from contextlib import nullcontext
@@ -234,8 +233,7 @@ class CudaStreams(OrderedStreams):
         prefetch: make a prefetch stream.
         data_dist: make a data_dist stream; without, input_dist runs on the caller's stream (no
             memory pool of another stream).
-        handoff: one of `HANDOFFS`; None: the environment variable `PIPELINE_HANDOFF`, else
-            "keep-alive" (the variable is there to compare the two in-flight memories).
+        handoff: one of `HANDOFFS` ("record-stream" is there to compare the two in-flight memories).
     """
 
     def __init__(
@@ -244,9 +242,8 @@ class CudaStreams(OrderedStreams):
         *,
         prefetch: bool = True,
         data_dist: bool = True,
-        handoff: str | None = None,
+        handoff: str = "keep-alive",
     ) -> None:
-        handoff = handoff or os.environ.get("PIPELINE_HANDOFF", "keep-alive")
         super().__init__(torch.cuda.Event, handoff=handoff)
         high = torch.cuda.Stream.priority_range()[1]  # lowest number is the highest priority
         self.device = device
