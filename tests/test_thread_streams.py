@@ -10,8 +10,8 @@ import weakref
 import pytest
 import torch
 
-from pipeline.stages.streams import Streams, streams_for
-from pipeline.stages.thread_streams import ThreadStreams
+from pipeline.stages.streams import Streams
+from pipeline.stages.thread_streams import ThreadStreams, streams_for
 from streamcheck import RecordingStreams
 
 

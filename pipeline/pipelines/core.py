@@ -27,7 +27,8 @@ from pipeline.pipelines.batch_stages import BatchStages
 from pipeline.ranks import AgreedError, Lane, LaneState, Ranks
 from pipeline.stages.context import BatchContext
 from pipeline.stages.loader_state import resume_state
-from pipeline.stages.streams import Streams, streams_for
+from pipeline.stages.streams import Streams
+from pipeline.stages.thread_streams import streams_for
 
 __all__ = ["PipelineCore"]
 

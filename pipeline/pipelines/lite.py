@@ -21,7 +21,8 @@ from pipeline.config import InputDistOptions, RankOptions, RewriteOptions
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
 from pipeline.stages.context import BatchContext, TrainPipelineContext
-from pipeline.stages.streams import Streams, streams_for
+from pipeline.stages.streams import Streams
+from pipeline.stages.thread_streams import streams_for
 
 __all__ = ["TrainPipelineSparseDistLite"]
 

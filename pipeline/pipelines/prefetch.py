@@ -18,7 +18,8 @@ from pipeline.ranks import Lane
 from pipeline.stages.context import PrefetchBatchContext
 from pipeline.stages.overlap import OverlapTrial
 from pipeline.stages.prefetch import PrefetchStage, prefetch_does_work
-from pipeline.stages.streams import Streams, streams_for
+from pipeline.stages.streams import Streams
+from pipeline.stages.thread_streams import streams_for
 from pipeline.stages.tuner import Tuner
 from rewrite import outermost_sharded, unwrap_model
 

@@ -19,7 +19,8 @@ from pipeline.ranks import Lane
 from pipeline.stages.context import BatchContext, PrefetchBatchContext, TrainPipelineContext
 from pipeline.stages.embedding_stash import EmbeddingStash
 from pipeline.stages.prefetch import PrefetchStage
-from pipeline.stages.streams import Streams, streams_for
+from pipeline.stages.streams import Streams
+from pipeline.stages.thread_streams import streams_for
 from pipeline.stages.tuner import Tuner
 
 __all__ = ["TrainPipelinePrefetchEMS"]

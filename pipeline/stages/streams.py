@@ -46,7 +46,6 @@ __all__ = [
     "CudaStreams",
     "OrderedStreams",
     "Streams",
-    "streams_for",
 ]
 
 HANDOFFS = ("keep-alive", "record-stream")
@@ -280,15 +279,3 @@ def _record_stream(obj: Any, stream: Any) -> None:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             _record_stream(getattr(obj, f.name), stream)
-
-
-def streams_for(device: torch.device, *, prefetch_thread: bool = False, data_dist: bool = True) -> Streams:
-    """Real streams on CUDA (without a data_dist stream unless `data_dist`); on CPU none, or a
-    prefetch worker thread if `prefetch_thread`."""
-    if device.type == "cuda":
-        return CudaStreams(device, data_dist=data_dist)
-    if prefetch_thread:
-        from pipeline.stages.thread_streams import ThreadStreams  # it builds on this module
-
-        return ThreadStreams()
-    return Streams()
