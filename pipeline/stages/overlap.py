@@ -1,19 +1,12 @@
 """Whether running the prefetch stage ahead on its worker thread pays on this machine: `OverlapTrial`
 measures it on real training steps and decides, the same way on every rank.
 
-On CPU, overlap only pays where the cores have room for it. A prefetch that mostly waits (on a disk
-that does its own work, on a network) hides behind compute; a prefetch whose reads are themselves
-CPU time (a virtual disk whose I/O the guest's cores do, page-cache work, write-back) competes with
-compute for the same cores, and running it beside compute can cost more CPU than it hides: on a
-2-core VM, at 2 ranks, the `tiered` benchmark's pipelines took 1.2-1.8x the plain loop's step
-(docs/tiered.md, "Why the pipelines cost more CPU at 2 ranks"). That depends on the machine, the
-tables and the load, not on anything the pipeline can read beforehand, so it is measured: rounds in
-which the stage runs a block of steps ahead and a block inline (just before forward, on the calling
-thread: the plain loop's order), the order rotated between rounds; the ranks sum their block
-medians (an all_reduce), so all of them decide alike at the same step; the stage stays inline
-unless running ahead is significantly faster (`pipeline.stages.schedule.decide`: by more than
-`margin` in the median over rounds and in every round). Later re-checks repeat it (the first trial
-may run while caches are still filling).
+On CPU a prefetch whose reads are themselves CPU time competes with compute for the cores and can
+cost more than it hides; that depends on the machine, the tables and the load, not on anything the
+pipeline can read beforehand, so it is measured (docs/tiered.md, "Ahead or inline: the overlap
+trial"). The ranks sum their block medians (an all_reduce), so all of them decide alike at the same
+step; the stage stays inline unless running ahead is significantly faster
+(`pipeline.stages.schedule.decide`). Re-checks repeat it (the first trial may run while caches fill).
 """
 
 from __future__ import annotations

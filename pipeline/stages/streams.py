@@ -1,32 +1,20 @@
-"""Streams and cross-stream hand-offs, in one place.
+"""Streams and cross-stream hand-offs, in one place (docs/pipeline.md, "Streams and hand-offs").
 
-A pipeline runs each stage on a stream: the host-to-device copy on `memcpy`, the input all-to-all on
-`data_dist`, the prefetch on `prefetch`, and forward/backward/optimizer on whatever stream the caller
-is running on (read at each use, never a stream of our own: a user's code around `progress()` runs on
-that stream, and work we queued elsewhere would not be ordered with it). Every object made on one
-stream and used on another goes through `Streams.handoff`, which orders the consumer after the
-producer and keeps the object alive for the consumer.
+A pipeline runs each stage on a stream: the copy on `memcpy`, the input all-to-all on `data_dist`,
+the prefetch on `prefetch`, and forward/backward/optimizer on whatever stream the caller runs on
+(read at each use, never a stream of our own: work queued elsewhere would not be ordered with the
+user's code around `progress()`). Every object made on one stream and used on another goes through
+`Streams.handoff`; `release` and `returned` end what it holds (the contract: their docstrings).
 
-The hand-off contract, for every implementation:
-- `handoff(obj, producer, owner)`: the current stream waits for `producer`; `obj` is held for the
-  current stream on behalf of `owner` (a batch's context);
-- `release(owner)`: every stream that took one of `owner`'s objects has queued its last use (for the
-  caller's stream: after backward, since autograd's saved tensors are read there); each such stream
-  records an event now, and the objects are dropped once it has completed (`KeepAlive`);
-- `returned(obj)`: `obj` leaves the pipeline for the caller (a step's output, which may hold the
-  batch's labels): the caller's later use of it is beyond any point the pipeline can order.
+Implementations: `Streams` (CPU: no-ops), `CudaStreams`, `thread_streams.ThreadStreams` (CPU, the
+prefetch stream a worker thread) and the test double `streamcheck.RecordingStreams`. `CudaStreams`
+and the double share `OrderedStreams`, where the hand-off is written once. Nobody asks which it has.
 
-Implementations: `Streams` (CPU, no streams: no-ops), `CudaStreams`, `streamcheck.RecordingStreams`
-(fake streams that log every hand-off and every use of a handed-off tensor: CI's checker) and
-`thread_streams.ThreadStreams` (CPU, the prefetch stream a worker thread). The middle two share
-`OrderedStreams`, where the hand-off is written once. Nobody asks which one it has.
-
-Where `record_stream` remains (`Streams.record`): with `handoff="record-stream"` (the previous
-hand-off, kept to measure the difference), for what `returned` gives the caller, and for a storage
-freed while a side stream still copies it (`free_after`: a stash). torchrec and
-fbgemm also record streams inside their own APIs: a collective's awaitable records its result on the
-stream that waits for it (`torchrec.distributed.comm_ops.Request`), and a UVM-caching table's
-`prefetch(..., forward_stream)` records its cache locations on the forward stream.
+`record_stream` remains (`Streams.record`) under `handoff="record-stream"`, for what `returned`
+gives the caller, for a storage freed while a side stream still copies it (`free_after`), and inside
+torchrec's and fbgemm's APIs: a collective's awaitable records its result on the stream that waits
+for it (`torchrec.distributed.comm_ops.Request`), a UVM-caching table's `prefetch(...,
+forward_stream)` its cache locations on the forward stream.
 """
 
 from __future__ import annotations
@@ -142,7 +130,8 @@ class Streams:
 
     def release(self, owner: Hashable) -> None:
         """Every stream that took one of `owner`'s objects has queued its last use (the end of a
-        batch, or its drop): each records an event now; the objects go once it has completed."""
+        batch: after its backward, where autograd reads what forward saved; or its drop): each
+        records an event now; the objects go once it has completed (`KeepAlive`)."""
 
     def returned(self, obj: Any) -> None:
         """`obj` leaves the pipeline for the caller, who reads it on the current stream after any
