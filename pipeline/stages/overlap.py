@@ -18,13 +18,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from torchrec.distributed.comm import get_local_size
 
 from pipeline.stages.schedule import decide
+from pipeline.stages.tuner_phase import all_reduce_sum
 
-__all__ = ["OverlapTrial", "TrialResult", "sum_over_ranks"]
+__all__ = ["OverlapTrial", "TrialResult"]
 
 _AHEAD, _INLINE = "ahead", "inline"
 _BUSY = 0.85
@@ -83,7 +83,7 @@ class OverlapTrial:
             raise ValueError(f"bad overlap trial: block {block}, settle {settle}, rounds {rounds}")
         self._block, self._settle, self._rounds, self._margin = block, settle, rounds, margin
         self._clock, self._cpu_clock = clock, cpu_clock
-        self._agree = agree or sum_over_ranks
+        self._agree = agree or all_reduce_sum
         self._cores, self._local_ranks = cores, local_ranks
         self._steps = 0
         self._start = warmup
@@ -189,13 +189,3 @@ class OverlapTrial:
         if busy >= _BUSY:
             return f"prefetch runs inline: the reads' CPU fills the cores ({measured})"
         return f"prefetch runs inline: running it ahead is not faster ({measured})"
-
-
-def sum_over_ranks(values: list[float]) -> list[float]:
-    """`values` summed element-wise over every rank (an all_reduce; as they are without one)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return values
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return tensor.tolist()
