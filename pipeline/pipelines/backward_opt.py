@@ -49,19 +49,12 @@ class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist):
     the output all-to-all is no collective and has no backward of its own). The rewrite report
     notes each placement other than the site the first time it happens.
 
-    Args (torchrec's, in its order):
-        model, optimizer, device: as in `TrainPipelineSparseDist`.
+    Args (torchrec's, in its order; the rest, and our keyword-only ones, as in `TrainPipelineSparseDist`):
         site_fqn: the sharded module whose output all-to-all's backward is the injection site,
             as the user's model names it (inside DistributedModelParallel).
         sharding_type: which of its output all-to-alls (one per sharding type).
-        execute_all_batches, apply_jit, context_type, pipeline_postproc, custom_model_fwd,
-            dmp_collection_sync_interval_batches (the replicas sync after backward, after the
-            step, as torchrec's), enqueue_batch_after_forward, enable_inplace_copy_batch,
-            free_features_storage_early, clear_data_dist_inputs: as in `TrainPipelineSparseDist`.
-
-    Keyword-only, ours: strict, rewrite_method, arg_paths (`rewrite`), input_dist_schedule, tuner
-    (`input_dist`), streams, on_uneven, check_keys, check_kjts, agreement, abort_on_error,
-    failure_grace, peer_timeout (`ranks`): as in `TrainPipelineSparseDist`.
+        dmp_collection_sync_interval_batches: the replicas sync after backward, after the step,
+            as torchrec's.
 
     Raises:
         ValueError: `site_fqn` is not a module of the model.

@@ -33,13 +33,8 @@ class TrainPipelineSparseDistT(TrainPipelineSparseDist):
 
     Numerics: the plain loop's, bit for bit (the copy's dispatch moves, not what it copies).
 
-    Args (torchrec's, in its order): model, optimizer, device, execute_all_batches, apply_jit,
-    context_type, pipeline_postproc, custom_model_fwd, dmp_collection_sync_interval_batches,
-    enable_inplace_copy_batch (the worker allocates on its own current stream, as torchrec's),
-    free_features_storage_early, clear_data_dist_inputs: as in `TrainPipelineSparseDist`.
-
-    Keyword-only, ours: as `TrainPipelineSparseDist` (strict, rewrite, input_dist, streams, ranks
-    and their fields).
+    Args (torchrec's, in its order, then ours, keyword-only): as in `TrainPipelineSparseDist`
+    (`enable_inplace_copy_batch`: the worker allocates on its own current stream, as torchrec's).
     """
 
     def __init__(

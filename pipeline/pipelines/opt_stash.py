@@ -42,21 +42,11 @@ class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist):
     to the host copy instead). On a GPU the copies run on the memcpy stream (host memory pinned); on
     CPU the host copy is in the same memory, so nothing is saved there.
 
-    Args (torchrec's, in its order):
-        model, optimizer, device: as in `TrainPipelineSparseDist`.
+    Args (torchrec's, in its order; the rest, and our keyword-only ones, as in `TrainPipelineSparseDist`):
         site_fqn: the sharded module whose output all-to-all's backward starts the restore, as
             the user's model names it.
         sharding_type: which of its output all-to-alls (one per sharding type).
-        execute_all_batches, apply_jit, context_type, pipeline_postproc, custom_model_fwd,
-            dmp_collection_sync_interval_batches, enqueue_batch_after_forward,
-            enable_inplace_copy_batch, free_features_storage_early, clear_data_dist_inputs: as in
-            `TrainPipelineSparseDist`.
-
-    Keyword-only, ours:
-        stash_min_bytes: state tensors smaller than this stay (torchrec's threshold, 1 MiB).
-        strict, rewrite_method, arg_paths (`rewrite`), input_dist_schedule, tuner (`input_dist`),
-        streams, on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
-        peer_timeout (`ranks`): as in `TrainPipelineSparseDist`.
+        stash_min_bytes (ours): state tensors smaller than this stay (torchrec's threshold, 1 MiB).
 
     The state of a fused embedding optimizer (ShardedTensors, which its kernel updates inside
     backward) is not stashed.

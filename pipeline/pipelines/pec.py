@@ -47,12 +47,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist):
     fused embedding optimizers; where a sharded module has parameters in the dense optimizer the
     lookup waits for the optimizer step.
 
-    Args (torchrec's, in its order):
-        model, optimizer, device, execute_all_batches, custom_model_fwd: as in
-            `TrainPipelineSparseDist`.
-        apply_jit: not supported; must be False.
-
-    Keyword-only, ours: as in `TrainPipelineSparseDist`.
+    Args (torchrec's, in its order, then ours, keyword-only): as in `TrainPipelineSparseDist`.
     """
 
     def __init__(
