@@ -1,12 +1,9 @@
 """TrainPipelineSparseDistBwdOpt: SparseDist whose optimizer step runs inside backward, from an
-injection site at a sharded module's output all-to-all (`pipeline.stages.backward_step`), so that
-on a GPU the step overlaps the rest of backward (the embeddings' gradient all-to-all).
-
-torchrec's class (experimental) steps at the site whatever the gradients are there: where a dense
-gradient is not final yet (DDP all-reduces them at the end of backward; a branch of the model, such
-as DLRM's dense arch, is differentiated after the site) its numbers differ from the plain loop's.
-Ours promises the plain loop's numbers, bit for bit: the step runs at the site, or, after it, as
-soon as every gradient it applies is final (`step_placement` says where it ran).
+injection site at a sharded module's output all-to-all (`pipeline.stages.backward_step`), so that on
+a GPU the step overlaps the rest of backward. torchrec's class (experimental) steps at the site
+whatever the gradients are there, so where one is not final yet (DDP all-reduces at the end of
+backward; a branch such as DLRM's dense arch is differentiated after the site) its numbers differ
+from the plain loop's; ours steps at the site or as soon as after it every gradient is final.
 """
 
 from __future__ import annotations

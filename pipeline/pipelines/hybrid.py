@@ -1,13 +1,9 @@
-"""TrainEvalHybridPipelineBase: one pipeline for training and evaluation batches, each batch trained
-or evaluated by the model's mode at the `progress()` call that returns it (stages and streams:
-`pipeline.stages`, the SparseDist column).
-
-Why no output can be mislabelled: batches are kept per dataloader iterator (a `Lane`), so
-`progress(eval_it)` returns only batches of `eval_it`, evaluated, while the training batches in
-flight wait, their input_dist started, for the next `progress(train_it)`. torchrec's class keeps one
-queue for both: the first outputs of an eval pass are training batches run in eval mode (never
-trained), and the first after it an eval batch run in training mode. `last_output_mode` says how
-the batch of the last output ran.
+"""TrainEvalHybridPipelineBase: one pipeline for training and evaluation batches, each trained or
+evaluated by the model's mode at the `progress()` call that returns it. Batches are kept per
+dataloader iterator (a `Lane`), so `progress(eval_it)` returns only batches of `eval_it` while the
+training batches in flight wait, their input_dist started. torchrec's class keeps one queue for
+both: the first outputs of an eval pass are training batches run in eval mode (never trained), and
+the first after it an eval batch run in training mode.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """TrainPipelineSparseDistOptStash: SparseDist whose optimizer state leaves device memory between
-steps (`pipeline.stages.stash`): it is copied to host memory and freed after each optimizer step,
-and given back from an injection site in backward (the backward of a sharded module's output
-all-to-all), so that on a GPU the copy back overlaps the rest of backward and the memory serves
-forward and backward in between.
-
-Per step of batch i: input_dist of i+1 and the copy of i+2 as SparseDist; forward of i (the state
-is in host memory); backward of i, which at the site starts the restore; the optimizer step (after
-the restore is complete; if the site was not reached, the restore runs there: always on one rank,
-whose output all-to-all is no collective); the stash.
+steps (`pipeline.stages.stash`): copied to host memory and freed after each optimizer step, given
+back from an injection site in backward (a sharded module's output all-to-all), so that on a GPU
+the copy back overlaps the rest of backward. Per step of batch i: as SparseDist's, with the restore
+started at the site, the optimizer step after it (if the site was not reached, the restore runs
+there: always on one rank, whose output all-to-all is no collective), then the stash.
 """
 
 from __future__ import annotations
