@@ -1,12 +1,9 @@
 """EvalPipelineFusedSparseDist: forward only, with the embedding lookup run ahead of forward as in
-`TrainPipelineFusedSparseDist` (`pipeline.stages.lookup.LookupStage`; stages and streams:
-`pipeline.stages`, the Fused column without backward and optimizer).
-
-By default the lookup of batch i runs at the start of step i (or after the input_dist start of i+1,
-`embedding_lookup_after_data_dist`); with `enable_embedding_lookup_prefetch` it runs one batch ahead,
-right after forward of i for batch i+1, so on a GPU the lookup of i+1 (on its stream) overlaps
-forward of i, at the price of two batches' embedding outputs alive at once. Nothing is trained, so
-every order gives the same numbers.
+`TrainPipelineFusedSparseDist` (the Fused column of `pipeline.stages`, without backward and
+optimizer): at the start of step i (or after the input_dist start of i+1,
+`embedding_lookup_after_data_dist`), or with `enable_embedding_lookup_prefetch` one batch ahead,
+right after forward of i for batch i+1 (on a GPU it then overlaps forward of i, at the price of two
+batches' embedding outputs alive at once). Nothing is trained: every order gives the same numbers.
 """
 
 from __future__ import annotations
