@@ -1,25 +1,9 @@
 """Pipelined training for sharded TorchRec models, a drop-in for torchrec's train_pipeline package.
 
-The classes (one family a module of `pipeline.pipelines`): `TrainPipelineBase` overlaps the
-host-to-device copy, `TrainPipelineSparseDist` adds input_dist (all-to-all) ahead of forward,
-`PrefetchTrainPipelineSparseDist` adds a prefetch stage so forward never waits on communication,
-`TrainPipelineFusedSparseDist` runs the embedding lookup ahead of forward, `TrainPipelineSemiSync`
-the next batch's lookup before this batch's backward (embeddings one step stale),
-`EvalPipelineSparseDist` is forward only, `StagedTrainPipeline` runs the caller's own stages
-(`SparseDataDistUtil` makes the input_dist one), `TrainPipelinePT2` compiles the model and
-`TrainPipelineSparseDistCompAutograd` compiles the backward. Beside them, torchrec's classes outside
-its package's exports: `TrainPipelineSparseDistLite` (one batch in flight),
-`TrainPipelineSparseDistT` (the copy dispatched from a thread), `TrainEvalHybridPipelineBase`
-(training and evaluation batches in one pipeline), `EvalPipelineFusedSparseDist` (forward only, the
-lookup ahead), `EvalPipelineCPUSparse` (host embeddings, device forward), `TrainPipelinePEC` (every
-module looked up at the top of the step) and `TrainPipelineSparseDistBwdOpt` (the dense step inside
-backward). Stages and streams: `pipeline.stages`.
-
-Every class is a torchrec `TrainPipeline` and takes torchrec's parameters in torchrec's order, then
-ours, keyword-only; our options are also `pipeline.config` objects (`RankOptions`,
-`RewriteOptions`, `InputDistOptions`, `PrefetchOptions`). torchrec's other public names of its
-train_pipeline package are here too (`ArgInfo`, `CallArgs`, `ArgInfoStepFactory`, `Tracer`,
-`DataLoadingThread`, `TrainPipelineContext`, `In`, `Out`, `StageOut`, gradient accumulation).
+Every class (one family a module of `pipeline.pipelines`; README.md's table says which to use) is a
+torchrec `TrainPipeline` and takes torchrec's parameters in torchrec's order, then ours,
+keyword-only; our options are also `pipeline.config` objects. torchrec's other public names of its
+train_pipeline package are here too. Stages and streams: `pipeline.stages`.
 """
 
 from pipeline.compat.backward_injection import (
@@ -79,7 +63,6 @@ from pipeline.stages.overlap import OverlapTrial
 from pipeline.stages.streams import CudaStreams, Streams
 from pipeline.stages.thread_streams import ThreadStreams
 from pipeline.stages.tuner import Tuner
-from pipeline.testing import HandoffError, RecordingStreams
 from rewrite import NotPreparedError, RewriteError
 from rewrite.torchrec_args import ArgInfo, ArgInfoStepFactory, CallArgs
 from rewrite.trace import Tracer
@@ -100,7 +83,6 @@ __all__ = [
     "GradTensorFinder",
     "GradientAccumulationConfig",
     "GradientAccumulationWrapper",
-    "HandoffError",
     "In",
     "InjectionSite",
     "InjectionTargetType",
@@ -118,7 +100,6 @@ __all__ = [
     "PrefetchOptions",
     "PrefetchTrainPipelineSparseDist",
     "RankOptions",
-    "RecordingStreams",
     "RewriteError",
     "RewriteOptions",
     "SparseDataDistUtil",

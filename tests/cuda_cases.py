@@ -156,6 +156,7 @@ def _reference(name: str, model, opt, data: list) -> list:
 def _train(name: str, model, opt, device, data: list, handoff: str) -> tuple[list, Any, Any]:
     """The pipeline's outputs, its streams and its rewrite report (None where it has none)."""
     import pipeline
+    import streamcheck
 
     if name.startswith("torchrec."):
         from torchrec.distributed import train_pipeline
@@ -165,7 +166,7 @@ def _train(name: str, model, opt, device, data: list, handoff: str) -> tuple[lis
     if device.type == "cuda":
         streams = pipeline.CudaStreams(device, handoff=handoff)
     else:
-        streams = pipeline.RecordingStreams(handoff=handoff)
+        streams = streamcheck.RecordingStreams(handoff=handoff)
     if name.startswith("StagedTrainPipeline"):
         outputs, report = _staged(model, opt, device, data, streams, name.partition("+")[2])
         return outputs, streams, report

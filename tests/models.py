@@ -390,9 +390,9 @@ def recorded_run(
     """
     import contextlib
 
-    import pipeline
+    import streamcheck
 
-    streams = pipeline.RecordingStreams(lag=lag, broken="no-wait" if broken is True else (broken or None))
+    streams = streamcheck.RecordingStreams(lag=lag, broken="no-wait" if broken is True else (broken or None))
     pipe, it = make_pipe(streams), iter(batches)
     outputs = []
     while True:
@@ -411,16 +411,16 @@ def summarize(streams, outputs: int) -> dict:
     checker's error or None, the streams each stage ran on, how many times each stage ran, uses of
     handed-off tensors verified, holds, the objects kept after each release, the most kept at
     once, the drained check's error or None."""
-    import pipeline
+    import streamcheck
 
     try:
         checked, error = streams.check(), None
-    except pipeline.HandoffError as e:
+    except streamcheck.HandoffError as e:
         checked, error = 0, str(e)
     try:
         streams.check_drained()
         drained = None
-    except pipeline.HandoffError as e:
+    except streamcheck.HandoffError as e:
         drained = str(e)
     stages = {k: sorted(v) for k, v in streams.stage_streams().items()}
     runs: dict[str, int] = {}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("pipeline", "rewrite", "tiered", "timeline", "benchmarks", "examples")
+PACKAGES = ("pipeline", "rewrite", "tiered", "timeline", "streamcheck", "benchmarks", "examples")
 EXTENSIONS = ("py", "md", "sh", "toml", "json", "png", "svg", "tsv", "txt", "yml", "yaml", "cfg")
 
 

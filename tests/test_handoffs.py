@@ -158,9 +158,10 @@ def _staged(model, opt, data, broken: str | None, extra: str) -> dict:
     import torch
 
     import pipeline
+    import streamcheck
     from tests import models
 
-    streams = pipeline.RecordingStreams(lag=LAG, broken=broken)
+    streams = streamcheck.RecordingStreams(lag=LAG, broken=broken)
     extra_stream = {"prefetch": "prefetch_stream", "lookup": "embedding_lookup_stream"}
     options = {extra_stream[extra]: streams.prefetch} if extra else {}
     sdd = pipeline.SparseDataDistUtil(model, streams.data_dist, streams=streams, **options)

@@ -10,9 +10,9 @@ import weakref
 import pytest
 import torch
 
-from pipeline.stages.streams import Streams, streams_for
-from pipeline.stages.thread_streams import ThreadStreams
-from pipeline.testing import RecordingStreams
+from pipeline.stages.streams import Streams
+from pipeline.stages.thread_streams import ThreadStreams, streams_for
+from streamcheck import RecordingStreams
 
 
 def test_work_runs_in_order_on_another_thread_and_handoff_waits():

@@ -28,9 +28,8 @@ STAGES = (
     "backward",
     "optimizer",
 )
-"""The stage names the pipeline labels, in data-path order. The pipeline's own list is
-`pipeline.stages.names.STAGES`; this copy keeps the tool free of torch and torchrec (a test checks
-that the two agree)."""
+"""The stage names the pipeline labels, in data-path order. Kept here, so that the tool needs neither
+torch nor torchrec; a test checks it against the stages the pipeline's source labels."""
 
 __all__ = [
     "STAGES",

@@ -1,13 +1,11 @@
 """torchrec's backward-injection API, ours: run work at a chosen point of backward.
 
 An `InjectionSite` names a module (its FQN in the user's model) and how to find the point:
-`InjectionTargetType.PARAM_GRAD` hooks one trainable parameter of the module (the work runs once
-that parameter's gradient is accumulated); `InjectionTargetType.ACTIVATION` hooks, at every
-forward, a tensor that the site's `GradTensorFinder` picks from the module's inputs or output (the
-work runs when that tensor's gradient is computed). `OutputDistTensorFinder` picks the tensor
-whose gradient arrives when the backward of a sharded module's output all-to-all runs, which is
-where torchrec's experimental pipelines run the optimizer step or a restore. The names, fields,
-defaults and errors are torchrec's (`torchrec.distributed.train_pipeline.backward_injection`);
+`InjectionTargetType.PARAM_GRAD` hooks one trainable parameter of the module (the work runs once its
+gradient is accumulated); `InjectionTargetType.ACTIVATION` hooks, at every forward, a tensor that the
+site's `GradTensorFinder` picks from the module's inputs or output. `OutputDistTensorFinder` picks
+the one whose gradient arrives when the backward of a sharded module's output all-to-all runs. Names,
+fields, defaults and errors are torchrec's (`torchrec.distributed.train_pipeline.backward_injection`);
 torchrec's own `InjectionSite` and finders are accepted wherever ours are.
 """
 

@@ -1,13 +1,7 @@
-"""torchrec's subclass points shared by every pipeline class: the protected methods, with
-torchrec's names and signatures, that a user's subclass overrides and every class's step calls.
-
-`_next_batch(dataloader_iter)` is called for every batch fetched (through the ranks' protocol),
-`_backward(losses)` inside the backward stage and `_optimizer_step()` inside the optimizer stage,
-so an override changes what every step does, as it does in torchrec. The fourth,
-`_wait_for_batch`, has torchrec's two signatures: `_wait_for_batch(cur_batch)` on
-`TrainPipelineBase` and `_wait_for_batch()` on the classes that run input_dist ahead (it waits for
-the batch at the head, `self.batches[0]`); each class defines its own. docs/pipeline.md,
-"Subclassing", lists them with what an override must do.
+"""torchrec's subclass points shared by every pipeline class: the protected methods, with torchrec's
+names and signatures, that a user's subclass overrides and every class's step calls (`_next_batch`
+for every batch fetched, `_backward`, `_optimizer_step`; `_wait_for_batch`, with torchrec's two
+signatures, each class defines). docs/pipeline.md, "Subclassing", says what an override must do.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """TrainPipelineSparseDistBwdOpt: SparseDist whose optimizer step runs inside backward, from an
-injection site at a sharded module's output all-to-all (`pipeline.stages.backward_step`), so that
-on a GPU the step overlaps the rest of backward (the embeddings' gradient all-to-all).
-
-torchrec's class (experimental) steps at the site whatever the gradients are there: where a dense
-gradient is not final yet (DDP all-reduces them at the end of backward; a branch of the model, such
-as DLRM's dense arch, is differentiated after the site) its numbers differ from the plain loop's.
-Ours promises the plain loop's numbers, bit for bit: the step runs at the site, or, after it, as
-soon as every gradient it applies is final (`step_placement` says where it ran).
+injection site at a sharded module's output all-to-all (`pipeline.stages.backward_step`), so that on
+a GPU the step overlaps the rest of backward. torchrec's class (experimental) steps at the site
+whatever the gradients are there, so where one is not final yet (DDP all-reduces at the end of
+backward; a branch such as DLRM's dense arch is differentiated after the site) its numbers differ
+from the plain loop's; ours steps at the site or as soon as after it every gradient is final.
 """
 
 from __future__ import annotations
@@ -49,19 +46,12 @@ class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist):
     the output all-to-all is no collective and has no backward of its own). The rewrite report
     notes each placement other than the site the first time it happens.
 
-    Args (torchrec's, in its order):
-        model, optimizer, device: as in `TrainPipelineSparseDist`.
+    Args (torchrec's, in its order; the rest, and our keyword-only ones, as in `TrainPipelineSparseDist`):
         site_fqn: the sharded module whose output all-to-all's backward is the injection site,
             as the user's model names it (inside DistributedModelParallel).
         sharding_type: which of its output all-to-alls (one per sharding type).
-        execute_all_batches, apply_jit, context_type, pipeline_postproc, custom_model_fwd,
-            dmp_collection_sync_interval_batches (the replicas sync after backward, after the
-            step, as torchrec's), enqueue_batch_after_forward, enable_inplace_copy_batch,
-            free_features_storage_early, clear_data_dist_inputs: as in `TrainPipelineSparseDist`.
-
-    Keyword-only, ours: strict, rewrite_method, arg_paths (`rewrite`), input_dist_schedule, tuner
-    (`input_dist`), streams, on_uneven, check_keys, check_kjts, agreement, abort_on_error,
-    failure_grace, peer_timeout (`ranks`): as in `TrainPipelineSparseDist`.
+        dmp_collection_sync_interval_batches: the replicas sync after backward, after the step,
+            as torchrec's.
 
     Raises:
         ValueError: `site_fqn` is not a module of the model.

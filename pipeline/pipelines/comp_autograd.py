@@ -1,9 +1,6 @@
 """TrainPipelineSparseDistCompAutograd: SparseDist whose backward runs under compiled autograd, on
-torchrec's synchronous collectives.
-
-Runs on CPU (inductor builds its kernels with the machine's C++ compiler). torchrec's dynamo
-settings are applied only around the pipeline's own steps (`torch._dynamo.config.patch`), not left
-set for the whole process. Where torchrec's class fails on CPU, and why: docs/pipeline.md ("PT2").
+torchrec's synchronous collectives. On CPU too, with torchrec's dynamo settings only around the
+pipeline's own steps, as `pipeline.pipelines.pt2` (docs/pipeline.md, "PT2").
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """TrainPipelineSparseDistT: TrainPipelineSparseDist whose host-to-device copy is dispatched from a
-worker thread, so the caller's thread does not spend its time issuing the copies of batch i+2
-(stages and streams: `pipeline.stages`, the SparseDist column).
-
-The copy of batch i+2 is submitted to one worker thread in step i, where it runs on the memcpy
-stream (a CUDA stream is per thread: the worker enters it itself); the batch is taken from the
-worker (`BatchContext.wait_copy`) in step i+1, before its input_dist starts. On the host there is
-nothing to copy, so nothing is submitted: on CPU the class is `TrainPipelineSparseDist`, step for
-step, with no thread hop.
+worker thread, so the caller's thread does not spend its time issuing the copies of batch i+2. The
+copy is submitted to one worker thread in step i, where it runs on the memcpy stream (a CUDA stream
+is per thread: the worker enters it itself); the batch is taken from the worker
+(`BatchContext.wait_copy`) in step i+1, before its input_dist starts. On the host nothing is copied:
+on CPU the class is `TrainPipelineSparseDist`, step for step, with no thread hop.
 """
 
 from __future__ import annotations
@@ -33,13 +30,8 @@ class TrainPipelineSparseDistT(TrainPipelineSparseDist):
 
     Numerics: the plain loop's, bit for bit (the copy's dispatch moves, not what it copies).
 
-    Args (torchrec's, in its order): model, optimizer, device, execute_all_batches, apply_jit,
-    context_type, pipeline_postproc, custom_model_fwd, dmp_collection_sync_interval_batches,
-    enable_inplace_copy_batch (the worker allocates on its own current stream, as torchrec's),
-    free_features_storage_early, clear_data_dist_inputs: as in `TrainPipelineSparseDist`.
-
-    Keyword-only, ours: as `TrainPipelineSparseDist` (strict, rewrite, input_dist, streams, ranks
-    and their fields).
+    Args (torchrec's, in its order, then ours, keyword-only): as in `TrainPipelineSparseDist`
+    (`enable_inplace_copy_batch`: the worker allocates on its own current stream, as torchrec's).
     """
 
     def __init__(

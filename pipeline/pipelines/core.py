@@ -1,7 +1,6 @@
 """`PipelineCore`: what every pipeline class shares, and only that: lanes of in-flight batches,
 `progress()` / `drain()` / `reset()`, on top of the stages every class runs (copy, forward,
-backward, optimizer: `BatchStages`, batch_stages.py). Each class declares its own constructor,
-composes its own components there and writes its own `_fill` and `_step` in its own module.
+backward, optimizer: `BatchStages`, batch_stages.py).
 
 Lanes: batches are kept per dataloader iterator (`pipeline.ranks.Lane`), so that `progress()` with
 another iterator (an eval loader) parks the batches in flight of the first one, and calling it
@@ -27,19 +26,17 @@ from pipeline.pipelines.batch_stages import BatchStages
 from pipeline.ranks import AgreedError, Lane, LaneState, Ranks
 from pipeline.stages.context import BatchContext
 from pipeline.stages.loader_state import resume_state
-from pipeline.stages.streams import Streams, streams_for
+from pipeline.stages.streams import Streams
+from pipeline.stages.thread_streams import streams_for
 
 __all__ = ["PipelineCore"]
 
 
 class PipelineCore(BatchStages, TrainPipeline):
-    """The machinery every pipeline class shares (a torchrec `TrainPipeline`).
-
-    A class built on it declares its constructor (torchrec's parameters, then ours, keyword-only),
-    calls this one, composes its components, and implements `_fill` (what must be in flight before
-    a step) and `_step` (one step), each once, in its own module. The steps call torchrec's
-    subclass points (`pipeline.compat.hooks`): a user's override of `_next_batch`, `_backward`,
-    `_optimizer_step` or `_wait_for_batch` is honoured.
+    """The machinery every pipeline class shares (a torchrec `TrainPipeline`). A class built on it
+    declares its constructor (torchrec's parameters, then ours, keyword-only), calls this one,
+    composes its components, and implements `_fill` (what must be in flight before a step) and
+    `_step` (one step, calling torchrec's subclass points: `pipeline.compat.hooks`) in its own module.
 
     Args:
         model: the model the pipeline runs.

@@ -60,22 +60,13 @@ class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist):
     kernel's backward). On a GPU the copies run on the memcpy stream; on CPU the host copy is in
     the same memory, so nothing is saved there. Without a marked table nothing is stashed.
 
-    Args (torchrec's, in its order):
-        model, optimizer, device: as in `TrainPipelineSparseDist`.
+    Args (torchrec's, in its order; the rest, and our keyword-only ones, as in `TrainPipelineSparseDist`):
         site_fqn: where backward starts the restore: a module of the user's model (a
             post-accumulate-grad hook on its last trainable parameter, e.g. the over arch), or an
             `InjectionSite` (ours or torchrec's).
-        execute_all_batches, apply_jit, context_type, pipeline_postproc, custom_model_fwd,
-            dmp_collection_sync_interval_batches, enqueue_batch_after_forward,
-            enable_inplace_copy_batch, free_features_storage_early: as in `TrainPipelineSparseDist`.
         delay_stash: stash at `stash_site_fqn`'s forward (or, without it, at the site in
             backward) instead of right after the lookup.
         stash_site_fqn: the module (run after the lookups) before whose forward delayed stashes run.
-        clear_data_dist_inputs: as in `TrainPipelineSparseDist`.
-
-    Keyword-only, ours: strict, rewrite_method, arg_paths (`rewrite`), input_dist_schedule, tuner
-    (`input_dist`), streams, on_uneven, check_keys, check_kjts, agreement, abort_on_error,
-    failure_grace, peer_timeout (`ranks`): as in `TrainPipelineSparseDist`.
 
     Raises:
         ValueError: `site_fqn` (or `stash_site_fqn`) is not a module of the model.

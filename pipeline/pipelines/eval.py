@@ -43,12 +43,9 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
     torchrec, call `model.eval()` first for eval-mode layers); forward always runs under `no_grad`
     and `progress()` returns `output` of a `(loss, output)` pair, or any other return value as it is.
 
-    Args (torchrec's, in its order): model, optimizer (not used), device, apply_jit (must be
-    False), pipeline_postproc, enable_inplace_copy_batch, free_features_storage_early,
-    clear_data_dist_inputs: as in `TrainPipelineSparseDist`.
-
-    Keyword-only, ours: as in `TrainPipelineSparseDist`, less `tuner`: `input_dist_schedule` is
-    "early-shared" by default, and "auto" is refused, since the tuner times training steps.
+    Args (torchrec's, in its order, then ours, keyword-only): as in `TrainPipelineSparseDist`
+    (`optimizer` is not used); no `tuner`: `input_dist_schedule` is "early-shared" by default, and
+    "auto" is refused, since the tuner times training steps.
     """
 
     def __init__(

@@ -27,7 +27,8 @@ from pipeline.stages.context import HostLookupBatchContext
 from pipeline.stages.copy import to_device, to_device_in_place
 from pipeline.stages.labels import run_stage
 from pipeline.stages.lookup import LookupStage
-from pipeline.stages.streams import Streams, streams_for
+from pipeline.stages.streams import Streams
+from pipeline.stages.thread_streams import streams_for
 
 __all__ = ["EvalPipelineCPUSparse"]
 

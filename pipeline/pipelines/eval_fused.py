@@ -1,12 +1,9 @@
 """EvalPipelineFusedSparseDist: forward only, with the embedding lookup run ahead of forward as in
-`TrainPipelineFusedSparseDist` (`pipeline.stages.lookup.LookupStage`; stages and streams:
-`pipeline.stages`, the Fused column without backward and optimizer).
-
-By default the lookup of batch i runs at the start of step i (or after the input_dist start of i+1,
-`embedding_lookup_after_data_dist`); with `enable_embedding_lookup_prefetch` it runs one batch ahead,
-right after forward of i for batch i+1, so on a GPU the lookup of i+1 (on its stream) overlaps
-forward of i, at the price of two batches' embedding outputs alive at once. Nothing is trained, so
-every order gives the same numbers.
+`TrainPipelineFusedSparseDist` (the Fused column of `pipeline.stages`, without backward and
+optimizer): at the start of step i (or after the input_dist start of i+1,
+`embedding_lookup_after_data_dist`), or with `enable_embedding_lookup_prefetch` one batch ahead,
+right after forward of i for batch i+1 (on a GPU it then overlaps forward of i, at the price of two
+batches' embedding outputs alive at once). Nothing is trained: every order gives the same numbers.
 """
 
 from __future__ import annotations
@@ -19,15 +16,13 @@ import torch
 
 from pipeline.config import InputDistOptions, RankOptions, RewriteOptions
 from pipeline.pipelines.eval import fixed_schedule
-from pipeline.pipelines.fused import TrainPipelineFusedSparseDist
+from pipeline.pipelines.fused import LOOKUP_STREAMS, TrainPipelineFusedSparseDist
 from pipeline.ranks import Lane
 from pipeline.stages.context import LookupBatchContext
 from pipeline.stages.lookup import LookupStage
 from pipeline.stages.streams import Streams
 
 __all__ = ["EvalPipelineFusedSparseDist"]
-
-_LOOKUP_STREAMS = ("data_dist", "new", "current")
 
 
 class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
@@ -38,18 +33,11 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
     changes. Forward always runs under `no_grad` and `progress()` returns `output` of a
     `(loss, output)` pair (any other return value as it is).
 
-    Args (torchrec's: `TrainPipelineFusedSparseDist`'s, in its order, then its keyword):
-        model, optimizer (not used), device, execute_all_batches (under False the last two
-            batches are dropped, as by torchrec's class), apply_jit (must be False),
-            pipeline_postproc, custom_model_fwd, strict, emb_lookup_stream,
-            embedding_lookup_after_data_dist, enable_inplace_copy_batch,
-            free_features_storage_early, clear_data_dist_inputs: as in
-            `TrainPipelineFusedSparseDist`.
+    Args (torchrec's, in its order, then its keyword; the others as in `TrainPipelineFusedSparseDist`,
+    `optimizer` not used; ours, keyword-only, as in `EvalPipelineSparseDist`):
         enqueue_batch_after_forward: copy batch i+2 after forward of i (torchrec's eval class
             accepts it and copies before forward all the same).
         enable_embedding_lookup_prefetch: look batch i+1 up right after forward of i.
-
-    Keyword-only, ours: as in `EvalPipelineSparseDist`.
     """
 
     def __init__(
@@ -85,8 +73,8 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
         failure_grace: float | None = None,
         peer_timeout: timedelta | None = None,
     ) -> None:
-        if emb_lookup_stream not in _LOOKUP_STREAMS:
-            raise ValueError(f"emb_lookup_stream must be one of {_LOOKUP_STREAMS}; got {emb_lookup_stream!r}")
+        if emb_lookup_stream not in LOOKUP_STREAMS:
+            raise ValueError(f"emb_lookup_stream must be one of {LOOKUP_STREAMS}; got {emb_lookup_stream!r}")
         self._build(
             locals(),
             input_dist=fixed_schedule(input_dist, input_dist_schedule, "EvalPipelineFusedSparseDist"),

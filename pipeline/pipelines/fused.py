@@ -23,9 +23,9 @@ from pipeline.stages.lookup import LookupStage
 from pipeline.stages.streams import Streams
 from pipeline.stages.tuner import Tuner
 
-__all__ = ["TrainPipelineFusedSparseDist"]
+__all__ = ["LOOKUP_STREAMS", "TrainPipelineFusedSparseDist"]
 
-_LOOKUP_STREAMS = ("data_dist", "new", "current")
+LOOKUP_STREAMS = ("data_dist", "new", "current")
 
 
 class TrainPipelineFusedSparseDist(FusedMethods, TrainPipelineSparseDist):
@@ -36,16 +36,11 @@ class TrainPipelineFusedSparseDist(FusedMethods, TrainPipelineSparseDist):
     (feature processors), the lookup waits for the optimizer step, so the numerics stay exact
     (torchrec's class does not wait and warns that this case is not exact).
 
-    Args (torchrec's, in its order): model, optimizer, device, execute_all_batches, apply_jit,
-    pipeline_postproc, custom_model_fwd, strict: as in `TrainPipelineSparseDist`;
+    Args (torchrec's, in its order; the rest, and our keyword-only ones, as in `TrainPipelineSparseDist`):
         emb_lookup_stream: "data_dist" or "new": the lookup runs on the data_dist stream;
             "current": on the caller's.
         embedding_lookup_after_data_dist: run the lookup of i after starting input_dist of i+1
             and copying i+2, instead of first.
-        enable_inplace_copy_batch, enqueue_batch_after_forward, free_features_storage_early,
-            clear_data_dist_inputs: as in `TrainPipelineSparseDist`.
-
-    Keyword-only, ours: as in `TrainPipelineSparseDist`.
     """
 
     def __init__(
@@ -81,8 +76,8 @@ class TrainPipelineFusedSparseDist(FusedMethods, TrainPipelineSparseDist):
         failure_grace: float | None = None,
         peer_timeout: timedelta | None = None,
     ) -> None:
-        if emb_lookup_stream not in _LOOKUP_STREAMS:
-            raise ValueError(f"emb_lookup_stream must be one of {_LOOKUP_STREAMS}; got {emb_lookup_stream!r}")
+        if emb_lookup_stream not in LOOKUP_STREAMS:
+            raise ValueError(f"emb_lookup_stream must be one of {LOOKUP_STREAMS}; got {emb_lookup_stream!r}")
         self._build(locals(), forward="lookup", batch_context=LookupBatchContext)
         self._lookup = LookupStage(
             self._streams,

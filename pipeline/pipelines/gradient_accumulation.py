@@ -1,21 +1,9 @@
-"""Gradient accumulation around any pipeline, with torchrec 1.8's API and schedule.
-
-`GradientAccumulationWrapper(pipeline, optimizer, model, config)` makes `pipeline` step its dense
-optimizer once every `config.num_steps` batches: the pipeline's `zero_grad()` and `step()` calls
-reach the optimizer only at the start and at the end of a group, and the backwards in between run
-under `no_sync()` of every DistributedDataParallel in the model, so the dense gradients are summed
-locally and all-reduced once, by the last backward of the group. The schedule is torchrec's: the
-first `num_warmup_steps` batches (at least the first) sync, then the last of every group.
-
-Embedding tables with a fused optimizer (torchrec's `apply_optimizer_in_backward`, the default of a
-sharded EmbeddingBagCollection) are updated inside each backward, batch by batch, as in torchrec and
-as in a plain loop that calls `backward()` k times: accumulation applies to what the optimizer given
-to the pipeline steps. Gradients are summed, not scaled by 1/k (scale the loss for a mean).
-
-When the dataloader ends in the middle of a group, the batches of the partial group step the
-optimizer (torchrec's rule), with their gradients first averaged over each DDP's ranks, as the
-group's last backward would have done. torchrec 1.8 steps there with each rank's local, unsynced
-gradients, so its ranks' dense parameters part (docs/pipeline.md, "Gradient accumulation").
+"""Gradient accumulation around any pipeline, with torchrec 1.8's API and schedule: the pipeline's
+`zero_grad()` and `step()` reach the optimizer at a group's first and last batch, the backwards
+between run under `no_sync()` of every DistributedDataParallel in the model (the dense gradients are
+summed, not scaled, and all-reduced once a group), fused embedding optimizers still update every
+batch, and a group the dataloader ends steps on gradients first averaged over the ranks (torchrec
+1.8's are unsynced there). docs/pipeline.md, "Gradient accumulation", says each rule.
 """
 
 from __future__ import annotations

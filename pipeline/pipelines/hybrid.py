@@ -1,13 +1,9 @@
-"""TrainEvalHybridPipelineBase: one pipeline for training and evaluation batches, each batch trained
-or evaluated by the model's mode at the `progress()` call that returns it (stages and streams:
-`pipeline.stages`, the SparseDist column).
-
-Why no output can be mislabelled: batches are kept per dataloader iterator (a `Lane`), so
-`progress(eval_it)` returns only batches of `eval_it`, evaluated, while the training batches in
-flight wait, their input_dist started, for the next `progress(train_it)`. torchrec's class keeps one
-queue for both: the first outputs of an eval pass are training batches run in eval mode (never
-trained), and the first after it an eval batch run in training mode. `last_output_mode` says how
-the batch of the last output ran.
+"""TrainEvalHybridPipelineBase: one pipeline for training and evaluation batches, each trained or
+evaluated by the model's mode at the `progress()` call that returns it. Batches are kept per
+dataloader iterator (a `Lane`), so `progress(eval_it)` returns only batches of `eval_it` while the
+training batches in flight wait, their input_dist started. torchrec's class keeps one queue for
+both: the first outputs of an eval pass are training batches run in eval mode (never trained), and
+the first after it an eval batch run in training mode.
 """
 
 from __future__ import annotations
@@ -42,15 +38,9 @@ class TrainEvalHybridPipelineBase(TrainPipelineSparseDist):
     if no evaluation had run; each eval output is `model(batch)` under `no_grad` with the
     parameters of that moment. `_state` follows torchrec's `PipelineState`.
 
-    Args (torchrec's, in its order): model, optimizer, device, apply_jit, context_type,
-    pipeline_postproc, custom_model_fwd, dmp_collection_sync_interval_batches,
-    enqueue_batch_after_forward, enable_inplace_copy_batch, free_features_storage_early,
-    clear_data_dist_inputs, async_inplace_copy: as in `TrainPipelineSparseDist`;
-        execute_all_batches: under False, a training iterator's last two batches are dropped (as
-            by SparseDist); an eval pass runs every batch whatever it says, as torchrec's does.
-
-    Keyword-only, ours: as `TrainPipelineSparseDist` (strict, rewrite, input_dist, streams, ranks
-    and their fields); the "auto" schedule is tuned on training steps only.
+    Args (torchrec's, in its order, then ours, keyword-only): as in `TrainPipelineSparseDist`;
+    under `execute_all_batches=False` a training iterator's last two batches are dropped (as by
+    SparseDist), an eval pass runs every batch (as torchrec's); "auto" tunes on training steps only.
     """
 
     def __init__(

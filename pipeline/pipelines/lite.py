@@ -1,11 +1,8 @@
-"""TrainPipelineSparseDistLite: one batch in flight besides the one that trains; only the copy of the
-next batch overlaps the current step, and the input_dist of each batch runs right before its
-forward (stages and streams: `pipeline.stages`).
-
-It keeps at most two batches (torchrec's SparseDist keeps three, with a second one's input_dist in
-flight): the memory of one batch and of one set of input all-to-alls, for a step that waits on
-its input_dist. On CUDA its input_dist runs on the caller's stream, as torchrec's does (no
-data_dist stream, whose memory pool would hold another batch's worth).
+"""TrainPipelineSparseDistLite: one batch in flight besides the one that trains (the copy of the next
+overlaps the current step; each batch's input_dist runs right before its forward): the memory of one
+batch and one set of input all-to-alls, for a step that waits on its input_dist. On CUDA its
+input_dist runs on the caller's stream, as torchrec's does (no data_dist stream, whose memory pool
+would hold another batch's worth).
 """
 
 from __future__ import annotations
@@ -21,7 +18,8 @@ from pipeline.config import InputDistOptions, RankOptions, RewriteOptions
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
 from pipeline.stages.context import BatchContext, TrainPipelineContext
-from pipeline.stages.streams import Streams, streams_for
+from pipeline.stages.streams import Streams
+from pipeline.stages.thread_streams import streams_for
 
 __all__ = ["TrainPipelineSparseDistLite"]
 

@@ -1,13 +1,9 @@
 """TrainPipelineSparseDistOptStash: SparseDist whose optimizer state leaves device memory between
-steps (`pipeline.stages.stash`): it is copied to host memory and freed after each optimizer step,
-and given back from an injection site in backward (the backward of a sharded module's output
-all-to-all), so that on a GPU the copy back overlaps the rest of backward and the memory serves
-forward and backward in between.
-
-Per step of batch i: input_dist of i+1 and the copy of i+2 as SparseDist; forward of i (the state
-is in host memory); backward of i, which at the site starts the restore; the optimizer step (after
-the restore is complete; if the site was not reached, the restore runs there: always on one rank,
-whose output all-to-all is no collective); the stash.
+steps (`pipeline.stages.stash`): copied to host memory and freed after each optimizer step, given
+back from an injection site in backward (a sharded module's output all-to-all), so that on a GPU
+the copy back overlaps the rest of backward. Per step of batch i: as SparseDist's, with the restore
+started at the site, the optimizer step after it (if the site was not reached, the restore runs
+there: always on one rank, whose output all-to-all is no collective), then the stash.
 """
 
 from __future__ import annotations
@@ -42,21 +38,11 @@ class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist):
     to the host copy instead). On a GPU the copies run on the memcpy stream (host memory pinned); on
     CPU the host copy is in the same memory, so nothing is saved there.
 
-    Args (torchrec's, in its order):
-        model, optimizer, device: as in `TrainPipelineSparseDist`.
+    Args (torchrec's, in its order; the rest, and our keyword-only ones, as in `TrainPipelineSparseDist`):
         site_fqn: the sharded module whose output all-to-all's backward starts the restore, as
             the user's model names it.
         sharding_type: which of its output all-to-alls (one per sharding type).
-        execute_all_batches, apply_jit, context_type, pipeline_postproc, custom_model_fwd,
-            dmp_collection_sync_interval_batches, enqueue_batch_after_forward,
-            enable_inplace_copy_batch, free_features_storage_early, clear_data_dist_inputs: as in
-            `TrainPipelineSparseDist`.
-
-    Keyword-only, ours:
-        stash_min_bytes: state tensors smaller than this stay (torchrec's threshold, 1 MiB).
-        strict, rewrite_method, arg_paths (`rewrite`), input_dist_schedule, tuner (`input_dist`),
-        streams, on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
-        peer_timeout (`ranks`): as in `TrainPipelineSparseDist`.
+        stash_min_bytes (ours): state tensors smaller than this stay (torchrec's threshold, 1 MiB).
 
     The state of a fused embedding optimizer (ShardedTensors, which its kernel updates inside
     backward) is not stashed.

@@ -1,17 +1,11 @@
 """TrainPipelinePEC: torchrec 1.9's pipeline for models with PEC embedding collections, with the
 embedding lookup of batch i at the top of step i (`pipeline.stages.lookup.LookupStage`).
 
-torchrec's class (CUDA only) splits the ids of each `ShardedPECEmbeddingCollection` by whether they
-recur in the next batch: those that do are looked up in step i with fresh weights, the others one
-step ahead, and their gradient all-to-alls are split the same way; every other sharded module is
-looked up at the top of the step, as `TrainPipelineFusedSparseDist` does. Both give the plain
-loop's numbers (fused embedding optimizers).
-
-Here every sharded module, PEC modules included, is looked up whole at the top of the step: the
-plain loop's numbers, without PEC's split of the ids. PEC modules build and run on CPU with torchrec
-1.9.2 and 1.8.0 (row-wise, gloo); the split is not implemented, and a note in `rewrite_report`
-names the PEC modules it would have applied to. torchrec 1.8 has PEC modules but no TrainPipelinePEC;
-this class is the same on both.
+torchrec's class (CUDA only) also splits the ids of each `ShardedPECEmbeddingCollection` by whether
+they recur in the next batch (looked up in step i, the others a step ahead). Here every sharded
+module, PEC modules included, is looked up whole: the plain loop's numbers, without that split; a
+note in `rewrite_report` names the PEC modules it would have applied to. The same class on torchrec
+1.8 (PEC modules, no TrainPipelinePEC) and 1.9 (docs/pipeline.md, "TrainPipelinePEC").
 """
 
 from __future__ import annotations
@@ -53,12 +47,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist):
     fused embedding optimizers; where a sharded module has parameters in the dense optimizer the
     lookup waits for the optimizer step.
 
-    Args (torchrec's, in its order):
-        model, optimizer, device, execute_all_batches, custom_model_fwd: as in
-            `TrainPipelineSparseDist`.
-        apply_jit: not supported; must be False.
-
-    Keyword-only, ours: as in `TrainPipelineSparseDist`.
+    Args (torchrec's, in its order, then ours, keyword-only): as in `TrainPipelineSparseDist`.
     """
 
     def __init__(

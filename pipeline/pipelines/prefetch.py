@@ -18,7 +18,8 @@ from pipeline.ranks import Lane
 from pipeline.stages.context import PrefetchBatchContext
 from pipeline.stages.overlap import OverlapTrial
 from pipeline.stages.prefetch import PrefetchStage, prefetch_does_work
-from pipeline.stages.streams import Streams, streams_for
+from pipeline.stages.streams import Streams
+from pipeline.stages.thread_streams import streams_for
 from pipeline.stages.tuner import Tuner
 from rewrite import outermost_sharded, unwrap_model
 
@@ -29,14 +30,10 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
     """Adds a prefetch stage: the input_dist wait and each module's `prefetch()` run before
     forward, on the prefetch stream, so forward never waits on communication.
 
-    Args (torchrec's, in its order): model, optimizer, device, execute_all_batches (under False
-    the last two batches are dropped, as by SparseDist and torchrec's fixed class; torchrec 1.8.0
-    drops four), apply_jit, pipeline_postproc, custom_model_fwd, enable_inplace_copy_batch,
-    free_features_storage_early, clear_data_dist_inputs, async_inplace_copy: as in
-    `TrainPipelineSparseDist`.
-
-    Keyword-only, ours: those of `TrainPipelineSparseDist`, and
-        prefetch_ahead, prefetch_trial: the fields of `PrefetchOptions` (`prefetch` may give them).
+    Args (torchrec's, in its order, then ours, keyword-only): as in `TrainPipelineSparseDist`
+    (under `execute_all_batches=False` the last two batches are dropped, as by torchrec's fixed
+    class; torchrec 1.8.0 drops four), and `prefetch_ahead`, `prefetch_trial`: the fields of
+    `PrefetchOptions` (`prefetch` may give them).
     """
 
     def __init__(

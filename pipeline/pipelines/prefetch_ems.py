@@ -19,7 +19,8 @@ from pipeline.ranks import Lane
 from pipeline.stages.context import BatchContext, PrefetchBatchContext, TrainPipelineContext
 from pipeline.stages.embedding_stash import EmbeddingStash
 from pipeline.stages.prefetch import PrefetchStage
-from pipeline.stages.streams import Streams, streams_for
+from pipeline.stages.streams import Streams
+from pipeline.stages.thread_streams import streams_for
 from pipeline.stages.tuner import Tuner
 
 __all__ = ["TrainPipelinePrefetchEMS"]
@@ -34,13 +35,8 @@ class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash):
     UVM-caching kernels' cache around the dense forward; torchrec's sharded modules (1.9.2) never
     stash a cache, so there it restores nothing, and ours stashes no cache either.
 
-    Args (torchrec's, in its order): model, optimizer, device, site_fqn, execute_all_batches,
-    apply_jit, context_type, pipeline_postproc, custom_model_fwd,
-    dmp_collection_sync_interval_batches, enqueue_batch_after_forward, enable_inplace_copy_batch,
-    free_features_storage_early: as in `TrainPipelineSparseDistEmbStash`.
-
-    Keyword-only, ours: as in `TrainPipelineSparseDistEmbStash` (streams: on CPU by default a
-    prefetch worker thread, as `PrefetchTrainPipelineSparseDist`'s).
+    Args (torchrec's, in its order, then ours, keyword-only): as in `TrainPipelineSparseDistEmbStash`
+    (`streams`: on CPU by default a prefetch worker thread, as `PrefetchTrainPipelineSparseDist`'s).
     """
 
     def __init__(

@@ -49,16 +49,11 @@ class TrainPipelineSemiSync(SemiSyncMethods, TrainPipelineSparseDist):
     position weights) are updated in place after the next batch's lookup used them, which autograd
     rejects: a warning (an error under `strict`) says so.
 
-    Args (torchrec's, in its order): model, optimizer, device, execute_all_batches (under False
-    nothing is dropped, as in torchrec's class), apply_jit: as in `TrainPipelineSparseDist`;
+    Args (torchrec's, in its order; the rest, and our keyword-only ones, as in `TrainPipelineSparseDist`;
+    under `execute_all_batches=False` nothing is dropped, as in torchrec's class):
         start_batch: index of the first batch whose successor is looked up before its backward.
         stash_gradients: step the dense optimizer with the previous batch's gradients (torchrec's
             "true" semi-sync).
-        pipeline_postproc, custom_model_fwd, strict, dmp_collection_sync_interval_batches,
-            enable_inplace_copy_batch, free_features_storage_early, clear_data_dist_inputs: as in
-            `TrainPipelineSparseDist`.
-
-    Keyword-only, ours: as in `TrainPipelineSparseDist`.
     """
 
     _status_rides_splits = False  # it admits batches itself

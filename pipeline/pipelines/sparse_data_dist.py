@@ -1,23 +1,15 @@
 """`SparseDataDistUtil`: the input_dist stage of a `StagedTrainPipeline`, and optionally a prefetch
-stage or an embedding lookup stage after it, handing their results to the caller's forward.
+stage or an embedding lookup stage after it, handing their results to the caller's forward
+(docs/pipeline.md, "StagedTrainPipeline").
 
 With stages [..., input_dist, X] the pipeline runs, in the `progress()` call that returns batch i,
 input_dist::start on batch i+2 and X on batch i+1 (without X: input_dist::start on i+1). A forward
 pre-hook on the model gives the oldest started batch to the hijacked forwards (waiting for its
 prefetch stage); a forward hook, once forward of i is done, waits for the splits of the batches
-started since (launching their values all-to-alls), as in torchrec's ("late") order.
-
-| X (the argument that enables it)  | runs on batch i+1, before forward of i | numerics                  |
-|-----------------------------------|----------------------------------------|---------------------------|
-| none                              | -                                      | the plain loop's          |
-| prefetch (`prefetch_stream`)      | `module.prefetch()` (PrefetchStage)    | the plain loop's          |
-| lookup (`embedding_lookup_stream`) | `compute_and_output_dist` (LookupStage) | embeddings one step stale |
-
-The lookup of batch i+1 runs before backward of i, whose fused update it therefore does not see:
-batch i+1 reads the tables as they were before batch i's update (torchrec's semi-synchronous
-staged pipeline). Its gradients still go to the current tables. On CPU the prefetch stream is a
-worker thread (`ThreadStreams`, inline when no module's `prefetch()` moves data) and the lookup
-runs on the calling thread.
+started since (launching their values all-to-alls), as in torchrec's ("late") order. X is the
+prefetch (`prefetch_stream`: each module's `prefetch()`; the plain loop's numbers) or the lookup
+(`embedding_lookup_stream`: `compute_and_output_dist`, before backward of i, whose fused update batch
+i+1 then does not see: embeddings one step stale, torchrec's semi-synchronous staged pipeline).
 """
 
 from __future__ import annotations
@@ -77,7 +69,7 @@ class SparseDataDistUtil:
         strict: fail on the first batch if a sharded module cannot be pipelined.
         rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
         streams: the hand-offs of the stages' results to forward's stream (tests pass
-            `pipeline.RecordingStreams()`, with its `data_dist` as `data_dist_stream`); None: CUDA
+            `streamcheck.RecordingStreams()`, with its `data_dist` as `data_dist_stream`); None: CUDA
             hand-offs if `data_dist_stream` is a CUDA stream.
 
     What forward took of a batch is released at the next forward, or at `detach()`: the caller's

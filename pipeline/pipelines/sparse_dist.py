@@ -1,11 +1,8 @@
 """TrainPipelineSparseDist: input_dist of the next batch runs ahead of forward (stages and streams:
-`pipeline.stages`).
-
-The input_dist schedule says when the next batch's splits are waited for and on which process group
-its all-to-alls run (`pipeline.stages.schedule`); "auto" (the default) measures the schedules over
-the first training steps and keeps torchrec's order unless another is significantly faster. With
-`enqueue_batch_after_forward`, the copy of batch i+2 moves after forward of i, as in torchrec. On CPU
-the collectives run in gloo's threads, so the overlap is real there too.
+`pipeline.stages`; when the next batch's splits are waited for and on which process group its
+all-to-alls run: `pipeline.stages.schedule`, torchrec's order by default). With
+`enqueue_batch_after_forward`, the copy of batch i+2 moves after forward of i, as in torchrec. On
+CPU the collectives run in gloo's threads, so the overlap is real there too.
 """
 
 from __future__ import annotations

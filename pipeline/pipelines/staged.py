@@ -1,15 +1,11 @@
-"""StagedTrainPipeline: the caller's own list of stages run ahead of forward (`SparseDataDistUtil`,
-in `sparse_data_dist.py`, makes the input_dist stage and a prefetch or lookup stage after it).
+"""StagedTrainPipeline: the caller's own list of stages run ahead of forward (docs/pipeline.md,
+"StagedTrainPipeline"; `SparseDataDistUtil`, in `sparse_data_dist.py`, makes the input_dist stage
+and a prefetch or lookup stage after it).
 
 With stages s_0 .. s_{n-1}, `progress()` returns batch i after s_{n-1}, having run, newest first,
 s_0 on batch i+n, s_1 on batch i+n-1, ..., s_{n-1} on batch i+1; the caller runs forward, backward
 and the optimizer on what it returns. Each stage runs on its own stream (CUDA), waiting for the
-previous stage's event on that batch; on CPU (stream None) stages run in that order on the calling
-thread.
-
-`SparseDataDistUtil.start_sparse_data_dist_stage()` is the stage that starts the input all-to-alls
-of a batch (the last stage, or the one before its prefetch or lookup stage, since forward takes its
-result).
+previous stage's event on that batch; on CPU (stream None) in that order on the calling thread.
 """
 
 from __future__ import annotations
@@ -84,7 +80,7 @@ class StagedTrainPipeline(TrainPipeline):
         on_flush_end: called once a flush (`set_flush(True)`) has emptied the pipeline.
 
     Keyword-only, ours:
-        streams: the hand-offs between the stages' streams (tests pass `pipeline.RecordingStreams()`
+        streams: the hand-offs between the stages' streams (tests pass `streamcheck.RecordingStreams()`
             and its streams in the stages); None: CUDA hand-offs if a stage has a CUDA stream.
     """
 

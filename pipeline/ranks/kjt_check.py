@@ -1,15 +1,12 @@
 """The KeyedJaggedTensor check: each batch's KJTs are well formed, before they enter a collective.
 
-torchrec validates the first batch a sharded module sees and no other. A later batch whose lengths
-do not add up to its values, with a negative length, or with an id past its table's last row
-fails deep inside input_dist or the lookup kernel (or reads rows it should not), on one rank, while
-the others wait for it in a collective. Here every batch is checked at fetch, with a few
-reductions over its tensors (no Python loop over values or samples), and a bad one gets the status
+torchrec validates the first batch a sharded module sees and no other; a later batch whose lengths
+do not add up to its values, with a negative length, or with an id past its table's last row fails
+deep inside input_dist or the lookup kernel, on one rank, while the others wait for it. Here every
+batch is checked at fetch with a few reductions over its tensors (no Python loop; microseconds on
+the host, a synchronization each for a batch already on a GPU), and a bad one gets the status
 `MALFORMED`: every rank stops before it with the same `MalformedBatchError` naming the batch, the
-key and the problem. The loops below run only once a problem was found, to name it.
-
-The tensors are read where the dataloader made them: on the host this costs microseconds; a batch
-already on a GPU would cost a synchronization per reduction.
+key and the problem (the loops below run only then).
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """`Ranks`: the one owner of the ranks' agreement on every batch, before it enters a collective.
 
 Every rank has a status for every batch position it fetches (`Status`), recorded in the batch's
-`Ticket`. Every rank fetches in the same order, placeholders included. Each rank learns every rank's
-status before the batch's first collective: in steady state on that collective itself, the fused
-splits all-to-all, where the status rides as one more row (`carried` tickets, concluded by
-`conclude` at the splits wait: `pipeline.stages.riding`); otherwise by a vote started at fetch
-(`pipeline.ranks.votes`: one small all_reduce, the same size at any world size) and waited before the
-batch's first collective (`admit`, a step later), when it has long arrived.
+`Ticket`; every rank fetches in the same order, placeholders included. Each rank learns every
+rank's status before the batch's first collective: in steady state on that collective itself, the
+fused splits all-to-all (`carried` tickets, concluded at the splits wait: `pipeline.stages.riding`),
+otherwise by a vote started at fetch (`pipeline.ranks.votes`) and waited a step later (`admit`).
 
 So uneven data ends on every rank at the shortest rank's count, a batch with wrong keys or a
 malformed KeyedJaggedTensor stops every rank with the same error, and a rank that raises makes its

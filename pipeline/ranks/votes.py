@@ -2,13 +2,10 @@
 
 A vote is one int64 holding a 16-bit count per status; each rank puts 1 in its own status's field
 and the ranks sum it on a gloo group of the pipeline's own (fields do not carry into each other
-below 65,536 ranks). Its size does not grow with the world, and one element is the cheapest gloo
-all_reduce there is: on two shared cores a 4-element tensor cost three times the CPU of one (gloo
-splits a buffer into chunks per rank). Its cost is the all_reduce's latency, never a request per
-rank to one rank's server.
-It is issued when the batch is fetched and waited before the batch's first collective, a step
-later, so the wait finds it done. Which rank had which status is only asked for on the rare paths
-that report it (`Votes.gather`).
+below 65,536 ranks). Its size does not grow with the world, and one element is gloo's cheapest
+all_reduce (on two shared cores, a 4-element one cost three times the CPU). It is issued when the
+batch is fetched and waited before the batch's first collective, a step later, so the wait finds it
+done. Which rank had which status is only asked for on the rare paths that report it (`gather`).
 """
 
 from __future__ import annotations

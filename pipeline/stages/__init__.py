@@ -37,11 +37,5 @@ Notes on the table:
 - On CPU there are no streams: the stages run in this order on the calling thread, and the
   collectives overlap in gloo's threads.
 
-Modules: `copy` (the copy stage), `input_dist` (`InputDist`: rewriting the model, starting and
-waiting the all-to-alls, their process groups), `schedule`, `tuner`, `trials` and `prediction`
-(when the splits are waited, on which group; "auto" measures, starting from a prediction),
-`prefetch` (`PrefetchStage`), `lookup` (`LookupStage`), `memory` (torchrec's memory flags), `context`
-(the per-batch contexts: each field's writer and reader), `streams` (every hand-off), `keepalive`
-(what a hand-off keeps until its consumer is done), `thread_streams` (the CPU prefetch worker),
-`labels` and `names` (the profiler labels), `loader_state` (a dataloader's state per batch).
+Its modules, one concept each: docs/architecture.md.
 """

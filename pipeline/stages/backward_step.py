@@ -1,12 +1,11 @@
 """`StepInBackward`: the optimizer stage run inside backward (TrainPipelineSparseDistBwdOpt).
 
 torchrec's class steps the dense optimizer from a hook at an injection site of backward (the
-backward of a sharded module's output all-to-all), so that the step overlaps the rest of backward,
-whatever the gradients are then. Where a dense gradient is not final at the site (a branch of the
-model whose backward comes later, or DDP's all-reduce of the gradients, which completes only at
-the end of backward) that step applies partial or unreduced gradients, and the numbers differ from
-the plain loop's. This component keeps the plain loop's numbers: the step runs at the site, or as
-soon as after it every gradient it applies is final:
+backward of a sharded module's output all-to-all), whatever the gradients are then: where a dense
+gradient is not final at the site (a branch of the model whose backward comes later, or DDP's
+all-reduce, which completes only at the end of backward) that step applies partial or unreduced
+gradients. This component keeps the plain loop's numbers: the step runs at the site, or as soon as
+after it every gradient it applies is final:
 
 - without DDP (plain leaves, or FSDP2, whose reduced gradient fires the same hook), once the site
   is reached and the post-accumulate-grad hook of every parameter of the optimizer has fired;

@@ -1,15 +1,9 @@
-"""Per-batch contexts: what one batch carries between the pipeline's stages.
-
-One context per batch in flight; none is shared across batches. Each field names the stage that
-writes it and the stage that reads it. The contexts implement `rewrite.ForwardContext`, the interface
-the hijacked forwards read, and do the waiting and cross-stream hand-off for them.
-
-A context is the owner of everything handed off for its batch (`Streams.handoff(obj, producer,
-ctx)`): the batch to data_dist and to the caller's stream, the input_dist results, the prefetched
-inputs and the lookups to the stream that takes them. The pipeline releases it
-(`Streams.release(ctx)`) once the batch's step is over, after backward, where autograd reads the
-tensors forward saved (the ids and offsets of the embedding lookups, the dense inputs, the labels),
-or when the batch is dropped.
+"""Per-batch contexts: what one batch carries between the pipeline's stages (one context per batch
+in flight, none shared; each field names its writer and its reader: docs/pipeline.md, "Contexts").
+The contexts implement `rewrite.ForwardContext`, the interface the hijacked forwards read, and do
+the waiting and cross-stream hand-off for them. A context owns everything handed off for its batch
+(`Streams.handoff(obj, producer, ctx)`) until the pipeline releases it (`Streams.release(ctx)`)
+after the batch's backward, or when the batch is dropped.
 """
 
 from __future__ import annotations

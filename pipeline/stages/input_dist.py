@@ -5,8 +5,7 @@ Its life: `attach` rewrites the model's sharded modules on the first batch (`rew
 waits for them and launches the values all-to-alls (`input_dist::splits`); the hijacked forwards take
 the values through the batch's context (`input_dist::wait`); `detach` restores the model. From the
 second batch on, the splits all-to-alls of all modules on one process group are fused into one
-collective (input dists are created on the first). The schedule (`pipeline.stages.schedule`) says whether
-the splits are waited before or after forward, and on which group the all-to-alls run.
+collective. The schedule (`pipeline.stages.schedule`) says when the splits are waited, on which group.
 """
 
 from __future__ import annotations
@@ -181,10 +180,9 @@ class InputDist:
         return rewrite.record(ctx.batch) if rewrite.needs_recording else None
 
     def _settle(self, rewrite: Rewrite) -> None:
-        """Once the rewrite is complete: warn about each module that is not pipelined
-        (`NotPipelinedWarning`, once per module); every rank must have found the same call sites;
-        the memory flag that frees the batch's features applies only where forward never reads
-        them."""
+        """Once the rewrite is complete: warn about each module not pipelined (once per module); every
+        rank must have found the same call sites; `free_features_storage_early` applies only where
+        forward never reads the features."""
         self._settled = True
         warn_not_pipelined(rewrite.report, self._warned, pipeline_postproc=self._pipeline_postproc)
         if self._ranks is not None:

@@ -7,14 +7,9 @@ queued on it. `record_stream` defers the reuse until all the work queued on thos
 time of the free has run, an unknown later point. Here the side that handed the object over keeps
 a reference instead (FSDP2's way): each consumer stream records an event after its last use of the
 object, and the reference is dropped once that event has completed. The memory kept is then what
-a consumer has not finished with, and no more.
-
-Objects are held per owner (a batch's context): `hold` when a consumer takes one, `release` when
-every consumer of that owner has queued its last use (an event is recorded on each), `poll` drops
-what completed. Both `hold` and `release` poll first, so what completed is dropped at the next
-hand-off, before the allocations that could reuse it. `poll` only queries events, the oldest of
-each stream first (they complete in order there), and never blocks; `wait` and `release_all`
-block, for a detach or a reset.
+a consumer has not finished with, and no more. Objects are held per owner (a batch's context);
+what completed is dropped at the next hand-off, before the allocations that could reuse it, by
+queries that never block (`poll`).
 """
 
 from __future__ import annotations

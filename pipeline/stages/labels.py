@@ -1,14 +1,11 @@
 """Profiler labels of the pipeline's stages, paid for only while a profiler records.
 
-A stage is one labelled unit of work of one batch (copy, input_dist::start, ..., optimizer; the
-names are `pipeline.stages.names.STAGES`). Each runs under `record_function("pipeline::<stage>#<batch
-index>")`, e.g. `pipeline::forward#12`; the timeline tool reads these names.
-
-A `record_function` costs 8-15 us of host time even when no profiler is running (it enters the
-dispatcher), about 0.1 ms a step over a pipeline's stages: so labels are made only while
-a profiler records (a check of ~0.1 us). torch 2.13's `_profiler_enabled()` says False under a
-profiler made with `profile_all_threads=True` (the timeline's), so the Python-side flag that every
-torch.profiler sets is read too.
+A stage (copy, input_dist::start, ..., optimizer: the names `timeline.trace.STAGES` reads) runs under
+`record_function("pipeline::<stage>#<batch index>")`, e.g. `pipeline::forward#12`, which the
+timeline tool reads. A `record_function` costs 8-15 us of host time even with no profiler running,
+so labels are made only while one records (a check of ~0.1 us). torch 2.13's `_profiler_enabled()`
+says False under a profiler made with `profile_all_threads=True` (the timeline's), so the
+Python-side flag that every torch.profiler sets is read too.
 """
 
 from __future__ import annotations
@@ -20,10 +17,9 @@ from torch._C._autograd import _profiler_enabled
 from torch.autograd import profiler as autograd_profiler
 from torch.profiler import record_function
 
-from pipeline.stages.names import STAGES
 from pipeline.stages.streams import Streams
 
-__all__ = ["STAGES", "label", "run_stage"]
+__all__ = ["label", "run_stage"]
 
 _NO_LABEL = nullcontext()
 

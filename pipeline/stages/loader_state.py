@@ -1,15 +1,11 @@
 """A checkpoint without a drain: the dataloader's state as of the oldest batch not yet trained.
 
-A pipeline fetches batches ahead of the one it trains (up to 2 for SparseDist, 3 under Prefetch),
-so a stateful dataloader's own `state_dict()` taken between two `progress()` calls is ahead of the
-model. When the iterator has a `state_dict()` (torchdata's `StatefulDataLoader`, or any iterator
-with that method), the pipeline captures it right before each fetch (`capture`) and keeps it on the
-batch's context (`BatchContext.loader_state`). `resume_state` then returns the state from before
-the oldest batch still in flight: the model and optimizer have trained exactly the batches before
-it, so a run restored from the three trains every batch once, with no drain and no pipeline fill.
-
-The model and optimizer may be saved with batches in flight: the pipelines change no parameter or
-optimizer state ahead of the step that trains a batch (docs/pipeline.md, "Checkpointing").
+A pipeline fetches batches ahead of the one it trains, so a stateful dataloader's own `state_dict()`
+taken between two `progress()` calls is ahead of the model. When the iterator has a `state_dict()`
+(torchdata's `StatefulDataLoader`, or any iterator with that method), the pipeline captures it
+right before each fetch (`capture`) and keeps it on the batch's context; `resume_state` returns the
+one from before the oldest batch still in flight. The pipelines change no parameter or optimizer
+state ahead of the step that trains a batch (docs/pipeline.md, "Checkpointing").
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
-"""`LookupStage`: the embedding lookup of a batch run ahead of its forward (Fused and SemiSync).
+"""`LookupStage`: the embedding lookup of a batch run ahead of its forward (Fused, with the plain
+loop's numbers, and SemiSync, embeddings one step stale; where in the step: `pipeline.stages`).
 
 For each pipelined module it waits for the input_dist result and runs `compute_and_output_dist`
 (local lookup, then the pooled-embedding all-to-all, left in flight); forward then takes that
-output (`rewrite.LookupPipelinedForward`) instead of running the lookup itself. Where the stage sits
-in the step is the pipeline's to say:
-
-| pipeline  | lookup of batch i runs                                  | numerics                  |
-|-----------|---------------------------------------------------------|---------------------------|
-| Fused     | at the start of step i, after backward of i-1           | the plain loop's          |
-| SemiSync  | in step i-1, between forward and backward of i-1 (*)   | embeddings one step stale |
-
-(*) for i > `start_batch`; before that, at the end of step i-1, after its optimizer step.
+output (`rewrite.LookupPipelinedForward`) instead of running the lookup itself.
 
 The embedding optimizer is fused into backward (torchrec's fused kernels), so the tables batch i
 reads are final once backward of i-1 is done. On CUDA the lookup runs on the data_dist stream, which

@@ -1,19 +1,12 @@
 """Whether running the prefetch stage ahead on its worker thread pays on this machine: `OverlapTrial`
 measures it on real training steps and decides, the same way on every rank.
 
-On CPU, overlap only pays where the cores have room for it. A prefetch that mostly waits (on a disk
-that does its own work, on a network) hides behind compute; a prefetch whose reads are themselves
-CPU time (a virtual disk whose I/O the guest's cores do, page-cache work, write-back) competes with
-compute for the same cores, and running it beside compute can cost more CPU than it hides: on a
-2-core VM, at 2 ranks, the `tiered` benchmark's pipelines took 1.2-1.8x the plain loop's step
-(docs/tiered.md, "Why the pipelines cost more CPU at 2 ranks"). That depends on the machine, the
-tables and the load, not on anything the pipeline can read beforehand, so it is measured: rounds in
-which the stage runs a block of steps ahead and a block inline (just before forward, on the calling
-thread: the plain loop's order), the order rotated between rounds; the ranks sum their block
-medians (an all_reduce), so all of them decide alike at the same step; the stage stays inline
-unless running ahead is significantly faster (`pipeline.stages.schedule.decide`: by more than
-`margin` in the median over rounds and in every round). Later re-checks repeat it (the first trial
-may run while caches are still filling).
+On CPU a prefetch whose reads are themselves CPU time competes with compute for the cores and can
+cost more than it hides; that depends on the machine, the tables and the load, not on anything the
+pipeline can read beforehand, so it is measured (docs/tiered.md, "Ahead or inline: the overlap
+trial"). The ranks sum their block medians (an all_reduce), so all of them decide alike at the same
+step; the stage stays inline unless running ahead is significantly faster
+(`pipeline.stages.schedule.decide`). Re-checks repeat it (the first trial may run while caches fill).
 """
 
 from __future__ import annotations
@@ -25,12 +18,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
+from torchrec.distributed.comm import get_local_size
 
 from pipeline.stages.schedule import decide
+from pipeline.stages.tuner_phase import all_reduce_sum
 
-__all__ = ["OverlapTrial", "TrialResult", "sum_over_ranks"]
+__all__ = ["OverlapTrial", "TrialResult"]
 
 _AHEAD, _INLINE = "ahead", "inline"
 _BUSY = 0.85
@@ -66,7 +60,8 @@ class OverlapTrial:
         clock, cpu_clock: wall and process CPU seconds (tests inject fake ones).
         agree: sums a list of floats over the ranks (tests inject one without a process group).
         cores, local_ranks: the cores this process may run on and the ranks on this host, for the
-            reason's words (default: the affinity mask and `LOCAL_WORLD_SIZE` or the world size).
+            reason's words (default: the affinity mask, and torchrec's `get_local_size`: the launcher's
+            local world size, else the world size).
     """
 
     def __init__(
@@ -88,7 +83,7 @@ class OverlapTrial:
             raise ValueError(f"bad overlap trial: block {block}, settle {settle}, rounds {rounds}")
         self._block, self._settle, self._rounds, self._margin = block, settle, rounds, margin
         self._clock, self._cpu_clock = clock, cpu_clock
-        self._agree = agree or sum_over_ranks
+        self._agree = agree or all_reduce_sum
         self._cores, self._local_ranks = cores, local_ranks
         self._steps = 0
         self._start = warmup
@@ -176,7 +171,9 @@ class OverlapTrial:
 
     def _busy(self, cpu_ms: float, step_ms: float, ranks: int) -> float:
         cores = self._cores or len(os.sched_getaffinity(0))
-        local = self._local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
+        if self._local_ranks is None:  # asked once: torchrec warns where the launcher did not say
+            self._local_ranks = get_local_size(ranks) if ranks > 1 else 1
+        local = self._local_ranks
         return cpu_ms * local / (step_ms * cores) if step_ms > 0 and math.isfinite(step_ms) else math.nan
 
     def _words(self, ahead: bool, step: dict, cpu: dict, busy: float, ranks: int) -> str:
@@ -192,13 +189,3 @@ class OverlapTrial:
         if busy >= _BUSY:
             return f"prefetch runs inline: the reads' CPU fills the cores ({measured})"
         return f"prefetch runs inline: running it ahead is not faster ({measured})"
-
-
-def sum_over_ranks(values: list[float]) -> list[float]:
-    """`values` summed element-wise over every rank (an all_reduce; as they are without one)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return values
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return tensor.tolist()

@@ -1,13 +1,11 @@
 """Where the "auto" input_dist tuner starts from a prediction of each schedule's step (a prior the
-caller passes, `Tuner(prior=...)`, made by a tool such as `python -m benchmarks predict`): the rule
-`start_from`, pure, and what it concluded (`Start`).
+caller passes, `Tuner(prior=...)`): the pure rule `start_from`, and what it concluded (`Start`).
 
-The predicted best schedule is run from the first step. The schedules predicted within `noise` of
-it are the ones the prediction cannot tell apart: those are measured by the tuner's paired trials,
-with the predicted best kept without significant evidence, and so is torchrec's order ("late",
-`keep`), since the model's error is larger than the noise on some machines: a wrong prediction
-then costs a short trial, never a schedule slower than torchrec's. Where the model is sure that
-torchrec's order is best, no trial runs at all.
+The predicted best schedule runs from the first step. The schedules predicted within `noise` of it,
+which the prediction cannot tell apart, are measured by the tuner's paired trials, and so is
+torchrec's order ("late", `keep`), since the model's error exceeds the noise on some machines: a
+wrong prediction costs a short trial, never a schedule slower than torchrec's. Where the model is
+sure that torchrec's order is best, no trial runs at all.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """`RidingStatus`: a batch's status rides on its fused splits all-to-all instead of a vote.
 
-The ranks must agree that every rank has a batch before it enters a collective (`pipeline.ranks`).
 Once the sharded modules' splits all-to-alls are fused, a batch's first collective is that one
 all-to-all, which every rank issues anyway: each rank adds its status as one more row
-(`rewrite.StatusSplits`), and the splits wait reads every rank's status before any values move. A rank
-without the batch (its data ended, or the batch is rejected) sends zero splits of the shape the
-others send, recorded from an earlier batch, with its status (`rewrite.StatusOnly`). So in steady
-state the agreement costs no collective of its own.
-
-The first batch of every dataloader iterator is still voted on (`Ranks.fetch`), as is any batch
-fetched before the splits are fused; a pipeline that admits batches itself never lets statuses ride.
+(`rewrite.StatusSplits`), and the splits wait reads every rank's status before any values move. A
+rank without the batch (its data ended, or the batch is rejected) sends zero splits of the shape
+the others send, recorded from an earlier batch, with its status (`rewrite.StatusOnly`). The first
+batch of every dataloader iterator is still voted on (`Ranks.fetch`), as is any batch fetched before
+the splits are fused; a pipeline that admits batches itself never lets statuses ride.
 """
 
 from __future__ import annotations

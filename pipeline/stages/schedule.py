@@ -1,25 +1,8 @@
-"""When the next batch's input all-to-alls run: the input_dist schedules, and the paired decision rule
-the "auto" tuner (`pipeline.stages.tuner`) chooses among them by.
-
-A schedule is two independent choices:
-
-- splits "early" or "late": the splits all-to-all of batch i+1 is waited for right after it is
-  launched, before forward of batch i (its values all-to-all then has forward, backward and the
-  optimizer step of i to finish in), or after forward of i (torchrec's order: no blocking round trip
-  before forward);
-- group "own" or "shared": the input all-to-alls run on a process group of their own
-  (`pipeline.stages.groups.InputDistGroups`), so backward's collectives do not queue behind them, or
-  on torchrec's group (no extra communicator, no second transfer competing for the link and the
-  cores).
-
-| name             | splits | group  |
-|------------------|--------|--------|
-| `"early"`        | early  | own    |
-| `"late"`         | late   | shared | (torchrec's)
-| `"early-shared"` | early  | shared |
-| `"late-own"`     | late   | own    |
-
-Numerics are the same under every schedule: only when the (identical) data moves changes.
+"""The input_dist schedules, each two choices: whether the splits all-to-all of batch i+1 is waited
+for before forward of batch i ("early") or after it ("late", torchrec's order), and whether the
+input all-to-alls run on a process group of their own (`pipeline.stages.groups.InputDistGroups`) or
+on torchrec's; and the paired decision rule the "auto" tuner (`pipeline.stages.tuner`) chooses by.
+Numerics are the same under every schedule. docs/pipeline.md, "Input_dist schedules", weighs them.
 """
 
 from __future__ import annotations
@@ -28,7 +11,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-__all__ = ["OPTIONS", "SCHEDULES", "Decision", "Schedule", "decide", "runner_up"]
+__all__ = ["SCHEDULES", "Decision", "Schedule", "decide", "runner_up"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +30,6 @@ SCHEDULES: dict[str, Schedule] = {
     "early-shared": Schedule(early_splits=True, own_group=False),
     "late-own": Schedule(early_splits=False, own_group=True),
 }
-OPTIONS = ("auto", *SCHEDULES)
-"""Values of `input_dist_schedule=`."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,38 +1,25 @@
-"""Streams and cross-stream hand-offs, in one place.
+"""Streams and cross-stream hand-offs, in one place (docs/pipeline.md, "Streams and hand-offs").
 
-A pipeline runs each stage on a stream: the host-to-device copy on `memcpy`, the input all-to-all on
-`data_dist`, the prefetch on `prefetch`, and forward/backward/optimizer on whatever stream the caller
-is running on (read at each use, never a stream of our own: a user's code around `progress()` runs on
-that stream, and work we queued elsewhere would not be ordered with it). Every object made on one
-stream and used on another goes through `Streams.handoff`, which orders the consumer after the
-producer and keeps the object alive for the consumer.
+A pipeline runs each stage on a stream: the copy on `memcpy`, the input all-to-all on `data_dist`,
+the prefetch on `prefetch`, and forward/backward/optimizer on whatever stream the caller runs on
+(read at each use, never a stream of our own: work queued elsewhere would not be ordered with the
+user's code around `progress()`). Every object made on one stream and used on another goes through
+`Streams.handoff`; `release` and `returned` end what it holds (the contract: their docstrings).
 
-The hand-off contract, for every implementation:
-- `handoff(obj, producer, owner)`: the current stream waits for `producer`; `obj` is held for the
-  current stream on behalf of `owner` (a batch's context);
-- `release(owner)`: every stream that took one of `owner`'s objects has queued its last use (for the
-  caller's stream: after backward, since autograd's saved tensors are read there); each such stream
-  records an event now, and the objects are dropped once it has completed (`KeepAlive`);
-- `returned(obj)`: `obj` leaves the pipeline for the caller (a step's output, which may hold the
-  batch's labels): the caller's later use of it is beyond any point the pipeline can order.
+Implementations: `Streams` (CPU: no-ops), `CudaStreams`, `thread_streams.ThreadStreams` (CPU, the
+prefetch stream a worker thread) and the test double `streamcheck.RecordingStreams`. `CudaStreams`
+and the double share `OrderedStreams`, where the hand-off is written once. Nobody asks which it has.
 
-Implementations: `Streams` (CPU, no streams: no-ops), `CudaStreams`, `pipeline.testing.RecordingStreams`
-(fake streams that log every hand-off and every use of a handed-off tensor: CI's checker) and
-`thread_streams.ThreadStreams` (CPU, the prefetch stream a worker thread). The middle two share
-`OrderedStreams`, where the hand-off is written once. Nobody asks which one it has.
-
-Where `record_stream` remains (`Streams.record`): with `handoff="record-stream"` (the previous
-hand-off, kept to measure the difference), for what `returned` gives the caller, and for a storage
-freed while a side stream still copies it (`free_after`: a stash). torchrec and
-fbgemm also record streams inside their own APIs: a collective's awaitable records its result on the
-stream that waits for it (`torchrec.distributed.comm_ops.Request`), and a UVM-caching table's
-`prefetch(..., forward_stream)` records its cache locations on the forward stream.
+`record_stream` remains (`Streams.record`) under `handoff="record-stream"`, for what `returned`
+gives the caller, for a storage freed while a side stream still copies it (`free_after`), and inside
+torchrec's and fbgemm's APIs: a collective's awaitable records its result on the stream that waits
+for it (`torchrec.distributed.comm_ops.Request`), a UVM-caching table's `prefetch(...,
+forward_stream)` its cache locations on the forward stream.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from contextlib import nullcontext
@@ -47,7 +34,6 @@ __all__ = [
     "CudaStreams",
     "OrderedStreams",
     "Streams",
-    "streams_for",
 ]
 
 HANDOFFS = ("keep-alive", "record-stream")
@@ -144,7 +130,8 @@ class Streams:
 
     def release(self, owner: Hashable) -> None:
         """Every stream that took one of `owner`'s objects has queued its last use (the end of a
-        batch, or its drop): each records an event now; the objects go once it has completed."""
+        batch: after its backward, where autograd reads what forward saved; or its drop): each
+        records an event now; the objects go once it has completed (`KeepAlive`)."""
 
     def returned(self, obj: Any) -> None:
         """`obj` leaves the pipeline for the caller, who reads it on the current stream after any
@@ -158,7 +145,7 @@ class Streams:
 
 class OrderedStreams(Streams):
     """The hand-off of real or fake streams: a wait, then the object held (`KeepAlive`) or, under
-    `handoff="record-stream"`, recorded. `CudaStreams` and `pipeline.testing.RecordingStreams`
+    `handoff="record-stream"`, recorded. `CudaStreams` and `streamcheck.RecordingStreams`
     supply the streams, the events and `record`.
 
     Args:
@@ -234,8 +221,7 @@ class CudaStreams(OrderedStreams):
         prefetch: make a prefetch stream.
         data_dist: make a data_dist stream; without, input_dist runs on the caller's stream (no
             memory pool of another stream).
-        handoff: one of `HANDOFFS`; None: the environment variable `PIPELINE_HANDOFF`, else
-            "keep-alive" (the variable is there to compare the two in-flight memories).
+        handoff: one of `HANDOFFS` ("record-stream" is there to compare the two in-flight memories).
     """
 
     def __init__(
@@ -244,9 +230,8 @@ class CudaStreams(OrderedStreams):
         *,
         prefetch: bool = True,
         data_dist: bool = True,
-        handoff: str | None = None,
+        handoff: str = "keep-alive",
     ) -> None:
-        handoff = handoff or os.environ.get("PIPELINE_HANDOFF", "keep-alive")
         super().__init__(torch.cuda.Event, handoff=handoff)
         high = torch.cuda.Stream.priority_range()[1]  # lowest number is the highest priority
         self.device = device
@@ -283,15 +268,3 @@ def _record_stream(obj: Any, stream: Any) -> None:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             _record_stream(getattr(obj, f.name), stream)
-
-
-def streams_for(device: torch.device, *, prefetch_thread: bool = False, data_dist: bool = True) -> Streams:
-    """Real streams on CUDA (without a data_dist stream unless `data_dist`); on CPU none, or a
-    prefetch worker thread if `prefetch_thread`."""
-    if device.type == "cuda":
-        return CudaStreams(device, data_dist=data_dist)
-    if prefetch_thread:
-        from pipeline.stages.thread_streams import ThreadStreams  # it builds on this module
-
-        return ThreadStreams()
-    return Streams()

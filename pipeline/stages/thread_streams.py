@@ -1,4 +1,5 @@
-"""`ThreadStreams`: CPU streams where the prefetch stream is a worker thread.
+"""`ThreadStreams`: CPU streams where the prefetch stream is a worker thread (and `streams_for`, a
+pipeline's default streams: this one, `CudaStreams` or none).
 
 Work submitted to the prefetch stream runs in order on that thread, and a hand-off waits for the
 future of the work that produced the object instead of `wait_stream`. Host memory needs no keeping
@@ -19,9 +20,9 @@ from typing import Any
 
 import torch
 
-from pipeline.stages.streams import Streams
+from pipeline.stages.streams import CudaStreams, Streams
 
-__all__ = ["ThreadStreams", "all_threads_profiled", "profiling_all_threads"]
+__all__ = ["ThreadStreams", "all_threads_profiled", "profiling_all_threads", "streams_for"]
 
 _all_threads_profiled = False
 
@@ -169,3 +170,13 @@ class ThreadStreams(Streams):
                 job.result()
             else:
                 producer.join()
+
+
+def streams_for(device: torch.device, *, prefetch_thread: bool = False, data_dist: bool = True) -> Streams:
+    """Real streams on CUDA (without a data_dist stream unless `data_dist`); on CPU none, or a
+    prefetch worker thread if `prefetch_thread`."""
+    if device.type == "cuda":
+        return CudaStreams(device, data_dist=data_dist)
+    if prefetch_thread:
+        return ThreadStreams()
+    return Streams()

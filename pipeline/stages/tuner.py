@@ -1,14 +1,10 @@
-"""The "auto" input_dist schedule: a Tuner that chooses among `pipeline.stages.schedule.SCHEDULES` by paired,
-interleaved measurement of real training steps, cheaply, and can be saved with a checkpoint.
-
-Every step a worse schedule runs is lost time, so the trials are short and a schedule that the first
-round already rules out (more than `drop_above` times the best of that round) runs no more rounds.
-With a `prior` (each schedule's predicted step, which the caller computed beforehand, e.g. with the
-`python -m benchmarks predict` tool) the tuner starts on the predicted best and measures only it,
-the schedules predicted within `noise` of it, and torchrec's order (`pipeline.stages.prediction`),
-so the choice is never worse than "late" by more than the paired rule's margin. The tuner itself
-never measures anything but the training steps it runs. A restarted job reloads the decision
-(`state_dict()`) instead of tuning again.
+"""The "auto" input_dist schedule: a Tuner that chooses among `pipeline.stages.schedule.SCHEDULES`
+by paired, interleaved measurement of real training steps, cheaply, and can be saved with a
+checkpoint (a restarted job reloads the decision instead of tuning again). Every step a worse
+schedule runs is lost time: the trials are short, and a schedule the first round rules out runs no
+more rounds. With a `prior` (each schedule's predicted step, computed beforehand by the caller, e.g.
+with `python -m benchmarks predict`) it measures fewer (`pipeline.stages.prediction`); it never
+measures anything but the training steps it runs.
 """
 
 from __future__ import annotations

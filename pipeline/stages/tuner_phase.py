@@ -122,7 +122,8 @@ class Phase:
 
 
 def all_reduce_sum(values: list[float]) -> list[float]:
-    """`values` summed over the ranks of the default process group (as they are at one rank)."""
+    """`values` summed over the ranks of the default process group (as they are at one rank): how
+    the tuner and the overlap trial agree."""
     if not (dist.is_available() and dist.is_initialized()):
         return values
     backend = dist.get_backend()

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from pipeline.stages.streams import OrderedStreams
-from pipeline.testing_objects import storage_address, storages_of
+from streamcheck.storages import storage_address, storages_of
 
 __all__ = ["HandoffError", "RecordingStreams"]
 
