@@ -60,8 +60,8 @@ test-1.8:
 	.venv-1.8/bin/python -m pytest $(TESTS_1.8) $(PYTEST_ARGS)
 
 lint: setup
-	$(BIN)/ruff check pipeline rewrite tiered timeline streamcheck tests examples benchmarks torchrec_pipeline.py
-	$(BIN)/ruff format --check pipeline rewrite tiered timeline streamcheck tests examples benchmarks torchrec_pipeline.py
+	$(BIN)/ruff check pipeline rewrite tiered timeline tests examples benchmarks torchrec_pipeline.py
+	$(BIN)/ruff format --check pipeline rewrite tiered timeline tests examples benchmarks torchrec_pipeline.py
 
 # DLRM on 2 local ranks (gloo on CPU, NCCL on GPUs) with the prefetch pipeline: synthetic Criteo-like
 # data, loss/AUC/throughput as it trains, then the plain loop on the same config (--compare plain),

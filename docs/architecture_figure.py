@@ -114,7 +114,7 @@ BOXES = {
         (
             "streams.py  Streams / CudaStreams / ThreadStreams",
             "every hand-off: handoff, handoff_event, submit",
-            "streamcheck/  RecordingStreams (proves hand-offs on CPU)",
+            "tests/streamcheck/  RecordingStreams (proves hand-offs on CPU)",
             "labels.py + stages.py  pipeline::<stage>#<batch>",
         ),
     ),

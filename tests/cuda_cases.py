@@ -156,7 +156,7 @@ def _reference(name: str, model, opt, data: list) -> list:
 def _train(name: str, model, opt, device, data: list, handoff: str) -> tuple[list, Any, Any]:
     """The pipeline's outputs, its streams and its rewrite report (None where it has none)."""
     import pipeline
-    import streamcheck
+    from tests import streamcheck
 
     if name.startswith("torchrec."):
         from torchrec.distributed import train_pipeline

@@ -390,7 +390,7 @@ def recorded_run(
     """
     import contextlib
 
-    import streamcheck
+    from tests import streamcheck
 
     streams = streamcheck.RecordingStreams(lag=lag, broken="no-wait" if broken is True else (broken or None))
     pipe, it = make_pipe(streams), iter(batches)
@@ -411,7 +411,7 @@ def summarize(streams, outputs: int) -> dict:
     checker's error or None, the streams each stage ran on, how many times each stage ran, uses of
     handed-off tensors verified, holds, the objects kept after each release, the most kept at
     once, the drained check's error or None."""
-    import streamcheck
+    from tests import streamcheck
 
     try:
         checked, error = streams.check(), None

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("pipeline", "rewrite", "tiered", "timeline", "streamcheck", "benchmarks", "examples")
+PACKAGES = ("pipeline", "rewrite", "tiered", "timeline", "tests.streamcheck", "benchmarks", "examples")
 EXTENSIONS = ("py", "md", "sh", "toml", "json", "png", "svg", "tsv", "txt", "yml", "yaml", "cfg")
 
 
@@ -135,7 +135,9 @@ def our_classes() -> dict[str, tuple[type, ...]]:
         ]
         for module in modules:
             for obj in vars(module).values():
-                if inspect.isclass(obj) and obj.__module__.split(".")[0] in PACKAGES:
+                if inspect.isclass(obj) and obj.__module__.startswith(
+                    tuple(p + "." for p in PACKAGES) + PACKAGES
+                ):
                     found.setdefault(obj.__name__, set()).add(obj)
     return {name: tuple(classes) for name, classes in found.items()}
 

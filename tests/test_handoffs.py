@@ -158,8 +158,7 @@ def _staged(model, opt, data, broken: str | None, extra: str) -> dict:
     import torch
 
     import pipeline
-    import streamcheck
-    from tests import models
+    from tests import models, streamcheck
 
     streams = streamcheck.RecordingStreams(lag=LAG, broken=broken)
     extra_stream = {"prefetch": "prefetch_stream", "lookup": "embedding_lookup_stream"}

@@ -13,7 +13,7 @@ import torch
 from pipeline.stages.copy import to_device_in_place
 from pipeline.stages.keepalive import KeepAlive
 from pipeline.stages.streams import OrderedStreams
-from streamcheck import HandoffError, RecordingStreams
+from tests.streamcheck import HandoffError, RecordingStreams
 
 
 class _Event:

@@ -12,7 +12,7 @@ import torch
 
 from pipeline.stages.streams import Streams
 from pipeline.stages.thread_streams import ThreadStreams, streams_for
-from streamcheck import RecordingStreams
+from tests.streamcheck import RecordingStreams
 
 
 def test_work_runs_in_order_on_another_thread_and_handoff_waits():

@@ -32,7 +32,7 @@ class TrainPipelineBase(PipelineCore):
     Keyword-only, ours:
         execute_all_batches: torchrec's Base has no such option and runs every batch, and so
             does ours under False (nothing follows the head batch that it would need).
-        streams: the streams to run on (tests pass `streamcheck.RecordingStreams()`); None: CUDA
+        streams: the streams to run on (tests pass `tests.streamcheck.RecordingStreams()`); None: CUDA
             streams on a GPU, none on CPU.
         on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
             peer_timeout: the fields of `RankOptions`, which `ranks` may give instead; None:

@@ -69,7 +69,7 @@ class SparseDataDistUtil:
         strict: fail on the first batch if a sharded module cannot be pipelined.
         rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
         streams: the hand-offs of the stages' results to forward's stream (tests pass
-            `streamcheck.RecordingStreams()`, with its `data_dist` as `data_dist_stream`); None: CUDA
+            `tests.streamcheck.RecordingStreams()`, with its `data_dist` as `data_dist_stream`); None: CUDA
             hand-offs if `data_dist_stream` is a CUDA stream.
 
     What forward took of a batch is released at the next forward, or at `detach()`: the caller's

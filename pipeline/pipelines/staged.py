@@ -80,7 +80,7 @@ class StagedTrainPipeline(TrainPipeline):
         on_flush_end: called once a flush (`set_flush(True)`) has emptied the pipeline.
 
     Keyword-only, ours:
-        streams: the hand-offs between the stages' streams (tests pass `streamcheck.RecordingStreams()`
+        streams: the hand-offs between the stages' streams (tests pass `tests.streamcheck.RecordingStreams()`
             and its streams in the stages); None: CUDA hand-offs if a stage has a CUDA stream.
     """
 

@@ -7,7 +7,7 @@ user's code around `progress()`). Every object made on one stream and used on an
 `Streams.handoff`; `release` and `returned` end what it holds (the contract: their docstrings).
 
 Implementations: `Streams` (CPU: no-ops), `CudaStreams`, `thread_streams.ThreadStreams` (CPU, the
-prefetch stream a worker thread) and the test double `streamcheck.RecordingStreams`. `CudaStreams`
+prefetch stream a worker thread) and the test double `tests.streamcheck.RecordingStreams`. `CudaStreams`
 and the double share `OrderedStreams`, where the hand-off is written once. Nobody asks which it has.
 
 `record_stream` remains (`Streams.record`) under `handoff="record-stream"`, for what `returned`
@@ -145,7 +145,7 @@ class Streams:
 
 class OrderedStreams(Streams):
     """The hand-off of real or fake streams: a wait, then the object held (`KeepAlive`) or, under
-    `handoff="record-stream"`, recorded. `CudaStreams` and `streamcheck.RecordingStreams`
+    `handoff="record-stream"`, recorded. `CudaStreams` and `tests.streamcheck.RecordingStreams`
     supply the streams, the events and `record`.
 
     Args:

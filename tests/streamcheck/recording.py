@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from pipeline.stages.streams import OrderedStreams
-from streamcheck.storages import storage_address, storages_of
+from tests.streamcheck.storages import storage_address, storages_of
 
 __all__ = ["HandoffError", "RecordingStreams"]
 

@@ -4,6 +4,6 @@ stage, wait, hold, release and use, and `check()` proves them; `HandoffError` sa
 Pass it as a pipeline's `streams=`. Modules: `recording` (the double), `storages` (the tensors an
 object holds)."""
 
-from streamcheck.recording import HandoffError, RecordingStreams
+from tests.streamcheck.recording import HandoffError, RecordingStreams
 
 __all__ = ["HandoffError", "RecordingStreams"]
