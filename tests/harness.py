@@ -53,7 +53,8 @@ __all__ = [
 ]
 
 START_TIMEOUT = 90.0
-"""Seconds for the ranks to start: spawn, import torch and torchrec, join the process group."""
+"""Seconds for the ranks to start: the fork server's first start (it imports torch and torchrec),
+then the fork and the process group's rendezvous."""
 _GRACE = 5.0
 _POLL = 0.02
 
