@@ -1,11 +1,13 @@
 """Run test scenarios on N gloo (or NCCL) ranks in processes of their own, one scenario a test.
 
-`RankPool(world_size)` keeps one set of rank processes, joined in a process group over a free local
-port, and runs scenarios on them one at a time: `pool.run(fn, *args)` calls `fn(rank, world_size,
-*args)` on every rank and returns the per-rank return values. Each scenario's outcome is recorded by
-each rank on its own (a result file, or its traceback), so a scenario that raises, hangs or kills a
-rank fails exactly the test that ran it, naming the scenario; the pool then stops its ranks and the
-next scenario starts fresh ones, so every later scenario still runs, on ranks in a known state.
+`RankPool(world_size)` keeps one set of rank processes, joined in a process group through a store
+the pool hosts in the test process (as torchrun's agent hosts one, so a rank that ends, rank 0 too,
+leaves it to the peers still reading a failure from it), and runs scenarios on them one at a time:
+`pool.run(fn, *args)` calls `fn(rank, world_size, *args)` on every rank and returns the per-rank
+return values. Each scenario's outcome is recorded by each rank on its own (a result file, or its
+traceback), so a scenario that raises, hangs or kills a rank fails exactly the test that ran it,
+naming the scenario; the pool then stops its ranks and the next scenario starts fresh ones, so every
+later scenario still runs, on ranks in a known state.
 
 Ranks are forked from one server process per pytest session that imported torch and torchrec once
 (`multiprocessing`'s forkserver): a pair of ranks starts in about a second, where a spawned pair
@@ -86,17 +88,15 @@ def pytest_timeout(timeout: float, *, grace: float = _GRACE) -> int:
     return int(START_TIMEOUT + timeout + grace + 30)
 
 
+_PRELOAD = ["torch", "torch.distributed", "torchrec", "tests.harness"]
+"""What the fork server imports once. Nothing here starts CUDA, torch's threads or a process group,
+so each fork starts clean."""
+
+
 def _context() -> Any:
-    """Ranks are forked from one server process per session that has imported torch and torchrec
-    once: a rank starts in well under a second instead of the 6-10 s of a spawned interpreter that
-    imports them again. The server imports nothing that starts CUDA, threads of torch's or a process
-    group, so each fork starts clean; it ends with the session."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
-
-
-_PRELOAD = ["torch", "torch.distributed", "torchrec", "tests.harness"]
 
 
 def _host_store(world_size: int) -> Any:
@@ -244,8 +244,8 @@ class RankPool:
         ctx = _context()
         self._dir = Path(tempfile.mkdtemp(prefix="ranks-"))
         self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
-        self._store = _host_store(self.world_size)  # here, as torchrun's agent hosts it: a rank that
-        port = self._store.port  # ends (rank 0 too) leaves it to the peers that read a failure from it
+        self._store = _host_store(self.world_size)
+        port = self._store.port
         self._procs = [
             ctx.Process(
                 target=_serve,
