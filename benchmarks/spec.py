@@ -91,8 +91,9 @@ class RunSpec:
     warmup: int = 20
     """Untimed steps before them (first-batch rewrite, allocator warm-up)."""
     auto_warmup: int = 55
-    """Untimed steps for our pipelines under `input_dist_schedule="auto"`, whose tuner decides within
-    its first 54 steps."""
+    """Untimed steps for our pipelines under `input_dist_schedule="auto"`. Its tuner decides within at
+    most 86 steps (docs/pipeline.md, "Input_dist schedules"), fewer when its first round rules
+    schedules out; timed steps past this warm-up may still be tuning (`schedule kept` says so)."""
     rounds: int = 4
     """Repetitions of every variant; the order is rotated between rounds."""
     profile_steps: int = 5
