@@ -2,8 +2,8 @@
 store that no earlier attempt has written to.
 
 torchrun's c10d rendezvous shares one TCPStore between the launcher and every attempt of the job
-(`TORCHELASTIC_USE_AGENT_STORE=True`), and torch 2.13 does not separate the attempts' keys in it
-(pytorch/pytorch#135712): a restarted rank can read a dead rank's address from the last attempt and
+(`TORCHELASTIC_USE_AGENT_STORE=True`), and torch 2.13 does not separate the attempts' keys in it: a
+restarted rank can read a dead rank's address from the last attempt and
 fail with "Gloo connectFullMesh failed ... Connection refused". Each attempt therefore puts its
 process groups under a prefix of its own.
 """
