@@ -8,7 +8,7 @@ VARIANT ?= $(shell nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 TORCHREC ?= 1.9
 # The pins, one stack a line: torch, fbgemm-gpu[-cpu], torchrec. fbgemm is ABI-bound to one torch
 # release (fbgemm_gpu/__init__.py's compatibility table: 1.9 -> 2.14, 1.8 -> 2.13), so the three move
-# together. torch 2.14 has no +cpu build on the index: its default build brings CUDA libraries (~5 GB).
+# together. torch 2.14 has no +cpu build on the index: its default build brings CUDA libraries.
 STACK_1.9 := 2.14.1 1.9.0 1.9.2
 STACK_1.8 := 2.13.0 1.8.0 1.8.0
 STACK := $(or $(STACK_$(TORCHREC)),$(error TORCHREC=$(TORCHREC) is not a known stack: use 1.9 or 1.8))
@@ -23,7 +23,7 @@ PYTEST_ARGS ?=
 
 # The tests that hold on the previous stack too (`make test-1.8`): torchrec's names and parameters,
 # parity with torchrec's classes, every class bit for bit against the plain loop, and what torchrec
-# changed in 1.9. About 520 tests, 8 minutes on 2 busy cores; the 1.9-only cases skip, saying why.
+# changed in 1.9. The 1.9-only cases skip, saying why.
 TESTS_1.8 := tests/test_compat.py tests/test_compat_names.py tests/test_torchrec_modules.py \
 	tests/test_torchrec_parity.py tests/test_torchrec_methods.py tests/test_equivalence.py tests/test_family.py \
 	tests/test_lite_hybrid.py tests/test_eval_variants.py tests/test_backward_opt.py tests/test_stash.py \
@@ -49,7 +49,7 @@ $(STAMP): Makefile pyproject.toml
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# A first signal in under 3 minutes: the tests not marked `slow` (pyproject.toml says what the mark
+# A first signal: the tests not marked `slow` (pyproject.toml says what the mark
 # covers). `make test` before a merge: the quick tier is a subset, not a replacement.
 test-quick: setup
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
@@ -125,7 +125,7 @@ bench-overhead: setup
 	$(BIN)/python -m benchmarks overhead --cprofile ours-sparse-dist --steps 300 --top 40
 
 # Tables on disk at 1 and 2 ranks: plain, our SparseDist and Prefetch, and Prefetch's bound. Stores go
-# to $(BENCH_STORE_DIR) (local disk, ~1.1 GB at most). About 19 minutes.
+# to $(BENCH_STORE_DIR) (local disk, ~1.1 GB at most).
 BENCH_STORE_DIR ?= /var/tmp/bench-tiered
 BENCH_TIERED_ARGS ?=
 bench-tiered: setup
@@ -138,7 +138,7 @@ hit-rates: setup
 	$(BIN)/python -m benchmarks hit-rates --fractions 0.01 0.02 0.05 $(HIT_RATES_ARGS)
 
 # 14 points from network-bound (100 Mbit) to compute-bound (loopback); needs root for the emulated
-# links. Writes $(SWEEP_OUT)/sweep.md/.json/.png. About 30 minutes.
+# links. Writes $(SWEEP_OUT)/sweep.md/.json/.png. Its last run's time: docs/results/sweep.md.
 SWEEP_OUT ?= out/sweep
 SWEEP_ARGS ?=
 bench-sweep: setup
@@ -163,7 +163,7 @@ predict: setup
 	$(BIN)/python -m benchmarks predict $(PREDICT_ARGS)
 
 # Every figure file in docs/results/ written again by the command its `Command:` line states, one at a
-# time (hours: the sweep alone is ~35 min); those emulating a link need root and are skipped without
+# time (hours); those emulating a link need root and are skipped without
 # it. FIGURES_ARGS=--list prints the plan and runs nothing; FIGURES_ARGS="--only vote.md" one file.
 FIGURES_ARGS ?=
 figures: setup
