@@ -386,4 +386,4 @@ def test_what_the_checker_counts_as_a_path():
     assert check_path("~/.cache/torchrec-pipeline/", "") is None
     assert check_path("results/", "docs", link=True) is None
     assert check_path("../README.md", "docs", link=True) is None
-    assert check_path("../../shared/DESIGN.md", "docs", link=True) is not None
+    assert check_path("../../elsewhere/NOTES.md", "docs", link=True) is not None

@@ -17,7 +17,7 @@ tests against eager included): two compilations of one graph are not promised th
 wherever a guard fails, so bit-equality is not torch.compile's contract. The scenarios report
 whether they were bitwise anyway (they were, on this machine).
 
-Compile time dominates (docs/benchmarks.md, "PT2 tests"): one small model, few steps.
+Compile time dominates: one small model, few steps.
 """
 
 from __future__ import annotations
