@@ -359,3 +359,52 @@ def test_options_validate(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         TieredOptions(store_dir=tmp_path / "missing", cache_rows=4)
     assert TieredOptions(store_dir=tmp_path, cache_fraction=0.1).capacity(1000) == 100
+
+
+def test_reads_on_several_threads_return_in_order_and_raise_after_all_ended():
+    """`run_all` hands back each call's result in the calls' order, and an error only once every
+    call has ended (none still reading behind it)."""
+    import threading
+    import time
+
+    from tiered.readers import run_all
+
+    names, ended = [], []
+
+    def call(i):
+        def run():
+            names.append(threading.current_thread().name)
+            time.sleep(0.01 * (4 - i))  # the first ends last
+            ended.append(i)
+            if i == 1:
+                raise StoreError("short I/O")
+            return i
+
+        return run
+
+    assert run_all([call(i) for i in (0, 2, 3)], 2) == [0, 2, 3]
+    assert all(n.startswith("tiered-reader") for n in names), names
+    ended.clear()
+    with pytest.raises(StoreError, match="short I/O"):
+        run_all([call(i) for i in range(4)], 2)
+    assert sorted(ended) == [0, 1, 2, 3]
+    names.clear()
+    assert run_all([call(0), call(2)], 1) == [0, 2]
+    assert names == [threading.current_thread().name] * 2
+
+
+def test_read_threads_default_to_this_ranks_share_of_the_cores(tmp_path, monkeypatch):
+    import os
+
+    from tiered import readers
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert readers.default_read_threads() == readers.MAX_THREADS  # one rank, not process-grouped
+    monkeypatch.setattr(readers.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(readers.dist, "get_world_size", lambda: 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert readers.default_read_threads() == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert readers.default_read_threads() == 1
+    with pytest.raises(ValueError, match="read_threads"):
+        TieredOptions(store_dir=tmp_path, cache_rows=4, read_threads=0)

@@ -76,7 +76,9 @@ def _build(
     if store is None:
         sharder, kernel = EmbeddingBagCollectionSharder(), "fused"
     else:
-        options = TieredOptions(store_dir=store, cache_rows=CACHE, policy=policy)
+        # Two read threads: the default gives 2 ranks on 2 cores one each, and these tests are
+        # where the tables' parallel reads must prove bit for bit.
+        options = TieredOptions(store_dir=store, cache_rows=CACHE, policy=policy, read_threads=2)
         sharder = TieredEmbeddingBagCollectionSharder(options)
         kernel = TIERED
     world = dist.get_world_size()

@@ -29,6 +29,7 @@ from tiered.cache import Pin, RowCache
 from tiered.optim import TieredOptimizer, UpdateRule
 from tiered.options import TieredOptions
 from tiered.policy import make_policy
+from tiered.readers import default_read_threads, run_all
 from tiered.store import RowStore
 
 __all__ = ["TieredEmbeddingBag"]
@@ -71,6 +72,7 @@ class TieredEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         self._rule = UpdateRule.from_fused_params(config.fused_params)
         self._mean = config.pooling == PoolingType.MEAN
         rank = dist.get_rank() if dist.is_initialized() else 0
+        self._read_threads = options.read_threads or default_read_threads()
         self.caches: list[RowCache] = []
         self._feature_table: list[int] = []
         self._dims: list[int] = []
@@ -119,12 +121,12 @@ class TieredEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         """Make the rows of `features` resident; one Pin per table, to pass to `forward`."""
         with torch.no_grad():
             segments = _segments(features, len(self._feature_table))
-            return [
-                cache.acquire(
-                    torch.cat([seg for seg, t in zip(segments, self._feature_table, strict=True) if t == i])
-                )
-                for i, cache in enumerate(self.caches)
+            ids = [
+                torch.cat([seg for seg, t in zip(segments, self._feature_table, strict=True) if t == i])
+                for i in range(len(self.caches))
             ]
+            calls = [functools.partial(c.acquire, i) for c, i in zip(self.caches, ids, strict=True)]
+            return run_all(calls, self._read_threads)
 
     def forward(self, features: KeyedJaggedTensor, pins: list[Pin] | None = None) -> torch.Tensor:
         """Pooled embeddings `[batch, sum of dims]` in feature order (prefetches if `pins` is None)."""

@@ -30,6 +30,9 @@ class TieredOptions:
     cold: bool = False
     """Drop rows from the OS page cache after reading them, so that every miss reads the disk
     (benchmarks of tables larger than RAM on a machine that has the RAM)."""
+    read_threads: int | None = None
+    """Threads that read a batch's table shards at once (`tiered.readers`); None: this rank's
+    share of the cores (1 where the local ranks fill them)."""
 
     def __post_init__(self) -> None:
         if (self.cache_rows is None) == (self.cache_fraction is None):
@@ -42,6 +45,8 @@ class TieredOptions:
             raise ValueError(f"store_mode must be 'create' or 'open'; got {self.store_mode!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+        if self.read_threads is not None and self.read_threads < 1:
+            raise ValueError(f"read_threads must be at least 1; got {self.read_threads}")
         directory = Path(self.store_dir)
         if not directory.is_dir():
             raise ValueError(f"embedding store directory {directory} does not exist; create it first")

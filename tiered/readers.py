@@ -1,0 +1,62 @@
+"""The threads that read a batch's table shards at once (`TieredEmbeddingBag.prefetch`).
+
+A batch's misses are spread over the shards of the tables on a rank (8 at 1 rank of the `tiered`
+benchmark). Read one shard after another, a miss costs the kernel's CPU time of a cold read on one
+core while another core waits: at one rank on two cores the second core is idle for most of a step
+that is all reading. Each shard has its own cache and store, so the shards' reads are independent
+and run on `read_threads` threads (`preadv` waits with the GIL released), with results bit for bit
+those of one thread.
+
+The default gives each local rank its share of the cores the process may run on: one thread where
+the ranks already fill the cores, so nothing is added there. The pool is started on first use, and
+again in a forked child (which inherits no threads).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import TypeVar
+
+import torch.distributed as dist
+from torchrec.distributed.comm import get_local_size
+
+__all__ = ["default_read_threads", "run_all"]
+
+T = TypeVar("T")
+MAX_THREADS = 4
+
+_pool: ThreadPoolExecutor | None = None
+_pool_key: tuple[int, int] = (-1, 0)
+_lock = threading.Lock()
+
+
+def default_read_threads() -> int:
+    """The cores this process may run on, shared among the node's ranks (1 to `MAX_THREADS`)."""
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    local = get_local_size(ranks) if ranks > 1 else 1
+    return max(1, min(MAX_THREADS, len(os.sched_getaffinity(0)) // max(local, 1)))
+
+
+def run_all(calls: Sequence[Callable[[], T]], threads: int) -> list[T]:
+    """Each of `calls`' results, in order; on `threads` threads of the pool (here if 1)."""
+    if threads <= 1 or len(calls) <= 1:
+        return [call() for call in calls]
+    futures = [_executor(threads).submit(call) for call in calls]
+    wait(futures)  # all ended before an error is raised: none still reading behind it
+    return [f.result() for f in futures]
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    global _pool, _pool_key
+    key = (os.getpid(), workers)
+    if _pool is None or _pool_key != key:
+        with _lock:
+            if _pool is None or _pool_key != key:
+                if _pool is not None and _pool_key[0] == os.getpid():
+                    _pool.shutdown(wait=False)
+                _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tiered-reader")
+                _pool_key = key
+    return _pool
