@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from benchmarks.configs import RUN_CONFIGS, get_config
+from benchmarks.disk import read_cost_line
 from benchmarks.launch import launch
 from benchmarks.link import emulated_link, parse_rate
 from benchmarks.measure import cpu_busy, machine
@@ -208,8 +209,14 @@ def run(*, configs: list[str], variants: list[str], steps: int, warmup: int, aut
     spec = RunSpec(configs=tuple(configs or RUN_CONFIGS), variants=tuple(variants or VARIANTS), steps=steps,
                    warmup=warmup, auto_warmup=auto_warmup, rounds=rounds, profile_steps=profile_steps,
                    seed=seed, device=device, store_dir=store_dir, trace_dir=trace_dir)  # fmt: skip
+    on_disk = device == "cpu" and any(get_config(name).cache_fraction is not None for name in spec.configs)
+    disk = read_cost_line(store_dir) if on_disk else None  # before the runs, on a quiet machine
+    if disk:
+        print(f"[bench] {disk}", flush=True)
     result = run_benchmark(spec, world_size=world_size, link=link, timeout=timeout, command=command)
-    publish(
-        result, result["meta"], "Benchmark results", *table(result["summary"]), json_path=json, md_path=md
-    )
+    if disk:
+        result["meta"]["disk"] = disk
+    columns, cells, notes = table(result["summary"])
+    publish(result, result["meta"], "Benchmark results", columns, cells, [*notes, *([disk] if disk else [])],
+            json_path=json, md_path=md)  # fmt: skip
     return 0
