@@ -54,7 +54,12 @@ def _run(p: argparse.ArgumentParser) -> None:
     _common(p, steps=30, warmup=20, rounds=4, json="out/bench/results.json", md="out/bench/results.md")
     _names(p, "--configs", "configs (default: demo input-dist-heavy compute-heavy; benchmarks/configs.py)")
     _names(p, "--variants", "NAME[@SCHEDULE][+FLAG...] (benchmarks/spec.py; default: docs/benchmarks.md's 7)")
-    p.add_argument("--auto-warmup", type=int, default=55, help="untimed steps under auto-tuning (default 55)")
+    p.add_argument(
+        "--auto-warmup",
+        type=int,
+        default=90,
+        help="untimed steps of every variant of a config where one tunes (default 90)",
+    )
     p.add_argument("--profile-steps", type=int, default=5, help="steps of the profiled segment; 0: none")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: nccl, one GPU per rank")
     p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
@@ -79,7 +84,12 @@ def _overhead(p: argparse.ArgumentParser) -> None:
 def _sweep(p: argparse.ArgumentParser) -> None:
     _common(p, steps=20, warmup=5, rounds=3, json="out/sweep/sweep.json", md="out/sweep/sweep.md")
     _names(p, "--points", "points (default all 14)")
-    p.add_argument("--auto-warmup", type=int, default=75, help="untimed steps under auto-tuning (default 75)")
+    p.add_argument(
+        "--auto-warmup",
+        type=int,
+        default=75,
+        help="untimed steps on a point where a variant tunes (default 75)",
+    )
     p.add_argument("--png", default="out/sweep/sweep.png", help="the plot ('' for none)")
 
 

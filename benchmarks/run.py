@@ -99,7 +99,8 @@ def run_benchmark(spec: RunSpec, *, world_size: int, link: str | None, timeout: 
     runs = merge_ranks(per_rank)
     meta = {"command": command, "machine": machine(), "cpu_busy_before": round(busy, 3),
             "rounds": spec.rounds,
-            "steps": spec.steps, "warmup": f"{spec.warmup} ({spec.auto_warmup} under auto-tuning)",
+            "steps": spec.steps,
+            "warmup": f"{spec.warmup} ({spec.auto_warmup} on a config where a variant tunes)",
             "where": f"{world_size} rank(s) over {link or 'loopback'}", "world_size": world_size,
             "link": link, "spec": asdict(spec), "duration_s": round(time.time() - started, 1),
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started))}  # fmt: skip

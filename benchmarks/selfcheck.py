@@ -1,9 +1,9 @@
 """`python -m benchmarks selfcheck`: the benchmarks' own pure parts, checked against fakes in a second.
 
 The arithmetic every report rests on (paired ratios, the profiled wait in forward, the bound's
-distance, the order of rounds, the variant names, the prediction's table, the validation's errors and
-winner rule) and the emulated link's setup and cleanup against a fake `ip`/`tc` (no root, nothing
-created). These live here rather than in tests/ so that the tests
+distance, the order of rounds, the variant names, one warm-up per config, the prediction's table,
+the validation's errors and winner rule) and the emulated link's setup and cleanup against a fake
+`ip`/`tc` (no root, nothing created). These live here rather than in tests/ so that the tests
 never import the benchmarks: tests/test_bench.py runs this command and reads which checks passed.
 Each check raises AssertionError (or any error) on failure; the command prints one line per check.
 """
@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 from benchmarks.link import LinkUnavailable, check_available, emulated_link, parse_rate
 from benchmarks.report import paired, paired_difference
-from benchmarks.spec import VARIANTS, parse_variant, reference, round_order
+from benchmarks.spec import VARIANTS, RunSpec, parse_variant, reference, round_order
 
 __all__ = ["CHECKS", "selfcheck"]
 
@@ -189,6 +189,19 @@ def rounds_and_variants() -> None:
             raise AssertionError(f"{bad!r} was taken for a variant")
 
 
+def one_warmup_per_config() -> None:
+    """Every variant of a config times the same steps: the longer warm-up for all of them where one
+    measures before it decides (Prefetch's overlap trial, with tables on disk), else the short one."""
+
+    def spec(*variants: str) -> RunSpec:
+        return RunSpec(configs=("demo", "tiered"), variants=variants, warmup=20, auto_warmup=90)
+
+    every = spec("plain", "ours-sparse-dist", "ours-prefetch", "torchrec-sparse-dist")
+    assert (every.warmup_of("demo"), every.warmup_of("tiered")) == (20, 90)
+    forced = spec("plain", "ours-prefetch+inline", "ours-sparse-dist@early")
+    assert (forced.warmup_of("demo"), forced.warmup_of("tiered")) == (20, 20)
+
+
 def _prediction(**ms: float) -> SimpleNamespace:
     """Just enough of `pipeline.Prediction`: each pipeline's best step, the winner."""
     winner = SimpleNamespace(name=f"{min(ms, key=ms.__getitem__)}@early", critical="values a2a")
@@ -241,7 +254,8 @@ def validation_table() -> None:
 CHECKS: dict[str, Callable[[], None]] = {f.__name__: f for f in (
     link_rates, link_setup_and_cleanup, link_cleanup_when_setup_fails, link_cleanup_on_ctrl_c_and_sigterm,
     link_removes_only_dead_runs, link_says_why_it_cannot_run, paired_arithmetic, wait_in_forward,
-    tiered_distance, rounds_and_variants, prediction_table, validation_winner, validation_table)}  # fmt: skip
+    tiered_distance, rounds_and_variants, one_warmup_per_config, prediction_table, validation_winner,
+    validation_table)}  # fmt: skip
 
 
 def selfcheck(*, json: str | None, command: str) -> int:

@@ -40,7 +40,7 @@ FLAGS: dict[str, dict[str, bool]] = {
 """`+FLAG`: constructor options of our pipelines (the ranks' checks off, torchrec's memory flags,
 Prefetch's stage forced ahead or inline instead of its overlap trial)."""
 _SCHEDULED = ("ours-sparse-dist", "ours-prefetch", "ours-fused-sparse-dist", "ours-semi-sync", "ours-eval")
-"""Our classes that take `input_dist_schedule`; all but Eval tune it under "auto", the default."""
+"""Our classes that take `input_dist_schedule`; all but Eval tune it when asked for "auto"."""
 CPU_UNSUPPORTED = ("torchrec-prefetch", "torchrec-fused-sparse-dist", "torchrec-semi-sync")
 """torchrec 1.8's pipelines that fail on CPU at their first steps; recorded as unsupported there."""
 
@@ -67,6 +67,13 @@ def parse_variant(variant: str) -> tuple[str, str | None, tuple[str, ...]]:
     return name, schedule or None, tuple(flags)
 
 
+def _tunes(variant: str, on_disk: bool) -> bool:
+    """Whether `variant` measures before it decides: our Prefetch's overlap trial runs where its
+    `prefetch()` has work (tables on disk), unless `+ahead` or `+inline` forces the mode."""
+    name, _, flags = parse_variant(variant)
+    return name == "ours-prefetch" and on_disk and not {"ahead", "inline"} & set(flags)
+
+
 def reference(variant: str) -> str | None:
     """What `variant` is compared with besides the plain loop: `X` for `X@S` or `X+F` (the same
     pipeline without the schedule or flag), torchrec's same class for `ours-X`; None otherwise."""
@@ -90,10 +97,12 @@ class RunSpec:
     """Timed steps per run."""
     warmup: int = 20
     """Untimed steps before them (first-batch rewrite, allocator warm-up)."""
-    auto_warmup: int = 55
-    """Untimed steps for our pipelines under `input_dist_schedule="auto"`. Its tuner decides within at
-    most 86 steps (docs/pipeline.md, "Input_dist schedules"), fewer when its first round rules
-    schedules out; timed steps past this warm-up may still be tuning (`schedule kept` says so)."""
+    auto_warmup: int = 90
+    """Untimed steps of every variant of a config where one of them measures before it decides: our
+    Prefetch with tables on disk (its overlap trial, docs/tiered.md, "Ahead or inline"). Every
+    variant of a config times the same steps of the same batches: with tables on disk, a variant
+    timed earlier than another would be timed while its caches still fill, before evictions write
+    rows back."""
     rounds: int = 4
     """Repetitions of every variant; the order is rotated between rounds."""
     profile_steps: int = 5
@@ -127,11 +136,10 @@ class RunSpec:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
 
-    def warmup_of(self, variant: str) -> int:
-        """Untimed steps before `variant`'s timed ones."""
-        name, schedule, _ = parse_variant(variant)
-        tunes = name in _SCHEDULED and name != "ours-eval" and not schedule
-        return self.auto_warmup if tunes else self.warmup
+    def warmup_of(self, config: str) -> int:
+        """Untimed steps before the timed ones of every variant of `config` (`auto_warmup`)."""
+        on_disk = get_config(config).cache_fraction is not None
+        return self.auto_warmup if any(_tunes(v, on_disk) for v in self.variants) else self.warmup
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -117,7 +117,7 @@ def _run_one(spec: RunSpec, config: BenchConfig, variant: str, batches: list, de
     it = iter(batches)
     try:
         runner = make_runner(variant, model, optimizer, device, captured=captured)
-        for _ in range(spec.warmup_of(variant)):
+        for _ in range(spec.warmup_of(config.name)):
             runner.step(it)
         record = _timed(runner, it, spec, variant, rank, tiered)
     except Exception as e:

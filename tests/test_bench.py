@@ -33,6 +33,7 @@ SELFCHECKS = (
     "wait_in_forward",
     "tiered_distance",
     "rounds_and_variants",
+    "one_warmup_per_config",
     "prediction_table",
     "validation_winner",
     "validation_table",
