@@ -64,7 +64,7 @@ def run_rank(spec: RunSpec, rank: int) -> list[dict[str, Any]]:
         captured = None
         if set(spec.variants) & set(BOUND):
             model, optimizer = _build(spec, config, "plain", device)
-            captured = bound.capture(model, optimizer, batches[: spec.warmup + spec.steps], device)
+            captured = bound.capture(model, optimizer, batches[: spec.warmup_of(name) + spec.steps], device)
             del model, optimizer
         predicted = _predict(spec, config, device, batches[0]) if spec.predict else None
         for round_index in range(spec.rounds):
