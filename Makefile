@@ -138,7 +138,7 @@ hit-rates: setup
 	$(BIN)/python -m benchmarks hit-rates --fractions 0.01 0.02 0.05 $(HIT_RATES_ARGS)
 
 # 14 points from network-bound (100 Mbit) to compute-bound (loopback); needs root for the emulated
-# links. Writes $(SWEEP_OUT)/sweep.md/.json/.png. Its last run's time: docs/results/sweep.md.
+# links. Writes $(SWEEP_OUT)/sweep.md/.json/.png.
 SWEEP_OUT ?= out/sweep
 SWEEP_ARGS ?=
 bench-sweep: setup
