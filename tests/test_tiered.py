@@ -134,19 +134,37 @@ def test_cache_hands_its_evicted_rows_to_the_store_without_a_second_copy(tmp_pat
     assert calls == [{"owned": True}], f"the write-back's store.write calls: {calls}"
 
 
-def test_every_store_writes_behind_on_one_thread(tmp_path):
-    """One writer thread per process, whatever the number of stores (a thread per store put as
-    many runnable threads as table shards beside the training thread)."""
+def _zero(block):
+    block.zero_()
+
+
+def test_stores_write_behind_on_the_ranks_share_of_writer_threads(tmp_path, monkeypatch):
+    """As many writer threads per process as the rank's share of the cores, whatever the number of
+    stores (a thread per store put as many runnable threads as table shards beside the training
+    thread), each store's writes on one of them."""
+    import os
     import threading
 
-    stores = [RowStore.create(tmp_path / f"s{i}.rows", ROWS, DIM, 1, lambda b: b.zero_()) for i in range(4)]
-    for i, store in enumerate(stores):
-        store.write(torch.tensor([i]), torch.full((1, DIM), float(i)), torch.zeros(1, 1))
-    for store in stores:
-        store.sync()
-    writers = [t.name for t in threading.enumerate() if t.name.startswith("tiered-writer")]
-    assert len(writers) == 1, f"writer threads after writes to 4 stores: {writers}"
-    assert [s.read(torch.tensor([i]))[0][0, 0].item() for i, s in enumerate(stores)] == [0.0, 1.0, 2.0, 3.0]
+    from tiered import writer
+
+    for cores, expected in (({0}, 1), ({0, 1}, 2)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, cores=cores: cores)
+        monkeypatch.setattr(writer, "_executors", [])
+        stores = [RowStore.create(tmp_path / f"s{len(cores)}{i}.rows", ROWS, DIM, 1, _zero) for i in range(4)]
+        names = {}
+        for i, store in enumerate(stores):
+            for v in (i, 10 + i):  # two writes a store: the later one lands last
+                store.write(torch.tensor([i]), torch.full((1, DIM), float(v)), torch.zeros(1, 1))
+                names.setdefault(i, set()).add(
+                    writer.submit_write(threading.get_ident, store._writer).result()
+                )
+        for store in stores:
+            store.sync()
+        assert len(writer._executors) == expected, f"{len(writer._executors)} writers for {len(cores)} cores"
+        assert all(len(n) == 1 for n in names.values()), f"a store's writes on several threads: {names}"
+        assert len(set().union(*names.values())) == expected
+        got = [s.read(torch.tensor([i]))[0][0, 0].item() for i, s in enumerate(stores)]
+        assert got == [10.0, 11.0, 12.0, 13.0], got
 
 
 def test_store_write_queue_is_bounded(tmp_path, monkeypatch):

@@ -11,15 +11,17 @@ that are already busy. Nothing is mapped during training, so resident memory sta
 cache however large the table.
 
 Writes are written behind: `write()` queues a copy of the rows (at most `WRITE_BEHIND` writes, then
-it waits for the oldest) and the process's writer thread (`tiered.writer`, one for every store)
-writes them in order, whole pages; `read()` of a row
-still queued returns the queued values, so a prefetch never waits for a write-back. `sync()` waits
-for them all; `weights()`/`state()` map the regions as tensors for checkpoints (after a `sync()`).
+it waits for the oldest) and the store's writer thread (`tiered.writer`: one per process where the
+ranks fill the cores, a store's writes always on the same one) writes them in order, whole pages;
+`read()` of a row still queued returns the queued values, so a prefetch never waits for a
+write-back. `sync()` waits for them all; `weights()`/`state()` map the regions as tensors for
+checkpoints (after a `sync()`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 import time
@@ -36,6 +38,8 @@ from tiered.pages import Pages, StoreError
 from tiered.writer import submit_write
 
 __all__ = ["RowStore", "StoreError", "StoreStats"]
+
+_STORES = itertools.count()
 
 WRITE_BEHIND = 4
 """Writes queued per store before `write()` waits for the oldest (bounds the RAM they hold)."""
@@ -85,6 +89,7 @@ class RowStore:
         self.stats = StoreStats()
         self._w_off, self._s_off, self._size = offsets(rows, dim, state_width)
         self._fd = os.open(self.path, os.O_RDWR)
+        self._writer = next(_STORES)  # which writer thread takes this store's writes
         self._maps: dict[str, torch.Tensor] = {}
         self._queued: list[_Queued] = []  # oldest first; an entry leaves once it is on disk
         self._queue_lock = threading.Lock()
@@ -185,7 +190,7 @@ class RowStore:
         with self._queue_lock:
             self._queued.append(entry)
             oldest = self._queued[0] if len(self._queued) > WRITE_BEHIND else None
-        submit_write(lambda: self._write_queued(entry))
+        submit_write(lambda: self._write_queued(entry), self._writer)
         self.stats.rows_written += len(entry.rows)
         self.stats.bytes_written += entry.weights.nbytes + entry.state.nbytes
         if oldest is not None:
@@ -200,7 +205,7 @@ class RowStore:
         with self._queue_lock:
             newest = self._queued[-1] if self._queued else None
         if newest is not None:
-            self._wait(newest)  # one writer thread: the newest is written last
+            self._wait(newest)  # the store's one writer thread: its newest is written last
         self._raise_write_error()
 
     def _wait(self, entry: _Queued) -> None:

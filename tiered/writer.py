@@ -1,15 +1,17 @@
-"""The one thread per process that writes every store's queued rows behind (`tiered.store`).
+"""The threads that write every store's queued rows behind (`tiered.store`): as many per process as
+the rank's share of the cores (`tiered.readers.default_read_threads`), one where the local ranks fill
+them. A store's writes always go to the same thread, so they land in order, which is all a store
+needs.
 
 A thread per store had put as many writers as table shards on a rank (4 at 2 ranks of the `tiered`
 benchmark, 8 at 1 rank) beside the training thread and the prefetch worker: on cores the ranks
 already fill, each one more runnable thread to schedule and one more taker of the GIL after each of
-its system calls. Measured on 4 stores of 1 M rows, one reader and cold reads: 11.3 us of process
-CPU per row read or written with a writer per store, 10.1 with one (docs/tiered.md, "Why the
-pipelines cost more CPU at 2 ranks"). One writer also keeps every store's writes in one order,
-which is all a store needs (its own writes in order), and never leaks a thread per store built.
+its system calls (docs/tiered.md, "Why the pipelines cost more CPU at 2 ranks"). At one rank on two
+cores, where every miss evicts a dirty row, one writer was what bound the step: each write-back reads
+its page cold and writes it, and a second thread overlaps those waits.
 
-The thread is started on first use, and again in a forked child (which inherits no threads). It
-is not a daemon: queued rows are written before the interpreter exits.
+The threads are started on first use, and again in a forked child (which inherits no threads). They
+are not daemons: queued rows are written before the interpreter exits.
 """
 
 from __future__ import annotations
@@ -19,19 +21,25 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from tiered.readers import default_read_threads
+
 __all__ = ["submit_write"]
 
-_executor: ThreadPoolExecutor | None = None
+_executors: list[ThreadPoolExecutor] = []
 _pid = -1
 _lock = threading.Lock()
 
 
-def submit_write(work: Callable[[], None]) -> Future:
-    """Run `work` on the process's writer thread, after every write submitted before it."""
-    global _executor, _pid
-    if _executor is None or _pid != os.getpid():
+def submit_write(work: Callable[[], None], key: int = 0) -> Future:
+    """Run `work` on the writer thread of `key` (a store's), after every write submitted there
+    before it."""
+    global _executors, _pid
+    if not _executors or _pid != os.getpid():
         with _lock:
-            if _executor is None or _pid != os.getpid():
-                _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-writer")
+            if not _executors or _pid != os.getpid():
+                _executors = [
+                    ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-writer")
+                    for _ in range(default_read_threads())
+                ]
                 _pid = os.getpid()
-    return _executor.submit(work)
+    return _executors[key % len(_executors)].submit(work)
