@@ -29,7 +29,7 @@ T = TypeVar("T")
 MAX_THREADS = 4
 
 _pool: ThreadPoolExecutor | None = None
-_pool_key: tuple[int, int] = (-1, 0)
+_pid = -1
 _lock = threading.Lock()
 
 
@@ -41,22 +41,35 @@ def default_read_threads() -> int:
 
 
 def run_all(calls: Sequence[Callable[[], T]], threads: int) -> list[T]:
-    """Each of `calls`' results, in order; on `threads` threads of the pool (here if 1)."""
+    """Each of `calls`' results, in order; on at most `threads` threads of the process's pool (here
+    if 1). Every call runs; the first error in the calls' order is raised once all have ended (none
+    still reading behind it)."""
     if threads <= 1 or len(calls) <= 1:
         return [call() for call in calls]
-    futures = [_executor(threads).submit(call) for call in calls]
-    wait(futures)  # all ended before an error is raised: none still reading behind it
-    return [f.result() for f in futures]
+    outcomes: list[tuple[bool, object]] = [(False, None)] * len(calls)
+    todo = iter(range(len(calls)))  # shared by the workers: each takes the next call (atomic)
+
+    def work() -> None:
+        for i in todo:
+            try:
+                outcomes[i] = (True, calls[i]())
+            except BaseException as e:  # raised below, in the calls' order
+                outcomes[i] = (False, e)
+
+    wait([_executor().submit(work) for _ in range(min(threads, len(calls)))])
+    for ok, value in outcomes:
+        if not ok:
+            raise value  # type: ignore[misc]
+    return [value for _, value in outcomes]  # type: ignore[misc]
 
 
-def _executor(workers: int) -> ThreadPoolExecutor:
-    global _pool, _pool_key
-    key = (os.getpid(), workers)
-    if _pool is None or _pool_key != key:
+def _executor() -> ThreadPoolExecutor:
+    """The process's pool of `MAX_THREADS` (threads start as work needs them); a new one in a forked
+    child."""
+    global _pool, _pid
+    if _pool is None or _pid != os.getpid():
         with _lock:
-            if _pool is None or _pool_key != key:
-                if _pool is not None and _pool_key[0] == os.getpid():
-                    _pool.shutdown(wait=False)
-                _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tiered-reader")
-                _pool_key = key
+            if _pool is None or _pid != os.getpid():
+                _pool = ThreadPoolExecutor(max_workers=MAX_THREADS, thread_name_prefix="tiered-reader")
+                _pid = os.getpid()
     return _pool
