@@ -52,6 +52,7 @@ __all__ = [
     "free_port",
     "pytest_timeout",
     "run_ranks",
+    "run_script",
 ]
 
 START_TIMEOUT = 90.0
@@ -374,3 +375,72 @@ def run_ranks(
         return pool.run(fn, *args, timeout=timeout)
     finally:
         pool.close()
+
+
+def _script_rank(rank: int, world_size: int, port: int, module: str, argv: list, out: str, env: dict) -> None:
+    """A forked rank of `run_script`: torchrun's environment, its output to `out`, `main(argv)`'s
+    status (or its SystemExit's) as the exit status."""
+    import importlib
+    import sys
+
+    os.environ.clear()
+    os.environ.update(env)
+    ranks = {"RANK": rank, "WORLD_SIZE": world_size, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": world_size}
+    os.environ.update({k: str(v) for k, v in ranks.items()}, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    try:
+        status = importlib.import_module(module).main(argv)
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status or 0)  # as the script's own end would, without waiting on peers at teardown
+
+
+def run_script(
+    module: str, argv: list[str], world_size: int = 2, *, timeout: float = 120.0, env: dict | None = None
+) -> list[tuple[int | None, str]]:
+    """`module.main(argv)` on `world_size` ranks forked from the session's server, in the environment
+    torchrun gives its workers (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT,
+    and its agent's store, hosted here, which outlives any rank): per rank, (exit status, stdout and
+    stderr together).
+
+    For a script's paths that end a rank (bad input, an error exit) on ranks that start in a second,
+    where a torchrun launch imports torch again on every worker; one torchrun test per entry point
+    keeps the launcher itself covered. A rank still running after `timeout` seconds is killed and
+    shows as status None.
+    """
+    ctx = _context()
+    store = _host_store(world_size)  # as torchrun's agent: a rank that ends leaves it to its peers
+    outs = [Path(tempfile.mkstemp(prefix=f"script-rank{r}-")[1]) for r in range(world_size)]
+    base = {k: v for k, v in {**os.environ, **(env or {})}.items() if not k.startswith("TORCHELASTIC")}
+    base.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
+    procs = [
+        ctx.Process(
+            target=_script_rank, args=(r, world_size, store.port, module, list(argv), str(outs[r]), base)
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    statuses: list[int | None] = []
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+            statuses.append(None)
+        else:
+            statuses.append(p.exitcode)
+    try:
+        return [(status, out.read_text()) for status, out in zip(statuses, outs, strict=True)]
+    finally:
+        for out in outs:
+            out.unlink(missing_ok=True)
+        del store

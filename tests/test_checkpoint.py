@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import run_ranks
+from tests.harness import run_ranks, run_script
 
 pytestmark = pytest.mark.slow
 
@@ -157,22 +157,50 @@ EVERY, TOTAL = 4, 12
 _FLAGS = ["--steps", str(TOTAL), "--batch-size", "64", "--num-embeddings", "400", "--no-progress"]
 
 
-def _torchrun(tmp: Path, name: str, *flags: str, nproc: int = 2, restarts: int = 0, tiered: bool = False):
-    """Run the example; returns (exit status, summary or None, {(rank, step): (attempt, loss)}, output)."""
+def _torchrun(
+    tmp: Path,
+    name: str,
+    *flags: str,
+    nproc: int = 2,
+    restarts: int = 0,
+    tiered: bool = False,
+    forked: bool = False,
+):
+    """Run the example; returns (exit status, summary or None, {(rank, step): (attempt, loss)}, output).
+
+    Under torchrun, or with `forked` on ranks forked in torchrun's environment (tests/harness.py
+    run_script), for the runs that restart nothing: they start in a second, where torchrun's
+    workers import torch again.
+    """
     run = tmp / name
     run.mkdir(exist_ok=True)
     extra = []
     if tiered:
         (tmp / f"{name}-store").mkdir(exist_ok=True)
         extra = ["--embedding-store", str(tmp / f"{name}-store"), "--cache-rows", "300"]
-    torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [str(torchrun), "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={restarts}"]
-    cmd += ["examples/dlrm/train.py", *_FLAGS, *extra, *flags]
-    cmd += ["--summary-json", str(run / "summary.json"), "--loss-log", str(run / "losses.txt")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    argv = [*_FLAGS, *extra, *flags]
+    argv += ["--summary-json", str(run / "summary.json"), "--loss-log", str(run / "losses.txt")]
+    if forked:
+        assert not restarts, "a forked run restarts nothing: use torchrun"
+        ranks = run_script("examples.dlrm.train", argv, nproc, timeout=200, env={"OMP_NUM_THREADS": "1"})
+        status = next((s for s, _ in ranks if s != 0), 0)
+        status = 1 if status is None else status  # a rank that hung was killed
+        output = "".join(out for _, out in ranks)
+    else:
+        torchrun = Path(sys.executable).parent / "torchrun"
+        cmd = [str(torchrun), "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={restarts}"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(var, None)
+        proc = subprocess.run(
+            [*cmd, "examples/dlrm/train.py", *argv],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        status, output = proc.returncode, proc.stdout + proc.stderr
     summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else None
     losses = {}
     if (run / "losses.txt").exists():
@@ -180,7 +208,7 @@ def _torchrun(tmp: Path, name: str, *flags: str, nproc: int = 2, restarts: int =
             rank, attempt, step, loss = line.split()[:4]
             if step.isdigit():  # later attempts overwrite earlier ones
                 losses[(int(rank), int(step))] = (int(attempt), loss)
-    return proc.returncode, summary, losses, proc.stdout + proc.stderr
+    return status, summary, losses, output
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +219,9 @@ def reference(tmp_path_factory) -> dict:
     for kernel in ("fused", "tiered"):
         ckpt = tmp / f"{kernel}-ckpt"
         flags = ("--pipeline", "none", "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(EVERY))
-        status, summary, losses, output = _torchrun(tmp, kernel, *flags, tiered=kernel == "tiered")
+        status, summary, losses, output = _torchrun(
+            tmp, kernel, *flags, tiered=kernel == "tiered", forked=True
+        )
         assert status == 0, output[-3000:]
         found[kernel] = {"summary": summary, "losses": losses, "ckpt": ckpt}
     return found
@@ -239,7 +269,9 @@ def test_resume_onto_one_rank(tmp_path, reference):
         shutil.copytree(reference[kernel]["ckpt"], ckpt)
         shutil.rmtree(ckpt / f"step-{TOTAL:09d}")  # resume from step 8: 4 steps left to train
         flags = ("--pipeline", "sparse-dist", "--checkpoint-dir", str(ckpt))
-        status, summary, _, output = _torchrun(tmp_path, kernel, *flags, nproc=1, tiered=kernel == "tiered")
+        status, summary, _, output = _torchrun(
+            tmp_path, kernel, *flags, nproc=1, tiered=kernel == "tiered", forked=True
+        )
         if kernel == "fused":  # the tables' shards are resharded onto the one rank by DCP
             assert status == 0, output[-4000:]
             assert summary["resumed_from_step"] == 2 * EVERY and summary["steps"] == TOTAL - 2 * EVERY
@@ -277,7 +309,9 @@ def test_data_position_resumes_the_same_batches(data):
 def test_async_checkpoints_are_committed_and_change_nothing(tmp_path, reference):
     ckpt = tmp_path / "ckpt"
     flags = ("--pipeline", "prefetch", "--checkpoint-dir", str(ckpt), "--checkpoint-async")
-    status, summary, _, output = _torchrun(tmp_path, "run", *flags, "--checkpoint-every", str(EVERY))
+    status, summary, _, output = _torchrun(
+        tmp_path, "run", *flags, "--checkpoint-every", str(EVERY), forked=True
+    )
     assert status == 0, output[-4000:]
     assert summary["state_digest"] == reference["fused"]["summary"]["state_digest"]
     assert sorted(p.name for p in ckpt.iterdir()) == [f"step-{2 * EVERY:09d}", f"step-{TOTAL:09d}"]
@@ -288,10 +322,10 @@ def test_a_resumed_run_takes_the_saved_tuner_decision_instead_of_tuning_again(tm
     ckpt = tmp_path / "ckpt"
     flags = ("--pipeline", "sparse-dist", "--input-dist-schedule", "auto")
     flags += ("--checkpoint-dir", str(ckpt), "--checkpoint-every", "90")
-    status, first, _, output = _torchrun(tmp_path, "first", *flags, "--steps", "90")
+    status, first, _, output = _torchrun(tmp_path, "first", *flags, "--steps", "90", forked=True)
     assert status == 0, output[-4000:]
     assert "still tuning" not in first["input_dist_schedule"], first["input_dist_schedule"]
-    status, resumed, _, output = _torchrun(tmp_path, "resumed", *flags, "--steps", "94")
+    status, resumed, _, output = _torchrun(tmp_path, "resumed", *flags, "--steps", "94", forked=True)
     assert status == 0, output[-4000:]
     assert resumed["resumed_from_step"] == 90 and resumed["steps"] == 4
     # 4 steps could not have tuned: the decision and its reason are the saved ones

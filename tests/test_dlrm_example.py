@@ -23,7 +23,7 @@ from examples.dlrm.criteo_tsv import resolve_paths, tsv_batches
 from examples.dlrm.loop import train
 from examples.dlrm.runners import PIPELINE_CLASSES
 from examples.dlrm.synthetic import SyntheticSpec, synthetic_batches
-from tests.harness import pytest_timeout
+from tests.harness import pytest_timeout, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "criteo_tiny.tsv"
@@ -192,8 +192,9 @@ def test_malformed_line_through_the_script_exits_2_without_traceback(tmp_path):
     lines[30] = "\t".join(lines[30].split("\t")[:20]) + "\n"
     bad = tmp_path / "bad.tsv"
     bad.write_text("".join(lines))
-    cmd = [sys.executable, "examples/dlrm/train.py", "--pipeline", "none", "--no-progress"]
-    proc = _run([*cmd, "--data", str(bad), "--batch-size", "8", "--steps", "0"], timeout=90)
+    proc = _forked(
+        ["--pipeline", "none", "--no-progress", "--data", str(bad), "--batch-size", "8", "--steps", "0"]
+    )
     assert proc.returncode == 2, proc.stderr
     assert f"{bad}:31: expected 40 tab-separated columns" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -285,9 +286,15 @@ def test_embedding_store_flags_are_checked_before_training(tmp_path, monkeypatch
 
 
 def _store_errors(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "examples/dlrm/train.py", "--pipeline", "none", "--no-progress"]
-    flags = ["--steps", "2", "--batch-size", "32", "--embedding-store", str(tmp), "--cache-rows", "64"]
-    return _run([*cmd, *flags, *extra], timeout=90)
+    flags = ["--pipeline", "none", "--no-progress", "--steps", "2", "--batch-size", "32"]
+    return _forked([*flags, "--embedding-store", str(tmp), "--cache-rows", "64", *extra])
+
+
+def _forked(argv: list[str]) -> subprocess.CompletedProcess:
+    """The script's `main(argv)` as one rank forked in torchrun's environment (tests/harness.py
+    run_script): its status, and its stdout and stderr together as `stderr`."""
+    [(status, output)] = run_script("examples.dlrm.train", argv, 1, timeout=90, env={"OMP_NUM_THREADS": "1"})
+    return subprocess.CompletedProcess(argv, status, "", output)
 
 
 def test_store_of_another_shape_or_none_to_open_is_one_clear_error(tmp_path):
