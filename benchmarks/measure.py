@@ -22,9 +22,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # imported where used: the launcher reads the machine without loading torch
+    import torch
 
 __all__ = ["ProfileSummary", "cpu_busy", "machine", "peak", "peak_rss_bytes", "reset_peak",
            "summarize_profile", "tensor_peak_bytes"]  # fmt: skip
@@ -40,6 +41,8 @@ def reset_peak(device: torch.device) -> int:
     """Free what can be freed, restart peak tracking and return the current memory in bytes."""
     gc.collect()
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -55,6 +58,8 @@ def reset_peak(device: torch.device) -> int:
 def peak(device: torch.device) -> int:
     """Peak memory in bytes since the last `reset_peak`."""
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device)
     return peak_rss_bytes()
