@@ -234,8 +234,11 @@ def _comp_autograd_user_case(rank: int, world_size: int, pattern: str) -> dict:
     pipe = pipeline.TrainPipelineSparseDistCompAutograd(
         model, opt, torch.device("cpu"), compiled_autograd_options=options
     )
-    outputs, stopped = models.outputs_then_stop(pipe, iter(user_models.batches(STEPS, rank)), STEPS)
-    expected = _compiled_autograd_loop(ref_model, ref_opt, user_models.batches(STEPS, rank), options)
+    # Bags of one length: batches of one shape, so that the loop captures its backward once (the
+    # pipeline captures twice: this model is pipelined from its second batch on).
+    data = user_models.batches(STEPS, rank, bag=2)
+    outputs, stopped = models.outputs_then_stop(pipe, iter(data), STEPS)
+    expected = _compiled_autograd_loop(ref_model, ref_opt, user_models.batches(STEPS, rank, bag=2), options)
     report = pipe.rewrite_report
     return {
         **_compare(expected, outputs, ref_model, model),

@@ -129,12 +129,15 @@ def build(
     return dmp, KeyedOptimizerWrapper(dense, lambda params: torch.optim.SGD(params, lr=0.1))
 
 
-def batches(n: int, rank: int, seed: int = 3) -> list[UserBatch]:
-    """`n` distinct batches for `rank`, deterministic in (n, rank, seed)."""
+def batches(n: int, rank: int, seed: int = 3, *, bag: int | None = None) -> list[UserBatch]:
+    """`n` distinct batches for `rank`, deterministic in (n, rank, seed); with `bag`, every bag has
+    that many ids, so that every batch has the same shapes (distinct ids and dense values)."""
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
 
     def bags(keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = torch.randint(0, MAX_BAG + 1, (keys * BATCH,), generator=gen)
+        if bag is not None:
+            lengths = torch.full_like(lengths, bag)
         return torch.randint(0, ROWS, (int(lengths.sum()),), generator=gen), lengths
 
     out = []
