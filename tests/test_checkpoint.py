@@ -5,7 +5,8 @@ Part 1 (2 gloo ranks, real all-to-alls): a checkpoint taken between two `progres
 batches in flight and `pipe.dataloader_state(it)` of torchdata's StatefulDataLoader as the data
 position, resumes in new processes bit-for-bit as the plain loop and as a drained checkpoint.
 
-Part 2 (torchrun, 2 CPU ranks, `--max-restarts=1`): rank 1 is SIGKILLed at a step drawn at random
+Part 2 (the DLRM example; the kills under torchrun, 2 CPU ranks, `--max-restarts=1`, the runs that
+restart nothing on ranks forked in torchrun's environment): rank 1 is SIGKILLed at a step drawn at random
 between two checkpoints (the seed is in the failure message); the job finishes, with the
 uninterrupted plain loop's state digest (every parameter and optimizer state) and its losses at
 every step after the resume point. Also: a kill in the middle of a save (resume loads the one

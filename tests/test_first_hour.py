@@ -3,9 +3,12 @@ paragraph and exit status 2 on 2 ranks under the pipelines, the cache-size advic
 followed, identical runs shard alike, `--compare plain` ends with a verdict, `--help` is fast and
 clean, and the README documents every flag and summary key.
 
-The 2-rank runs go through torchrun, as a user's do: torchrun itself exits 1 when a worker fails and
-prints its own report (a traceback of torch/distributed/run.py); what is checked is the workers'
-exit status in that report, and that nothing else is printed from examples/dlrm/ or pipeline/.
+The 2-rank runs start the script's `main` on ranks forked in torchrun's environment, with a store
+hosted by the test as torchrun's agent hosts one (tests/harness.py run_script): each rank's exit
+status and output are checked, and that nothing else is printed from examples/dlrm/ or pipeline/.
+One bad value and the flag typo go through torchrun itself, as a user's run does: torchrun exits 1
+when a worker fails and prints its own report (a traceback of torch/distributed/run.py); what is
+checked there is the workers' exit status in that report.
 """
 
 from __future__ import annotations
