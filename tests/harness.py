@@ -387,6 +387,10 @@ def _script_rank(rank: int, world_size: int, port: int, module: str, argv: list,
     os.environ.update(env)
     ranks = {"RANK": rank, "WORLD_SIZE": world_size, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": world_size}
     os.environ.update({k: str(v) for k, v in ranks.items()}, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # what torch read at import under torchrun
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
