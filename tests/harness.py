@@ -53,6 +53,7 @@ __all__ = [
     "pytest_timeout",
     "run_ranks",
     "run_script",
+    "script_job",
 ]
 
 START_TIMEOUT = 90.0
@@ -421,12 +422,13 @@ def run_script(
     """
     ctx = _context()
     store = _host_store(world_size)  # as torchrun's agent: a rank that ends leaves it to its peers
-    outs = [Path(tempfile.mkstemp(prefix=f"script-rank{r}-")[1]) for r in range(world_size)]
+    outs = Path(tempfile.mkdtemp(prefix="script-"))
     base = {k: v for k, v in {**os.environ, **(env or {})}.items() if not k.startswith("TORCHELASTIC")}
     base.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
     procs = [
         ctx.Process(
-            target=_script_rank, args=(r, world_size, store.port, module, list(argv), str(outs[r]), base)
+            target=_script_rank,
+            args=(r, world_size, store.port, module, list(argv), str(outs / f"rank{r}"), base),
         )
         for r in range(world_size)
     ]
@@ -443,8 +445,19 @@ def run_script(
         else:
             statuses.append(p.exitcode)
     try:
-        return [(status, out.read_text()) for status, out in zip(statuses, outs, strict=True)]
+        return [(status, (outs / f"rank{r}").read_text()) for r, status in enumerate(statuses)]
     finally:
-        for out in outs:
-            out.unlink(missing_ok=True)
+        shutil.rmtree(outs, ignore_errors=True)
         del store
+
+
+def script_job(ranks: list[tuple[int | None, str]]) -> Any:
+    """`run_script`'s ranks as one job, a `subprocess.CompletedProcess`: the status of the first rank
+    that failed (1 for one killed at the timeout) or 0, and every rank's output, in rank order, as
+    its stderr."""
+    import subprocess
+
+    failed = next((status for status, _ in ranks if status != 0), 0)
+    return subprocess.CompletedProcess(
+        [], 1 if failed is None else failed, "", "".join(out for _, out in ranks)
+    )

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import run_ranks, run_script
+from tests.harness import run_ranks, run_script, script_job
 
 pytestmark = pytest.mark.slow
 
@@ -183,10 +183,10 @@ def _torchrun(
     argv += ["--summary-json", str(run / "summary.json"), "--loss-log", str(run / "losses.txt")]
     if forked:
         assert not restarts, "a forked run restarts nothing: use torchrun"
-        ranks = run_script("examples.dlrm.train", argv, nproc, timeout=200, env={"OMP_NUM_THREADS": "1"})
-        status = next((s for s, _ in ranks if s != 0), 0)
-        status = 1 if status is None else status  # a rank that hung was killed
-        output = "".join(out for _, out in ranks)
+        job = script_job(
+            run_script("examples.dlrm.train", argv, nproc, timeout=200, env={"OMP_NUM_THREADS": "1"})
+        )
+        status, output = job.returncode, job.stderr
     else:
         torchrun = Path(sys.executable).parent / "torchrun"
         cmd = [str(torchrun), "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={restarts}"]

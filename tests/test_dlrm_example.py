@@ -23,7 +23,7 @@ from examples.dlrm.criteo_tsv import resolve_paths, tsv_batches
 from examples.dlrm.loop import train
 from examples.dlrm.runners import PIPELINE_CLASSES
 from examples.dlrm.synthetic import SyntheticSpec, synthetic_batches
-from tests.harness import pytest_timeout, run_script
+from tests.harness import pytest_timeout, run_script, script_job
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "criteo_tiny.tsv"
@@ -293,8 +293,7 @@ def _store_errors(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
 def _forked(argv: list[str]) -> subprocess.CompletedProcess:
     """The script's `main(argv)` as one rank forked in torchrun's environment (tests/harness.py
     run_script): its status, and its stdout and stderr together as `stderr`."""
-    [(status, output)] = run_script("examples.dlrm.train", argv, 1, timeout=90, env={"OMP_NUM_THREADS": "1"})
-    return subprocess.CompletedProcess(argv, status, "", output)
+    return script_job(run_script("examples.dlrm.train", argv, 1, timeout=90, env={"OMP_NUM_THREADS": "1"}))
 
 
 def test_store_of_another_shape_or_none_to_open_is_one_clear_error(tmp_path):

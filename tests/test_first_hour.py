@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from examples.dlrm import train as train_script
-from tests.harness import run_script
+from tests.harness import run_script, script_job
 
 pytestmark = pytest.mark.slow
 
@@ -48,11 +48,6 @@ def _torchrun(*flags: str, timeout: float = 150) -> subprocess.CompletedProcess:
 def _forked(*flags: str, timeout: float = 120) -> list[tuple[int | None, str]]:
     """The example's `main` on 2 forked ranks in torchrun's environment: per rank (status, output)."""
     return run_script("examples.dlrm.train", list(flags), 2, timeout=timeout, env={"OMP_NUM_THREADS": "1"})
-
-
-def _as_proc(ranks: list[tuple[int | None, str]]) -> subprocess.CompletedProcess:
-    """The forked ranks' outputs as one process's stderr, their statuses as its return code."""
-    return subprocess.CompletedProcess([], [status for status, _ in ranks], "", "".join(o for _, o in ranks))
 
 
 def _one_error(proc: subprocess.CompletedProcess) -> str:
@@ -99,9 +94,9 @@ def test_bad_value_on_one_rank_is_one_error_and_status_2(tmp_path, pipeline, bad
     line, column, value, rank = BAD_VALUES[bad]
     data = _bad_tsv(tmp_path, line, column, value)
     ranks = _forked("--pipeline", pipeline, "--data", str(data), "--steps", "0", *SMALL)
-    error = _one_error(_as_proc(ranks))
+    error = _one_error(script_job(ranks))
     assert f"bad.tsv:{line}: malformed field" in error and error.endswith(f"({rank})"), error
-    assert [status for status, _ in ranks] == [2, 2], _as_proc(ranks).stderr
+    assert [status for status, _ in ranks] == [2, 2], script_job(ranks).stderr
 
 
 def test_bad_value_under_torchrun_is_status_2_in_its_report(tmp_path):
@@ -122,10 +117,10 @@ def test_bad_line_every_rank_reads_is_one_error_from_rank_0(tmp_path):
     data = tmp_path / "short.tsv"
     data.write_text("".join(lines))
     ranks = _forked("--pipeline", "prefetch", "--data", str(data), "--steps", "0", *SMALL)
-    error = _one_error(_as_proc(ranks))
+    error = _one_error(script_job(ranks))
     assert error.endswith("short.tsv:6: expected 40 tab-separated columns (label, 13 integer and 26 "
                           "categorical features), found 30"), error  # fmt: skip
-    assert [status for status, _ in ranks] == [2, 2], _as_proc(ranks).stderr
+    assert [status for status, _ in ranks] == [2, 2], script_job(ranks).stderr
 
 
 def test_flag_typo_under_torchrun_is_one_line(tmp_path):
@@ -161,7 +156,7 @@ def test_suggested_cache_rows_succeeds(tmp_path, monkeypatch, capsys):
     assert suggested and int(suggested.group(1)) == 288, err
     assert "--pipeline prefetch keeps 3 batch(es)" in err and "--pipeline sparse-dist" in err
     ranks = _forked(*flags, "--cache-rows", suggested.group(1))
-    assert [status for status, _ in ranks] == [0, 0], _as_proc(ranks).stderr
+    assert [status for status, _ in ranks] == [0, 0], script_job(ranks).stderr
     assert "cache_hit_rate" in ranks[0][1]
 
 
@@ -205,7 +200,7 @@ def test_compare_plain_ends_with_the_verdict_and_every_summary_key_is_documented
         "--pipeline", "prefetch", "--steps", "8", "--no-progress", *SMALL,
         "--compare", "plain", "--summary-json", str(out),
     )  # fmt: skip
-    assert [status for status, _ in ranks] == [0, 0], _as_proc(ranks).stderr
+    assert [status for status, _ in ranks] == [0, 0], script_job(ranks).stderr
     last = ranks[0][1].strip().splitlines()[-1]
     assert re.fullmatch(r"verdict: --pipeline prefetch took .* ms/step, [\d.]+x the plain loop's .*", last)
     summary = json.loads(out.read_text())
