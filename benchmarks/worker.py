@@ -54,7 +54,7 @@ def run_rank(spec: RunSpec, rank: int) -> list[dict[str, Any]]:
     records = []
     for name in spec.configs:
         config = get_config(name)
-        count = max(spec.warmup, spec.auto_warmup) + spec.steps + spec.profile_steps + _TAIL
+        count = spec.warmup_of(name) + spec.steps + spec.profile_steps + _TAIL
         batches = make_batches(config, count=count, rank=rank, seed=spec.seed)
         # One-time costs of the process (thread pools, allocator arenas, first fx trace) land here.
         for variant in _PRIMERS:
