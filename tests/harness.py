@@ -95,7 +95,11 @@ _PRELOAD = ["torch", "torch.distributed", "torchrec", "tests.harness"]
 so each fork starts clean."""
 
 
-def _context() -> Any:
+def _context(backend: str = "gloo") -> Any:
+    """The fork server for CPU ranks. NCCL ranks are spawned: a fork of a process in which CUDA has
+    started cannot use CUDA, and importing fbgemm-gpu's CUDA build may start it in the server."""
+    if backend == "nccl":
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
@@ -243,7 +247,7 @@ class RankPool:
         if self._procs and all(p.is_alive() for p in self._procs):
             return
         self.close()
-        ctx = _context()
+        ctx = _context(self.backend)
         self._dir = Path(tempfile.mkdtemp(prefix="ranks-"))
         self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
         self._store = _host_store(self.world_size)
