@@ -95,6 +95,51 @@ def _missing_stage_case(rank: int, world_size: int) -> str:
     return "no error"
 
 
+def _forward_stream_case(rank: int, world_size: int) -> list[str]:
+    """The stream each sharded module's `prefetch()` is told its forward runs on, with the stage
+    on the prefetch stream (fbgemm's caching kernels refuse the prefetch stream itself)."""
+    from unittest import mock
+
+    import torch
+    from torchrec.distributed.types import ShardedModule
+
+    import pipeline
+    from tests import streamcheck, user_models
+
+    model, opt = user_models.build("split")
+    told: list[str] = []
+    for module in model.modules():
+        if isinstance(module, ShardedModule):
+
+            def prefetch(*args, _own=module.prefetch, **kwargs):
+                told.append(kwargs["forward_stream"].name)
+                return _own(*args, **kwargs)
+
+            module.prefetch = prefetch
+    streams = streamcheck.RecordingStreams()
+    sdd = pipeline.SparseDataDistUtil(
+        model, streams.data_dist, prefetch_stream=streams.prefetch, streams=streams
+    )
+    stages = [
+        sdd.start_sparse_data_dist_stage(),
+        pipeline.PipelineStage("prefetch", sdd.prefetch, stream=streams.prefetch),
+    ]
+    pipe = pipeline.StagedTrainPipeline(stages, streams=streams)
+    it = iter(user_models.batches(3, rank))
+    with mock.patch("pipeline.stages.prefetch.prefetch_does_work", lambda module: True):
+        while (batch := pipe.progress(it)) is not None:
+            opt.zero_grad()
+            torch.sum(model(batch)[0]).backward()
+            opt.step()
+    sdd.detach()
+    return told
+
+
+def test_prefetch_stage_tells_the_modules_the_callers_stream(pool):
+    for rank, told in enumerate(pool.run(_forward_stream_case, timeout=TIMEOUT)):
+        assert told and set(told) == {"default"}, f"rank {rank}: forward_stream given to prefetch(): {told}"
+
+
 @pytest.mark.parametrize(
     ("extra", "reference"),
     [("prefetch", "the plain loop"), ("lookup", "the loop that looks batch i+1 up before i's update")],

@@ -112,6 +112,8 @@ class SparseDataDistUtil:
         self.prefetch_stream = prefetch_stream
         self.embedding_lookup_stream = embedding_lookup_stream
         self._streams = streams = util_streams(data_dist_stream, prefetch_stream, streams)
+        # the staged pipeline runs the prefetch stage on its own stream; forward runs on the caller's
+        self._forward_stream = streams.current()
         # torchrec's order ("late" schedule, torchrec's process group); no votes: the stages fetch
         self._input_dist = InputDist(
             model,
@@ -183,7 +185,7 @@ class SparseDataDistUtil:
         ctx = self._stage_context(batch, _Extra.PREFETCH, "prefetch")
         if ctx.started:  # else the forward that is recorded starts it, and its prefetch
             self._input_dist.wait_splits(ctx)
-            self._prefetch.submit(ctx)
+            self._prefetch.submit(ctx, self._forward_stream)
         return batch
 
     def load_prefetch(self) -> None:

@@ -77,12 +77,14 @@ class PrefetchStage:
         if self.ahead and self._streams.prefetch_on_worker:
             self.submit(ctx)
 
-    def submit(self, ctx: PrefetchBatchContext) -> None:
-        """Submit `ctx`'s prefetch stage (once)."""
+    def submit(self, ctx: PrefetchBatchContext, forward_stream: Any = None) -> None:
+        """Submit `ctx`'s prefetch stage (once). `forward_stream`: where its forward will run, if
+        not on the stream current here."""
         if self._working is None:
             self._find_work()
         if ctx.prefetch_job is None:
-            forward_stream = self._streams.current()  # the caller's stream, where forward will run
+            if forward_stream is None:
+                forward_stream = self._streams.current()
             ctx.prefetch_job = self._streams.submit(
                 self._streams.prefetch, lambda: self._run(ctx, forward_stream)
             )
