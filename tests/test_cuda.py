@@ -49,7 +49,10 @@ HBM_CASES = [
     *((name, "dlrm", "table_wise") for name in COMPILED),
     *((name, "dlrm", "table_wise") for name in LATER),
 ]
-CACHE_CASES = list(itertools.product(PIPELINES, ("dlrm", "nested"), ("table_wise", "column_wise")))
+CACHE_CASES = [
+    *itertools.product(PIPELINES, ("dlrm", "nested"), ("table_wise", "column_wise")),
+    ("StagedTrainPipeline+prefetch", "dlrm", "table_wise"),  # its prefetch stage fills the cache
+]
 RECORD_STREAM_CASES = [("TrainPipelineSparseDist", "dlrm"), ("PrefetchTrainPipelineSparseDist", "nested")]
 
 

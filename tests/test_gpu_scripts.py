@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cuda_cases import CLASSES
+from tests.cuda_cases import CLASSES, HOST_ONLY
 from tests.harness import pytest_timeout
 
 pytestmark = pytest.mark.slow  # dry runs on 2 gloo ranks and subprocess scripts
@@ -179,7 +179,7 @@ def test_the_sequence_dry_runs_every_call_on_cpu(tmp_path):
         assert command in dry.stdout, f"{command!r} not in the dry run:\n{dry.stdout}"
     at = [dry.stdout.index(step) for step in ("tests/test_cuda.py", "csan.py", "memory.py")]
     assert at == sorted(at), "the tests, then the sanitizer, then the memory table"
-    assert "device time: start 180 s + steps + 30 s a call" in dry.stdout, dry.stdout
+    assert "device time: start 60 s + steps + 30 s a call" in dry.stdout, dry.stdout
 
 
 def test_the_sequence_dry_run_refuses_a_missing_part_a_large_carry_and_an_overrun(tmp_path):
@@ -228,9 +228,15 @@ def test_the_readmes_budget_is_the_scripts_and_fits_13_minutes():
 def test_csan_runs_every_class_and_torchrecs_for_comparison():
     import csan
 
-    names = {name for name, _, _ in csan.cases([*CLASSES, *csan.COMPARED])}
-    assert names == {*CLASSES, *csan.COMPARED}
-    assert ("TrainPipelinePT2", "nested", False) not in csan.cases(list(CLASSES)), "PT2 runs the DLRM only"
+    on_gpu = csan.cases([*CLASSES, *csan.COMPARED])
+    on_cpu = csan.cases([*CLASSES, *csan.COMPARED], "cpu")
+    assert {name for name, _, _ in on_cpu} == {*CLASSES, *csan.COMPARED}
+    assert {name for name, _, _ in on_gpu} == {*CLASSES, *csan.COMPARED} - {*HOST_ONLY}
+    assert ("TrainPipelinePT2", "nested", False) not in on_gpu, "PT2 runs the DLRM only"
+    assert not any(cached for _, _, cached in on_cpu), "the cache is CUDA's"
+    for name in ("PrefetchTrainPipelineSparseDist", "torchrec.PrefetchTrainPipelineSparseDist"):
+        assert (name, "dlrm", True) in on_gpu, f"{name} behind the cache: ours against torchrec's"
+    assert ("StagedTrainPipeline+prefetch", "dlrm", True) in on_gpu, "its prefetch stage fills the cache"
 
 
 def test_memory_table_gives_both_ratios():

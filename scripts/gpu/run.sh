@@ -19,8 +19,8 @@ export PYTHONUNBUFFERED=1
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit "${1:-0}"; }
 # The budgets, in seconds; scripts/gpu/README.md's table gives what each rests on, and
 # tests/test_gpu_scripts.py fails when the two differ or the sequence's sum passes DEVICE_S.
-B_receive=20 B_install=60 B_probe=40 B_tests=210 B_csan=100 B_memory=75
-START_S=180    # the machine's start, paid by the first call
+B_receive=20 B_install=60 B_probe=40 B_tests=120 B_csan=210 B_memory=75
+START_S=60     # the machine's start, paid by the first call (30-40 s seen on an H200)
 CALL_S=30      # each call: the upload of its carry, the files back, the wait for the next call
 COMMAND_S=600  # one command's limit (the calls' timeout_s)
 DEVICE_S=${DEVICE_S:-780}  # 13 of the session's 15 minutes: 2 left to hand the machine back
@@ -121,7 +121,7 @@ for step in "$@"; do
     # Tests first: the sanitizer and the memory table come after, so a step cut at its budget loses
     # only its own later cases (each prints its line as it ends).
     tests) bound "$B_tests" python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | quiet | tee "$OUT/test_cuda.log" ;;
-    csan) bound "$B_csan" python3 scripts/gpu/csan.py --timeout "$((B_csan - 10))" 2>&1 | quiet | grep -E "^CSAN|^\+ |fbgemm::|aten::|argument" | tee "$OUT/csan.log" ;;
+    csan) bound "$B_csan" python3 scripts/gpu/csan.py --timeout "$((B_csan - 10))" 2>&1 | quiet | tee "$OUT/csan_full.log" | grep -E "^CSAN|^\+ |fbgemm::|aten::|argument" | tee "$OUT/csan.log" ;;
     memory) bound "$B_memory" python3 scripts/gpu/memory.py --config gpu-large --steps 10 --json "$OUT/memory.json" 2>&1 | quiet | tee "$OUT/memory.log" ;;
     smoke) do_ timeout 120 python3 -m pytest -q -x -p no:cacheprovider "tests/test_cuda.py::test_hbm_kernel_bitwise_equal[TrainPipelineSparseDist-dlrm-table_wise]" 2>&1 | quiet | tee "$OUT/smoke.log" || exit 1 ;;
     bench) bench bench_cuda 540 demo input-dist-heavy compute-heavy ;;
