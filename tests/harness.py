@@ -383,8 +383,8 @@ def run_ranks(
 
 
 def _script_rank(rank: int, world_size: int, port: int, module: str, argv: list, out: str, env: dict) -> None:
-    """A forked rank of `run_script`: torchrun's environment, its output to `out`, `main(argv)`'s
-    status (or its SystemExit's) as the exit status."""
+    """A forked rank of `run_script`: torchrun's environment, its output appended to `out`,
+    `main(argv)`'s status (or its SystemExit's) as the exit status."""
     import importlib
     import sys
 
@@ -396,7 +396,7 @@ def _script_rank(rank: int, world_size: int, port: int, module: str, argv: list,
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     try:
@@ -412,43 +412,62 @@ def _script_rank(rank: int, world_size: int, port: int, module: str, argv: list,
 
 
 def run_script(
-    module: str, argv: list[str], world_size: int = 2, *, timeout: float = 120.0, env: dict | None = None
+    module: str,
+    argv: list[str],
+    world_size: int = 2,
+    *,
+    timeout: float = 120.0,
+    env: dict | None = None,
+    restarts: int = 0,
 ) -> list[tuple[int | None, str]]:
     """`module.main(argv)` on `world_size` ranks forked from the session's server, in the environment
     torchrun gives its workers (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT,
-    and its agent's store, hosted here, which outlives any rank): per rank, (exit status, stdout and
-    stderr together).
+    and its agent's store, hosted here, which outlives any rank and every attempt): per rank, the
+    exit status of its last attempt and its output of every attempt.
 
-    For a script's paths that end a rank (bad input, an error exit) on ranks that start in a second,
-    where a torchrun launch imports torch again on every worker; one torchrun test per entry point
-    keeps the launcher itself covered. A rank still running after `timeout` seconds is killed and
-    shows as status None.
+    `restarts`: as torchrun's `--max-restarts`: when a rank fails, the others are stopped (SIGTERM,
+    then SIGKILL 5 s later) and every rank starts again with TORCHELASTIC_RESTART_COUNT one higher,
+    at most `restarts` times. For a script's paths that end a rank (bad input, an error exit, a rank
+    killed and resumed) on ranks that start in a second, where a torchrun launch imports torch again
+    on every worker; one torchrun test per entry point keeps the launcher itself covered. A rank
+    still running after `timeout` seconds (all attempts together) is killed and shows as status None.
     """
+    from multiprocessing.connection import wait
+
     ctx = _context()
     store = _host_store(world_size)  # as torchrun's agent: a rank that ends leaves it to its peers
     outs = Path(tempfile.mkdtemp(prefix="script-"))
     base = {k: v for k, v in {**os.environ, **(env or {})}.items() if not k.startswith("TORCHELASTIC")}
-    base.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
-    procs = [
-        ctx.Process(
-            target=_script_rank,
-            args=(r, world_size, store.port, module, list(argv), str(outs / f"rank{r}"), base),
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
     deadline = time.monotonic() + timeout
-    statuses: list[int | None] = []
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join()
-            statuses.append(None)
-        else:
-            statuses.append(p.exitcode)
     try:
+        for attempt in range(restarts + 1):
+            base.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT=str(attempt))
+            procs = [
+                ctx.Process(
+                    target=_script_rank,
+                    args=(r, world_size, store.port, module, list(argv), str(outs / f"rank{r}"), base),
+                )
+                for r in range(world_size)
+            ]
+            for p in procs:
+                p.start()
+            restart = attempt < restarts  # else the ranks end on their own, as before any restart
+            while (running := [p for p in procs if p.exitcode is None]) and time.monotonic() < deadline:
+                if restart and any(p.exitcode for p in procs):
+                    break
+                wait([p.sentinel for p in running], max(0.0, deadline - time.monotonic()))
+            failed = any(p.exitcode for p in procs)
+            late = [p.exitcode is None and not (restart and failed) for p in procs]
+            for p, was_late in zip(procs, late, strict=True):
+                if p.exitcode is None and not was_late:
+                    p.terminate()  # a failed rank's peers, stopped as torchrun's agent stops them
+                    p.join(5.0)
+                if p.exitcode is None:
+                    p.kill()
+                p.join()
+            statuses = [None if was_late else p.exitcode for p, was_late in zip(procs, late, strict=True)]
+            if not (restart and failed) or time.monotonic() >= deadline:
+                break
         return [(status, (outs / f"rank{r}").read_text()) for r, status in enumerate(statuses)]
     finally:
         shutil.rmtree(outs, ignore_errors=True)

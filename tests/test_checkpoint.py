@@ -170,8 +170,8 @@ def _torchrun(
     """Run the example; returns (exit status, summary or None, {(rank, step): (attempt, loss)}, output).
 
     Under torchrun, or with `forked` on ranks forked in torchrun's environment (tests/harness.py
-    run_script), for the runs that restart nothing: they start in a second, where torchrun's
-    workers import torch again.
+    run_script, which restarts a failed job as torchrun's agent does): they start in a second, where
+    torchrun's workers import torch again.
     """
     run = tmp / name
     run.mkdir(exist_ok=True)
@@ -182,9 +182,9 @@ def _torchrun(
     argv = [*_FLAGS, *extra, *flags]
     argv += ["--summary-json", str(run / "summary.json"), "--loss-log", str(run / "losses.txt")]
     if forked:
-        assert not restarts, "a forked run restarts nothing: use torchrun"
+        env = {"OMP_NUM_THREADS": "1"}
         job = script_job(
-            run_script("examples.dlrm.train", argv, nproc, timeout=200, env={"OMP_NUM_THREADS": "1"})
+            run_script("examples.dlrm.train", argv, nproc, timeout=200, env=env, restarts=restarts)
         )
         status, output = job.returncode, job.stderr
     else:
@@ -228,17 +228,23 @@ def reference(tmp_path_factory) -> dict:
     return found
 
 
-# Each run costs two torchrun start-ups (most of its time): each pipeline and each kernel once, the
-# prefetch pipeline with the kernel whose prefetch does work; the kill during a save runs Prefetch on
-# the fused kernel.
-@pytest.mark.parametrize(("pipeline", "kernel"), [("sparse-dist", "fused"), ("prefetch", "tiered")])
-def test_killed_rank_restarts_and_finishes_bit_for_bit(tmp_path, reference, pipeline, kernel):
+# Each pipeline and each kernel once, the prefetch pipeline with the kernel whose prefetch does work;
+# the kill during a save runs Prefetch on the fused kernel. One run restarts under real torchrun (two
+# torchrun start-ups are most of its time); the others on forked ranks that restart as its agent does.
+@pytest.mark.parametrize(
+    ("pipeline", "kernel", "launcher"),
+    [("sparse-dist", "fused", "torchrun"), ("prefetch", "tiered", "forked")],
+)
+def test_killed_rank_restarts_and_finishes_bit_for_bit(tmp_path, reference, pipeline, kernel, launcher):
     seed = random.randrange(1 << 30)
     kill_at = random.Random(seed).randrange(EVERY + 1, 2 * EVERY)  # strictly between two checkpoints
     flags = ("--pipeline", pipeline, "--checkpoint-dir", str(tmp_path / "ckpt"))
     flags += ("--checkpoint-every", str(EVERY), "--inject-kill", f"1:step:{kill_at}")
     tiered = kernel == "tiered"
-    status, summary, losses, output = _torchrun(tmp_path, "run", *flags, restarts=1, tiered=tiered)
+    forked = launcher == "forked"
+    status, summary, losses, output = _torchrun(
+        tmp_path, "run", *flags, restarts=1, tiered=tiered, forked=forked
+    )
     where = f"(rank 1 killed after step {kill_at}, seed {seed})"
     assert status == 0, f"{where}\n{output[-4000:]}"
     assert "rank 1 dies after step" in output, where
@@ -255,7 +261,7 @@ def test_killed_rank_restarts_and_finishes_bit_for_bit(tmp_path, reference, pipe
 def test_kill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, reference):
     flags = ("--pipeline", "prefetch", "--checkpoint-dir", str(tmp_path / "ckpt"))
     flags += ("--checkpoint-every", str(EVERY), "--inject-kill", f"1:save:{2 * EVERY}")
-    status, summary, _, output = _torchrun(tmp_path, "run", *flags, restarts=1)
+    status, summary, _, output = _torchrun(tmp_path, "run", *flags, restarts=1, forked=True)
     assert status == 0, output[-4000:]
     assert f"rank 1 dies while saving the checkpoint of step {2 * EVERY}" in output
     assert summary["resumed_from_step"] == EVERY  # not the half-written one
