@@ -6,7 +6,9 @@ GPU scripts (`scripts/gpu/csan.py`, `scripts/gpu/memory.py`); run inside a harne
 per-step outputs and final parameters are bit for bit equal, what the keep-alive kept, and the
 peak memory of the pipeline's run. The references: the plain loop (zero_grad, forward, backward,
 step); for Eval, the model's outputs in eval mode without gradients; for PT2 and CompAutograd, the
-plain loop compiled the same way (aot_eager: eager's kernels, so bit for bit is the contract); for
+plain loop compiled the same way (aot_eager on CUDA: eager's kernels, so bit for bit is the
+contract; dynamo alone, backend "eager", in the CPU dry run, which checks the case's wiring and
+takes a third of the time: tests/test_pt2.py holds aot_eager on CPU); for
 Staged "+lookup", `models.stale_lookup_loop` (its lookup of batch i+1 runs before batch i's update).
 """
 
@@ -68,7 +70,12 @@ _DYNAMO = {
     "force_unspec_int_unbacked_size_like_on_torchrec_kjt": True,
     "skip_torchrec": False,
 }
-_AUTOGRAD = {"backend": "aot_eager", "dynamic": True, "fullgraph": False}
+_AUTOGRAD = {"dynamic": True, "fullgraph": False}
+
+
+def _backend(device: torch.device) -> str:
+    """The compile backend of the PT2 and CompAutograd cases: see the module's docstring."""
+    return "aot_eager" if device.type == "cuda" else "eager"
 
 
 def run_case(
@@ -92,7 +99,7 @@ def run_case(
     data = models.batches(kind, steps, rank=0)
     build = _builder(name, kind, sharding, device, cache)
     ref_model, ref_opt = build()
-    expected = _reference(name, ref_model, ref_opt, [_on(b, device) for b in data])
+    expected = _reference(name, ref_model, ref_opt, [_on(b, device) for b in data], _backend(device))
     model, opt = build()
     if on_gpu:
         torch.cuda.synchronize()
@@ -129,7 +136,7 @@ def _builder(name: str, kind: str, sharding: str, device: torch.device, cache: A
         if name.endswith("CompAutograd"):  # compiled autograd traces DDP's Python reducer only
             with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
                 model, opt = models.build(kind, sharding, device=device, cache=cache)
-            model._compiled_autograd_options = dict(_AUTOGRAD)
+            model._compiled_autograd_options = {**_AUTOGRAD, "backend": _backend(device)}
             return model, opt
         stash = _STASHED.get(name, ())
         model, opt = models.build(kind, sharding, device=device, cache=cache, stash=stash)
@@ -140,14 +147,14 @@ def _builder(name: str, kind: str, sharding: str, device: torch.device, cache: A
     return build
 
 
-def _reference(name: str, model, opt, data: list) -> list:
+def _reference(name: str, model, opt, data: list, backend: str) -> list:
     if name.startswith("Eval"):
         with torch.no_grad():
             return [model(b)[1] for b in data]
     if name.endswith("PT2"):
-        return _compiled_loop(model, opt, data)
+        return _compiled_loop(model, opt, data, backend)
     if name.endswith("CompAutograd"):
-        return _compiled_autograd_loop(model, opt, data)
+        return _compiled_autograd_loop(model, opt, data, backend)
     if name == "StagedTrainPipeline+lookup":  # semi-synchronous: embeddings one step stale
         return models.stale_lookup_loop(model, opt, data)
     return models.plain_loop(model, opt, data)
@@ -172,7 +179,7 @@ def _train(name: str, model, opt, device, data: list, handoff: str) -> tuple[lis
         return outputs, streams, report
     options: dict[str, Any] = {"streams": streams, **OPTIONS.get(name, {})}
     if name == "TrainPipelinePT2":
-        options["compile_configs"] = pipeline.TorchCompileConfig(backend="aot_eager", compile_on_iter=2)
+        options["compile_configs"] = pipeline.TorchCompileConfig(backend=_backend(device), compile_on_iter=2)
     pipe = getattr(pipeline, name)(model, opt, device, **options)
     return models.run_to_end(pipe, iter(data)), streams, getattr(pipe, "rewrite_report", None)
 
@@ -215,13 +222,13 @@ def _traceable(batch: Any) -> Any:
     return Batch(batch.dense_features, kjt_for_pt2_tracing(batch.sparse_features), batch.labels)
 
 
-def _compiled_loop(model, opt, data: list) -> list:
-    """The plain loop, compiled with aot_eager before the third batch (as the PT2 case)."""
+def _compiled_loop(model, opt, data: list, backend: str) -> list:
+    """The plain loop, compiled with `backend` before the third batch (as the PT2 case)."""
     outputs = []
     for i, batch in enumerate(data):
         with torch._dynamo.config.patch(_DYNAMO):
             if i == 2:
-                model.compile(backend="aot_eager")
+                model.compile(backend=backend)
             opt.zero_grad()
             loss, out = model(_traceable(batch))
         torch.sum(loss).backward()
@@ -230,11 +237,11 @@ def _compiled_loop(model, opt, data: list) -> list:
     return outputs
 
 
-def _compiled_autograd_loop(model, opt, data: list) -> list:
+def _compiled_autograd_loop(model, opt, data: list, backend: str) -> list:
     """The plain loop on torchrec's sync collectives, its backward under compiled autograd."""
     from torchrec.distributed.comm_ops import torchrec_use_sync_collectives
 
-    compiler = torch.compile(**_AUTOGRAD)
+    compiler = torch.compile(**_AUTOGRAD, backend=backend)
     outputs = []
     for batch in data:
         opt.zero_grad()

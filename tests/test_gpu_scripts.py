@@ -288,7 +288,7 @@ def _lookup_references(rank: int, world_size: int) -> dict:
 
     data = models.batches("dlrm", 4, rank=0)
     loops = {
-        "case": lambda model, opt, batches: _reference("StagedTrainPipeline+lookup", model, opt, batches),
+        "case": lambda model, opt, data: _reference("StagedTrainPipeline+lookup", model, opt, data, "eager"),
         "stale": models.stale_lookup_loop,
         "plain": models.plain_loop,
     }
