@@ -162,9 +162,10 @@ def test_suggested_cache_rows_succeeds(tmp_path, monkeypatch, capsys):
 
 def test_identical_runs_print_the_same_plan(tmp_path):
     # torchrec's planner breaks ties in the order of a set of strings, which follows the hash seed:
-    # before the fix, seeds 0 and 1 gave column_wise and table_wise for these flags.
+    # before the fix, seeds 0 and 1 gave column_wise and table_wise for these flags. A fresh
+    # interpreter per seed (the seed is read at its start), so the two seeds that differed.
     plans = []
-    for seed in ("0", "1", "2"):
+    for seed in ("0", "1"):
         out = tmp_path / f"summary{seed}.json"
         cmd = [
             sys.executable,
@@ -179,7 +180,7 @@ def test_identical_runs_print_the_same_plan(tmp_path):
         assert proc.returncode == 0, proc.stderr
         plans.append(json.loads(out.read_text())["sharding"])
         assert f"sharding            {plans[-1]}" in proc.stdout
-    assert plans[0] == plans[1] == plans[2] and "plan " in plans[0], plans
+    assert plans[0] == plans[1] and "plan " in plans[0], plans
 
 
 def test_store_of_another_world_size_names_both(tmp_path, monkeypatch, capsys):
