@@ -234,3 +234,42 @@ def test_a_broken_handoff_is_caught(pool, name, broken):
     for rank, r in enumerate(pool.run(_case, name, broken, timeout=TIMEOUT)):
         assert r["error"] is not None, f"rank {rank}: {broken} was not caught"
         assert BROKEN[broken] in r["error"], f"rank {rank}: {broken} caught as: {r['error']}"
+
+
+COPIED_AHEAD = (
+    "TrainPipelineBase",
+    "TrainPipelineSparseDist",
+    "TrainPipelineFusedSparseDist",
+    "TrainPipelineSemiSync",
+)
+"""Classes whose next batch is copied in the step: where that copy finds memory to reuse."""
+
+
+def _completed_at_copies(rank: int, world_size: int, name: str) -> list[int]:
+    """With events that complete as soon as they are recorded (a GPU that keeps up with the host),
+    the objects released and not yet dropped when each copy stage starts: memory the allocator
+    would reuse under record_stream, and the keep-alive would still hold."""
+    from tests import models, streamcheck
+
+    model, opt = _build(name)
+    streams = streamcheck.RecordingStreams(lag=0)
+    pending: list[int] = []
+    started = streams.stage_started
+
+    def stage_started(stage: str) -> None:
+        if stage == "copy":
+            kinds = [entry[0] for entry in streams.log]
+            pending.append(kinds.count("release") - kinds.count("drop"))
+        started(stage)
+
+    streams.stage_started = stage_started
+    pipe = _make(name, model, opt, streams)
+    models.run_to_end(pipe, iter(models.batches("dlrm", STEPS, rank, seed=9)))
+    return pending
+
+
+@pytest.mark.parametrize("name", COPIED_AHEAD)
+def test_what_completed_is_dropped_before_the_next_copy(pool, name):
+    for rank, pending in enumerate(pool.run(_completed_at_copies, name, timeout=TIMEOUT)):
+        assert len(pending) >= STEPS - 1, f"rank {rank}: {len(pending)} copies seen"
+        assert not any(pending), f"rank {rank}: released objects still held at each copy: {pending}"

@@ -128,6 +128,7 @@ class PipelineCore(BatchStages, TrainPipeline):
             StopIteration: every batch of `dataloader_iter` has been processed.
         """
         lane = self._enter(dataloader_iter)
+        self._streams.poll()  # what the last step's streams are done with goes before this one copies
         try:
             draining = lane.state is LaneState.DRAINING
             if not (self._execute_all_batches or draining) and not self._look_ahead(lane):

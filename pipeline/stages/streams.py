@@ -137,6 +137,10 @@ class Streams:
         """`obj` leaves the pipeline for the caller, who reads it on the current stream after any
         point the pipeline can order: its tensors are recorded on that stream."""
 
+    def poll(self) -> None:
+        """Drop what the streams are done with (queries only): before a step allocates, so that
+        the allocator can reuse it, as it would under `record_stream`."""
+
     @property
     def kept(self) -> int:
         """Objects held for a consumer stream now (0 without streams)."""
@@ -201,6 +205,9 @@ class OrderedStreams(Streams):
         # memory another stream allocated must then wait for that stream at its free, which only
         # record_stream can say. On memory the caller's stream allocated it is a no-op.
         self.record(obj, self.current())
+
+    def poll(self) -> None:
+        self.keep_alive.poll()
 
     def wait_all(self) -> None:
         self.keep_alive.wait()
