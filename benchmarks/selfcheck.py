@@ -183,7 +183,9 @@ def rounds_and_variants() -> None:
     assert parse_variant("ours-prefetch+inline") == ("ours-prefetch", None, ("inline",))
     assert reference("ours-sparse-dist@late+novote") == "ours-sparse-dist@late"
     assert reference("ours-eval") == "torchrec-eval" and reference("plain") is None
-    for bad in ("fast", "torchrec-base+novote", "ours-base@early", "ours-base+nope"):
+    assert parse_variant("ours-sparse-dist@auto") == ("ours-sparse-dist", "auto", ())
+    assert reference("ours-sparse-dist@auto") == "ours-sparse-dist", "the tuner against the default"
+    for bad in ("fast", "torchrec-base+novote", "ours-base@early", "ours-base+nope", "ours-eval@auto"):
         with suppress(ValueError):
             parse_variant(bad)
             raise AssertionError(f"{bad!r} was taken for a variant")
@@ -191,7 +193,8 @@ def rounds_and_variants() -> None:
 
 def one_warmup_per_config() -> None:
     """Every variant of a config times the same steps: the longer warm-up for all of them where one
-    measures before it decides (Prefetch's overlap trial, with tables on disk), else the short one."""
+    measures before it decides (the schedule tuner; Prefetch's overlap trial, with tables on disk),
+    else the short one."""
 
     def spec(*variants: str) -> RunSpec:
         return RunSpec(configs=("demo", "tiered"), variants=variants, warmup=20, auto_warmup=90)
@@ -200,6 +203,8 @@ def one_warmup_per_config() -> None:
     assert (every.warmup_of("demo"), every.warmup_of("tiered")) == (20, 90)
     forced = spec("plain", "ours-prefetch+inline", "ours-sparse-dist@early")
     assert (forced.warmup_of("demo"), forced.warmup_of("tiered")) == (20, 20)
+    tuned = spec("plain", "ours-sparse-dist@auto")  # the schedule tuner, on every config
+    assert (tuned.warmup_of("demo"), tuned.warmup_of("tiered")) == (90, 90)
 
 
 def _prediction(**ms: float) -> SimpleNamespace:

@@ -27,6 +27,8 @@ BOUND = ("compute-alone", "comm-alone", "io-alone")
 NAMES = (*VARIANTS, *FAMILY, *BOUND)
 SCHEDULES = ("early", "late", "early-shared", "late-own")
 """Our `input_dist_schedule` values other than "auto" (repeated here to stay free of torch)."""
+AUTO = "auto"
+"""`@auto`: the schedule tuner, which measures paired rounds of real steps before it decides."""
 FLAGS: dict[str, dict[str, bool]] = {
     "novote": {"agreement": False, "check_keys": False, "check_kjts": False},
     "nocheck": {"check_kjts": False},
@@ -55,22 +57,27 @@ def parse_variant(variant: str) -> tuple[str, str | None, tuple[str, ...]]:
     name, _, schedule = head.partition("@")
     if (
         name not in NAMES
-        or (schedule and (schedule not in SCHEDULES or name not in _SCHEDULED))
+        or (schedule and (schedule not in (*SCHEDULES, AUTO) or name not in _SCHEDULED))
+        or (schedule == AUTO and name == "ours-eval")
         or (flags and (not name.startswith("ours-") or name == "ours-staged"))
         or any(f not in FLAGS for f in flags)
     ):
         raise ValueError(
             f"unknown variant {variant!r}: NAME[@SCHEDULE][+FLAG...] with NAME one of {', '.join(NAMES)}; "
-            f"@SCHEDULE ({', '.join(SCHEDULES)}) on {', '.join(_SCHEDULED)}; +FLAG ({', '.join(FLAGS)}) "
+            f"@SCHEDULE ({', '.join(SCHEDULES)}, or {AUTO} but on ours-eval) on {', '.join(_SCHEDULED)}; "
+            f"+FLAG ({', '.join(FLAGS)}) "
             "on ours-* but ours-staged"
         )
     return name, schedule or None, tuple(flags)
 
 
 def _tunes(variant: str, on_disk: bool) -> bool:
-    """Whether `variant` measures before it decides: our Prefetch's overlap trial runs where its
-    `prefetch()` has work (tables on disk), unless `+ahead` or `+inline` forces the mode."""
-    name, _, flags = parse_variant(variant)
+    """Whether `variant` measures before it decides: the schedule tuner (`@auto`), and our Prefetch's
+    overlap trial where its `prefetch()` has work (tables on disk), unless `+ahead` or `+inline`
+    forces the mode."""
+    name, schedule, flags = parse_variant(variant)
+    if schedule == AUTO:
+        return True
     return name == "ours-prefetch" and on_disk and not {"ahead", "inline"} & set(flags)
 
 

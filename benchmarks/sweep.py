@@ -1,10 +1,11 @@
 """`python -m benchmarks sweep`: 14 points from network-bound (100 Mbit) to compute-bound (loopback).
 
 Per point (`benchmarks.configs.SWEEP_LINKS`), in rotated rounds on 2 ranks: the plain loop, our Base,
-SparseDist ("auto" and each forced schedule) and Prefetch, torchrec's SparseDist, and the bound's
-halves (compute alone, communication alone: `benchmarks.bound`). Points are grouped by link so that
-each link is set up once. Figures per point: step times (median over rounds), paired ratios, our
-SparseDist over max(compute alone, communication alone), the schedule "auto" kept in each round,
+SparseDist (its default, torchrec's order; "auto", the tuner; and each forced schedule) and Prefetch,
+torchrec's SparseDist, and the bound's halves (compute alone, communication alone:
+`benchmarks.bound`). Points are grouped by link so that each link is set up once. Figures per point:
+step times (median over rounds), paired ratios, our SparseDist over max(compute alone, communication
+alone), the schedule "auto" kept in each round,
 the fastest forced schedule, and what tuning cost: the time lost against the kept schedule, as a
 share of a 1,000-step run. Writes the JSON, the Markdown and a PNG of the ratios to torchrec.
 """
@@ -20,13 +21,14 @@ from typing import Any
 from benchmarks.configs import SWEEP_LINKS, sweep_points
 from benchmarks.report import Paired, by_round, cell, markdown_table, paired, publish, pyplot, save_figure
 from benchmarks.run import run_benchmark
-from benchmarks.spec import SCHEDULES, RunSpec
+from benchmarks.spec import AUTO, SCHEDULES, RunSpec
 
 __all__ = ["VARIANTS", "analyse", "sweep"]
 
 SD, PF, TR = "ours-sparse-dist", "ours-prefetch", "torchrec-sparse-dist"
+SD_AUTO = f"{SD}@{AUTO}"
 FORCED = tuple(f"{SD}@{s}" for s in SCHEDULES)
-VARIANTS = ("plain", "ours-base", SD, PF, TR, *FORCED, "compute-alone", "comm-alone")
+VARIANTS = ("plain", "ours-base", SD, SD_AUTO, PF, TR, *FORCED, "compute-alone", "comm-alone")
 TOLERANCE = 0.03
 """A schedule within this of the fastest forced one is as good (the tuner's margin)."""
 
@@ -46,7 +48,7 @@ def sweep(*, points: list[str], steps: int, warmup: int, auto_warmup: int, round
         runs += result["runs"]
         meta = {**result["meta"], "where": "2 ranks; each point's link in the table"}
     results = [analyse([r for r in runs if r["config"] == n], name=n) for n in names]
-    more = ["Our SparseDist with each schedule forced (median step ms), and what auto kept per round:", "",
+    more = ["Our SparseDist with each schedule forced and under auto (median step ms); auto's choice:", "",
             *markdown_table(*forced_table(results)), ""]  # fmt: skip
     if png:
         plot(results, png, f"{command}  ({meta['started']})")
@@ -60,7 +62,7 @@ def sweep(*, points: list[str], steps: int, warmup: int, auto_warmup: int, round
 _NOTES = [
     "bound by: the larger of communication alone and compute alone. SD / bound: our SparseDist's step "
     "over max(compute alone, communication alone).",
-    f"auto kept: the schedule our SparseDist's auto ended on, per round (ok: within {TOLERANCE:.0%} of the "
+    f"auto kept: the schedule our SparseDist@auto ended on, per round (ok: within {TOLERANCE:.0%} of the "
     "fastest forced schedule). tuning cost: time the tuner lost against the kept schedule, as a share of "
     "a 1,000-step run.",
 ]
@@ -73,7 +75,7 @@ def analyse(runs: list[dict[str, Any]], *, name: str) -> dict[str, Any]:
               for v in dict.fromkeys(v for r in steps.values() for v in r)}  # fmt: skip
     compute, comm = median.get("compute-alone"), median.get("comm-alone")
     bound = max(compute, comm) if compute and comm else None
-    kept = [r["schedule"] for r in runs if r["variant"] == SD and r.get("schedule")]
+    kept = [r["schedule"] for r in runs if r["variant"] == SD_AUTO and r.get("schedule")]
     forced = {v.split("@")[1]: m for v, m in median.items() if v in FORCED}
     fastest = min(forced, key=forced.__getitem__) if forced else None
     right = None
@@ -82,7 +84,7 @@ def analyse(runs: list[dict[str, Any]], *, name: str) -> dict[str, Any]:
             kept
         )
     costs = []
-    for r in (r for r in runs if r["variant"] == SD and r.get("tuner")):
+    for r in (r for r in runs if r["variant"] == SD_AUTO and r.get("tuner")):
         ran, chosen = r["tuner"]["tuning_steps_by_schedule"], forced.get(r.get("schedule") or "")
         if chosen and ran and all(s in forced for s in ran):
             costs.append(sum(n * max(0.0, forced[s] - chosen) for s, n in ran.items()) / (1000 * chosen))
@@ -93,7 +95,6 @@ def analyse(runs: list[dict[str, Any]], *, name: str) -> dict[str, Any]:
         "base_vs_plain": paired(steps, "ours-base", "plain"),
         "sd_to_bound": median[SD] / bound if bound and SD in median else None,
         "auto_kept": kept,
-        "auto_kept_pf": [r["schedule"] for r in runs if r["variant"] == PF and r.get("schedule")],
         "fastest_forced": fastest, "auto_right": right,
         "tuning_cost": statistics.median(costs) if costs else None,
     }  # fmt: skip
@@ -118,10 +119,11 @@ def table(points: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
 
 
 def forced_table(points: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """Our SparseDist's median step per forced schedule, and what auto kept per round."""
-    columns = ["point", *(f"{s} ms" for s in SCHEDULES), "auto (SD)", "auto (PF)"]
-    cells = [[p["name"].removeprefix("sweep-"), *(cell(p["median_ms"].get(v), ".1f") for v in FORCED),
-              ", ".join(p["auto_kept"]) or "-", ", ".join(p["auto_kept_pf"]) or "-"]
+    """Our SparseDist's median step per forced schedule and under auto, and what auto kept per round."""
+    columns = ["point", *(f"{s} ms" for s in SCHEDULES), "auto ms", "auto kept"]
+    shown = (*FORCED, SD_AUTO)
+    cells = [[p["name"].removeprefix("sweep-"), *(cell(p["median_ms"].get(v), ".1f") for v in shown),
+              ", ".join(p["auto_kept"]) or "-"]
              for p in points]  # fmt: skip
     return columns, cells
 
