@@ -62,9 +62,15 @@ def _descendants(root: int) -> dict[int, int]:
 
 
 def _cmdline(pid: int) -> str:
+    """Its command line; for one that exited before it was read (a zombie has none), "[NAME]": the
+    process name the kernel keeps (15 characters at most)."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
+        line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        if line:
+            return line
+        stat = Path(f"/proc/{pid}/stat").read_text(errors="replace")
+        return f"[{stat[stat.index('(') + 1 : stat.rindex(')')]}]"
+    except (OSError, ValueError):
         return "?"
 
 
@@ -139,6 +145,7 @@ def test_a_job_under_torchrun_starts_no_process_and_writes_nothing_unasked(tmp_p
     others = [s for s in ranks if not _from_an_import_of_theirs(s)]
     assert not others, "a rank started processes:\n" + "\n\n".join(_describe(s) for s in others)
     seen = {" ".join(s["argv"]) for s in ranks}
+    seen |= {f"[{Path(s['argv'][0]).name[:15]}]" for s in ranks if s["argv"]}  # exited before it was read
     forking = {s["pid"] for s in ranks}
     unseen = {
         pid: line
