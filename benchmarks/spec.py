@@ -64,9 +64,8 @@ def parse_variant(variant: str) -> tuple[str, str | None, tuple[str, ...]]:
     ):
         raise ValueError(
             f"unknown variant {variant!r}: NAME[@SCHEDULE][+FLAG...] with NAME one of {', '.join(NAMES)}; "
-            f"@SCHEDULE ({', '.join(SCHEDULES)}, or {AUTO} but on ours-eval) on {', '.join(_SCHEDULED)}; "
-            f"+FLAG ({', '.join(FLAGS)}) "
-            "on ours-* but ours-staged"
+            f"@SCHEDULE ({', '.join(SCHEDULES)}; {AUTO} but on ours-eval) on {', '.join(_SCHEDULED)}; "
+            f"+FLAG ({', '.join(FLAGS)}) on ours-* but ours-staged"
         )
     return name, schedule or None, tuple(flags)
 
