@@ -25,8 +25,9 @@ FAMILY = ("ours-fused-sparse-dist", "torchrec-fused-sparse-dist", "ours-semi-syn
           "ours-eval", "torchrec-eval", "ours-staged")  # fmt: skip
 BOUND = ("compute-alone", "comm-alone", "io-alone")
 NAMES = (*VARIANTS, *FAMILY, *BOUND)
-SCHEDULES = ("early", "late", "early-shared", "late-own")
-"""Our `input_dist_schedule` values other than "auto" (repeated here to stay free of torch)."""
+SCHEDULES = ("adaptive", "early", "late", "early-shared", "late-own")
+"""Our `input_dist_schedule` values other than "auto" (repeated here to stay free of torch);
+"adaptive" is the default, so `@adaptive` names it explicitly."""
 AUTO = "auto"
 """`@auto`: the schedule tuner, which measures paired rounds of real steps before it decides."""
 FLAGS: dict[str, dict[str, bool]] = {

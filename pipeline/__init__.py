@@ -63,6 +63,7 @@ from pipeline.stages.overlap import OverlapTrial
 from pipeline.stages.streams import CudaStreams, Streams
 from pipeline.stages.thread_streams import ThreadStreams
 from pipeline.stages.tuner import Tuner
+from pipeline.stages.watch import ScheduleWatch
 from rewrite import NotPreparedError, RewriteError
 from rewrite.torchrec_args import ArgInfo, ArgInfoStepFactory, CallArgs
 from rewrite.trace import Tracer
@@ -102,6 +103,7 @@ __all__ = [
     "RankOptions",
     "RewriteError",
     "RewriteOptions",
+    "ScheduleWatch",
     "SparseDataDistUtil",
     "StageOut",
     "StagedTrainPipeline",

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     from pipeline.stages.overlap import OverlapTrial
     from pipeline.stages.tuner import Tuner
+    from pipeline.stages.watch import ScheduleWatch
 
 __all__ = [
     "InputDistOptions",
@@ -53,8 +54,8 @@ def fields_in(arguments: dict[str, Any], kind: type) -> dict[str, Any]:
     return {f.name: arguments[f.name] for f in dataclasses.fields(kind) if f.name in arguments}
 
 
-SCHEDULE_NAMES = ("auto", "early", "late", "early-shared", "late-own")
-"""Values of `input_dist_schedule=` (`pipeline.stages.schedule.SCHEDULES` plus "auto")."""
+SCHEDULE_NAMES = ("adaptive", "auto", "early", "late", "early-shared", "late-own")
+"""Values of `input_dist_schedule=` (`pipeline.stages.schedule.SCHEDULES`, "adaptive" and "auto")."""
 
 
 def _one_of(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
@@ -124,14 +125,21 @@ class RewriteOptions:
 class InputDistOptions:
     """When the next batch's input all-to-alls run, and on which process group."""
 
-    schedule: str = "late"
-    """"late" (torchrec's order, the default: no trials, no extra process group), "early",
-    "early-shared", "late-own" (`pipeline.stages.schedule`), or "auto": paired trials of real
-    training steps choose among them (`pipeline.Tuner`; bit for bit, within a bounded number of
-    steps). "early", "late-own" and "auto" create one more process group per input_dist group."""
+    schedule: str = "adaptive"
+    """"adaptive" (the default): torchrec's order, moving to "early" where the host blocks on the
+    input all-to-alls for a large share of the step, kept only if the steps after are faster
+    (`pipeline.stages.watch`: no trial steps, no collective of its own, at most one try per job).
+    "late" pins torchrec's order (no extra process group); "early", "early-shared", "late-own" pin
+    that schedule (`pipeline.stages.schedule`); "auto": paired trials of real training steps choose
+    among them (`pipeline.Tuner`; bit for bit, within a bounded number of steps). "early",
+    "late-own", "auto", and "adaptive" where it moves, create one more process group per
+    input_dist group."""
     tuner: Tuner | None = None
     """Under "auto", the `pipeline.Tuner` to use (e.g. `Tuner(prior=...)` with a prediction made
     beforehand by `python -m benchmarks predict`); None: `Tuner()`, which measures every schedule."""
+    watch: ScheduleWatch | None = None
+    """Under "adaptive", the `pipeline.ScheduleWatch` to use (its window, threshold, margin);
+    None: `ScheduleWatch()`, whose constants docs/pipeline.md gives with their measurements."""
 
     def __post_init__(self) -> None:
         _one_of("input_dist_schedule", self.schedule, SCHEDULE_NAMES)

@@ -6,10 +6,12 @@ can send the splits of every module on one process group in a single all-to-all
 (`FusedKJTListSplitsAwaitable`). Input dists are created lazily on a module's first input, so this is
 installed after the first batch.
 
-A fused splits all-to-all can also carry one number per rank, its status for the batch
-(`StatusSplits`): the ranks learn whether every rank has the batch from the collective they issue
-anyway, before any values move. A rank without the batch sends zero splits of the same shape with its
-status (`StatusOnly`), as recorded from an earlier batch (`splits_shape`).
+A fused splits all-to-all can also carry one number per rank, its word for the batch
+(`StatusSplits`; the pipeline packs its status, its row count and an observation into it): the ranks
+learn whether every rank has the batch from the collective they issue anyway, before any values
+move. A rank without the batch sends zero splits of the same shape with its word (`StatusOnly`), as
+recorded from an earlier batch (`splits_shape`). Each rank reads the others' words at its own row
+count; the word's row count lets it check that what it read is a word.
 """
 
 from __future__ import annotations
@@ -108,12 +110,16 @@ class _One:
 
 
 def fuse_splits_requests(
-    requests: dict[str, Any], module_contexts: dict[str, Any], *, status: int | None = None
+    requests: dict[str, Any],
+    module_contexts: dict[str, Any],
+    *,
+    word: Callable[[int], int] | None = None,
 ) -> list[tuple[list[str], Any]]:
     """One splits all-to-all per process group, over every module using that group (`names, awaitable`
     pairs whose `wait()` returns the values awaitables in `names` order). Before the input dists are
     patched (`install_fused_splits`) a module's splits request is already issued: `one_by_one` wraps
-    those instead. With `status`, the first group spanning every rank carries it (`StatusSplits`)."""
+    those instead. With `word` (this rank's word, from the number of splits rows sent before it), the
+    first group spanning every rank carries it (`StatusSplits`)."""
     groups: dict[int, tuple[Any, list[str]]] = {}
     for name, request in requests.items():
         metas = [a for a in getattr(request, "awaitables", []) if isinstance(a, KJTSplitsAllToAllMeta)]
@@ -126,9 +132,9 @@ def fuse_splits_requests(
             "contexts": [module_contexts[n] for n in names],
             "pg": pg,
         }
-        if status is not None and _spans_world(pg):
-            fused.append((names, StatusSplits(**inputs, status=status)))
-            status = None
+        if word is not None and _spans_world(pg):
+            fused.append((names, StatusSplits(**inputs, word=word)))
+            word = None
         else:
             fused.append((names, FusedKJTListSplitsAwaitable(**inputs)))
     return fused
@@ -139,8 +145,8 @@ def _spans_world(pg: Any) -> bool:
 
 
 class _Rows:
-    """A splits all-to-all whose row `status_row` is every rank's status: `wait()` gives every row
-    (once waited, kept: the status is read before the splits)."""
+    """A splits all-to-all whose row `status_row` is every rank's word: `wait()` gives every row
+    (once waited, kept: the words are read before the splits)."""
 
     def __init__(self, inner: Any, status_row: int) -> None:
         self._inner, self._status_row, self._rows = inner, status_row, None
@@ -150,46 +156,62 @@ class _Rows:
             self._rows = self._inner.wait()
         return self._rows
 
-    def statuses(self) -> list[int]:
-        return self.wait()[self._status_row]
+    def words(self) -> list[int]:
+        """Per rank, what it sent at this rank's status row (a word if the ranks sent alike)."""
+        rows = self.wait()
+        if self._status_row >= len(rows):
+            return []  # fewer rows than this rank sent: the receiver reports the mismatch
+        return list(rows[self._status_row])
 
 
 class StatusSplits(FusedKJTListSplitsAwaitable):
-    """torchrec's fused splits all-to-all with one row more: `status`, this rank's status for the
-    batch, which every rank receives (`statuses()`, one per rank) before the values all-to-alls,
-    which `wait()` starts, are issued. The row rides on the last module's splits while the
-    all-to-all is built and is left out when the splits are read."""
+    """torchrec's fused splits all-to-all with one row more: this rank's word for the batch
+    (`word(rows)`, from the number of splits rows before it), which every rank receives (`words()`,
+    one per rank) before the values all-to-alls, which `wait()` starts, are issued. The row rides on
+    the last module's splits while the all-to-all is built and is left out when the splits are read.
 
-    def __init__(self, requests: list[Any], contexts: list[Any], pg: Any, status: int) -> None:
+    Raises:
+        RuntimeError: torchrec's fused awaitable is not of the shape this class edits (a torchrec
+            release that changed it); the pipeline then votes instead (`riding_fits`).
+    """
+
+    def __init__(self, requests: list[Any], contexts: list[Any], pg: Any, word: Callable[[int], int]) -> None:
         metas = [a for r in requests for a in r.awaitables if isinstance(a, KJTSplitsAllToAllMeta)]
         last = metas[-1]
-        last.splits_tensors.append(_row(pg.size(), status, last.device))
+        self.rows = sum(len(m.splits_tensors) for m in metas)
+        """The splits rows this rank sends before its word (its word's row index)."""
+        last.splits_tensors.append(_row(pg.size(), word(self.rows), last.device))
         try:
             super().__init__(requests=requests, contexts=contexts, pg=pg)
         finally:
             last.splits_tensors.pop()
         index = max(i for i, a in enumerate(self._awaitables) if a is last)
         self._lengths[index] -= 1
-        self._splits_awaitable = _Rows(self._splits_awaitable, sum(self._lengths))
+        if sum(self._lengths) != self.rows:
+            raise RuntimeError(
+                f"torchrec's fused splits awaitable counts {sum(self._lengths)} rows, not {self.rows}"
+            )
+        self._splits_awaitable = _Rows(self._splits_awaitable, self.rows)
         self.carries = True
 
-    def statuses(self) -> list[int]:
-        return self._splits_awaitable.statuses()
+    def words(self) -> list[int]:
+        return self._splits_awaitable.words()
 
 
 class StatusOnly:
     """What a rank without the batch sends where the others send their fused splits: `rows` rows
     of zero splits (the shape the others send) and, where the others send `StatusSplits`, its
-    status."""
+    word."""
 
-    def __init__(self, pg: Any, rows: int, status: int | None, device: torch.device) -> None:
+    def __init__(self, pg: Any, rows: int, word: int | None, device: torch.device) -> None:
         tensors = [_row(pg.size(), 0, device) for _ in range(rows)]
-        tensors += [] if status is None else [_row(pg.size(), status, device)]
+        tensors += [] if word is None else [_row(pg.size(), word, device)]
+        self.rows = rows
         self._splits_awaitable = _Rows(SplitsAllToAllAwaitable(tensors, pg), rows)
-        self.carries = status is not None
+        self.carries = word is not None
 
-    def statuses(self) -> list[int]:
-        return self._splits_awaitable.statuses()
+    def words(self) -> list[int]:
+        return self._splits_awaitable.words()
 
     def wait(self) -> list[Any]:
         raise RuntimeError("a rank that sent only its status has no batch to distribute")

@@ -206,8 +206,8 @@ def test_compare_plain_ends_with_the_verdict_and_every_summary_key_is_documented
     assert re.fullmatch(r"verdict: --pipeline prefetch took .* ms/step, [\d.]+x the plain loop's .*", last)
     summary = json.loads(out.read_text())
     assert summary["plain_step_time_ms"] > 0 and summary["vs_plain"] > 0
-    # the default: torchrec's order, no trials
-    assert summary["input_dist_schedule"] == "late (fixed)", summary["input_dist_schedule"]
+    # the default: torchrec's order, watched (8 steps: not a full window), no trials
+    assert summary["input_dist_schedule"] == "late (adaptive: watching)", summary["input_dist_schedule"]
     assert "pipelined model.sparse_arch.embedding_bag_collection" in summary["rewrite"]
     documented = (ROOT / "examples" / "dlrm" / "README.md").read_text()
     missing = [key for key in summary if f"`{key}`" not in documented]

@@ -290,6 +290,49 @@ def _auto(rank: int, pipe_name: str) -> dict:
     }
 
 
+def _adaptive(rank: int, pipe_name: str, verdict: str) -> dict:
+    """The default schedule's watch, made to try early at once on a tiny model: every rank moves
+    at the same step, and back ("back") or not ("kept"), bit for bit across both switches. Its
+    clock counts its own calls, so that both ranks see equal steps: a ratio of 1 after the switch."""
+    import itertools
+
+    import torch.distributed as dist
+
+    from pipeline import InputDistOptions, ScheduleWatch
+    from rewrite.splits import kjt_all_to_alls
+    from tests import models
+
+    counter = itertools.count()
+    kept = verdict == "kept"
+    watch = ScheduleWatch(
+        window=3, verify=3, warmup=0, settle=0, threshold=0.0001,
+        margin=0.0 if kept else 0.5, sure=0.5, clock=lambda: float(next(counter)),
+    )  # fmt: skip
+    ref, ref_opt, model, pipe = _pair(pipe_name, input_dist=InputDistOptions(watch=watch))
+    steps = 3 * N
+    data = models.batches(KIND, steps, rank, seed=13)
+    expected = models.plain_loop(ref, ref_opt, data)
+    got, ran = [], []
+    it = iter(data)
+    while True:
+        try:
+            got.append(pipe.progress(it))
+        except StopIteration:
+            break
+        ran.append(pipe.input_dist_schedule)
+    report = pipe.rewrite_report
+    return {
+        "ran": ran,
+        "phase": watch.phase.value,
+        "text": repr(pipe.tuner),
+        "notes": [n for n in report.notes if n.startswith("input_dist schedule")],
+        "pipelined": report.pipelined and not report.not_pipelined,
+        "on_own_group": all(pg is not dist.group.WORLD for pg in (a._pg for a in kjt_all_to_alls(model))),
+        "equal": len(got) == steps and models.bitwise_equal(expected, got),
+        "params": models.bitwise_equal(ref.state_dict(), model.state_dict()),
+    }
+
+
 def _labels(rank: int, pipe_name: str) -> list[str]:
     import torch
 
@@ -311,6 +354,7 @@ SCENARIOS = {
     "labels": _labels,
     "groups": _groups,
     "auto": _auto,
+    "adaptive": _adaptive,
     "streams": _streams,
     "reset": _reset,
 }
@@ -491,6 +535,22 @@ def test_auto_schedule_tries_all_and_ranks_agree(pool, pipe_name):
         assert auto["equal"] and auto["params"]
     assert len({r["choice"] for r in ranks}) == 1
     assert ranks[0]["medians"] == ranks[1]["medians"]  # summed over ranks
+
+
+@pytest.mark.parametrize("verdict", ["kept", "back"])
+@pytest.mark.parametrize("pipe_name", PIPELINES[1:])
+def test_default_schedule_moves_on_every_rank_at_once_and_stays_bit_for_bit(pool, pipe_name, verdict):
+    ranks = _each(pool, "adaptive", pipe_name, verdict)
+    assert ranks[0]["ran"] == ranks[1]["ran"], "the ranks switched at different steps"
+    for r in ranks:
+        assert r["equal"] and r["params"], f"not bit for bit across the switch ({verdict})"
+        assert r["pipelined"], "a module fell back to its own forward"
+        ran = r["ran"]
+        assert ran[0] == "late" and "early" in ran, ran
+        assert r["phase"] == verdict and ran[-1] == ("early" if verdict == "kept" else "late"), ran
+        assert r["on_own_group"] == (verdict == "kept")
+        assert "trying early" in r["text"] and ("kept early" if verdict == "kept" else "back to late") in r["text"]
+        assert len(r["notes"]) == 2, r["notes"]  # the report says both decisions
 
 
 def test_input_dist_schedule_rejects_unknown_values():

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 __all__ = ["NUM_DENSE", "NUM_SPARSE", "PIPELINES", "SCHEDULES", "InputError", "TrainConfig"]
 
 PIPELINES = ("none", "base", "sparse-dist", "prefetch")
-SCHEDULES = ("late", "early", "early-shared", "late-own", "auto")
+SCHEDULES = ("adaptive", "late", "early", "early-shared", "late-own", "auto")
 NUM_DENSE = 13
 NUM_SPARSE = 26
 
@@ -36,10 +36,11 @@ class TrainConfig:
 
     pipeline: str = "sparse-dist"
     """`none` (plain loop), `base`, `sparse-dist` or `prefetch` (classes of the `pipeline` package)."""
-    input_dist_schedule: str = "late"
+    input_dist_schedule: str = "adaptive"
     """With `sparse-dist` or `prefetch`: when the next batch's input all-to-alls run (the pipeline's
-    `input_dist_schedule`): `late` (torchrec's order, the library's default), `early`,
-    `early-shared`, `late-own`, or `auto` (trials of real steps choose; bit for bit)."""
+    `input_dist_schedule`): `adaptive` (the library's default: torchrec's order, moving to `early`
+    where the steps wait for the input all-to-all and that pays), `late` (torchrec's order, pinned),
+    `early`, `early-shared`, `late-own`, or `auto` (trials of real steps choose; bit for bit)."""
     batch_size: int = 256
     """Global batch size: every step trains on this many samples, split evenly over the ranks, so it
     must be divisible by the world size."""

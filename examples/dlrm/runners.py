@@ -75,7 +75,7 @@ def make_runner(
     optimizer: torch.optim.Optimizer,
     device: torch.device,
     *,
-    input_dist_schedule: str = "late",
+    input_dist_schedule: str = "adaptive",
 ) -> Runner:
     """The runner for `--pipeline name` (`input_dist_schedule` for the classes that have one).
 
@@ -112,7 +112,8 @@ def unwrap(runner: Runner) -> Any:
 
 def describe_pipeline(runner: Runner) -> dict[str, str]:
     """What the pipeline behind `runner` chose, for the summary: `input_dist_schedule` (under "auto",
-    with the tuner's state: still tuning and for how many steps, or what it kept and why) and
+    with the tuner's state: still tuning and for how many steps, or what it kept and why; under the
+    default, "adaptive", what its watch saw and did) and
     `rewrite` (which sharded modules are pipelined). Empty for the plain loop."""
     pipe = unwrap(runner)
     found: dict[str, str] = {}
@@ -121,6 +122,13 @@ def describe_pipeline(runner: Runner) -> dict[str, str]:
         tuner = getattr(pipe, "tuner", None)
         if tuner is None:
             found["input_dist_schedule"] = f"{schedule} (fixed)"
+        elif hasattr(tuner, "share"):  # the default's schedule watch
+            found["input_dist_schedule"] = f"{schedule} (adaptive: {tuner.reason or 'watching'})"
+            if tuner.reason is None and tuner.share is not None:
+                found["input_dist_schedule"] = (
+                    f"{schedule} (adaptive: watching; the host blocked on the input all-to-alls "
+                    f"{tuner.share:.0%} of the step on this rank)"
+                )
         elif tuner.tuning:
             found["input_dist_schedule"] = (
                 f"{schedule} (auto, still tuning: decides within {tuner.steps_left} more steps)"

@@ -136,7 +136,11 @@ class BatchStages(SubclassPoints):
     def _backward_stage(self, ctx: BatchContext, losses: Any) -> None:
         """The backward stage of `ctx`'s batch: `_backward(losses)`, labelled."""
         with run_stage(self._streams, "backward", ctx.index):
-            self._backward(losses)
+            if ctx.wait_clock is None:
+                self._backward(losses)
+            else:  # the default schedule watches how long backward waits off the CPU
+                with ctx.wait_clock:
+                    self._backward(losses)
 
     def _sync_replicas(self, ctx: BatchContext) -> None:
         """After backward: a `DMPCollection` (2D sharding) syncs its replicas' embeddings and

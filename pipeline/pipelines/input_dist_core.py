@@ -26,6 +26,7 @@ from pipeline.stages.input_dist import InputDist
 from pipeline.stages.memory import MemoryFlags
 from pipeline.stages.streams import Streams
 from pipeline.stages.tuner import Tuner
+from pipeline.stages.watch import ScheduleWatch
 from rewrite import RewriteReport
 
 __all__ = ["InputDistCore"]
@@ -47,10 +48,11 @@ class InputDistCore(SparseDistMethods, PipelineCore):
         return self._input_dist.schedule
 
     @property
-    def tuner(self) -> Tuner | None:
+    def tuner(self) -> Tuner | ScheduleWatch | None:
         """Under "auto", the tuner: `choice`, `reason`, `medians_ms` and `decisions` once it has
-        decided."""
-        return self._input_dist.tuner
+        decided. Under the default ("adaptive"), the schedule watch: `print(pipe.tuner)` says what
+        it observed, at which step, what it kept and why. None where the schedule is pinned."""
+        return self._input_dist.tuner or self._input_dist.watch
 
     @property
     def rewrite_report(self) -> RewriteReport | None:

@@ -16,6 +16,7 @@ from pipeline.ranks.status import (
     BatchKeysError,
     MalformedBatchError,
     RewriteMismatchError,
+    RidingMismatchError,
     Status,
     UnevenDataError,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "PeerFailedError",
     "Ranks",
     "RewriteMismatchError",
+    "RidingMismatchError",
     "Status",
     "Ticket",
     "UnevenDataError",

@@ -17,6 +17,7 @@ __all__ = [
     "AgreedError",
     "BatchKeysError",
     "MalformedBatchError",
+    "RidingMismatchError",
     "Status",
     "UnevenDataError",
     "keys_message",
@@ -55,6 +56,11 @@ class BatchKeysError(AgreedError, ValueError):
 class RewriteMismatchError(AgreedError):
     """The ranks found different call sites or programs for the model's sharded modules (a forward
     whose calls depend on the data recorded differently): their input all-to-alls would not match."""
+
+
+class RidingMismatchError(AgreedError):
+    """The row read as a rank's status for a batch is not one: the ranks sent different numbers of
+    splits rows (their input all-to-alls do not match), or a row that is not a status word."""
 
 
 class MalformedBatchError(AgreedError, ValueError):

@@ -58,6 +58,9 @@ class BatchContext:
     loader_state: Any = None
     """Written at fetch: the dataloader's `state_dict()` from before this batch was fetched (None
     without one); read by `dataloader_state()` (`pipeline.stages.loader_state`)."""
+    wait_clock: Any = None
+    """Written by input_dist start while the default schedule watches (`pipeline.stages.watch`):
+    the clock that the splits wait and `take_input_dist` report their blocking to; None: no clock."""
     copy_job: Future | None = None
     """Written by the copy stage when it dispatches the copy on a worker thread
     (`TrainPipelineSparseDistT`): the future of the device batch, while `batch` is still the host
@@ -77,7 +80,8 @@ class BatchContext:
         streams = self.streams
         with label(f"pipeline::input_dist::wait#{self.index}"):
             with streams.use(streams.data_dist):
-                data = request.wait()
+                clock = self.wait_clock
+                data = request.wait() if clock is None else clock.wait(request)
                 streams.produced(data)
             module_ctx = self.module_contexts.pop(key)
             streams.handoff(data, streams.data_dist, self)

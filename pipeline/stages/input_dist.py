@@ -27,7 +27,8 @@ from pipeline.stages.riding import RidingStatus
 from pipeline.stages.schedule import SCHEDULES
 from pipeline.stages.streams import Streams
 from pipeline.stages.tuner import Tuner
-from pipeline.stages.tuner_text import ONE_RANK, schedule_words
+from pipeline.stages.tuner_text import NO_RIDE, ONE_RANK, schedule_words
+from pipeline.stages.watch import ScheduleWatch
 from rewrite import (
     CallSite,
     ContextSlot,
@@ -85,8 +86,11 @@ class InputDist:
         """Holds the context of the batch whose forward runs (the hijacked forwards read it)."""
         self.rewrite: Rewrite | None = None
         self.tuner = (schedule.tuner or Tuner()) if schedule.schedule == "auto" else None
-        self.schedule = "late" if schedule.schedule == "auto" else schedule.schedule
-        """The schedule in use (under "auto", changes while tuning and may change at a re-check)."""
+        self.watch = (schedule.watch or ScheduleWatch()) if schedule.schedule == "adaptive" else None
+        """Under the default ("adaptive"): the watch that may move to "early" (`pipeline.stages.watch`)."""
+        self.schedule = "late" if schedule.schedule in ("auto", "adaptive") else schedule.schedule
+        """The schedule in use (under "auto", changes while tuning and may change at a re-check;
+        under "adaptive", may change once or twice: `ScheduleWatch`)."""
         self._one_rank = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
         """One rank: the input all-to-alls move nothing between ranks, so the splits are not fused
         into an all-to-all of their own and every schedule does the same work."""
@@ -95,7 +99,13 @@ class InputDist:
         self.freed_bytes = 0
         """Bytes released by the memory flags so far."""
         self._ranks = ranks
-        self._riding = RidingStatus(ranks, carry)
+        self._riding = RidingStatus(ranks, carry, watch=self.watch)
+        if self.watch is not None:
+            if self._one_rank:
+                self.watch.pin(ONE_RANK)
+            elif not self._riding.enabled:
+                self.watch.pin(NO_RIDE)
+            self.watch.note = self._note
         self._groups = InputDistGroups(ranks.new_group if ranks is not None else dist.new_group)
         self._undo: list[Callable[[], None]] = []
         self._warned: set[str] = set()
@@ -125,14 +135,23 @@ class InputDist:
         return SCHEDULES[self.schedule].early_splits
 
     def choose_schedule(self, training: bool) -> None:
-        """At the start of a step: under "auto", let the tuner pick this training step's schedule
-        (an eval step is not timed)."""
+        """At the start of a step: under "auto", let the tuner pick this training step's schedule;
+        under "adaptive", the watch (an eval step is not timed)."""
+        if self.watch is not None:
+            if training:
+                self.schedule = self.watch.step()
+            else:
+                self.watch.interrupt()
         if self.tuner is None:
             return
         if training:
             self.schedule = self.tuner.next_schedule()
         else:
             self.tuner.interrupt()
+
+    def _note(self, text: str) -> None:
+        if self.report is not None:
+            self.report.notes.append(text)
 
     def use_forward(self, forward: str) -> None:
         """Change which hijacked forward the sharded modules get (see the class), before the first
@@ -149,6 +168,8 @@ class InputDist:
         """The step ended abnormally (the pipeline reset): the tuner does not time across it."""
         if self.tuner is not None:
             self.tuner.interrupt()
+        if self.watch is not None:
+            self.watch.interrupt()
 
     def attach(self, batch: Any) -> Rewrite:
         """Rewrite the model's sharded modules, once, with `batch` as the sample. The rewrite may
@@ -239,12 +260,14 @@ class InputDist:
             if self._free_early:  # every module has its own permuted copy
                 self.freed_bytes += release_features(ctx.module_contexts.values())
             if fused:
-                status = self._riding.status(ctx)
-                ctx.splits_requests = fuse_splits_requests(requests, ctx.module_contexts, status=status)
+                word = self._riding.word(ctx)
+                ctx.splits_requests = fuse_splits_requests(requests, ctx.module_contexts, word=word)
                 self._riding.learn(ctx.splits_requests)
             else:
                 ctx.splits_requests = one_by_one(requests)
         ctx.started = True
+        if self.watch is not None:
+            ctx.wait_clock = self.watch.active_clock
 
     def wait_splits(self, ctx: BatchContext) -> bool:
         """Wait for the splits all-to-all of `ctx` and launch its values all-to-alls (a no-op once
@@ -256,8 +279,10 @@ class InputDist:
         with run_stage(self._streams, "input_dist::splits", ctx.index, self._streams.data_dist):
             if not self._riding.conclude(ctx):
                 return False
+            clock = ctx.wait_clock
             for names, request in ctx.splits_requests:
-                for name, values in zip(names, request.wait(), strict=True):
+                waited = request.wait() if clock is None else clock.wait(request)
+                for name, values in zip(names, waited, strict=True):
                     ctx.input_dist_requests[name] = values
             ctx.splits_requests = []
         return True

@@ -1,12 +1,15 @@
 """`RidingStatus`: a batch's status rides on its fused splits all-to-all instead of a vote.
 
 Once the sharded modules' splits all-to-alls are fused, a batch's first collective is that one
-all-to-all, which every rank issues anyway: each rank adds its status as one more row
-(`rewrite.StatusSplits`), and the splits wait reads every rank's status before any values move. A
-rank without the batch (its data ended, or the batch is rejected) sends zero splits of the shape
-the others send, recorded from an earlier batch, with its status (`rewrite.StatusOnly`). The first
-batch of every dataloader iterator is still voted on (`Ranks.fetch`), as is any batch fetched before
-the splits are fused; a pipeline that admits batches itself never lets statuses ride.
+all-to-all, which every rank issues anyway: each rank adds its word (`pipeline.ranks.word`: its
+status, its row count and the schedule watch's figure) as one more row (`rewrite.StatusSplits`), and
+the splits wait reads every rank's word before any values move. A rank without the batch (its data
+ended, or the batch is rejected) sends zero splits of the shape the others send, recorded from an
+earlier batch, with its word (`rewrite.StatusOnly`). Every receiver checks each word's tag and row
+count against its own: a mismatch (ranks sending different numbers of splits rows) raises
+`RidingMismatchError` on every rank, naming the ranks, never a misread status. The first batch of
+every dataloader iterator is still voted on (`Ranks.fetch`), as is any batch fetched before the
+splits are fused; a pipeline that admits batches itself never lets statuses ride.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.ranks import Ranks, Status
+from pipeline.ranks import Ranks, RidingMismatchError, Status
+from pipeline.ranks.word import TAG, pack, unpack
 from pipeline.stages.context import BatchContext
 from rewrite import StatusOnly, settle_splits, splits_shape
 
@@ -30,18 +34,24 @@ class RidingStatus:
         enabled: the pipeline admits every batch through `InputDist.fill` and `start_next`.
     """
 
-    def __init__(self, ranks: Ranks | None, enabled: bool) -> None:
+    def __init__(self, ranks: Ranks | None, enabled: bool, *, watch: Any = None) -> None:
         self._ranks = ranks
         self.enabled = enabled and ranks is not None and ranks.voting and not _validating()
+        self._watch = watch
+        """The schedule watch (`pipeline.stages.watch`) whose figure rides in each word, or None."""
         self._shape: list[tuple[Any, int, Any, bool]] | None = None
         """What the last fused splits all-to-all sent (`splits_shape`): while known, statuses ride."""
         self.refused = 0
         """Batches some rank lacked, found out from statuses that rode (not from a vote)."""
 
-    def status(self, ctx: BatchContext) -> int | None:
-        """The status to send with `ctx`'s fused splits (HAVE for a batch already agreed on, so
-        that the shape is learnt), or None when statuses do not ride."""
-        return int(ctx.ticket.status) if self.enabled else None
+    def word(self, ctx: BatchContext) -> Callable[[int], int] | None:
+        """This rank's word for `ctx`'s fused splits, from the number of rows before it (HAVE for a
+        batch already agreed on, so that the shape is learnt), or None when statuses do not ride."""
+        if not self.enabled:
+            return None
+        status, watch = ctx.ticket.status, self._watch
+        figure = watch.observation() if watch is not None else 0
+        return lambda rows: pack(status, rows, figure)
 
     def learn(self, fused: list[tuple[list[str], Any]]) -> None:
         """After a fused start: what a rank without a batch must send from now on."""
@@ -68,9 +78,10 @@ class RidingStatus:
     def status_only(self, ctx: BatchContext, current: Callable[[Any], Any]) -> list[tuple[list[str], Any]]:
         """What a rank without `ctx`'s batch sends: zero splits on every group the others use
         (`current` maps a recorded group to the one in use now) and its status where it rides."""
-        status = int(ctx.ticket.status)
+        figure = self._watch.observation() if self._watch is not None else 0
+        status = ctx.ticket.status
         return [
-            ([], StatusOnly(current(pg), rows, status if carries else None, device))
+            ([], StatusOnly(current(pg), rows, pack(status, rows, figure) if carries else None, device))
             for pg, rows, device, carries in self._shape
         ]
 
@@ -81,8 +92,13 @@ class RidingStatus:
         if not (ctx.status_rides and ctx.splits_requests):
             return True
         ctx.status_rides = False
-        carrier = next(r for _, r in ctx.splits_requests if getattr(r, "carries", False))
-        counts = Counter(Status(s) for s in carrier.statuses())
+        carrier = next((r for _, r in ctx.splits_requests if getattr(r, "carries", False)), None)
+        if carrier is None:
+            raise RuntimeError("a batch whose status rides has no status row among its splits all-to-alls")
+        statuses, figures = _read(carrier.words(), carrier.rows, ctx.index)
+        if self._watch is not None:
+            self._watch.received(figures)
+        counts = Counter(statuses)
         if counts[Status.HAVE] < sum(counts.values()):  # refused: wait for every group's splits first
             settle_splits(ctx.splits_requests)
         if self._ranks.conclude(self._ranks.lane, ctx, counts):
@@ -90,6 +106,30 @@ class RidingStatus:
         ctx.splits_requests = []
         self.refused += 1
         return False
+
+
+def _read(words: list[int], rows: int, index: int) -> tuple[list[Status], list[int]]:
+    """Every rank's status and figure from the words read at this rank's status row `rows`.
+
+    Raises:
+        RidingMismatchError: a rank's row there is not a status word of the same row count (on every
+            rank: each reads a wrong row, or a word whose count differs from its own).
+    """
+    fields = [unpack(w) for w in words]
+    wrong = [
+        f"rank {r}: " + (f"a status word after {f.rows} splits rows" if f.tag == TAG else "not a status word")
+        for r, f in enumerate(fields)
+        if f.tag != TAG or f.rows != rows % 1024
+    ]
+    if wrong or not fields:
+        raise RidingMismatchError(
+            f"batch {index}: the ranks' fused splits all-to-alls do not match. This rank sent its status "
+            f"after {rows} splits rows; at that row it read: {'; '.join(wrong) or 'nothing'}. The ranks' "
+            "sharded modules must send the same number of splits per batch (the same KeyedJaggedTensor "
+            "keys, weights on every rank or on none, the same variable-stride setting); or pass "
+            "agreement=False where every rank is known to have the same batches."
+        )
+    return [Status(f.status) for f in fields], [f.observation for f in fields]
 
 
 def _validating() -> bool:

@@ -1,0 +1,359 @@
+"""`ScheduleWatch`: the default input_dist schedule, "adaptive". It runs torchrec's order ("late")
+and watches what the job's own steps show anyway: the step time, and how long the host blocked on
+the input all-to-alls (the splits wait and, in forward, the values wait), each read with a clock
+around a call the pipeline makes anyway. Each rank's figure rides on its status in the batch's fused
+splits all-to-all (`pipeline.ranks.word`), so every rank reads every rank's figures for the same
+batch and makes the same decision at the same step, with no collective of its own.
+
+The rule (its constants come from measurements: docs/pipeline.md, "The default schedule"):
+
+1. Watching, under "late": each rank publishes the median, over its last `window` steps, of the
+   time it blocked on the input all-to-alls over the step time. When the ranks' mean reaches
+   `threshold`, every rank moves to "early" at the next step (the splits waited before forward, the
+   all-to-alls on a process group of their own, created at that step).
+2. Trying: the first `settle` steps under "early" are not timed; over the next `window` steps each
+   rank publishes the median step over the median of the `window` steps before the switch. If every
+   rank's ratio is at most `1 - margin`, "early" is kept; else every rank goes back to "late" at the
+   next step and the watch ends: no second try in this job.
+3. Kept, or back: no clock runs any more.
+
+Where the statuses cannot ride (one rank, `agreement=False`, a class that admits batches itself),
+the ranks have no figures to agree on and torchrec's order is kept (`pin`).
+"""
+
+from __future__ import annotations
+
+import enum
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from pipeline.ranks.word import observed
+from pipeline.stages.tuner_text import schedule_words
+
+__all__ = ["ScheduleWatch", "WaitClock", "WatchPhase"]
+
+
+_UNSURE = 4.0
+"""Added to a rank's published ratio where its steps after the switch were not faster in enough
+pairs (a ratio itself stays under 4)."""
+
+
+class WatchPhase(enum.Enum):
+    WATCHING = "watching"
+    TRYING = "trying"
+    KEPT = "kept"
+    BACK = "back"
+    PINNED = "pinned"
+
+
+_FINAL = (WatchPhase.KEPT, WatchPhase.BACK, WatchPhase.PINNED)
+
+
+class WaitClock:
+    """Adds up how long the pipeline's own thread blocks in a step: in `wait(request)` (the input
+    all-to-alls' waits) and, `within()` backward, the wall time its thread spends off the CPU (on
+    CPU, where torchrec's backward waits for its all-to-alls, which on a shared process group queue
+    behind the next batch's input all-to-all). Waits on other threads (a prefetch worker) are not
+    the step's."""
+
+    __slots__ = ("_clock", "_cpu", "_started", "thread", "waited")
+
+    def __init__(self, clock: Callable[[], float], cpu: Callable[[], float] = time.thread_time) -> None:
+        self._clock, self._cpu = clock, cpu
+        self.waited = 0.0
+        self.thread: int | None = None
+        self._started: tuple[float, float] | None = None
+
+    def __enter__(self) -> None:
+        if threading.get_ident() == self.thread:
+            self._started = (self._clock(), self._cpu())
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._started is not None:
+            wall, cpu = self._started
+            self._started = None
+            self.waited += max(0.0, (self._clock() - wall) - (self._cpu() - cpu))
+
+    def wait(self, request: Any) -> Any:
+        if threading.get_ident() != self.thread:
+            return request.wait()
+        start = self._clock()
+        try:
+            return request.wait()
+        finally:
+            self.waited += self._clock() - start
+
+    def take(self) -> float:
+        waited, self.waited = self.waited, 0.0
+        return waited
+
+
+class ScheduleWatch:
+    """Chooses the input_dist schedule from the job's own steps (see the module).
+
+    Args:
+        window: steps per observation of the share blocked (the median is taken over them); the
+            step times of the last window before a switch are what the steps after it are compared to.
+        verify: steps timed under "early" before the verdict.
+        warmup: steps not observed at the start (the first batches rewrite, vote and fuse).
+        threshold: the ranks' mean share of the step the host blocks on the input all-to-alls
+            under "late" at which "early" is tried.
+        settle: untimed steps after the switch (the first creates the process group).
+        margin: the gain every rank must see for "early" to be kept (0.05: 5 % faster).
+        sure: and the share of (before, after) step pairs in which the step after is the faster
+            one, on every rank: short steps on a busy machine vary by tens of percent from one
+            window to the next, and a median alone would keep a schedule that is not faster.
+        clock: seconds, monotonic (tests inject a fake one).
+    """
+
+    def __init__(
+        self,
+        *,
+        window: int = 12,
+        verify: int = 12,
+        warmup: int = 8,
+        threshold: float = 0.5,
+        settle: int = 2,
+        margin: float = 0.05,
+        sure: float = 0.8,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if (
+            window < 3
+            or verify < 3
+            or warmup < 0
+            or settle < 0
+            or not 0 < threshold < 1
+            or not 0 <= margin < 1
+        ):
+            raise ValueError(f"bad watch settings: window {window}, threshold {threshold}, margin {margin}")
+        self._window, self._threshold, self._settle, self._margin = window, threshold, settle, margin
+        self._verify, self._warmup, self._sure = verify, warmup, sure
+        if not 0.5 <= sure <= 1:
+            raise ValueError(f"bad watch settings: sure {sure}")
+        self._clock = clock
+        self.schedule = "late"
+        """The schedule in use."""
+        self.phase = WatchPhase.WATCHING
+        self.waits = WaitClock(clock)
+        """Where the input_dist waits are timed (None-ed by `active_clock` once the watch ends)."""
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window)
+        """(step, blocked) seconds of the last `window` steps under "late"."""
+        self._before: list[float] = []
+        self._after: list[float] = []
+        self._skip = 0
+        self._last: float | None = None
+        self._pending: str | None = None
+        self._published = 0
+        self.steps = 0
+        """Training steps begun (`step` calls)."""
+        self.decisions: list[tuple[int, str]] = []
+        """(step, what was seen and done), in order."""
+        self.shares: list[float] = []
+        """The ranks' published shares at the switch (one per rank), empty before it."""
+        self.ratios: list[float] = []
+        """The ranks' step ratios after/before the switch, at the verdict."""
+        self.note: Callable[[str], None] | None = None
+        """Told each decision's sentence (the rewrite report's notes)."""
+
+    # -- what the pipeline calls ---------------------------------------------------------------
+
+    def step(self) -> str:
+        """At the start of each training step: the schedule to run it under."""
+        self.steps += 1
+        if self._pending is None and self.phase in _FINAL:
+            return self.schedule  # the hot path once decided: no clock
+        now = self._clock()
+        self.waits.thread = threading.get_ident()
+        blocked = self.waits.take()
+        if self._last is not None and self.steps > self._warmup + 1:
+            self._record(now - self._last, blocked)
+        self._last = now
+        if self._pending is not None:
+            self.schedule, self._pending = self._pending, None
+        self._published = self._observation()
+        return self.schedule
+
+    def interrupt(self) -> None:
+        """An eval step, or a step that ended abnormally: do not time across it."""
+        self._last = None
+        self.waits.take()
+
+    @property
+    def active_clock(self) -> WaitClock | None:
+        """The clock the input_dist waits report to, while the watch still watches or tries."""
+        return None if self.phase in _FINAL else self.waits
+
+    def observation(self) -> int:
+        """This rank's figure for the batch started now (`pipeline.ranks.word.observed`; 0: none yet)."""
+        return self._published
+
+    def received(self, observations: list[int]) -> None:
+        """Every rank's figure for one batch (the same list on every rank): decide where they suffice."""
+        if self._pending is not None or self.phase in _FINAL or not observations or 0 in observations:
+            return
+        values = [(o - 1) / 1000 for o in observations]
+        if self.phase is WatchPhase.WATCHING:
+            share = statistics.fmean(values)
+            if share >= self._threshold:
+                self._switch(values, share)
+        elif self.phase is WatchPhase.TRYING:
+            self._verdict(values)
+
+    def pin(self, reason: str) -> None:
+        """Keep torchrec's order without watching (nothing to agree on; `reason` says why)."""
+        self.schedule, self.phase, self._pending = "late", WatchPhase.PINNED, None
+        self._decide(f"kept {schedule_words('late')}: {reason}")
+
+    # -- what users read -----------------------------------------------------------------------
+
+    @property
+    def choice(self) -> str | None:
+        """The schedule kept, once the watch has ended (None while it watches or tries)."""
+        return self.schedule if self.phase in _FINAL else None
+
+    @property
+    def reason(self) -> str | None:
+        """The last decision, in words."""
+        return self.decisions[-1][1] if self.decisions else None
+
+    @property
+    def share(self) -> float | None:
+        """This rank's median share of the step blocked on the input all-to-alls over the last
+        `window` steps under "late" (None before a full window)."""
+        return self._share()
+
+    @property
+    def tuning(self) -> bool:
+        """A schedule other than the one kept runs only to be verified."""
+        return self.phase is WatchPhase.TRYING
+
+    @property
+    def medians_ms(self) -> dict[str, float]:
+        """This rank's median step before and after the switch, in ms (empty before a verdict)."""
+        if not (self._before and len(self._after) >= self._verify):
+            return {}
+        return {"late": 1e3 * statistics.median(self._before), "early": 1e3 * statistics.median(self._after)}
+
+    @property
+    def tuning_steps_by_schedule(self) -> dict[str, int]:
+        """Steps run under "early" only to verify it (none where it was kept)."""
+        if self.phase is WatchPhase.BACK:
+            return {"early": self._settle + self._verify + 1}
+        return {}
+
+    def __repr__(self) -> str:
+        head = f"input_dist schedule: adaptive, running {schedule_words(self.schedule)}"
+        if self.phase is WatchPhase.WATCHING:
+            seen = self.share
+            seen_text = "not yet a full window" if seen is None else f"{seen:.0%} of the step on this rank"
+            return (
+                f"{head}; watching how long the host blocks on the input all-to-alls over the last "
+                f"{self._window} steps ({seen_text}; tries early at a mean of {self._threshold:.0%} over "
+                "the ranks)"
+            )
+        lines = [head] + [f"  step {step}: {text}" for step, text in self.decisions]
+        if self.phase is WatchPhase.TRYING:
+            lines.append(f"  verifying over {self._settle} + {self._verify} steps under early")
+        return "\n".join(lines)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The decision, to save with a checkpoint: a watch that loads it does not try again. While
+        watching or trying, the state says so, and a restarted job watches from the start."""
+        return {"phase": self.phase.value, "schedule": self.schedule, "decisions": list(self.decisions)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a saved decision (from the next step on). A state saved while watching or trying
+        leaves the watch as it is."""
+        if not state:
+            return
+        phase = WatchPhase(state["phase"])
+        if phase not in _FINAL:
+            return
+        if state["schedule"] not in ("late", "early"):
+            raise ValueError(f"a schedule watch's state names schedule {state['schedule']!r}")
+        self.phase, self.schedule, self._pending = phase, state["schedule"], None
+        self.decisions = [tuple(d) for d in state["decisions"]]
+
+    # -- the rule ------------------------------------------------------------------------------
+
+    def _record(self, step_s: float, blocked_s: float) -> None:
+        if self.phase is WatchPhase.WATCHING:
+            self._samples.append((step_s, blocked_s))
+        elif self.phase is WatchPhase.TRYING:
+            if self._skip > 0:
+                self._skip -= 1
+            elif len(self._after) < self._verify:
+                self._after.append(step_s)
+
+    def _share(self) -> float | None:
+        if len(self._samples) < self._window:
+            return None
+        return statistics.median(b / s if s > 0 else 0.0 for s, b in self._samples)
+
+    def _observation(self) -> int:
+        if self.phase is WatchPhase.WATCHING:
+            return observed(self._share())
+        if self.phase is WatchPhase.TRYING and len(self._after) >= self._verify:
+            ratio = statistics.median(self._after) / statistics.median(self._before)
+            return observed(ratio if self.faster_pairs >= self._sure else ratio + _UNSURE)
+        return 0
+
+    @property
+    def faster_pairs(self) -> float:
+        """The share of (before, after) step pairs of this rank in which the step after the switch
+        is the faster (ties count half); 0 before the verification window is full."""
+        if len(self._after) < self._verify or not self._before:
+            return 0.0
+        wins = sum((a < b) + 0.5 * (a == b) for a in self._after for b in self._before)
+        return wins / (len(self._after) * len(self._before))
+
+    def _switch(self, shares: list[float], share: float) -> None:
+        self.shares = shares
+        self._before = [s for s, _ in self._samples]
+        self._after, self._pending, self.phase = [], "early", WatchPhase.TRYING
+        # the step that decides runs on under "late": its time is not the new schedule's
+        self._skip = self._settle + 1
+        self._decide(
+            f"the host blocked on the input all-to-alls {share:.0%} of the step (median over "
+            f"{self._window} steps, mean over {len(shares)} ranks: {_shares(shares)}; threshold "
+            f"{self._threshold:.0%}): trying {schedule_words('early')} from the next step, its "
+            "all-to-alls on a process group of their own ('pipeline_input_dist', created then; on "
+            f"NCCL one more communicator); it is verified over {self._settle} + {self._verify} steps"
+        )
+
+    def _verdict(self, published: list[float]) -> None:
+        unsure = [v >= _UNSURE for v in published]
+        self.ratios = [v - _UNSURE if u else v for v, u in zip(published, unsure, strict=True)]
+        shown = ", ".join(
+            f"{r:.2f}{' (not sure)' if u else ''}" for r, u in zip(self.ratios, unsure, strict=True)
+        )
+        rule = (
+            f"at most {1 - self._margin:.2f} and faster in at least {self._sure:.0%} of the (before, "
+            f"after) step pairs on every rank; this rank: {self.faster_pairs:.0%}"
+        )
+        if max(self.ratios) <= 1 - self._margin and not any(unsure):
+            self.phase = WatchPhase.KEPT
+            self._decide(
+                f"kept {schedule_words('early')}: the median step under it over the median before "
+                f"was {shown} on the ranks ({rule})"
+            )
+            return
+        self._pending, self.phase = "late", WatchPhase.BACK
+        self._decide(
+            f"back to {schedule_words('late')} from the next step: the median step under early over "
+            f"the median before was {shown} on the ranks (kept needs {rule}); no second try in this job"
+        )
+
+    def _decide(self, text: str) -> None:
+        self.decisions.append((self.steps, text))
+        if self.note is not None:
+            self.note(f"input_dist schedule, step {self.steps}: {text}")
+
+
+def _shares(values: list[float]) -> str:
+    return ", ".join(f"{v:.0%}" for v in values)

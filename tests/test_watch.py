@@ -1,0 +1,197 @@
+"""The default schedule's watch (pipeline.stages.watch) and the word its figures ride in
+(pipeline.ranks.word), with fake clocks and simulated ranks: when it tries "early", when it keeps
+it, when it goes back, and that every rank decides alike from the words they all read."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.ranks import RidingMismatchError, Status
+from pipeline.ranks.word import TAG, observed, pack, unpack
+from pipeline.stages.riding import _read
+from pipeline.stages.watch import ScheduleWatch, WatchPhase
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Blocks:
+    """An input all-to-all whose wait blocks `seconds` on `clock`."""
+
+    def __init__(self, clock: FakeClock, seconds: float) -> None:
+        self._clock, self._seconds = clock, seconds
+
+    def wait(self) -> None:
+        self._clock.now += self._seconds
+
+
+def simulate(steps: int, cost, *, ranks: int = 2, **settings) -> tuple[list[ScheduleWatch], list[list[str]]]:
+    """`ranks` watches stepping in lockstep. `cost(rank, schedule, step)` is `(step_s, blocked_s)`:
+    the step's time and, of it, the time blocked on the input all-to-alls. Every rank's figure for a
+    step's batch reaches every rank in that step, as the words in the splits all-to-all do."""
+    clocks = [FakeClock() for _ in range(ranks)]
+    watches = [ScheduleWatch(clock=c, **settings) for c in clocks]
+    ran: list[list[str]] = [[] for _ in range(ranks)]
+    for step in range(1, steps + 1):
+        figures = []
+        for r, (watch, clock) in enumerate(zip(watches, clocks, strict=True)):
+            schedule = watch.step()
+            ran[r].append(schedule)
+            figures.append(watch.observation())
+            step_s, blocked_s = cost(r, schedule, step)
+            watch.waits.wait(_Blocks(clock, blocked_s))
+            clock.now += step_s - blocked_s
+        for watch in watches:
+            watch.received(list(figures))
+    return watches, ran
+
+
+def _link_bound(r: int, schedule: str, step: int) -> tuple[float, float]:
+    """Under late the host blocks 60 % of a 100 ms step; early takes 70 ms."""
+    return (0.100, 0.060) if schedule == "late" else (0.070, 0.010)
+
+
+def test_word_round_trip_and_fields():
+    word = pack(Status.MALFORMED, 1234, observed(0.42))
+    f = unpack(word)
+    assert (f.status, f.tag, f.rows, f.observation) == (3, TAG, 1234 % 1024, 421)
+    assert 0 < word < 2**31  # torchrec's optional int32 check of the splits must pass it
+    assert observed(None) == 0 and observed(0) == 1 and observed(100.0) == 8191
+
+
+def test_a_step_that_waits_on_its_input_moves_to_early_and_keeps_it_where_it_pays():
+    watches, ran = simulate(60, _link_bound)
+    for watch, schedules in zip(watches, ran, strict=True):
+        assert watch.phase is WatchPhase.KEPT and watch.schedule == "early", watch
+        assert schedules[:21] == ["late"] * 21 and schedules[-1] == "early"
+        assert schedules.count("late") == 21  # 8 warm-up steps, a window of 12, the deciding step
+        assert watch.shares == pytest.approx([0.6, 0.6]) and watch.ratios == pytest.approx([0.7, 0.7])
+    text = repr(watches[0])
+    assert "step 21" in text and "trying early" in text and "kept early" in text and "60%" in text
+    assert "pipeline_input_dist" in watches[0].decisions[0][1]  # the process group it creates
+
+
+def test_where_early_does_not_pay_it_goes_back_once_and_never_tries_again():
+    def cost(r, schedule, step):
+        return (0.100, 0.060) if schedule == "late" else (0.101, 0.010)
+
+    watches, ran = simulate(200, cost)
+    for watch, schedules in zip(watches, ran, strict=True):
+        assert watch.phase is WatchPhase.BACK and watch.schedule == "late"
+        tried = schedules.count("early")
+        assert tried == 2 + 12 + 1  # settle, the verification, the step whose start reads the verdict
+        assert schedules[-100:] == ["late"] * 100
+        assert watch.tuning_steps_by_schedule == {"early": tried}
+    assert "back to late" in watches[0].reason and "no second try" in watches[0].reason
+
+
+def test_nothing_changes_where_nothing_waits():
+    watches, ran = simulate(200, lambda r, s, step: (0.010, 0.002))  # 20 % blocked: loopback-like
+    assert all(s == ["late"] * 200 for s in ran)
+    assert all(w.phase is WatchPhase.WATCHING and w.share == pytest.approx(0.2) for w in watches)
+
+
+def test_the_ranks_decide_on_their_mean_share_alike():
+    def cost(r, schedule, step):  # rank 0 blocks 80 %, rank 1 blocks 10 %: mean 45 %
+        if schedule == "early":
+            return 0.05, 0.0
+        return (0.1, 0.08) if r == 0 else (0.1, 0.01)
+
+    watches, ran = simulate(100, cost)
+    assert ran[0] == ran[1] == ["late"] * 100  # under the threshold of 50 %: neither rank moves
+    watches, ran = simulate(100, cost, threshold=0.4)
+    assert ran[0] == ran[1] and "early" in ran[0]
+
+
+def test_a_median_gain_that_the_noise_can_fake_is_not_kept():
+    """Short noisy steps: the median after the switch is lower, but in few (before, after) pairs."""
+
+    def cost(r, schedule, step):
+        if schedule == "late":
+            return (0.010 if step % 2 else 0.030), 0.008
+        return (0.009 if step % 3 else 0.031), 0.001
+
+    watches, _ = simulate(80, cost)
+    for watch in watches:
+        assert watch.ratios and max(watch.ratios) < 0.95  # the median alone would keep it
+        assert watch.faster_pairs < 0.8 and watch.phase is WatchPhase.BACK, watch.reason
+    # the twin: the same medians, every pair faster
+    watches, _ = simulate(80, lambda r, s, step: (0.030, 0.02) if s == "late" else (0.009, 0.001))
+    assert all(w.phase is WatchPhase.KEPT for w in watches)
+
+
+def test_a_rank_without_a_full_window_holds_the_decision():
+    watches = [ScheduleWatch(clock=FakeClock()) for _ in range(2)]
+    for w in watches:
+        w.received([observed(0.9), 0])  # one rank has no figure yet
+    assert all(w.phase is WatchPhase.WATCHING for w in watches)
+
+
+def test_a_decided_watch_reads_no_clock():
+    def no_clock() -> float:
+        raise AssertionError("the clock was read after the decision")
+
+    watch = ScheduleWatch(clock=no_clock)
+    watch.pin("one rank")
+    assert [watch.step() for _ in range(3)] == ["late"] * 3 and watch.active_clock is None
+    assert watch.choice == "late" and "one rank" in watch.reason
+
+
+def test_state_dict_keeps_the_decision_and_a_restarted_job_does_not_try_again():
+    watches, _ = simulate(60, _link_bound)
+    state = watches[0].state_dict()
+    restored = ScheduleWatch(clock=lambda: (_ for _ in ()).throw(AssertionError("clock read")))
+    restored.load_state_dict(state)
+    assert restored.step() == "early" and restored.phase is WatchPhase.KEPT
+    assert restored.decisions == watches[0].decisions
+    midway = ScheduleWatch(clock=FakeClock())
+    midway.load_state_dict(ScheduleWatch(clock=FakeClock()).state_dict())  # saved while watching
+    assert midway.phase is WatchPhase.WATCHING
+
+
+def test_an_eval_step_is_not_timed():
+    clock = FakeClock()
+    watch = ScheduleWatch(clock=clock, warmup=0, window=3)
+    for _ in range(3):
+        watch.step()
+        clock.now += 0.010
+    watch.interrupt()  # an eval step of 10 s between
+    clock.now += 10
+    watch.step()
+    clock.now += 0.010
+    watch.step()
+    assert watch.share == 0.0 and max(s for s, _ in watch._samples) < 1
+
+
+def test_rejects_bad_settings():
+    with pytest.raises(ValueError, match="bad watch settings"):
+        ScheduleWatch(threshold=1.5)
+    with pytest.raises(ValueError, match="bad watch settings"):
+        ScheduleWatch(sure=0.2)
+
+
+# -- the receiver's check of what rides ---------------------------------------------------------
+
+
+def test_words_of_the_same_row_count_are_read():
+    statuses, figures = _read([pack(Status.HAVE, 7, 5), pack(Status.EXHAUSTED, 7, 0)], 7, index=3)
+    assert statuses == [Status.HAVE, Status.EXHAUSTED] and figures == [5, 0]
+
+
+@pytest.mark.parametrize(
+    ("words", "said"),
+    [
+        ([pack(Status.HAVE, 7), pack(Status.HAVE, 8)], "rank 1: a status word after 8 splits rows"),
+        ([pack(Status.HAVE, 7), 256], "rank 1: not a status word"),  # a split read as a status
+        ([pack(Status.HAVE, 7), 1], "rank 1: not a status word"),  # a split of 1 would read as HAVE
+    ],
+)
+def test_a_row_that_is_not_the_same_status_word_is_an_error_naming_the_rank(words, said):
+    with pytest.raises(RidingMismatchError, match=said) as caught:
+        _read(words, 7, index=3)
+    assert "batch 3" in str(caught.value) and "after 7 splits rows" in str(caught.value)
