@@ -50,6 +50,10 @@ class Row:
     reference: str | None = None
     """What else it is compared with (`benchmarks.spec.reference`)."""
     vs_reference: Paired | None = None
+    total_s: Paired | None = None
+    """The timed steps' total time (the slower rank's each step), per round."""
+    total_vs_reference: Paired | None = None
+    """The total over the reference's in the same round (with `--warmup 0`: a cold start)."""
     cpu_ms: Paired | None = None
     """Process CPU time per timed step, the busiest rank."""
     rss_mib: float | None = None
@@ -119,6 +123,7 @@ def merge_ranks(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         if first["status"] == "ok":
             one["step_times_s"] = [max(ts) for ts in zip(*(r["step_times_s"] for r in records), strict=True)]
             one["wall_ms"] = 1e3 * statistics.mean(one["step_times_s"])
+            one["total_s"] = sum(one["step_times_s"])
             one.update({k: max(r[k] for r in records) for k in _MAX_OVER_RANKS if k in first})
             if "cache_hit_rate" in first:
                 one["cache_hit_rate"] = statistics.mean(r["cache_hit_rate"] for r in records)
@@ -145,6 +150,7 @@ def summarize(runs: list[dict[str, Any]], *, world_size: int) -> list[Row]:
             )
             continue
         steps = by_round([r for r in runs if r["config"] == config], "step_ms")
+        totals = by_round([r for r in runs if r["config"] == config], "total_s")
         step = over_rounds([statistics.median(r["step_times_s"]) * 1e3 for r in ok])
         ref = reference(variant)
         schedules = Counter(r["schedule"] for r in ok if r.get("schedule"))
@@ -153,6 +159,8 @@ def summarize(runs: list[dict[str, Any]], *, world_size: int) -> list[Row]:
             samples_per_s=get_config(config).batch_size * world_size / step.median * 1e3,
             vs_plain=paired(steps, variant, "plain") if variant != "plain" else None,
             reference=ref, vs_reference=paired(steps, variant, ref) if ref else None,
+            total_s=over_rounds([r["total_s"] for r in ok]),
+            total_vs_reference=paired(totals, variant, ref) if ref else None,
             cpu_ms=over_rounds([r["cpu_ms"] for r in ok]),
             rss_mib=_median(ok, "peak_bytes", _MIB), tensor_mib=_median(ok, "tensor_peak_bytes", _MIB),
             wait_in_forward_ms=_median(ok, "wait_in_forward_ms"),
@@ -173,16 +181,19 @@ def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str | None]]
     """The summary's columns, cells and notes (rows as in the JSON: `Paired` figures as dicts)."""
     disk = any(r["cache_hit_rate"] is not None for r in rows)
     columns = ["config / variant", "step ms", "samples/s", "vs plain", "vs reference", "CPU ms", "RSS MiB",
-               "tensor MiB", "input_dist in fwd ms", "of it assembly", "schedule kept"]  # fmt: skip
+               "tensor MiB", "input_dist in fwd ms", "of it assembly", "schedule kept", "total s",
+               "total vs reference"]  # fmt: skip
     columns += ["hit rate", "store read ms", "resident ms"] if disk else []
     cells = []
     for r in (r for r in rows if r["status"] == "ok"):
-        p = {k: Paired(**r[k]) if r[k] else None for k in ("step_ms", "vs_plain", "vs_reference", "cpu_ms")}
+        kinds = ("step_ms", "vs_plain", "vs_reference", "cpu_ms", "total_s", "total_vs_reference")
+        p = {k: Paired(**r[k]) if r.get(k) else None for k in kinds}
         ref = p["vs_reference"] and f"{p['vs_reference']:.2f} ({r['reference']})"
         line = [f"{r['config']} / {r['variant']}", f"{p['step_ms']:.1f}", cell(r["samples_per_s"], ",.0f"),
                 cell(p["vs_plain"], ".2f"), ref, f"{p['cpu_ms']:.1f}", cell(r["rss_mib"], ".1f"),
                 cell(r["tensor_mib"], ".1f"), cell(r["wait_in_forward_ms"], ".2f"),
-                cell(r["assembly_in_wait_ms"], ".2f"), r["schedule"]]  # fmt: skip
+                cell(r["assembly_in_wait_ms"], ".2f"), r["schedule"], cell(p["total_s"], ".2f"),
+                cell(p["total_vs_reference"], ".3f")]  # fmt: skip
         if disk:
             line += [
                 cell(r["cache_hit_rate"], ".3f"),

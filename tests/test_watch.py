@@ -109,7 +109,8 @@ def test_the_ranks_decide_on_their_mean_share_alike():
 
 
 def test_a_median_gain_that_the_noise_can_fake_is_not_kept():
-    """Short noisy steps: the median after the switch is lower, but in few (before, after) pairs."""
+    """Short noisy steps: the median after the switch is lower, but too few steps after are shorter
+    than the median before."""
 
     def cost(r, schedule, step):
         if schedule == "late":
@@ -119,8 +120,8 @@ def test_a_median_gain_that_the_noise_can_fake_is_not_kept():
     watches, _ = simulate(80, cost)
     for watch in watches:
         assert watch.ratios and max(watch.ratios) < 0.95  # the median alone would keep it
-        assert watch.faster_pairs < 0.8 and watch.phase is WatchPhase.BACK, watch.reason
-    # the twin: the same medians, every pair faster
+        assert watch.faster_steps < 0.8 and watch.phase is WatchPhase.BACK, watch.reason
+    # the twin: every step after shorter
     watches, _ = simulate(80, lambda r, s, step: (0.030, 0.02) if s == "late" else (0.009, 0.001))
     assert all(w.phase is WatchPhase.KEPT for w in watches)
 
