@@ -102,9 +102,9 @@ def test_the_ranks_decide_on_their_mean_share_alike():
             return 0.05, 0.0
         return (0.1, 0.08) if r == 0 else (0.1, 0.01)
 
-    watches, ran = simulate(100, cost)
+    _, ran = simulate(100, cost)
     assert ran[0] == ran[1] == ["late"] * 100  # under the threshold of 50 %: neither rank moves
-    watches, ran = simulate(100, cost, threshold=0.4)
+    _, ran = simulate(100, cost, threshold=0.4)
     assert ran[0] == ran[1] and "early" in ran[0]
 
 
