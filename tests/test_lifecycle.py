@@ -306,7 +306,7 @@ def _adaptive(rank: int, pipe_name: str, verdict: str) -> dict:
     kept = verdict == "kept"
     watch = ScheduleWatch(
         window=3, verify=3, warmup=0, settle=0, threshold=0.0001,
-        margin=0.0 if kept else 0.5, sure=0.5, clock=lambda: float(next(counter)),
+        margin=0.0 if kept else 0.5, sure=0.0, clock=lambda: float(next(counter)),
     )  # fmt: skip
     ref, ref_opt, model, pipe = _pair(pipe_name, input_dist=InputDistOptions(watch=watch))
     steps = 3 * N

@@ -8,11 +8,12 @@ batch and makes the same decision at the same step, with no collective of its ow
 The rule (its constants come from measurements: docs/pipeline.md, "The default schedule"):
 
 1. Watching, under "late": each rank publishes the median, over its last `window` steps, of the
-   time it blocked on the input all-to-alls over the step time. When the ranks' mean reaches
-   `threshold`, every rank moves to "early" at the next step (the splits waited before forward, the
+   time it blocked on the input all-to-alls over the step time. When the ranks' mean has reached
+   `threshold` for `window + 1` batches in a row (so in two windows that share no step), every
+   rank moves to "early" at the next step (the splits waited before forward, the
    all-to-alls on a process group of their own, created at that step).
-2. Trying: the first `settle` steps under "early" are not timed; over the next `window` steps each
-   rank publishes the median step over the median of the `window` steps before the switch. If every
+2. Trying: the first `settle` steps under "early" are not timed; over the next `verify` steps each
+   rank publishes the median step over the median of the `verify` steps before the switch. If every
    rank's ratio is at most `1 - margin`, "early" is kept; else every rank goes back to "late" at the
    next step and the watch ends: no second try in this job.
 3. Kept, or back: no clock runs any more.
@@ -96,12 +97,14 @@ class ScheduleWatch:
     """Chooses the input_dist schedule from the job's own steps (see the module).
 
     Args:
-        window: steps per observation of the share blocked (the median is taken over them); the
-            step times of the last window before a switch are what the steps after it are compared to.
-        verify: steps timed under "early" before the verdict.
+        window: steps per observation of the share blocked (the median is taken over them).
+        verify: steps timed under "early" before the verdict, compared with as many steps before
+            the switch.
         warmup: steps not observed at the start (the first batches rewrite, vote and fuse).
         threshold: the ranks' mean share of the step the host blocks on the input all-to-alls
-            under "late" at which "early" is tried.
+            under "late" at which "early" is tried, once it has held for `window + 1` batches in a
+            row: a steady wait over two windows, not a burst (two ranks sharing two cores wait on
+            each other for a while at times).
         settle: untimed steps after the switch (the first creates the process group).
         margin: the gain every rank must see for "early" to be kept (0.05: 5 % faster).
         sure: and the share of the verified steps shorter than the median step before the switch,
@@ -114,7 +117,7 @@ class ScheduleWatch:
     def __init__(
         self,
         *,
-        window: int = 12,
+        window: int = 8,
         verify: int = 12,
         warmup: int = 8,
         threshold: float = 0.5,
@@ -134,7 +137,9 @@ class ScheduleWatch:
             raise ValueError(f"bad watch settings: window {window}, threshold {threshold}, margin {margin}")
         self._window, self._threshold, self._settle, self._margin = window, threshold, settle, margin
         self._verify, self._warmup, self._sure = verify, warmup, sure
-        if not 0.5 <= sure <= 1:
+        self._high = 0
+        """Consecutive batches whose figures (the ranks' mean share) reached the threshold."""
+        if not 0 <= sure <= 1:
             raise ValueError(f"bad watch settings: sure {sure}")
         self._clock = clock
         self.schedule = "late"
@@ -144,6 +149,8 @@ class ScheduleWatch:
         """Where the input_dist waits are timed (None-ed by `active_clock` once the watch ends)."""
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)
         """(step, blocked) seconds of the last `window` steps under "late"."""
+        self._late: deque[float] = deque(maxlen=verify)
+        """The last `verify` step times under "late" (what the steps after a switch are compared to)."""
         self._before: list[float] = []
         self._after: list[float] = []
         self._skip = 0
@@ -200,7 +207,8 @@ class ScheduleWatch:
         values = [(o - 1) / 1000 for o in observations]
         if self.phase is WatchPhase.WATCHING:
             share = statistics.fmean(values)
-            if share >= self._threshold:
+            self._high = self._high + 1 if share >= self._threshold else 0
+            if self._high > self._window:
                 self._switch(values, share)
         elif self.phase is WatchPhase.TRYING:
             self._verdict(values)
@@ -254,8 +262,8 @@ class ScheduleWatch:
             seen_text = "not yet a full window" if seen is None else f"{seen:.0%} of the step on this rank"
             return (
                 f"{head}; watching how long the host blocks on the input all-to-alls over the last "
-                f"{self._window} steps ({seen_text}; tries early at a mean of {self._threshold:.0%} over "
-                "the ranks)"
+                f"{self._window} steps ({seen_text}; tries early once the ranks' mean has been at least "
+                f"{self._threshold:.0%} for {self._window + 1} batches in a row)"
             )
         lines = [head] + [f"  step {step}: {text}" for step, text in self.decisions]
         if self.phase is WatchPhase.TRYING:
@@ -285,6 +293,7 @@ class ScheduleWatch:
     def _record(self, step_s: float, blocked_s: float) -> None:
         if self.phase is WatchPhase.WATCHING:
             self._samples.append((step_s, blocked_s))
+            self._late.append(step_s)
         elif self.phase is WatchPhase.TRYING:
             if self._skip > 0:
                 self._skip -= 1
@@ -315,14 +324,15 @@ class ScheduleWatch:
 
     def _switch(self, shares: list[float], share: float) -> None:
         self.shares = shares
-        self._before = [s for s, _ in self._samples]
+        self._before = list(self._late)
         self._after, self._pending, self.phase = [], "early", WatchPhase.TRYING
         # the step that decides runs on under "late": its time is not the new schedule's
         self._skip = self._settle + 1
         self._decide(
             f"the host blocked on the input all-to-alls {share:.0%} of the step (median over "
-            f"{self._window} steps, mean over {len(shares)} ranks: {_shares(shares)}; threshold "
-            f"{self._threshold:.0%}): trying {schedule_words('early')} from the next step, its "
+            f"{self._window} steps, mean over {len(shares)} ranks: {_shares(shares)}; at least "
+            f"{self._threshold:.0%} for {self._window + 1} batches in a row): trying "
+            f"{schedule_words('early')} from the next step, its "
             "all-to-alls on a process group of their own ('pipeline_input_dist', created then; on "
             f"NCCL one more communicator); it is verified over {self._settle} + {self._verify} steps"
         )
