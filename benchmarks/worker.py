@@ -146,7 +146,8 @@ def _run_one(spec: RunSpec, config: BenchConfig, variant: str, batches: list, de
         record["tuner"] = {"choice": tuner.choice, "reason": tuner.reason, "medians_ms": tuner.medians_ms,
                            "tuning_steps_by_schedule": tuner.tuning_steps_by_schedule}  # fmt: skip
         if hasattr(tuner, "share"):  # the default's schedule watch: what it saw, and when it decided
-            record["watch"] = {"share": tuner.share, "decisions": tuner.decisions, "shares": tuner.shares,
+            record["watch"] = {"share": tuner.share, "parts": tuner.parts, "decisions": tuner.decisions,
+                               "shares": tuner.shares,
                                "ratios": tuner.ratios, "phase": tuner.phase.value}  # fmt: skip
     if spec.profile_steps and runner.profile:
         trace = None

@@ -182,7 +182,7 @@ def test_an_eval_step_is_not_timed():
     watch.step()
     clock.now += 0.010
     watch.step()
-    assert watch.share == 0.0 and max(s for s, _ in watch._samples) < 1
+    assert watch.share == 0.0 and max(s for s, _, _ in watch._samples) < 1
 
 
 def test_rejects_bad_settings():

@@ -61,11 +61,14 @@ class WaitClock:
     behind the next batch's input all-to-all). Waits on other threads (a prefetch worker) are not
     the step's."""
 
-    __slots__ = ("_clock", "_cpu", "_started", "thread", "waited")
+    __slots__ = ("_clock", "_cpu", "_started", "idle", "thread", "waited")
 
     def __init__(self, clock: Callable[[], float], cpu: Callable[[], float] = time.thread_time) -> None:
         self._clock, self._cpu = clock, cpu
         self.waited = 0.0
+        """Seconds blocked in the input all-to-alls' waits."""
+        self.idle = 0.0
+        """Seconds off the CPU within backward."""
         self.thread: int | None = None
         self._started: tuple[float, float] | None = None
 
@@ -77,7 +80,7 @@ class WaitClock:
         if self._started is not None:
             wall, cpu = self._started
             self._started = None
-            self.waited += max(0.0, (self._clock() - wall) - (self._cpu() - cpu))
+            self.idle += max(0.0, (self._clock() - wall) - (self._cpu() - cpu))
 
     def wait(self, request: Any) -> Any:
         if threading.get_ident() != self.thread:
@@ -88,9 +91,11 @@ class WaitClock:
         finally:
             self.waited += self._clock() - start
 
-    def take(self) -> float:
-        waited, self.waited = self.waited, 0.0
-        return waited
+    def take(self) -> tuple[float, float]:
+        """(waited, idle) since the last take, and start again from zero."""
+        taken = (self.waited, self.idle)
+        self.waited = self.idle = 0.0
+        return taken
 
 
 class ScheduleWatch:
@@ -147,8 +152,8 @@ class ScheduleWatch:
         self.phase = WatchPhase.WATCHING
         self.waits = WaitClock(clock)
         """Where the input_dist waits are timed (None-ed by `active_clock` once the watch ends)."""
-        self._samples: deque[tuple[float, float]] = deque(maxlen=window)
-        """(step, blocked) seconds of the last `window` steps under "late"."""
+        self._samples: deque[tuple[float, float, float]] = deque(maxlen=window)
+        """(step, waited, idle) seconds of the last `window` steps under "late" (`WaitClock`)."""
         self._late: deque[float] = deque(maxlen=verify)
         """The last `verify` step times under "late" (what the steps after a switch are compared to)."""
         self._before: list[float] = []
@@ -179,7 +184,7 @@ class ScheduleWatch:
         self.waits.thread = threading.get_ident()
         blocked = self.waits.take()
         if self._last is not None and self.steps > self._warmup + 1:
-            self._record(now - self._last, blocked)
+            self._record(now - self._last, *blocked)
         self._last = now
         if self._pending is not None:
             self.schedule, self._pending = self._pending, None
@@ -290,9 +295,9 @@ class ScheduleWatch:
 
     # -- the rule ------------------------------------------------------------------------------
 
-    def _record(self, step_s: float, blocked_s: float) -> None:
+    def _record(self, step_s: float, waited_s: float, idle_s: float) -> None:
         if self.phase is WatchPhase.WATCHING:
-            self._samples.append((step_s, blocked_s))
+            self._samples.append((step_s, waited_s, idle_s))
             self._late.append(step_s)
         elif self.phase is WatchPhase.TRYING:
             if self._skip > 0:
@@ -303,7 +308,18 @@ class ScheduleWatch:
     def _share(self) -> float | None:
         if len(self._samples) < self._window:
             return None
-        return statistics.median(b / s if s > 0 else 0.0 for s, b in self._samples)
+        return statistics.median((w + i) / s if s > 0 else 0.0 for s, w, i in self._samples)
+
+    @property
+    def parts(self) -> tuple[float, float] | None:
+        """Of `share`, this rank's median share in the input all-to-alls' waits and off the CPU in
+        backward, over the same window (None before a full window)."""
+        if len(self._samples) < self._window:
+            return None
+        return (
+            statistics.median(w / s if s > 0 else 0.0 for s, w, _ in self._samples),
+            statistics.median(i / s if s > 0 else 0.0 for s, _, i in self._samples),
+        )
 
     def _observation(self) -> int:
         if self.phase is WatchPhase.WATCHING:
@@ -324,13 +340,15 @@ class ScheduleWatch:
 
     def _switch(self, shares: list[float], share: float) -> None:
         self.shares = shares
+        waits, idle = self.parts or (0.0, 0.0)
         self._before = list(self._late)
         self._after, self._pending, self.phase = [], "early", WatchPhase.TRYING
         # the step that decides runs on under "late": its time is not the new schedule's
         self._skip = self._settle + 1
         self._decide(
             f"the host blocked on the input all-to-alls {share:.0%} of the step (median over "
-            f"{self._window} steps, mean over {len(shares)} ranks: {_shares(shares)}; at least "
+            f"{self._window} steps, mean over {len(shares)} ranks: {_shares(shares)}; this rank "
+            f"{waits:.0%} in their waits and {idle:.0%} off the CPU in backward; at least "
             f"{self._threshold:.0%} for {self._window + 1} batches in a row): trying "
             f"{schedule_words('early')} from the next step, its "
             "all-to-alls on a process group of their own ('pipeline_input_dist', created then; on "
