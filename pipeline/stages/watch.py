@@ -113,7 +113,7 @@ class ScheduleWatch:
         settle: untimed steps after the switch (the first creates the process group).
         margin: the gain every rank must see for "early" to be kept (0.05: 5 % faster).
         sure: and the share of the verified steps shorter than the median step before the switch,
-            on every rank (0.8 of 12: 10 steps; by chance alone, once in 50): short steps on a busy
+            on every rank (0.75 of 20: 15 steps; by chance alone, once in 50): short steps on a busy
             machine vary by tens of percent from one window to the next, and a median alone
             would keep a schedule that is not faster.
         clock: seconds, monotonic (tests inject a fake one).
@@ -123,12 +123,12 @@ class ScheduleWatch:
         self,
         *,
         window: int = 8,
-        verify: int = 12,
+        verify: int = 20,
         warmup: int = 8,
         threshold: float = 0.5,
         settle: int = 2,
         margin: float = 0.05,
-        sure: float = 0.8,
+        sure: float = 0.75,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if (
