@@ -40,15 +40,11 @@ from rewrite.report import ModuleReport, RewriteError, RewriteReport, SiteReport
 from rewrite.sharded import outermost_sharded, unwrap_model
 from rewrite.sites import CallSite, ExplicitInput, PipelinedModule, SiteInput
 from rewrite.splits import (
-    StatusOnly,
-    StatusSplits,
     fuse_splits_requests,
     input_dists_ready,
     install_fused_splits,
     kjt_all_to_alls,
     one_by_one,
-    settle_splits,
-    splits_shape,
 )
 from rewrite.trace import Tracer, trace_call_sites
 
@@ -82,8 +78,6 @@ __all__ = [
     "RewriteReport",
     "SiteInput",
     "SiteReport",
-    "StatusOnly",
-    "StatusSplits",
     "Tracer",
     "find_kjts",
     "fuse_splits_requests",
@@ -95,9 +89,7 @@ __all__ = [
     "parse_path",
     "record_calls",
     "rewrite_model",
-    "settle_splits",
     "site_key",
-    "splits_shape",
     "trace_call_sites",
     "unwrap_model",
 ]

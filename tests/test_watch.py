@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline.ranks import RidingMismatchError, Status
+from pipeline.ranks.riding import _read
 from pipeline.ranks.word import TAG, observed, pack, unpack
-from pipeline.stages.riding import _read
 from pipeline.stages.watch import ScheduleWatch, WatchPhase
 
 

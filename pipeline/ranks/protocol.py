@@ -3,7 +3,7 @@
 Every rank has a status for every batch position it fetches (`Status`), recorded in the batch's
 `Ticket`; every rank fetches in the same order, placeholders included. Each rank learns every
 rank's status before the batch's first collective: in steady state on that collective itself, the
-fused splits all-to-all (`carried` tickets, concluded at the splits wait: `pipeline.stages.riding`),
+fused splits all-to-all (`carried` tickets, concluded at the splits wait: `pipeline.ranks.riding`),
 otherwise by a vote started at fetch (`pipeline.ranks.votes`) and waited a step later (`admit`).
 
 So uneven data ends on every rank at the shortest rank's count, a batch with wrong keys or a

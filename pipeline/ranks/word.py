@@ -1,5 +1,5 @@
 """The word a rank sends for one batch where its status rides on the fused splits all-to-all
-(`pipeline.stages.riding`): its `Status`, a tag and its row count, so that the receiver can tell
+(`pipeline.ranks.riding`): its `Status`, a tag and its row count, so that the receiver can tell
 that the row it reads is a status row and not a split, and one observation of the job's own steps
 (`pipeline.stages.watch`), so that the ranks agree on the schedule without a collective of their
 own.

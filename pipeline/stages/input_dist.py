@@ -18,12 +18,12 @@ from torch import nn
 
 from pipeline.config import InputDistOptions, RewriteOptions
 from pipeline.ranks import Lane, Ranks, Status
+from pipeline.ranks.riding import RidingStatus
 from pipeline.stages.context import BatchContext
 from pipeline.stages.groups import InputDistGroups
 from pipeline.stages.labels import run_stage
 from pipeline.stages.memory import MemoryFlags, free_early_where_safe, release_features, release_sent_inputs
 from pipeline.stages.not_pipelined import warn_not_pipelined
-from pipeline.stages.riding import RidingStatus
 from pipeline.stages.schedule import SCHEDULES
 from pipeline.stages.streams import Streams
 from pipeline.stages.tuner import Tuner
@@ -112,6 +112,8 @@ class InputDist:
         """The sharded modules warned about as not pipelined (once each, not at a re-attach)."""
         self._settled = False
         """The complete rewrite was checked across ranks (`_settle`)."""
+        self._checked = False
+        """Whether statuses can ride on the fused splits was decided (`RidingStatus.check`)."""
         self._free_early = False
         """`free_features_storage_early` applies (every call site's input is a path in the batch)."""
 
@@ -244,6 +246,12 @@ class InputDist:
         if not self._settled:
             self._settle(rewrite)
         fused = not self._one_rank and rewrite.fuse_splits()
+        if fused and not self._checked:  # once: can statuses ride on these modules' splits?
+            self._checked = True
+            if (why := self._riding.check([pm.module for pm in rewrite.modules])) is not None:
+                rewrite.report.notes.append(why)
+                if self.watch is not None and self.watch.phase.value == "watching":
+                    self.watch.pin(NO_RIDE)
         if fused:  # on their own groups or on torchrec's, as the schedule says
             self._groups.place(SCHEDULES[self.schedule].own_group, rewrite.modules)
 
@@ -260,8 +268,8 @@ class InputDist:
             if self._free_early:  # every module has its own permuted copy
                 self.freed_bytes += release_features(ctx.module_contexts.values())
             if fused:
-                word = self._riding.word(ctx)
-                ctx.splits_requests = fuse_splits_requests(requests, ctx.module_contexts, word=word)
+                carrier = self._riding.carrier(ctx)
+                ctx.splits_requests = fuse_splits_requests(requests, ctx.module_contexts, carrier=carrier)
                 self._riding.learn(ctx.splits_requests)
             else:
                 ctx.splits_requests = one_by_one(requests)

@@ -14,8 +14,9 @@ The rule (its constants come from measurements: docs/pipeline.md, "The default s
    all-to-alls on a process group of their own, created at that step).
 2. Trying: the first `settle` steps under "early" are not timed; over the next `verify` steps each
    rank publishes the median step over the median of the `verify` steps before the switch. If every
-   rank's ratio is at most `1 - margin`, "early" is kept; else every rank goes back to "late" at the
-   next step and the watch ends: no second try in this job.
+   rank's ratio is at most `1 - margin`, and on every rank at least `sure` of the verified steps are
+   shorter than its median before, "early" is kept; else every rank goes back to "late" at the next
+   step and the watch ends: no second try in this job.
 3. Kept, or back: no clock runs any more.
 
 Where the statuses cannot ride (one rank, `agreement=False`, a class that admits batches itself),
@@ -56,7 +57,8 @@ _FINAL = (WatchPhase.KEPT, WatchPhase.BACK, WatchPhase.PINNED)
 
 class WaitClock:
     """Adds up how long the pipeline's own thread blocks in a step: in `wait(request)` (the input
-    all-to-alls' waits) and, `within()` backward, the wall time its thread spends off the CPU (on
+    all-to-alls' waits) and, used as a context manager around backward, the wall time its thread
+    spends off the CPU there (on
     CPU, where torchrec's backward waits for its all-to-alls, which on a shared process group queue
     behind the next batch's input all-to-all). Waits on other threads (a prefetch worker) are not
     the step's."""

@@ -2,10 +2,10 @@
 
 Once the sharded modules' splits all-to-alls are fused, a batch's first collective is that one
 all-to-all, which every rank issues anyway: each rank adds its word (`pipeline.ranks.word`: its
-status, its row count and the schedule watch's figure) as one more row (`rewrite.StatusSplits`), and
+status, its row count and the schedule watch's figure) as one more row (`pipeline.ranks.rows`), and
 the splits wait reads every rank's word before any values move. A rank without the batch (its data
 ended, or the batch is rejected) sends zero splits of the shape the others send, recorded from an
-earlier batch, with its word (`rewrite.StatusOnly`). Every receiver checks each word's tag and row
+earlier batch, with its word (`StatusOnly`). Every receiver checks each word's tag and row
 count against its own: a mismatch (ranks sending different numbers of splits rows) raises
 `RidingMismatchError` on every rank, naming the ranks, never a misread status. The first batch of
 every dataloader iterator is still voted on (`Ranks.fetch`), as is any batch fetched before the
@@ -14,14 +14,18 @@ splits are fused; a pipeline that admits batches itself never lets statuses ride
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pipeline.ranks import Ranks, RidingMismatchError, Status
+from pipeline.ranks.protocol import Ranks
+from pipeline.ranks.rows import StatusOnly, StatusSplits, riding_fits, settle_splits, splits_shape
+from pipeline.ranks.status import RidingMismatchError, Status
 from pipeline.ranks.word import TAG, pack, unpack
-from pipeline.stages.context import BatchContext
-from rewrite import StatusOnly, settle_splits, splits_shape
+
+if TYPE_CHECKING:
+    from pipeline.stages.context import BatchContext
 
 __all__ = ["RidingStatus"]
 
@@ -44,14 +48,27 @@ class RidingStatus:
         self.refused = 0
         """Batches some rank lacked, found out from statuses that rode (not from a vote)."""
 
-    def word(self, ctx: BatchContext) -> Callable[[int], int] | None:
-        """This rank's word for `ctx`'s fused splits, from the number of rows before it (HAVE for a
-        batch already agreed on, so that the shape is learnt), or None when statuses do not ride."""
+    def check(self, modules: list[Any]) -> str | None:
+        """Once, at the first fused start: whether statuses can ride on these modules' splits
+        (`riding_fits`); where they cannot, every batch is voted on from then on, and the reason is
+        returned (for the rewrite report)."""
+        if not self.enabled:
+            return None
+        why = riding_fits(modules)
+        if why is not None:
+            self.enabled = False
+            return f"the ranks vote on every batch; statuses do not ride on the splits all-to-all: {why}"
+        return None
+
+    def carrier(self, ctx: BatchContext) -> Callable[..., Any] | None:
+        """What builds `ctx`'s fused splits all-to-all with this rank's word in it (its status, its
+        row count, the schedule watch's figure; HAVE for a batch already agreed on, so that the
+        shape is learnt), or None when statuses do not ride."""
         if not self.enabled:
             return None
         status, watch = ctx.ticket.status, self._watch
         figure = watch.observation() if watch is not None else 0
-        return lambda rows: pack(status, rows, figure)
+        return functools.partial(StatusSplits, word=lambda rows: pack(status, rows, figure))
 
     def learn(self, fused: list[tuple[list[str], Any]]) -> None:
         """After a fused start: what a rank without a batch must send from now on."""
