@@ -559,7 +559,7 @@ def test_input_dist_schedule_rejects_unknown_values():
 
     import pipeline
 
-    with pytest.raises(ValueError, match="one of auto, early, late"):
+    with pytest.raises(ValueError, match="one of adaptive, auto, early, late"):
         pipeline.TrainPipelineSparseDist(
             torch.nn.Linear(1, 1), None, torch.device("cpu"), input_dist_schedule="x"
         )
