@@ -139,7 +139,8 @@ class InputDistOptions:
     beforehand by `python -m benchmarks predict`); None: `Tuner()`, which measures every schedule."""
     watch: ScheduleWatch | None = None
     """Under "adaptive", the `pipeline.ScheduleWatch` to use (its window, threshold, margin);
-    None: `ScheduleWatch()`, whose constants docs/pipeline.md gives with their measurements."""
+    None: `ScheduleWatch()` (its constants and their measurements: docs/reference.md, "The default
+    schedule")."""
 
     def __post_init__(self) -> None:
         _one_of("input_dist_schedule", self.schedule, SCHEDULE_NAMES)

@@ -5,7 +5,7 @@ around a call the pipeline makes anyway. Each rank's figure rides on its status 
 splits all-to-all (`pipeline.ranks.word`), so every rank reads every rank's figures for the same
 batch and makes the same decision at the same step, with no collective of its own.
 
-The rule (its constants come from measurements: docs/pipeline.md, "The default schedule"):
+The rule (its constants come from measurements: docs/reference.md, "The default schedule"):
 
 1. Watching, under "late": each rank publishes the median, over its last `window` steps, of the
    time it blocked on the input all-to-alls over the step time. When the ranks' mean has reached
