@@ -1,7 +1,8 @@
 """Every reference a reader of the docs would follow exists: the repository paths they name, the
 dotted names of our packages (`pipeline.stages.tuner.Tuner`), the `make` targets and the
-`python -m benchmarks` / `python -m timeline` subcommands. Each failure names the doc, the line and
-the reference. A negative twin runs the same checker on a small synthetic doc with broken ones.
+`python -m benchmarks` / `python -m timeline` subcommands, and every section a doc or the code names
+(`docs/pipeline.md, "Checkpointing"`) is a heading of that file. Each failure names the file, the line
+and the reference. Negative twins run the same checkers on small synthetic texts with broken ones.
 
 What counts as a path: a token with a `/` (or a file name with a known extension) that starts at a
 top-level entry of the repository (`pipeline/stages/tuner.py`, `docs/results/`), or, when it starts
@@ -314,6 +315,61 @@ def check_text(text: str, doc: str, doc_dir: str = "") -> list[Broken]:
     return sorted(broken, key=lambda b: (b.line, b.kind, b.ref))
 
 
+# --- sections named in docs and code: `docs/pipeline.md, "Checkpointing"` -------------------------
+
+_SECTION = re.compile(
+    r'((?:[\w\-]+/)*[\w\-]+\.md)(?:\s*,\s*|\s*\(\s*|\s*:\s*|\s+)"([^"]+)"((?:\s*(?:,|and|or)\s*"[^"]+")*)'
+)
+
+
+def _words(text: str) -> str:
+    return " ".join(re.sub(r"[`*]", "", text).split()).lower()
+
+
+def headings(path: Path) -> list[str]:
+    """The headings of a Markdown file (outside code), as `_words` gives them."""
+    text = _FENCE.sub("", path.read_text())
+    return [_words(m.group(1)) for m in re.finditer(r"^#{1,6}\s+(.+)$", text, re.M)]
+
+
+def check_sections(text: str, source: str) -> list[Broken]:
+    """Every `<file>.md, "Section"` (also `<file>.md ("Section")`, `<file>.md, "A" and "B"`) in `text`,
+    the content of the repository file `source`, whose file has no such heading. A heading matches
+    a section named as it is, or as its start up to a colon, a comma or a parenthesis
+    (`"PT2"` for "PT2: TrainPipelinePT2 and ..."); backticks and case do not count."""
+    if source.endswith(".py"):  # a citation wrapped over comment lines
+        text = re.sub(r"\n[ \t]*#", lambda m: "\n" + " " * (len(m.group(0)) - 1), text)
+    broken = []
+    here = (ROOT / source).parent
+    for m in _SECTION.finditer(text):
+        ref = m.group(1)
+        target = next((p for p in (ROOT / ref, ROOT / "docs" / ref, here / ref) if p.is_file()), None)
+        line = _line(text, m.start())
+        if target is None:
+            broken.append(Broken(source, line, "section", ref, "no such Markdown file"))
+            continue
+        known = headings(target)
+        for section in [m.group(2), *re.findall(r'"([^"]+)"', m.group(3))]:
+            want = _words(section)
+            if not any(h == want or (h.startswith(want) and h[len(want)] in ":,( ") for h in known):
+                why = f"{target.relative_to(ROOT).as_posix()} has no such heading"
+                broken.append(Broken(source, line, "section", f'{ref}, "{" ".join(section.split())}"', why))
+    return broken
+
+
+def citing_files() -> list[Path]:
+    """Every tracked file that may name a doc's section: Markdown, Python, shell, the Makefile (not
+    the results files, nor this module, whose synthetic text names missing sections on purpose)."""
+    files, _ = tracked()
+    return [
+        ROOT / f
+        for f in sorted(files)
+        if (f.endswith((".md", ".py", ".sh")) or f == "Makefile")
+        and not f.startswith(("docs/results/", "docs/gpu-results/"))
+        and f != "tests/test_docs_references.py"
+    ]
+
+
 def check_doc(path: Path) -> list[Broken]:
     rel = path.relative_to(ROOT).as_posix()
     doc_dir = rel.rsplit("/", 1)[0] if "/" in rel else ""
@@ -326,6 +382,35 @@ def check_doc(path: Path) -> list[Broken]:
 def test_every_reference_in_the_docs_exists():
     broken = [b for path in docs() for b in check_doc(path)]
     assert not broken, f"{len(broken)} broken references:\n" + "\n".join(map(str, broken))
+
+
+def test_every_section_a_doc_or_the_code_names_exists():
+    broken = [
+        b
+        for path in citing_files()
+        for b in check_sections(path.read_text(), path.relative_to(ROOT).as_posix())
+    ]
+    assert not broken, f"{len(broken)} sections named that no heading has:\n" + "\n".join(map(str, broken))
+
+
+def test_the_section_check_reports_what_is_missing():
+    text = (
+        'See docs/pipeline.md, "Checkpointing", and docs/reference.md ("PT2").\n'
+        'Also docs/pipeline.md, "Input_dist schedules" and "No such\nsection".\n'
+        'The guide, docs/pipeline.md, "Predicting a pipeline\'s step", moved to benchmarks.md.\n'
+        'benchmarks.md, "Predicting a pipeline\'s step"; reference.md, "`execute_all_batches=False`".\n'
+        'docs/nowhere.md, "Anything".\n'
+    )
+    got = {(b.line, b.ref, b.why) for b in check_sections(text, "docs/synthetic.md")}
+    assert got == {
+        (2, 'docs/pipeline.md, "No such section"', "docs/pipeline.md has no such heading"),
+        (4, 'docs/pipeline.md, "Predicting a pipeline\'s step"', "docs/pipeline.md has no such heading"),
+        (6, "docs/nowhere.md", "no such Markdown file"),
+    }, got
+    docstring = '"""A note (docs/pipeline.md, "When a\n    rank fails")."""\n'
+    wrapped = docstring + '# docs/pipeline.md, "When a\n# rank fails"\n'
+    assert check_sections(wrapped, "tests/x.py") == []
+    assert len(check_sections(wrapped.replace("rank fails", "rank wins"), "tests/x.py")) == 2
 
 
 def test_the_docs_read_are_there():
