@@ -1,8 +1,10 @@
 """Every reference a reader of the docs would follow exists: the repository paths they name, the
 dotted names of our packages (`pipeline.stages.tuner.Tuner`), the `make` targets and the
 `python -m benchmarks` / `python -m timeline` subcommands, and every section a doc or the code names
-(`docs/pipeline.md, "Checkpointing"`) is a heading of that file. Each failure names the file, the line
-and the reference. Negative twins run the same checkers on small synthetic texts with broken ones.
+(`docs/pipeline.md, "Checkpointing"`) is a heading of that file. `python -m benchmarks --help` and
+docs/benchmarks.md's table list the same commands, and the doc lists the default loops `run --help`
+points at. Each failure names the file, the line and the reference. Negative twins run the same
+checkers on small synthetic texts with broken ones.
 
 What counts as a path: a token with a `/` (or a file name with a known extension) that starts at a
 top-level entry of the repository (`pipeline/stages/tuner.py`, `docs/results/`), or, when it starts
@@ -20,6 +22,8 @@ import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("pipeline", "rewrite", "tiered", "timeline", "tests.streamcheck", "benchmarks", "examples")
@@ -472,3 +476,59 @@ def test_what_the_checker_counts_as_a_path():
     assert check_path("results/", "docs", link=True) is None
     assert check_path("../README.md", "docs", link=True) is None
     assert check_path("../../elsewhere/NOTES.md", "docs", link=True) is not None
+
+
+# --- docs/benchmarks.md and `python -m benchmarks --help` -----------------------------------------
+
+
+def listed_commands(help_text: str) -> list[str]:
+    """The subcommands `python -m benchmarks --help` lists first, one a line (`    run   ...`)."""
+    return re.findall(r"^    ([a-z][\w\-]*)\s{2,}\S", help_text.split("positional arguments:")[0], re.M)
+
+
+def documented_commands(text: str) -> list[str]:
+    """The subcommands in docs/benchmarks.md's table of commands (its rows `python -m benchmarks X`)."""
+    return re.findall(r"^\| `python -m benchmarks ([a-z][\w\-]*)` \|", text, re.M)
+
+
+def test_the_benchmarks_help_and_docs_list_the_same_commands(capsys):
+    from benchmarks.__main__ import _SUBCOMMANDS, main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    helped = listed_commands(capsys.readouterr().out)
+    documented = documented_commands((ROOT / "docs" / "benchmarks.md").read_text())
+    assert sorted(helped) == sorted(_SUBCOMMANDS), (
+        f"--help lists {helped}; the tool has {sorted(_SUBCOMMANDS)}"
+    )
+    assert sorted(documented) == sorted(helped), f"docs/benchmarks.md lists {documented}; --help {helped}"
+    assert len(documented) == len(set(documented)), documented
+
+
+def test_the_command_lists_are_read_as_they_should():
+    help_text = (
+        "usage: x\n\n    run         configs\n    hit-rates   each\n\npositional arguments:\n    sweep  x\n"
+    )
+    assert listed_commands(help_text) == ["run", "hit-rates"]
+    doc = "| command | what |\n|---|---|\n| `python -m benchmarks run` | a |\n"
+    doc += "| `python -m benchmarks sweep` | b |\n"
+    assert documented_commands(doc) == ["run", "sweep"]
+    assert documented_commands(doc.replace("| `python -m benchmarks sweep` | b |\n", "")) == ["run"]
+
+
+def test_docs_benchmarks_md_names_runs_default_loops():
+    """`run --help` says its default loops are "docs/benchmarks.md's N": the doc lists those N."""
+    import argparse
+
+    from benchmarks.__main__ import _SUBCOMMANDS
+    from benchmarks.spec import VARIANTS
+
+    text = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
+    m = re.search(r"Without `--variants`, `run` compares these (\d+): ((?:`[\w\-]+`(?:, )?)+)", text)
+    assert m, "docs/benchmarks.md does not list run's default loops"
+    assert int(m.group(1)) == len(VARIANTS), m.group(0)
+    assert re.findall(r"`([\w\-]+)`", m.group(2)) == list(VARIANTS), m.group(0)
+    parser = argparse.ArgumentParser()
+    _SUBCOMMANDS["run"][0](parser)
+    (variants,) = [a for a in parser._actions if "--variants" in a.option_strings]
+    assert f"docs/benchmarks.md's {len(VARIANTS)}" in variants.help, variants.help
