@@ -22,7 +22,7 @@ STAMP := $(VENV)/.setup-$(VARIANT)-torchrec$(TORCHREC)
 PYTEST_ARGS ?=
 
 # The tests that hold on the previous stack too (`make test-1.8`): torchrec's names and parameters,
-# parity with torchrec's classes, every class bit for bit against the plain loop, and what torchrec
+# parity with torchrec's classes, every class bit for bit against its reference, and what torchrec
 # changed in 1.9. The 1.9-only cases skip, saying why.
 TESTS_1.8 := tests/test_compat.py tests/test_compat_names.py tests/test_torchrec_modules.py \
 	tests/test_torchrec_parity.py tests/test_torchrec_methods.py tests/test_equivalence.py tests/test_family.py \

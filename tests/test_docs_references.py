@@ -1,7 +1,10 @@
 """Every reference a reader of the docs would follow exists: the repository paths they name, the
 dotted names of our packages (`pipeline.stages.tuner.Tuner`), the `make` targets and the
-`python -m benchmarks` / `python -m timeline` subcommands. Each failure names the doc, the line and
-the reference. A negative twin runs the same checker on a small synthetic doc with broken ones.
+`python -m benchmarks` / `python -m timeline` subcommands, and every section a doc or the code names
+(`docs/pipeline.md, "Checkpointing"`) is a heading of that file. `python -m benchmarks --help` and
+docs/benchmarks.md's table list the same commands, and the doc lists the default loops `run --help`
+points at. Each failure names the file, the line and the reference. Negative twins run the same
+checkers on small synthetic texts with broken ones.
 
 What counts as a path: a token with a `/` (or a file name with a known extension) that starts at a
 top-level entry of the repository (`pipeline/stages/tuner.py`, `docs/results/`), or, when it starts
@@ -19,6 +22,8 @@ import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("pipeline", "rewrite", "tiered", "timeline", "tests.streamcheck", "benchmarks", "examples")
@@ -314,6 +319,61 @@ def check_text(text: str, doc: str, doc_dir: str = "") -> list[Broken]:
     return sorted(broken, key=lambda b: (b.line, b.kind, b.ref))
 
 
+# --- sections named in docs and code: `docs/pipeline.md, "Checkpointing"` -------------------------
+
+_SECTION = re.compile(
+    r'((?:[\w\-]+/)*[\w\-]+\.md)(?:\s*,\s*|\s*\(\s*|\s*:\s*|\s+)"([^"]+)"((?:\s*(?:,|and|or)\s*"[^"]+")*)'
+)
+
+
+def _words(text: str) -> str:
+    return " ".join(re.sub(r"[`*]", "", text).split()).lower()
+
+
+def headings(path: Path) -> list[str]:
+    """The headings of a Markdown file (outside code), as `_words` gives them."""
+    text = _FENCE.sub("", path.read_text())
+    return [_words(m.group(1)) for m in re.finditer(r"^#{1,6}\s+(.+)$", text, re.M)]
+
+
+def check_sections(text: str, source: str) -> list[Broken]:
+    """Every `<file>.md, "Section"` (also `<file>.md ("Section")`, `<file>.md, "A" and "B"`) in `text`,
+    the content of the repository file `source`, whose file has no such heading. A heading matches
+    a section named as it is, or as its start up to a colon, a comma or a parenthesis
+    (`"PT2"` for "PT2: TrainPipelinePT2 and ..."); backticks and case do not count."""
+    if source.endswith(".py"):  # a citation wrapped over comment lines
+        text = re.sub(r"\n[ \t]*#", lambda m: "\n" + " " * (len(m.group(0)) - 1), text)
+    broken = []
+    here = (ROOT / source).parent
+    for m in _SECTION.finditer(text):
+        ref = m.group(1)
+        target = next((p for p in (ROOT / ref, ROOT / "docs" / ref, here / ref) if p.is_file()), None)
+        line = _line(text, m.start())
+        if target is None:
+            broken.append(Broken(source, line, "section", ref, "no such Markdown file"))
+            continue
+        known = headings(target)
+        for section in [m.group(2), *re.findall(r'"([^"]+)"', m.group(3))]:
+            want = _words(section)
+            if not any(h == want or (h.startswith(want) and h[len(want)] in ":,( ") for h in known):
+                why = f"{target.relative_to(ROOT).as_posix()} has no such heading"
+                broken.append(Broken(source, line, "section", f'{ref}, "{" ".join(section.split())}"', why))
+    return broken
+
+
+def citing_files() -> list[Path]:
+    """Every tracked file that may name a doc's section: Markdown, Python, shell, the Makefile (not
+    the results files, nor this module, whose synthetic text names missing sections on purpose)."""
+    files, _ = tracked()
+    return [
+        ROOT / f
+        for f in sorted(files)
+        if (f.endswith((".md", ".py", ".sh")) or f == "Makefile")
+        and not f.startswith(("docs/results/", "docs/gpu-results/"))
+        and f != "tests/test_docs_references.py"
+    ]
+
+
 def check_doc(path: Path) -> list[Broken]:
     rel = path.relative_to(ROOT).as_posix()
     doc_dir = rel.rsplit("/", 1)[0] if "/" in rel else ""
@@ -326,6 +386,35 @@ def check_doc(path: Path) -> list[Broken]:
 def test_every_reference_in_the_docs_exists():
     broken = [b for path in docs() for b in check_doc(path)]
     assert not broken, f"{len(broken)} broken references:\n" + "\n".join(map(str, broken))
+
+
+def test_every_section_a_doc_or_the_code_names_exists():
+    broken = [
+        b
+        for path in citing_files()
+        for b in check_sections(path.read_text(), path.relative_to(ROOT).as_posix())
+    ]
+    assert not broken, f"{len(broken)} sections named that no heading has:\n" + "\n".join(map(str, broken))
+
+
+def test_the_section_check_reports_what_is_missing():
+    text = (
+        'See docs/pipeline.md, "Checkpointing", and docs/reference.md ("PT2").\n'
+        'Also docs/pipeline.md, "Input_dist schedules" and "No such\nsection".\n'
+        'The guide, docs/pipeline.md, "Predicting a pipeline\'s step", moved to benchmarks.md.\n'
+        'benchmarks.md, "Predicting a pipeline\'s step"; reference.md, "`execute_all_batches=False`".\n'
+        'docs/nowhere.md, "Anything".\n'
+    )
+    got = {(b.line, b.ref, b.why) for b in check_sections(text, "docs/synthetic.md")}
+    assert got == {
+        (2, 'docs/pipeline.md, "No such section"', "docs/pipeline.md has no such heading"),
+        (4, 'docs/pipeline.md, "Predicting a pipeline\'s step"', "docs/pipeline.md has no such heading"),
+        (6, "docs/nowhere.md", "no such Markdown file"),
+    }, got
+    docstring = '"""A note (docs/pipeline.md, "When a\n    rank fails")."""\n'
+    wrapped = docstring + '# docs/pipeline.md, "When a\n# rank fails"\n'
+    assert check_sections(wrapped, "tests/x.py") == []
+    assert len(check_sections(wrapped.replace("rank fails", "rank wins"), "tests/x.py")) == 2
 
 
 def test_the_docs_read_are_there():
@@ -387,3 +476,59 @@ def test_what_the_checker_counts_as_a_path():
     assert check_path("results/", "docs", link=True) is None
     assert check_path("../README.md", "docs", link=True) is None
     assert check_path("../../elsewhere/NOTES.md", "docs", link=True) is not None
+
+
+# --- docs/benchmarks.md and `python -m benchmarks --help` -----------------------------------------
+
+
+def listed_commands(help_text: str) -> list[str]:
+    """The subcommands `python -m benchmarks --help` lists first, one a line (`    run   ...`)."""
+    return re.findall(r"^    ([a-z][\w\-]*)\s{2,}\S", help_text.split("positional arguments:")[0], re.M)
+
+
+def documented_commands(text: str) -> list[str]:
+    """The subcommands in docs/benchmarks.md's table of commands (its rows `python -m benchmarks X`)."""
+    return re.findall(r"^\| `python -m benchmarks ([a-z][\w\-]*)` \|", text, re.M)
+
+
+def test_the_benchmarks_help_and_docs_list_the_same_commands(capsys):
+    from benchmarks.__main__ import _SUBCOMMANDS, main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    helped = listed_commands(capsys.readouterr().out)
+    documented = documented_commands((ROOT / "docs" / "benchmarks.md").read_text())
+    assert sorted(helped) == sorted(_SUBCOMMANDS), (
+        f"--help lists {helped}; the tool has {sorted(_SUBCOMMANDS)}"
+    )
+    assert sorted(documented) == sorted(helped), f"docs/benchmarks.md lists {documented}; --help {helped}"
+    assert len(documented) == len(set(documented)), documented
+
+
+def test_the_command_lists_are_read_as_they_should():
+    help_text = (
+        "usage: x\n\n    run         configs\n    hit-rates   each\n\npositional arguments:\n    sweep  x\n"
+    )
+    assert listed_commands(help_text) == ["run", "hit-rates"]
+    doc = "| command | what |\n|---|---|\n| `python -m benchmarks run` | a |\n"
+    doc += "| `python -m benchmarks sweep` | b |\n"
+    assert documented_commands(doc) == ["run", "sweep"]
+    assert documented_commands(doc.replace("| `python -m benchmarks sweep` | b |\n", "")) == ["run"]
+
+
+def test_docs_benchmarks_md_names_runs_default_loops():
+    """`run --help` says its default loops are "docs/benchmarks.md's N": the doc lists those N."""
+    import argparse
+
+    from benchmarks.__main__ import _SUBCOMMANDS
+    from benchmarks.spec import VARIANTS
+
+    text = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
+    m = re.search(r"Without `--variants`, `run` compares these (\d+): ((?:`[\w\-]+`(?:, )?)+)", text)
+    assert m, "docs/benchmarks.md does not list run's default loops"
+    assert int(m.group(1)) == len(VARIANTS), m.group(0)
+    assert re.findall(r"`([\w\-]+)`", m.group(2)) == list(VARIANTS), m.group(0)
+    parser = argparse.ArgumentParser()
+    _SUBCOMMANDS["run"][0](parser)
+    (variants,) = [a for a in parser._actions if "--variants" in a.option_strings]
+    assert f"docs/benchmarks.md's {len(VARIANTS)}" in variants.help, variants.help

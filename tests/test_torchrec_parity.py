@@ -3,7 +3,8 @@
 1. `execute_all_batches=False`: for every dataloader length, each pipeline returns the outputs of the
    same batches as torchrec's class of the same name, and drops the same ones; except the Prefetch
    pipeline, which follows torchrec's fixed rule (N-2 outputs of N batches, as SparseDist), not
-   torchrec 1.8.0's N-4 (its `fill_pipeline` refills from the second step: docs/pipeline.md).
+   torchrec 1.8.0's N-4 (its `fill_pipeline` refills from the second step: docs/reference.md,
+   "`execute_all_batches=False`").
    torchrec's Prefetch pipeline needs a CUDA stream to run a sharded module, so its schedule is
    taken on a model without one (the schedule does not depend on the modules); torchrec's
    SparseDist and Base also run on the sharded model over gloo.
@@ -96,7 +97,7 @@ def test_schedule_matches_torchrec_for_every_length(name, execute_all_batches):
 
 
 def test_torchrec_drop_counts_are_what_the_docs_say():
-    """docs/pipeline.md states these, per torchrec release; a torchrec upgrade that changes them fails
+    """docs/reference.md states these, per torchrec release; a torchrec upgrade that changes them fails
     here."""
     counts = {name: [len(_theirs(name, n, False)) for n in range(10)] for name in PIPELINES}
     prefetch = [0, 0, 0, 1, 2, 3, 4, 5, 6, 7] if TORCHREC_PREFETCH_FIXED else [0, 0, 0, 1, 1, 1, 2, 3, 4, 5]

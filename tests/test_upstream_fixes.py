@@ -1,4 +1,4 @@
-"""A fix torchrec made between 1.8.0 and 1.9.2 that no other test holds ours to (docs/pipeline.md,
+"""A fix torchrec made between 1.8.0 and 1.9.2 that no other test holds ours to (docs/reference.md,
 "torchrec 1.8.0 to 1.9.2"): SemiSync's warm-up synchronizes no device.
 
 torchrec 1.8.0's SemiSync called `torch.get_device_module().synchronize()` before each warm-up

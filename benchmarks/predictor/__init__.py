@@ -17,7 +17,7 @@ in flight, and the winner. The pieces, one concept a module:
 - `programs.py`: each class's step as tasks (from the stage table of `pipeline.stages`);
 - `prior.py`: the prediction the "auto" input_dist tuner starts from.
 
-Assumptions at large world sizes (docs/pipeline.md, "Predicting a pipeline's step", has them all):
+Assumptions at large world sizes (docs/benchmarks.md, "Predicting a pipeline's step", has them all):
 each rank sends its batch's ids for a table to the rank(s) holding it, so with tables spread evenly
 a rank sends (W - 1) / W of its ids and receives as many; an all-to-all costs a fixed host call,
 one latency per peer message (W - 1 of them, sent one after the other) and its bytes at the rank's

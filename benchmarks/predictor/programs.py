@@ -7,7 +7,7 @@ on a process group's queue, in the order they were issued: torchrec's group ("wo
 or the input all-to-alls' own ("own", under the "early" and "late-own" schedules). A blocking
 collective is issued by one task and waited for by the next on the same thread.
 
-Simplifications (docs/pipeline.md, "Predicting a pipeline's step"): the dense forward is one task
+Simplifications (docs/benchmarks.md, "Predicting a pipeline's step"): the dense forward is one task
 after the pooled embeddings arrive (the part of it that could overlap them is not split out); the
 backward is dense backward, the embeddings' gradient all-to-all, their backward, then DDP's
 all-reduce, waited for at its end; every rank is the busiest rank.

@@ -2,10 +2,10 @@
 store that no earlier attempt has written to.
 
 torchrun's c10d rendezvous shares one TCPStore between the launcher and every attempt of the job
-(`TORCHELASTIC_USE_AGENT_STORE=True`), and torch 2.13 does not separate the attempts' keys in it: a
-restarted rank can read a dead rank's address from the last attempt and
-fail with "Gloo connectFullMesh failed ... Connection refused". Each attempt therefore puts its
-process groups under a prefix of its own.
+(`TORCHELASTIC_USE_AGENT_STORE=True`), and torch (2.13, and the pinned 2.14.1) does not separate the
+attempts' keys in it: a restarted rank can read a dead rank's address from the last attempt and fail
+with "Gloo connectFullMesh failed ... Connection refused". Each attempt therefore puts its process
+groups under a prefix of its own.
 """
 
 from __future__ import annotations

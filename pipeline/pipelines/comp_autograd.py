@@ -1,6 +1,6 @@
 """TrainPipelineSparseDistCompAutograd: SparseDist whose backward runs under compiled autograd, on
 torchrec's synchronous collectives. On CPU too, with torchrec's dynamo settings only around the
-pipeline's own steps, as `pipeline.pipelines.pt2` (docs/pipeline.md, "PT2").
+pipeline's own steps, as `pipeline.pipelines.pt2` (docs/reference.md, "PT2").
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ torchrec's class (CUDA only) also splits the ids of each `ShardedPECEmbeddingCol
 they recur in the next batch (looked up in step i, the others a step ahead). Here every sharded
 module, PEC modules included, is looked up whole: the plain loop's numbers, without that split; a
 note in `rewrite_report` names the PEC modules it would have applied to. The same class on torchrec
-1.8 (PEC modules, no TrainPipelinePEC) and 1.9 (docs/pipeline.md, "TrainPipelinePEC").
+1.8 (PEC modules, no TrainPipelinePEC) and 1.9 (docs/reference.md, "TrainPipelinePEC").
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ compiled autograd: `pipeline.pipelines.comp_autograd`).
 Both run on CPU (inductor builds its kernels with the machine's C++ compiler). torchrec's dynamo
 settings for torchrec models are applied only around the pipeline's own calls
 (`torch._dynamo.config.patch`), not left set for the whole process as torchrec's classes leave
-them. Where torchrec's classes fail on CPU, and why, is in docs/pipeline.md ("PT2").
+them. Where torchrec's classes fail on CPU, and why, is in docs/reference.md ("PT2").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`SparseDataDistUtil`: the input_dist stage of a `StagedTrainPipeline`, and optionally a prefetch
 stage or an embedding lookup stage after it, handing their results to the caller's forward
-(docs/pipeline.md, "StagedTrainPipeline").
+(docs/reference.md, "StagedTrainPipeline").
 
 With stages [..., input_dist, X] the pipeline runs, in the `progress()` call that returns batch i,
 input_dist::start on batch i+2 and X on batch i+1 (without X: input_dist::start on i+1). A forward

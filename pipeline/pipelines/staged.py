@@ -1,4 +1,4 @@
-"""StagedTrainPipeline: the caller's own list of stages run ahead of forward (docs/pipeline.md,
+"""StagedTrainPipeline: the caller's own list of stages run ahead of forward (docs/reference.md,
 "StagedTrainPipeline"; `SparseDataDistUtil`, in `sparse_data_dist.py`, makes the input_dist stage
 and a prefetch or lookup stage after it).
 

@@ -1,5 +1,5 @@
 """Per-batch contexts: what one batch carries between the pipeline's stages (one context per batch
-in flight, none shared; each field names its writer and its reader: docs/pipeline.md, "Contexts").
+in flight, none shared; each field names its writer and its reader: docs/reference.md, "Contexts").
 The contexts implement `rewrite.ForwardContext`, the interface the hijacked forwards read, and do
 the waiting and cross-stream hand-off for them. A context owns everything handed off for its batch
 (`Streams.handoff(obj, producer, ctx)`) until the pipeline releases it (`Streams.release(ctx)`)

@@ -2,7 +2,7 @@
 for before forward of batch i ("early") or after it ("late", torchrec's order), and whether the
 input all-to-alls run on a process group of their own (`pipeline.stages.groups.InputDistGroups`) or
 on torchrec's; and the paired decision rule the "auto" tuner (`pipeline.stages.tuner`) chooses by.
-Numerics are the same under every schedule. docs/pipeline.md, "Input_dist schedules", weighs them.
+Numerics are the same under every schedule. docs/reference.md, "Schedules", weighs them.
 """
 
 from __future__ import annotations

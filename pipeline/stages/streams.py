@@ -1,4 +1,4 @@
-"""Streams and cross-stream hand-offs, in one place (docs/pipeline.md, "Streams and hand-offs").
+"""Streams and cross-stream hand-offs, in one place (docs/reference.md, "Streams and hand-offs").
 
 A pipeline runs each stage on a stream: the copy on `memcpy`, the input all-to-all on `data_dist`,
 the prefetch on `prefetch`, and forward/backward/optimizer on whatever stream the caller runs on
