@@ -5,6 +5,7 @@ CPU (`tests/cuda_cases.py` on RecordingStreams)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -250,16 +251,40 @@ def test_memory_table_gives_both_ratios():
     assert line == "| TrainPipelineSparseDist | 90 | 100 | 120 | 0.90 | 0.75 | 9 |", line
 
 
+def test_memory_check_holds_where_keep_alive_is_at_most_record_stream():
+    import memory
+
+    figures = {"Base": (302.0, 236.0), "SparseDist": (245.0, 245.0), "Eval": (160.0, None)}
+    rows = [
+        {"class": name, "variant": v, "peak_mb": mb, "kept_peak": 1}
+        for name, peaks in figures.items()
+        for v, mb in zip(("keep-alive", "record-stream"), peaks, strict=True)
+        if mb is not None
+    ]
+    lines, held = memory.check(rows)
+    assert not held, lines
+    assert lines == [
+        "MEMORY check Base: keep-alive 302.0 MB > record_stream 236.0 MB, 66.0 MB more in flight",
+        "MEMORY check SparseDist: keep-alive 245.0 MB <= record_stream 245.0 MB",
+        "MEMORY check Eval: not measured with both hand-offs",
+        "MEMORY check: keep-alive at most record_stream in 1 of 3 classes",
+    ], lines
+    assert memory.check([r for r in rows if r["class"] == "SparseDist"])[1], "equal peaks hold"
+
+
 @pytest.mark.timeout(pytest_timeout(TIMEOUT))
-def test_memory_script_dry_runs_on_cpu():
+def test_memory_script_dry_runs_on_cpu(tmp_path):
     out = subprocess.run(
         [sys.executable, str(GPU / "memory.py"), "--device", "cpu", "--config", "demo", "--steps", "2",
-         "--classes", "TrainPipelineSparseDist", "--variants", "keep-alive"],
+         "--classes", "TrainPipelineSparseDist", "--variants", "keep-alive", "record-stream", "--check",
+         "--json", str(tmp_path / "m.json")],
         cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "MEMORY TrainPipelineSparseDist keep-alive: {" in out.stdout, out.stdout
+    assert "MEMORY check: keep-alive at most record_stream in 1 of 1 classes" in out.stdout, out.stdout
+    assert len(json.loads((tmp_path / "m.json").read_text())["rows"]) == 2
 
 
 def _dry(rank: int, world_size: int, name: str) -> dict:
