@@ -195,7 +195,8 @@ def test_the_sequence_dry_run_refuses_a_missing_part_a_large_carry_and_an_overru
     gpu = _staged(tmp_path / "b")
     out = _sh("run.sh", "sequence", DRY="1", OUT=str(tmp_path), GPU_DIR=str(gpu), DEVICE_S="600")
     assert out.returncode == 1 and "over the 600 s of device time" in out.stderr, out
-    assert _sh("run.sh", "sequence", OUT=str(tmp_path)).returncode == 1, "not dry: the sequence spans calls"
+    not_dry = _sh("run.sh", "sequence", OUT=str(tmp_path), RESULTS=str(tmp_path / "results"))
+    assert not_dry.returncode == 1, "not dry: the sequence spans calls"
 
 
 def test_the_speed_sequence_dry_runs_every_call_on_cpu(tmp_path):
