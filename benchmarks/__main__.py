@@ -223,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # ranks and link are gone by now: launch and emulated_link clean up
         print("benchmarks: interrupted", file=sys.stderr)
         return 130
+    except SystemExit as e:  # SIGTERM or SIGHUP during a launch (benchmarks.link.signals_raise)
+        print(f"benchmarks: stopped by a signal (exit {e.code}); the ranks were killed", file=sys.stderr)
+        raise
 
 
 if __name__ == "__main__":

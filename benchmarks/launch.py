@@ -2,7 +2,8 @@
 
 Ranks are subprocesses with the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 GLOO_SOCKET_IFNAME), each in its own session so that the launcher alone decides when they end: if
-one rank fails, the others get `grace` seconds and are then killed; on a timeout, Ctrl-C or any
+one rank fails, the others get `grace` seconds and are then killed; on a timeout, Ctrl-C, SIGTERM or
+SIGHUP (a `timeout` around the benchmark: the ranks, in sessions of their own, do not get it) or any
 exception here, every rank still running is killed before this returns. With a `Link`, each rank
 starts inside its network namespace and gloo uses the veth; without one, the ranks use loopback.
 """
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.link import Link
+from benchmarks.link import Link, signals_raise
 from benchmarks.spec import RunSpec
 
 __all__ = ["LaunchError", "launch"]
@@ -42,7 +43,7 @@ def launch(
         LaunchError: a rank exited non-zero (its traceback went to stderr) or the run took longer
             than `timeout` seconds.
     """
-    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+    with signals_raise(), tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(spec.to_json())
         outs = [Path(tmp) / f"rank{r}.json" for r in range(world_size)]

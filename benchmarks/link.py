@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-__all__ = ["Link", "LinkUnavailable", "check_available", "emulated_link", "parse_rate"]
+__all__ = ["Link", "LinkUnavailable", "check_available", "emulated_link", "parse_rate", "signals_raise"]
 
 _PREFIX = "trbench"
 _SUBNET = "10.77.0"
@@ -117,7 +117,7 @@ def emulated_link(
         addresses=(f"{_SUBNET}.1", f"{_SUBNET}.2"),
     )
     _remove_stale(run)
-    with _signals_raise():
+    with signals_raise():
         try:
             _create(link, bits, run)
             yield link
@@ -201,7 +201,7 @@ def _alive(pid: int) -> bool:
 
 
 @contextmanager
-def _signals_raise() -> Iterator[None]:
+def signals_raise() -> Iterator[None]:
     """Turn SIGTERM and SIGHUP into SystemExit (SIGINT already raises), so `finally` runs."""
 
     def handler(signum: int, frame: object) -> None:

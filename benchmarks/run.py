@@ -229,6 +229,9 @@ def run(*, configs: list[str], variants: list[str], steps: int, warmup: int, aut
     if disk:
         result["meta"]["disk"] = disk
     columns, cells, notes = table(result["summary"])
+    if device == "cuda":
+        notes.append("On CUDA, RSS MiB is the peak growth of the GPU memory allocated (torch.cuda."
+                     "max_memory_allocated), not of the resident set.")  # fmt: skip
     publish(result, result["meta"], "Benchmark results", columns, cells, [*notes, *([disk] if disk else [])],
             json_path=json, md_path=md)  # fmt: skip
     return 0

@@ -205,6 +205,9 @@ def one_warmup_per_config() -> None:
     assert (forced.warmup_of("demo"), forced.warmup_of("tiered")) == (20, 20)
     tuned = spec("plain", "ours-sparse-dist@auto")  # the schedule tuner, on every config
     assert (tuned.warmup_of("demo"), tuned.warmup_of("tiered")) == (90, 90)
+    gpu = RunSpec(configs=("gpu-uvm",), variants=("plain", "ours-prefetch"), warmup=20, auto_warmup=90,
+                  device="cuda")  # fmt: skip
+    assert gpu.warmup_of("gpu-uvm") == 20, "on CUDA, Prefetch behind the UVM cache runs no overlap trial"
 
 
 def _prediction(**ms: float) -> SimpleNamespace:

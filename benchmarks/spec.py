@@ -144,8 +144,9 @@ class RunSpec:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
 
     def warmup_of(self, config: str) -> int:
-        """Untimed steps before the timed ones of every variant of `config` (`auto_warmup`)."""
-        on_disk = get_config(config).cache_fraction is not None
+        """Untimed steps before the timed ones of every variant of `config` (`auto_warmup`). On CUDA
+        a config's cached tables are torchrec's UVM cache, where Prefetch runs no overlap trial."""
+        on_disk = get_config(config).cache_fraction is not None and self.device == "cpu"
         return self.auto_warmup if any(_tunes(v, on_disk) for v in self.variants) else self.warmup
 
     def to_json(self) -> str:

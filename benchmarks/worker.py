@@ -232,9 +232,12 @@ def main(argv: list[str]) -> int:
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     logging.getLogger("torch").setLevel(logging.ERROR)
     torch.set_num_threads(1)  # ranks share the cores: one intra-op thread each keeps them from thrashing
+    rank = int(os.environ["RANK"])
+    if spec.device == "cuda":
+        torch.cuda.set_device(rank)  # run_rank's GPU: NCCL's and every kernel's current device
     dist.init_process_group("nccl" if spec.device == "cuda" else "gloo")
     try:
-        Path(out_path).write_text(json.dumps(run_rank(spec, int(os.environ["RANK"]))))
+        Path(out_path).write_text(json.dumps(run_rank(spec, rank)))
     finally:
         dist.destroy_process_group()
     return 0

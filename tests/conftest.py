@@ -1,6 +1,8 @@
 """Fixtures shared by the multi-rank test modules, and the order of the suite: tests marked `slow`
 (pyproject.toml registers the mark: what `make test-quick` leaves out) run after all the others, so
-that the quick ones report first."""
+that the quick ones report first; `--run-first PART` puts the tests whose node id contains PART
+before all others (scripts/gpu/run.sh: the regressions of the last GPU run, reported first even if
+the step is cut at its budget)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,21 @@ import pytest
 from tests.harness import RankPool
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--run-first",
+        action="append",
+        default=[],
+        metavar="PART",
+        help="run the tests whose node id contains PART before the others (repeatable)",
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: order kept
+    first = config.getoption("run_first")
+    # stable: the order is kept within each group
+    items.sort(key=lambda item: (not any(part in item.nodeid for part in first),
+                                 item.get_closest_marker("slow") is not None))  # fmt: skip
 
 
 @pytest.fixture(scope="module")

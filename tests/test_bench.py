@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -136,6 +138,55 @@ def test_a_tiny_run_reports_paired_figures_from_its_rounds(tmp_path: Path) -> No
         "torchrec-prefetch: does not run on CPU",
     ):
         assert words in report, f"the Markdown report lacks {words!r}"
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone since the listing
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_sigterm_to_the_launcher_kills_its_ranks() -> None:
+    """`timeout` around `python -m benchmarks run` (scripts/gpu/run.sh cuts a step at its budget so)
+    signals the launcher's process group, which the ranks, in sessions of their own, are not in: the
+    launcher kills them before it exits, else a rank would go on holding the GPU after the step."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    argv = ["run", "--configs", "tiny", "--variants", "plain", "--world-size", "1", "--steps", "2000",
+            "--warmup", "0", "--rounds", "1", "--profile-steps", "0", "--json", "", "--md", ""]  # fmt: skip
+    launcher = subprocess.Popen([sys.executable, "-m", "benchmarks", *argv], cwd=ROOT, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not ranks and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+            ranks = _children(launcher.pid)
+        assert ranks, f"no rank started: {launcher.poll()}"
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=60)
+        assert launcher.returncode == 128 + signal.SIGTERM, (launcher.returncode, err[-2000:])
+        assert "the ranks were killed" in err, err[-2000:]
+        assert not [r for r in ranks if _alive(r)], "a rank outlived the launcher"
+    finally:
+        for pid in [launcher.pid, *ranks]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait()
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ CPU (`tests/cuda_cases.py` on RecordingStreams)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -194,35 +195,143 @@ def test_the_sequence_dry_run_refuses_a_missing_part_a_large_carry_and_an_overru
     gpu = _staged(tmp_path / "b")
     out = _sh("run.sh", "sequence", DRY="1", OUT=str(tmp_path), GPU_DIR=str(gpu), DEVICE_S="600")
     assert out.returncode == 1 and "over the 600 s of device time" in out.stderr, out
-    assert _sh("run.sh", "sequence", OUT=str(tmp_path)).returncode == 1, "not dry: the sequence spans calls"
+    not_dry = _sh("run.sh", "sequence", OUT=str(tmp_path), RESULTS=str(tmp_path / "results"))
+    assert not_dry.returncode == 1, "not dry: the sequence spans calls"
 
 
-def _budgets() -> dict[str, int]:
+def test_the_speed_sequence_dry_runs_every_call_on_cpu(tmp_path):
+    gpu = _staged(tmp_path)
+    dry = _sh("run.sh", "speed-sequence", DRY="1", OUT=str(tmp_path), GPU_DIR=str(gpu))
+    assert dry.returncode == 0, dry.stderr
+    assert f'call 1 of 2, timeout_s 600, carry ["{gpu}/p1"] ' in dry.stdout, dry.stdout
+    call_2 = f'call 2 of 2, timeout_s 600, carry ["{gpu}/p2", "{gpu}/whl"]'
+    assert call_2 in dry.stdout, dry.stdout
+    assert "run.sh receive install probe tests speed handoffs example csan  (steps 570 s)" in dry.stdout
+    handoffs = "--classes TrainPipelineBase TrainPipelineFusedSparseDist TrainPipelineSemiSync"
+    steps = ("tests/test_cuda.py --run-first [StagedTrainPipeline+prefetch-dlrm-table_wise]",
+             "benchmarks run --device cuda --world-size 1 --configs gpu-uvm", "--configs gpu-large",
+             f"memory.py --config gpu-large --steps 10 {handoffs}", "examples/dlrm/train.py --device cuda",
+             "csan.py --timeout 30")  # fmt: skip
+    at = [dry.stdout.find(step) for step in steps]
+    assert -1 not in at and at == sorted(at), f"not in this order: {steps}\n{dry.stdout}"
+    for step, seconds in (("tests", 120), ("speed", 200), ("handoffs", 45), ("example", 45), ("csan", 40)):
+        assert f"== {step} ({seconds} s)" in dry.stdout, f"{step} not given {seconds} s:\n{dry.stdout}"
+    variants = ("plain", "ours-sparse-dist", "ours-prefetch", "torchrec-sparse-dist", "torchrec-prefetch")
+    assert all(v in _speed_command(dry.stdout) for v in variants), _speed_command(dry.stdout)
+    assert f"--json {tmp_path}/results/speed_gpu-uvm.json" in dry.stdout, "the JSON goes to the results"
+    assert "device time: start 60 s + steps + 30 s a call = 710 s of 780" in dry.stdout, dry.stdout
+
+
+def test_a_sequence_over_13_minutes_or_a_step_cut_short_is_refused(tmp_path):
+    """The negative twins of the budget: the speed sequence at 780 s passes and at 781 s fails, even
+    where DEVICE_S allows more; a step before the last that the call's limit would cut fails."""
+    gpu = _staged(tmp_path)
+    run = {"DRY": "1", "OUT": str(tmp_path), "GPU_DIR": str(gpu), "DEVICE_S": "900"}
+    at_780 = _sh("run.sh", "speed-sequence", **run, START_S="130")
+    assert at_780.returncode == 0 and "= 780 s of 900" in at_780.stdout, at_780.stderr
+    at_781 = _sh("run.sh", "speed-sequence", **run, START_S="131")
+    assert at_781.returncode == 1 and "781 s is over 13 minutes (780 s)" in at_781.stderr, at_781.stderr
+    cut = _sh("run.sh", "speed-sequence", **run, CALL_S="300")  # each call's steps end by 300 s
+    assert cut.returncode == 1 and "speed would be cut to 60 of its 200 s" in cut.stderr, cut.stderr
+
+
+def _speed_command(dry: str) -> list[str]:
+    """The first benchmark command of the speed step in a dry run, from `python3` on."""
+    line = next(ln for ln in dry.splitlines() if "-m benchmarks run" in ln and "gpu-uvm" in ln)
+    return line[line.index("python3 ") :].split()
+
+
+def test_the_speed_steps_commands_are_the_scripts_own(tmp_path):
+    """The benchmark's command line is one `python -m benchmarks run` accepts (its flags listed by
+    --help, the spec valid: on CPU it stops at the missing GPU); the example's, one train.py accepts
+    (it stops at the same point)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks that the commands stop at the missing GPU")
+    dry = _sh("run.sh", "speed", "example", DRY="1", OUT=str(tmp_path)).stdout
+    command = _speed_command(dry)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    usage = subprocess.run([sys.executable, "-m", "benchmarks", "run", "--help"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=60).stdout  # fmt: skip
+    for flag in (word for word in command if word.startswith("--")):
+        assert flag in usage, f"{flag} is not among `benchmarks run --help`'s options"
+    done = subprocess.run([sys.executable, *command[1:]], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "--device cuda needs a GPU per rank" in done.stderr, done.stderr[-2000:]
+    line = next(ln for ln in dry.splitlines() if "examples/dlrm/train.py" in ln)
+    argv = line[line.index("examples/") :].split()
+    done = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "--device cuda: no CUDA device" in done.stderr, done.stderr[-2000:]
+
+
+def test_the_regressions_run_first(tmp_path):
+    """Each `--run-first` part of the tests step names a case of tests/test_cuda.py, and those
+    cases are collected before all the others."""
+    dry = _sh("run.sh", "tests", DRY="1", OUT=str(tmp_path)).stdout
+    parts = re.findall(r"--run-first (\S+)", dry)
+    assert len(parts) >= 4, dry
+    argv = [a for part in parts for a in ("--run-first", part)]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", *argv,
+         "tests/test_cuda.py"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    ids = [ln for ln in done.stdout.splitlines() if ln.startswith("tests/test_cuda.py::")]
+    assert len(ids) > 50, done.stdout[-2000:] + done.stderr[-2000:]
+    first = [i for i in ids if any(part in i for part in parts)]
+    assert all(any(part in i for i in first) for part in parts), f"a part names no case: {parts}"
+    assert ids[: len(first)] == first, f"not first: {ids[: len(first) + 2]}"
+
+
+def _budgets() -> dict:
+    """run.sh's budgets: each step's (by name), START_S, CALL_S, COMMAND_S, DEVICE_S and the last
+    call's steps of each sequence."""
     text = (GPU / "run.sh").read_text()
-    found = {f"`{k}`": int(v) for k, v in re.findall(r"\bB_(\w+)=(\d+)", text)}
-    for name in ("START_S", "CALL_S", "COMMAND_S"):
-        found[name] = int(re.search(rf"^{name}=(\d+)", text, re.M).group(1))
-    found["DEVICE_S"] = int(re.search(r"^DEVICE_S=\$\{DEVICE_S:-(\d+)\}", text, re.M).group(1))
-    found["LAST"] = re.search(r'^LAST="([^"]+)"', text, re.M).group(1).split()
+    found: dict = {k: int(v) for k, v in re.findall(r"\bB_(\w+)=(\d+)", text)}
+    for name in ("START_S", "CALL_S", "DEVICE_S"):
+        found[name] = int(re.search(rf"^{name}=\$\{{{name}:-(\d+)\}}", text, re.M).group(1))
+    found["COMMAND_S"] = int(re.search(r"^COMMAND_S=(\d+)", text, re.M).group(1))
+    for name, sequence in (("CHECKS", "sequence"), ("SPEED", "speed-sequence")):
+        found[sequence] = re.search(rf'^{name}="([^"]+)"', text, re.M).group(1).split()
     return found
 
 
+def _device_seconds(b: dict, last: list[str], calls: int) -> int:
+    """A sequence's device time by run.sh's rule: the start, each call's upload and wait, `receive`
+    in each earlier call, and the last call's steps, each its budget but the last at most what the
+    others left of the call."""
+    room = b["COMMAND_S"] - b["CALL_S"]
+    assert sum(b[s] for s in last[:-1]) <= room, f"{last[:-1]} overrun one command's {room} s"
+    steps = sum(b[s] for s in last[:-1]) + min(b[last[-1]], room - sum(b[s] for s in last[:-1]))
+    return b["START_S"] + calls * b["CALL_S"] + (calls - 1) * b["receive"] + steps
+
+
+def _fits_13_minutes(seconds: int) -> None:
+    assert seconds <= 780, f"{seconds} s of device time is over 13 minutes"
+
+
 def test_the_readmes_budget_is_the_scripts_and_fits_13_minutes():
-    """scripts/gpu/README.md's budget table gives each step's timeout in run.sh, and its total is
-    what the scripts sum to: raising a timeout fails here until the README says so, and the total
-    may not pass 13 minutes (780 s) of device time."""
+    """scripts/gpu/README.md's budget table gives each step's timeout in run.sh, and each sequence's
+    total is what the scripts sum to: raising a timeout fails here until the README says so, and no
+    total may pass 13 minutes (780 s) of device time; its twin, one second over, fails the check."""
     b = _budgets()
     rows = dict(re.findall(r"^\| (.+?) \| (\d+) \|", (GPU / "README.md").read_text(), re.M))
-    steps = {k: v for k, v in b.items() if k.startswith("`")}
-    assert {k: int(rows.get(k, -1)) for k in steps} == steps, "README's step budgets differ from run.sh's"
+    steps = {k: v for k, v in b.items() if isinstance(v, int) and not k.isupper()}
+    assert {k: int(rows.get(f"`{k}`", -1)) for k in steps} == steps, "README's step budgets, run.sh's differ"
     assert int(rows["start"]) == b["START_S"] and int(rows["each call"]) == b["CALL_S"], rows
-    total = next(k for k in rows if k.startswith("**total"))
-    calls = int(re.search(r"(\d+) calls", total).group(1))
-    last = sum(steps[f"`{s}`"] for s in b["LAST"])
-    expected = b["START_S"] + calls * b["CALL_S"] + (calls - 1) * steps["`receive`"] + last
-    assert int(rows[total]) == expected, f"README's total {rows[total]} s, the scripts' {expected} s"
-    assert last + b["CALL_S"] <= b["COMMAND_S"], "the last call's steps overrun one command's limit"
-    assert expected <= b["DEVICE_S"] <= 780, f"{expected} s of device time is over 13 minutes"
+    totals = {m.group(1): (int(m.group(2)), int(v)) for k, v in rows.items()
+              if (m := re.fullmatch(r"\*\*total of `([\w-]+)`, (\d+) calls\*\*", k))}  # fmt: skip
+    assert set(totals) == {"sequence", "speed-sequence"}, f"README's totals: {totals}"
+    for sequence, (calls, total) in totals.items():
+        expected = _device_seconds(b, b[sequence], calls)
+        assert total == expected, f"README's total of {sequence}, {total} s; the scripts' {expected} s"
+        _fits_13_minutes(expected)
+        assert b["DEVICE_S"] <= 780
+        over = {**b, "START_S": b["START_S"] + 781 - expected}  # the twin: one second over
+        with pytest.raises(AssertionError, match="781 s of device time is over 13 minutes"):
+            _fits_13_minutes(_device_seconds(over, over[sequence], calls))
 
 
 def test_csan_runs_every_class_and_torchrecs_for_comparison():
@@ -250,16 +359,40 @@ def test_memory_table_gives_both_ratios():
     assert line == "| TrainPipelineSparseDist | 90 | 100 | 120 | 0.90 | 0.75 | 9 |", line
 
 
+def test_memory_check_holds_where_keep_alive_is_at_most_record_stream():
+    import memory
+
+    figures = {"Base": (302.0, 236.0), "SparseDist": (245.0, 245.0), "Eval": (160.0, None)}
+    rows = [
+        {"class": name, "variant": v, "peak_mb": mb, "kept_peak": 1}
+        for name, peaks in figures.items()
+        for v, mb in zip(("keep-alive", "record-stream"), peaks, strict=True)
+        if mb is not None
+    ]
+    lines, held = memory.check(rows)
+    assert not held, lines
+    assert lines == [
+        "MEMORY check Base: keep-alive 302.0 MB > record_stream 236.0 MB, 66.0 MB more in flight",
+        "MEMORY check SparseDist: keep-alive 245.0 MB <= record_stream 245.0 MB",
+        "MEMORY check Eval: not measured with both hand-offs",
+        "MEMORY check: keep-alive at most record_stream in 1 of 3 classes",
+    ], lines
+    assert memory.check([r for r in rows if r["class"] == "SparseDist"])[1], "equal peaks hold"
+
+
 @pytest.mark.timeout(pytest_timeout(TIMEOUT))
-def test_memory_script_dry_runs_on_cpu():
+def test_memory_script_dry_runs_on_cpu(tmp_path):
     out = subprocess.run(
         [sys.executable, str(GPU / "memory.py"), "--device", "cpu", "--config", "demo", "--steps", "2",
-         "--classes", "TrainPipelineSparseDist", "--variants", "keep-alive"],
+         "--classes", "TrainPipelineSparseDist", "--variants", "keep-alive", "record-stream", "--check",
+         "--json", str(tmp_path / "m.json")],
         cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "MEMORY TrainPipelineSparseDist keep-alive: {" in out.stdout, out.stdout
+    assert "MEMORY check: keep-alive at most record_stream in 1 of 1 classes" in out.stdout, out.stdout
+    assert len(json.loads((tmp_path / "m.json").read_text())["rows"]) == 2
 
 
 def _dry(rank: int, world_size: int, name: str) -> dict:

@@ -2,14 +2,17 @@
 hand-off it replaced, and torchrec's class of the same name. Memory, not time: no benchmark.
 
     PYTHONPATH=.:$PYTHONPATH python scripts/gpu/memory.py [--config gpu-large] [--steps 30]
-        [--classes NAME ...] [--json FILE]
+        [--classes NAME ...] [--json FILE] [--check]
 
 For each class and variant, one rank (NCCL) builds the config's model from `benchmarks` (the same
 seed each time), resets the CUDA peak statistics, runs `steps` steps of the pipeline on the
 config's batches (outputs dropped as they come), and reports `torch.cuda.max_memory_allocated`
 over those steps minus what was allocated before them (the model and its optimizer state): the
 batches in flight, their activations and what the hand-offs keep. Ours also report the most
-objects the keep-alive held at once. `--device cpu` is a dry run of the same code (no figures).
+objects the keep-alive held at once. The JSON is written again after every run, so a run cut short
+keeps the rows before it. `--check` exits 1 unless, in every class, the keep-alive's peak is at most
+record_stream's (the event-ordered hand-offs hold no more in flight). `--device cpu` is a dry run of
+the same code (no figures).
 """
 
 from __future__ import annotations
@@ -135,6 +138,34 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def check(rows: list[dict]) -> tuple[list[str], bool]:
+    """Per class: is the keep-alive's peak at most record_stream's? A line per class and one in all,
+    and whether every class holds (a class without both figures does not)."""
+    by = {(r["class"], r["variant"]): r["peak_mb"] for r in rows}
+    lines, held = [], 0
+    names = list(dict.fromkeys(r["class"] for r in rows))
+    for name in names:
+        keep, record = by.get((name, "keep-alive")), by.get((name, "record-stream"))
+        if keep is None or record is None:
+            lines.append(f"MEMORY check {name}: not measured with both hand-offs")
+        elif keep <= record:
+            held += 1
+            lines.append(f"MEMORY check {name}: keep-alive {keep:.1f} MB <= record_stream {record:.1f} MB")
+        else:
+            lines.append(
+                f"MEMORY check {name}: keep-alive {keep:.1f} MB > record_stream {record:.1f} MB, "
+                f"{keep - record:.1f} MB more in flight"
+            )
+    lines.append(f"MEMORY check: keep-alive at most record_stream in {held} of {len(names)} classes")
+    return lines, held == len(names)
+
+
+def _write(path: str | None, config: str, steps: int, rows: list[dict]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"config": config, "steps": steps, "rows": rows}, f, indent=1)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -156,7 +187,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--classes", nargs="+", default=list(CLASSES))
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run")
-    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--json", help="write the rows here (again after every run)")
+    parser.add_argument("--check", action="store_true", help="exit 1 unless keep-alive <= record_stream")
     args = parser.parse_args(argv)
     config = get_config(args.config)
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
@@ -172,12 +204,12 @@ def main(argv: list[str]) -> int:
                 print(f"MEMORY {name} {variant}: {rows[-1]}", flush=True)
             except Exception as e:  # one variant failing (torchrec's, on this stack) leaves the rest
                 print(f"MEMORY {name} {variant}: failed: {type(e).__name__}: {e}", flush=True)
+            _write(args.json, args.config, args.steps, rows)
     print(table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": args.config, "steps": args.steps, "rows": rows}, f, indent=1)
+    lines, held = check(rows)
+    print("\n".join(lines), flush=True)
     dist.destroy_process_group()
-    return 0
+    return 1 if args.check and not held else 0
 
 
 if __name__ == "__main__":

@@ -1,31 +1,53 @@
 #!/bin/bash
-# On the GPU machine, over what scripts/gpu/stage.sh staged: run the steps named, in order; logs and
-# results go to $OUT. Each step is killed at its budget (B_<step>, seconds, below).
+# On the GPU machine, over what scripts/gpu/stage.sh staged: run the steps named, in order. Each step
+# writes its raw outputs into $RESULTS, packed after every step into $OUT/results.tgz (the device
+# hands back 8 files at most); $RESULTS/steps.txt gives each step's start, exit status and seconds.
+# A step is killed at its budget (B_<step>, seconds, below) or at the call's limit, whichever is first.
 #   receive   copy the parts carried in this call (.gpu/p*) to /tmp/gpu-parts
 #   install   unpack every part received and the wheels of .gpu/whl into /tmp/site
 #   probe     GPU, python, torch, fbgemm, torchrec; stops (exit 3) if the torch loaded is not
 #             the one the staged fbgemm is built for
-#   tests     tests/test_cuda.py: every class bit for bit against its reference
+#   tests     tests/test_cuda.py, the regressions of the last GPU run first: every class bit for bit
 #   csan      every class under PyTorch's CUDA sanitizer (scripts/gpu/csan.py)
 #   memory    peak memory in flight per class (scripts/gpu/memory.py, gpu-large)
-#   sequence  with DRY=1, here: the whole sequence of device calls on CPU (each call's carry and
-#             commands, every part and path checked, the budgets summed against the device time)
-# Off the sequence, each with its own limit: smoke (one CUDA test), bench, uvm, large (benchmarks),
-# example (the DLRM example). WORLD=N runs the benchmarks on N ranks; BENCH is the benchmark command.
+#   speed     python -m benchmarks run --device cuda: gpu-uvm, then gpu-large in what is left; plain,
+#             our and torchrec's SparseDist and Prefetch, paired rounds (a JSON per config)
+#   handoffs  memory.py --check on Base, Fused, SemiSync and SparseDist: keep-alive <= record_stream
+#   example   the DLRM example: 200 steps of --pipeline prefetch, then of the plain loop (--compare)
+#   sequence        with DRY=1, here: the device calls of the checks (tests, csan, memory) on CPU:
+#                   each call's carry and commands, every part and path checked, the budgets summed
+#   speed-sequence  with DRY=1, here: the same for the speed sequence (tests, speed, handoffs,
+#                   example, then csan in what is left of the call)
+# Off the sequences, each with its own limit: smoke (one CUDA test), bench, uvm, large (benchmarks).
+# WORLD=N runs the benchmarks and the example on N ranks; BENCH is the benchmark command.
 # DRY=1 prints the commands instead of running them. GPU_DIR=.gpu is where stage.sh's parts and
 # wheels were carried.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit "${1:-0}"; }
 # The budgets, in seconds; scripts/gpu/README.md's table gives what each rests on, and
-# tests/test_gpu_scripts.py fails when the two differ or the sequence's sum passes DEVICE_S.
+# tests/test_gpu_scripts.py fails when the two differ or a sequence's sum passes 13 minutes.
 B_receive=20 B_install=60 B_probe=40 B_tests=120 B_csan=210 B_memory=75
-START_S=60     # the machine's start, paid by the first call (30-40 s seen on an H200)
-CALL_S=30      # each call: the upload of its carry, the files back, the wait for the next call
-COMMAND_S=600  # one command's limit (the calls' timeout_s)
+B_speed=200 B_handoffs=45 B_example=45
+START_S=${START_S:-60}  # the machine's start, paid by the first call (30-40 s seen on an H200)
+CALL_S=${CALL_S:-30}    # each call: the upload of its carry, the files back, the wait for the next call
+COMMAND_S=600           # one command's limit (the calls' timeout_s)
+CALL_END=$((COMMAND_S - CALL_S))  # a call's steps end by then, counted from run.sh's start
+MIN_LAST_S=30           # the least the last step of a sequence may be left of its call
 DEVICE_S=${DEVICE_S:-780}  # 13 of the session's 15 minutes: 2 left to hand the machine back
-LAST="receive install probe tests csan memory"  # the last call's steps; each earlier call: receive
-STEPS="receive install probe tests csan memory sequence smoke bench uvm large example"
+MAX_DEVICE_S=780           # and never more, whatever DEVICE_S says
+# The last call's steps of each sequence; each earlier call runs `receive`.
+CHECKS="receive install probe tests csan memory"                    # `sequence`
+SPEED="receive install probe tests speed handoffs example csan"     # `speed-sequence`
+# tests/test_cuda.py's cases for what the last GPU run found (the Staged prefetch stage behind the
+# UVM cache; progress() dropping finished batches before the next copy, in Base, Fused, SemiSync).
+REGRESSIONS=("[StagedTrainPipeline+prefetch-dlrm-table_wise]" "[TrainPipelineBase-dlrm-table_wise]"
+  "[TrainPipelineFusedSparseDist-dlrm-table_wise]" "[TrainPipelineSemiSync-dlrm-table_wise]")
+SPEED_CONFIGS="gpu-uvm gpu-large"  # the UVM cache first: where the last run saw ours win
+SPEED_VARIANTS="plain ours-sparse-dist ours-prefetch torchrec-sparse-dist torchrec-prefetch"
+SPEED_ROUNDS="--steps 80 --warmup 20 --auto-warmup 20 --rounds 3 --profile-steps 0"
+HANDOFFS="TrainPipelineBase TrainPipelineFusedSparseDist TrainPipelineSemiSync TrainPipelineSparseDist"
+STEPS="receive install probe tests csan memory speed handoffs example sequence speed-sequence smoke bench uvm large"
 [ $# -gt 0 ] || usage 2 >&2
 for step in "$@"; do
   case " $STEPS -h --help " in *" $step "*) ;; *) echo "run.sh: unknown step '$step'; steps: $STEPS" >&2; exit 2 ;; esac
@@ -33,21 +55,35 @@ for step in "$@"; do
 done
 self=$(realpath "$0")
 cd "$(dirname "$self")/../.." || exit 1
+T0=$SECONDS
 OUT=${OUT:-/tmp/out}
+if [ "${DRY:-0}" = 1 ]; then R=${RESULTS:-$OUT/results}; else R=${RESULTS:-/tmp/gpu-results}; fi
 BENCH=${BENCH:-python3 -m benchmarks run}
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$R"
 export PYTHONPATH=/tmp/site:$PWD
 do_() { if [ "${DRY:-0}" = 1 ]; then echo "+ $*"; else "$@"; fi; }
-quiet() { grep -v -E "WARNING:root|_fbgemm_torch_compat|cannot determine|^\s*$|\[0m|\[33m"; }
+quiet() { grep -v -E "WARNING:root|_fbgemm_torch_compat|cannot determine|^\s*$|\[0m|\[33m" || true; }
 G=${GPU_DIR:-.gpu}
 # A step's budget holds its kill: SIGTERM at the budget less 5 s, SIGKILL 5 s later, to the step's
 # process group (a rank stuck in NCCL may ignore SIGTERM and would hold the GPU for the next step).
 bound() { local b=$1; shift; do_ timeout -k 5 $((b - 5)) "$@"; }
-budget() { local s=0 step; for step in "$@"; do s=$((s + B_$step)); done; echo $s; }
+# What a step gets: its budget, or what is left of the call if less. SPENT: with DRY=1 the budgets
+# of the steps before (the worst case), else the seconds since run.sh started.
+SPENT=0
+granted() {
+  local v=B_$1 spent=$SPENT
+  [ "${DRY:-0}" = 1 ] || spent=$((SECONDS - T0))
+  local left=$((CALL_END - spent))
+  echo $((${!v} < left ? ${!v} : left))
+}
+pack() {  # everything so far, for the files back ($OUT is emptied before each call; $R stays while warm)
+  [ "${DRY:-0}" = 1 ] && return 0
+  tar -czf "$OUT/results.tgz.part" -C "$R" . && mv "$OUT/results.tgz.part" "$OUT/results.tgz"
+}
 stack() { [ -f "$G/whl/stack.env" ] && cat "$G/whl/stack.env" || cat /tmp/site/.stack.env 2>/dev/null; }
 receive() {
   do_ mkdir -p /tmp/gpu-parts
-  for d in ${CARRIED:-"$G"/p*}; do [ -d "$d" ] && { bound "$B_receive" cp "$d"/part.* /tmp/gpu-parts/ || return 1; }; done; true
+  for d in ${CARRIED:-"$G"/p*}; do [ -d "$d" ] && { bound "$1" cp "$d"/part.* /tmp/gpu-parts/ || return 1; }; done; true
 }
 install() {
   [ -f "$G/whl/stack.env" ] || { echo "install: carry $G/whl in this call (stage.sh wrote it)" >&2; return 1; }
@@ -56,15 +92,15 @@ install() {
   have=$(ls /tmp/gpu-parts/part.* 2>/dev/null | wc -l)
   [ "${DRY:-0}" = 1 ] || [ "$have" = "$PARTS" ] || {
     echo "install: $have of $PARTS parts in /tmp/gpu-parts: the machine went cold between the calls" >&2; return 1; }
-  bound "$B_install" bash -c "mkdir -p /tmp/site && cat /tmp/gpu-parts/part.* | xz -d -T0 | tar -x -C /tmp/site &&
+  bound "$1" bash -c "mkdir -p /tmp/site && cat /tmp/gpu-parts/part.* | xz -d -T0 | tar -x -C /tmp/site &&
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $G/whl/*.whl &&
     cp $G/whl/stack.env /tmp/site/.stack.env"
 }
 probe() {
-  [ "${DRY:-0}" = 1 ] && { echo "+ timeout 5 nvidia-smi; timeout -k 5 $((B_probe - 10)) python3 (torch, fbgemm_gpu, torchrec, one fbgemm CUDA op)"; return 0; }
-  timeout 5 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+  [ "${DRY:-0}" = 1 ] && { echo "+ timeout 5 nvidia-smi; timeout -k 5 $(($1 - 10)) python3 (torch, fbgemm_gpu, torchrec, one fbgemm CUDA op)"; return 0; }
+  timeout 5 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$R/gpu.txt"
   eval "$(stack | tr '\n' ' ')"
-  NEEDS=$NEEDS timeout -k 5 $((B_probe - 10)) python3 - <<'EOF' 2>&1 | quiet | tee -a "$OUT/gpu.txt"
+  NEEDS=$NEEDS timeout -k 5 $(($1 - 10)) python3 - <<'EOF' 2>&1 | quiet | tee -a "$R/gpu.txt"
 import os, sys
 import torch
 print("python", sys.version.split()[0], "torch", torch.__version__, torch.__file__, "cuda", torch.version.cuda)
@@ -78,13 +114,25 @@ torch.ops.fbgemm.asynchronous_complete_cumsum(torch.arange(4, device="cuda"))  #
 EOF
 }
 fail() { echo "sequence: $*" >&2; exit 1; }
+plan() {  # the seconds of one call's steps: each its budget, the last one at most what is left
+  local used=0 i=0 step v b
+  for step in "$@"; do
+    i=$((i + 1)) v=B_$step b=${!v}
+    if [ $((used + b)) -gt "$CALL_END" ]; then
+      [ "$i" = $# ] || fail "$step would be cut to $((CALL_END - used)) of its $b s by the call's $CALL_END s: only the last step may take what is left"
+      b=$((CALL_END - used))
+      [ "$b" -ge "$MIN_LAST_S" ] || fail "$step, the last step, would be left $b s of the call's $CALL_END s (at least $MIN_LAST_S)"
+    fi
+    used=$((used + b))
+  done
+  echo $used
+}
 sequence() {  # DRY=1 only: the calls span machines' warm windows, no one command can run them
+  local last=$1 paths=$2
   [ "${DRY:-0}" = 1 ] || fail "it spans several device calls: run it with DRY=1 here, then make the calls it prints"
   [ -f "$G/whl/stack.env" ] || fail "no $G/whl/stack.env: run scripts/gpu/stage.sh first"
   eval "$(tr '\n' ' ' < "$G/whl/stack.env")"
-  for path in tests/test_cuda.py tests/cuda_cases.py scripts/gpu/csan.py scripts/gpu/memory.py; do
-    [ -f "$path" ] || fail "$path is missing"
-  done
+  for path in $paths; do [ -f "$path" ] || fail "$path is missing"; done
   ls "$G"/whl/torchrec-*.whl > /dev/null 2>&1 || fail "no torchrec wheel in $G/whl"
   local tree i steps carry bytes s total=$START_S
   tree=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- | tail -1 | cut -f1)
@@ -92,46 +140,80 @@ sequence() {  # DRY=1 only: the calls span machines' warm windows, no one comman
     ls "$G/p$i"/part.* > /dev/null 2>&1 || fail "$G/p$i has no part: stage again"
     steps=receive carry="\"$G/p$i\"" bytes=$((tree + $(du -cb "$G/p$i" | tail -1 | cut -f1)))
     if [ "$i" = "$PARTS" ]; then
-      steps=$LAST carry="$carry, \"$G/whl\"" bytes=$((bytes + $(du -cb "$G/whl" | tail -1 | cut -f1)))
+      steps=$last carry="$carry, \"$G/whl\"" bytes=$((bytes + $(du -cb "$G/whl" | tail -1 | cut -f1)))
     fi
     [ "$bytes" -le $((64 * 1048576)) ] || fail "call $i carries $bytes bytes, over 64 MiB"
-    s=$(budget $steps)
-    [ "$s" -le $((COMMAND_S - CALL_S)) ] || fail "call $i's steps sum to $s s, over $((COMMAND_S - CALL_S)) s"
+    s=$(plan $steps) || exit 1
     total=$((total + s + CALL_S))
     echo "call $i of $PARTS, timeout_s $COMMAND_S, carry [$carry] ($bytes bytes): bash scripts/gpu/run.sh $steps  (steps $s s)"
     CARRIED=$G/p$i GPU_DIR=$G bash "$self" $steps | sed 's/^/    /' || fail "call $i's dry run failed"
   done
   echo "device time: start $START_S s + steps + $CALL_S s a call = $total s of $DEVICE_S"
   [ "$total" -le "$DEVICE_S" ] || fail "$total s is over the $DEVICE_S s of device time"
+  [ "$total" -le "$MAX_DEVICE_S" ] || fail "$total s is over 13 minutes ($MAX_DEVICE_S s) of device time"
+}
+speed() {  # one launch per config, each its own JSON; each gets what the ones before left of $1
+  local t0=$SECONDS config left
+  for config in $SPEED_CONFIGS; do
+    left=$(($1 - (SECONDS - t0)))
+    [ "${DRY:-0}" = 1 ] && [ "$config" != "${SPEED_CONFIGS%% *}" ] && echo "+ # $config: in what is left of $1 s"
+    [ "$left" -ge 30 ] || { echo "speed: $left s left of $1 s: $config not run"; continue; }
+    bound "$left" $BENCH --device cuda --world-size "${WORLD:-1}" --configs "$config" --variants $SPEED_VARIANTS \
+      $SPEED_ROUNDS --json "$R/speed_$config.json" --md "$R/speed_$config.md" 2>&1 | quiet | tee -a "$R/speed.log"
+  done
 }
 bench() {  # name, seconds, configs...
   local name=$1 limit=$2; shift 2
   do_ timeout "$limit" $BENCH --device cuda --world-size "${WORLD:-1}" --configs "$@" \
     --variants plain ours-base ours-sparse-dist ours-prefetch torchrec-base torchrec-sparse-dist torchrec-prefetch \
     --steps 100 --warmup 30 --auto-warmup 80 --rounds 3 --profile-steps 0 \
-    --json "$OUT/$name.json" --md "$OUT/$name.md" 2>&1 | quiet | tee "$OUT/$name.log"
+    --json "$R/$name.json" --md "$R/$name.md" 2>&1 | quiet | tee "$R/$name.log"
 }
+example() {  # examples/dlrm/README.md's one-GPU command, then the plain loop on the same plan
+  local launch=python3  # one rank: train.py makes a world of one itself
+  [ "${WORLD:-1}" -gt 1 ] && launch="python3 -m torch.distributed.run --standalone --nproc_per_node=$WORLD"
+  bound "$1" $launch examples/dlrm/train.py --device cuda --pipeline prefetch --compare plain \
+    --batch-size 8192 --num-embeddings 1000000 --embedding-dim 64 --steps 200 --warmup-steps 10 \
+    --no-progress --summary-json "$R/example.json" 2>&1 | quiet | tee "$R/example.log"
+}
+[ "${DRY:-0}" = 1 ] || echo "call at $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname): run.sh $*" >> "$R/steps.txt"
 for step in "$@"; do
-  echo "== $step"
+  b=
+  case " $CHECKS $SPEED " in *" $step "*)
+    b=$(granted "$step")
+    if [ "$b" -lt 10 ]; then
+      echo "== $step: skipped, $b s left of the call" | tee -a "$R/steps.txt"; pack; continue
+    fi ;;
+  esac
+  echo "== $step${b:+ ($b s)}"
+  started=$SECONDS
+  [ "${DRY:-0}" = 1 ] || echo "$step: started $(date -u +%H:%M:%S), budget ${b:--} s" >> "$R/steps.txt"
   case $step in
-    receive) receive || exit 1 ;;
-    install) install || exit 1 ;;
-    probe) probe || exit 3 ;;
-    sequence) sequence ;;
-    # Tests first: the sanitizer and the memory table come after, so a step cut at its budget loses
-    # only its own later cases (each prints its line as it ends).
-    tests) bound "$B_tests" python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | quiet | tee "$OUT/test_cuda.log" ;;
-    csan) bound "$B_csan" python3 scripts/gpu/csan.py --timeout "$((B_csan - 10))" 2>&1 | quiet | tee "$OUT/csan_full.log" | grep -E "^CSAN|^\+ |fbgemm::|aten::|argument" | tee "$OUT/csan.log" ;;
-    memory) bound "$B_memory" python3 scripts/gpu/memory.py --config gpu-large --steps 10 --json "$OUT/memory.json" 2>&1 | quiet | tee "$OUT/memory.log" ;;
-    smoke) do_ timeout 120 python3 -m pytest -q -x -p no:cacheprovider "tests/test_cuda.py::test_hbm_kernel_bitwise_equal[TrainPipelineSparseDist-dlrm-table_wise]" 2>&1 | quiet | tee "$OUT/smoke.log" || exit 1 ;;
+    receive) receive "$b" ;;
+    install) install "$b" ;;
+    probe) probe "$b" ;;
+    sequence) sequence "$CHECKS" "tests/test_cuda.py tests/cuda_cases.py scripts/gpu/csan.py scripts/gpu/memory.py" ;;
+    speed-sequence) sequence "$SPEED" "tests/test_cuda.py tests/cuda_cases.py scripts/gpu/csan.py
+      scripts/gpu/memory.py benchmarks/__main__.py examples/dlrm/train.py" ;;
+    # Tests first: the rest comes after, so a step cut at its budget loses only its own later cases
+    # (each prints its line as it ends); the sanitizer, which takes what is left, comes last.
+    tests) first=(); for part in "${REGRESSIONS[@]}"; do first+=(--run-first "$part"); done
+           bound "$b" python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py "${first[@]}" \
+             --junitxml "$R/test_cuda.xml" 2>&1 | quiet | tee "$R/test_cuda.log" ;;
+    csan) bound "$b" python3 scripts/gpu/csan.py --timeout "$((b - 10))" 2>&1 | quiet | tee "$R/csan_full.log" | { grep -E "^CSAN|^\+ |fbgemm::|aten::|argument" || true; } | tee "$R/csan.log" ;;
+    memory) bound "$b" python3 scripts/gpu/memory.py --config gpu-large --steps 10 --json "$R/memory.json" 2>&1 | quiet | tee "$R/memory.log" ;;
+    speed) speed "$b" ;;
+    handoffs) bound "$b" python3 scripts/gpu/memory.py --config gpu-large --steps 10 --classes $HANDOFFS --check \
+                --json "$R/handoffs.json" 2>&1 | quiet | tee "$R/handoffs.log" ;;
+    example) example "$b" ;;
+    smoke) do_ timeout 120 python3 -m pytest -q -x -p no:cacheprovider "tests/test_cuda.py::test_hbm_kernel_bitwise_equal[TrainPipelineSparseDist-dlrm-table_wise]" 2>&1 | quiet | tee "$R/smoke.log" ;;
     bench) bench bench_cuda 540 demo input-dist-heavy compute-heavy ;;
     uvm) bench bench_uvm 420 tiered tiered-skewed ;;
     large) bench bench_large 480 gpu-large gpu-uvm ;;
-    example) for p in none base sparse-dist prefetch; do  # examples/dlrm/README.md's one-GPU command
-               do_ timeout 90 python3 -m torch.distributed.run --standalone --nproc_per_node=1 examples/dlrm/train.py \
-                 --device cuda --pipeline $p --batch-size 8192 --num-embeddings 1000000 --embedding-dim 64 \
-                 --steps 100 > "$OUT/example_$p.log" 2>&1
-               echo "--pipeline $p: exit $?"; grep -E "^(device|sharding|step_time_ms|samples_per_second|train_loss) " "$OUT/example_$p.log"
-             done | tee "$OUT/example.log" ;;
   esac
+  rc=$?
+  SPENT=$((SPENT + ${b:-0}))
+  [ "${DRY:-0}" = 1 ] || echo "$step: exit $rc after $((SECONDS - started)) s" | tee -a "$R/steps.txt"
+  pack
+  case $step:$rc in receive:[1-9]*|install:[1-9]*|smoke:[1-9]*) exit 1 ;; probe:[1-9]*) exit 3 ;; esac
 done
