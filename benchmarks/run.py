@@ -50,6 +50,9 @@ class Row:
     reference: str | None = None
     """What else it is compared with (`benchmarks.spec.reference`)."""
     vs_reference: Paired | None = None
+    share: Paired | None = None
+    """The default schedule's watch: the share of the step blocked on the input all-to-alls under
+    torchrec's order (the ranks' mean when it moved, else rank 0's last 8 steps), per round."""
     total_s: Paired | None = None
     """The timed steps' total time (the slower rank's each step), per round."""
     total_vs_reference: Paired | None = None
@@ -159,6 +162,7 @@ def summarize(runs: list[dict[str, Any]], *, world_size: int) -> list[Row]:
             samples_per_s=get_config(config).batch_size * world_size / step.median * 1e3,
             vs_plain=paired(steps, variant, "plain") if variant != "plain" else None,
             reference=ref, vs_reference=paired(steps, variant, ref) if ref else None,
+            share=over_rounds([v for r in ok if (v := _share(r)) is not None]),
             total_s=over_rounds([r["total_s"] for r in ok]),
             total_vs_reference=paired(totals, variant, ref) if ref else None,
             cpu_ms=over_rounds([r["cpu_ms"] for r in ok]),
@@ -172,6 +176,13 @@ def summarize(runs: list[dict[str, Any]], *, world_size: int) -> list[Row]:
     return rows
 
 
+def _share(run: dict[str, Any]) -> float | None:
+    watch = run.get("watch") or {}
+    if watch.get("shares"):
+        return statistics.fmean(watch["shares"])
+    return watch.get("share")
+
+
 def _median(runs: list[dict[str, Any]], key: str, scale: float = 1.0) -> float | None:
     values = [r[key] / scale for r in runs if r.get(key) is not None]
     return statistics.median(values) if values else None
@@ -181,18 +192,19 @@ def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str | None]]
     """The summary's columns, cells and notes (rows as in the JSON: `Paired` figures as dicts)."""
     disk = any(r["cache_hit_rate"] is not None for r in rows)
     columns = ["config / variant", "step ms", "samples/s", "vs plain", "vs reference", "CPU ms", "RSS MiB",
-               "tensor MiB", "input_dist in fwd ms", "of it assembly", "schedule kept", "total s",
-               "total vs reference"]  # fmt: skip
+               "tensor MiB", "input_dist in fwd ms", "of it assembly", "schedule kept", "share blocked",
+               "total s", "total vs reference"]  # fmt: skip
     columns += ["hit rate", "store read ms", "resident ms"] if disk else []
     cells = []
     for r in (r for r in rows if r["status"] == "ok"):
-        kinds = ("step_ms", "vs_plain", "vs_reference", "cpu_ms", "total_s", "total_vs_reference")
+        kinds = ("step_ms", "vs_plain", "vs_reference", "cpu_ms", "share", "total_s", "total_vs_reference")
         p = {k: Paired(**r[k]) if r.get(k) else None for k in kinds}
         ref = p["vs_reference"] and f"{p['vs_reference']:.2f} ({r['reference']})"
         line = [f"{r['config']} / {r['variant']}", f"{p['step_ms']:.1f}", cell(r["samples_per_s"], ",.0f"),
                 cell(p["vs_plain"], ".2f"), ref, f"{p['cpu_ms']:.1f}", cell(r["rss_mib"], ".1f"),
                 cell(r["tensor_mib"], ".1f"), cell(r["wait_in_forward_ms"], ".2f"),
-                cell(r["assembly_in_wait_ms"], ".2f"), r["schedule"], cell(p["total_s"], ".2f"),
+                cell(r["assembly_in_wait_ms"], ".2f"), r["schedule"], cell(p["share"], ".2f"),
+                cell(p["total_s"], ".2f"),
                 cell(p["total_vs_reference"], ".3f")]  # fmt: skip
         if disk:
             line += [
@@ -210,6 +222,9 @@ _NOTES = [
     "one without it. CPU ms: process CPU time per step (all threads), the busiest rank.",
     "RSS MiB: peak growth of the resident set; tensor MiB: peak of live tensor bytes, and input_dist in "
     "fwd ms: time forward waits on input_dist, both per step of the profiled segment.",
+    "share blocked: under the default schedule, the share of the step the host was blocked on the input "
+    "all-to-alls under torchrec's order (the ranks' mean when it moved to early, else rank 0's last 8 "
+    "steps). total s: the timed steps' total; total vs reference: over the reference's, paired.",
 ]
 
 
