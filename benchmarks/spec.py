@@ -33,6 +33,8 @@ AUTO = "auto"
 FLAGS: dict[str, dict[str, bool]] = {
     "novote": {"agreement": False, "check_keys": False, "check_kjts": False},
     "nocheck": {"check_kjts": False},
+    "noagree": {"agreement": False},
+    "nokeys": {"check_keys": False},
     "inplace-copy": {"enable_inplace_copy_batch": True},
     "free-features": {"free_features_storage_early": True},
     "clear-inputs": {"clear_data_dist_inputs": True},
@@ -40,7 +42,8 @@ FLAGS: dict[str, dict[str, bool]] = {
     "ahead": {"prefetch_ahead": True},
     "inline": {"prefetch_ahead": False},
 }
-"""`+FLAG`: constructor options of our pipelines (the ranks' checks off, torchrec's memory flags,
+"""`+FLAG`: constructor options of our pipelines (the ranks' checks off, together or one at a time,
+torchrec's memory flags,
 Prefetch's stage forced ahead or inline instead of its overlap trial)."""
 _SCHEDULED = ("ours-sparse-dist", "ours-prefetch", "ours-fused-sparse-dist", "ours-semi-sync", "ours-eval")
 """Our classes that take `input_dist_schedule`; all but Eval tune it when asked for "auto"."""
