@@ -54,6 +54,7 @@ from pipeline.ranks import (
     BatchKeysError,
     MalformedBatchError,
     PeerFailedError,
+    StopIterationInStepError,
     UnevenDataError,
 )
 from pipeline.stages.backward_step import StepPlacement
@@ -106,6 +107,7 @@ __all__ = [
     "StageOut",
     "StagedTrainPipeline",
     "StepPlacement",
+    "StopIterationInStepError",
     "Streams",
     "ThreadStreams",
     "TorchCompileConfig",
