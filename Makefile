@@ -22,13 +22,14 @@ STAMP := $(VENV)/.setup-$(VARIANT)-torchrec$(TORCHREC)
 PYTEST_ARGS ?=
 
 # The tests that hold on the previous stack too (`make test-1.8`): torchrec's names and parameters,
-# parity with torchrec's classes, every class bit for bit against its reference, and what torchrec
-# changed in 1.9. The 1.9-only cases skip, saying why.
+# parity with torchrec's classes, every class bit for bit against its reference, what torchrec
+# changed in 1.9, and the ranks' agreement (uneven data, bad keys, malformed batches, at 2 to 4
+# ranks). The 1.9-only cases skip, saying why.
 TESTS_1.8 := tests/test_compat.py tests/test_compat_names.py tests/test_torchrec_modules.py \
 	tests/test_torchrec_parity.py tests/test_torchrec_methods.py tests/test_equivalence.py tests/test_family.py \
 	tests/test_lite_hybrid.py tests/test_eval_variants.py tests/test_backward_opt.py tests/test_stash.py \
 	tests/test_pec.py tests/test_staged_stages.py tests/test_user_models.py tests/test_async_inplace_copy.py \
-	tests/test_upstream_fixes.py
+	tests/test_upstream_fixes.py tests/test_ranks.py tests/test_malformed.py tests/test_agreement.py
 
 .PHONY: setup test test-quick test-1.8 lint demo demo-faults bench bench-overhead bench-tiered hit-rates bench-sweep bench-big bench-agreement predict figures timeline clean
 

@@ -54,6 +54,7 @@ from pipeline.ranks import (
     BatchKeysError,
     MalformedBatchError,
     PeerFailedError,
+    StopIterationInStepError,
     UnevenDataError,
 )
 from pipeline.stages.backward_step import StepPlacement
@@ -108,6 +109,7 @@ __all__ = [
     "StageOut",
     "StagedTrainPipeline",
     "StepPlacement",
+    "StopIterationInStepError",
     "Streams",
     "ThreadStreams",
     "TorchCompileConfig",

@@ -6,7 +6,7 @@ the step is cut at its budget)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -36,6 +36,24 @@ def pool() -> Iterator[RankPool]:
     ranks = RankPool(2)
     yield ranks
     ranks.close()
+
+
+@pytest.fixture(scope="module")
+def pools() -> Iterator[Callable[[int], RankPool]]:
+    """`pools(world_size)`: gloo ranks of that world size for the module's scenarios (a module that
+    runs its cases at 2, 3 and 4 ranks). Asking for one size stops the ranks of the others, so the
+    module holds one set at a time; a pool asked for again restarts its ranks (under a second)."""
+    made: dict[int, RankPool] = {}
+
+    def get(world_size: int) -> RankPool:
+        for size, other in made.items():
+            if size != world_size:
+                other.close()
+        return made.setdefault(world_size, RankPool(world_size))
+
+    yield get
+    for ranks in made.values():
+        ranks.close()
 
 
 @pytest.fixture(scope="module")

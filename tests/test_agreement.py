@@ -1,5 +1,5 @@
-"""The agreement's pieces: the key check's fast path, the vote's size, and no store request per batch.
-(The 2-rank behaviour of uneven data, bad keys and failures is in test_ranks.py.)"""
+"""The agreement's pieces: the key check's fast path, the vote's size, and no store request per batch
+(at 2, 3 and 4 ranks). (Uneven data, bad keys and failures across ranks are in test_ranks.py.)"""
 
 from __future__ import annotations
 
@@ -94,14 +94,15 @@ def _store_requests_per_batch(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.slow
-def test_the_agreement_sends_no_request_to_the_store_per_batch():
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_the_agreement_sends_no_request_to_the_store_per_batch(world):
     """Per batch the ranks agree by a collective, never by a request to rank 0's store: at 1,024
     ranks that would be a fan-in of requests to one process. The first batches are voted on (one
     small all_reduce each); once the splits all-to-all of the sharded modules is fused, a batch's
     status rides on it and no vote is needed."""
     from tests.harness import run_ranks
 
-    for rank, seen in enumerate(run_ranks(_store_requests_per_batch, 2, timeout=120)):
+    for rank, seen in enumerate(run_ranks(_store_requests_per_batch, world, timeout=120)):
         assert seen["after_warmup"] == 0, f"rank {rank}: {seen['after_warmup']} store requests in 8 steps"
         assert seen["votes"] + seen["carried"] >= 12, f"rank {rank}: a status per batch fetched, got {seen}"
         assert seen["carried"] >= 8 and seen["votes"] <= 4, f"rank {rank}: statuses did not ride: {seen}"

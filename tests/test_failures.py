@@ -7,9 +7,12 @@
   close (here: until the failed rank closes them itself, seconds later).
 - `peer_timeout`: a vote waits that long for a peer that neither votes nor fails, then fails.
 - A peer killed outright (SIGKILL): the other rank still stops, saying no rank recorded an error.
+- A StopIteration raised inside a step (a forward's stray `next()`) is such a failure, not the end
+  of the data: let through, it would end that rank's loop alone.
 
 2 gloo ranks, TrainPipelineSparseDist on the DLRM test model; every scenario that breaks a process
-group runs on ranks of its own (`run_ranks`). "A third rank follows" is in tests/test_ranks.py.
+group runs on ranks of its own (`run_ranks`); the StopIteration's twins run in one process. At 3 and
+4 ranks, the other ranks following a failure: tests/test_ranks.py.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.harness import RankError, pytest_timeout, run_ranks
 
@@ -30,8 +34,9 @@ FAIL_AT = 6  # the forward call that fails (batch 5)
 pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 
 
-def _train_until_error(rank: int, fail, **options) -> dict:
-    """Train 20 batches; at forward call FAIL_AT, `fail(rank)` runs first. What ended the rank."""
+def _train_until_error(rank: int, fail, at: int = FAIL_AT, **options) -> dict:
+    """Train 20 batches; at forward call `at`, `fail(rank)` runs first. What ended the rank (and,
+    for an error, the type of the error it was raised from)."""
     import torch
 
     import pipeline
@@ -43,7 +48,7 @@ def _train_until_error(rank: int, fail, **options) -> dict:
     def forward(batch):
         nonlocal calls
         calls += 1
-        if calls == FAIL_AT:
+        if calls == at:
             fail(rank)
         return model(batch)
 
@@ -55,7 +60,8 @@ def _train_until_error(rank: int, fail, **options) -> dict:
     except StopIteration:
         return {"error": None, "at": time.time()}
     except Exception as e:  # whichever error ends the rank is the result
-        return {"error": f"{type(e).__name__}: {e}", "at": time.time()}
+        cause = type(e.__cause__).__name__ if e.__cause__ is not None else None
+        return {"error": f"{type(e).__name__}: {e}", "at": time.time(), "cause": cause}
 
 
 def _raise_after(delays: tuple[float, ...]):
@@ -194,6 +200,111 @@ def test_a_peer_killed_outright_stops_the_other_rank(tmp_path):
     assert "no rank recorded an error: a peer was probably killed or exited" in r0["error"], r0
     waited = r0["at"] - float(stamp.read_text())
     assert waited < 5.0, f"rank 0 stopped {waited:.1f} s after its peer was killed"
+
+
+def _stop_iteration_in_forward(rank: int, world_size: int) -> dict:
+    """Rank 1's forward raises StopIteration at its 4th call (a stray `next()` in a model)."""
+    raised: dict = {}
+
+    def stop(rank: int) -> None:
+        if rank == 1:
+            raised["at"] = time.time()
+            raise StopIteration
+
+    return {**_train_until_error(rank, stop, at=4), "raised_at": raised.get("at")}
+
+
+def test_a_stop_iteration_inside_the_step_fails_the_rank_and_stops_its_peer():
+    """Not a normal end on rank 1 (its loop would stop there while rank 0 waits in the step's
+    collectives for the process group's timeout): rank 1 raises `StopIterationInStepError` from the
+    StopIteration, and rank 0 stops with `PeerFailedError` soon after `failure_grace` (2 s)."""
+    r0, r1 = run_ranks(_stop_iteration_in_forward, 2, timeout=TIMEOUT)
+    assert r1["error"] is not None, f"rank 1 took the StopIteration for the end of its data: {r1}"
+    assert r1["error"].startswith("StopIterationInStepError: a StopIteration was raised inside the step"), r1
+    assert r1["cause"] == "StopIteration", r1
+    assert r0["error"] and r0["error"].startswith("PeerFailedError"), r0
+    assert "rank 1 raised StopIterationInStepError" in r0["error"], r0
+    waited = r0["at"] - r1["raised_at"]
+    assert 2.0 <= waited < 2.0 + 6.0, f"rank 0 ended {waited:.1f} s after rank 1's StopIteration"
+
+
+class _StopsAt(torch.nn.Module):
+    """A model whose forward raises StopIteration at call `at` (one process, no sharded module)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.linear, self.at, self.calls = torch.nn.Linear(2, 1), at, 0
+
+    def forward(self, batch: torch.Tensor):
+        self.calls += 1
+        if self.calls == self.at:
+            next(iter([]))  # a stray next() without a default
+        out = self.linear(batch)
+        return out.sum(), out.detach()
+
+
+def _one_process_run() -> tuple[list, BaseException | None]:
+    """TrainPipelineBase on `_StopsAt(4)` over 8 batches, as a training loop runs it: the outputs,
+    and the exception that ended the loop (None: the loop took a StopIteration for the end)."""
+    import pipeline
+
+    model = _StopsAt(4)
+    pipe = pipeline.TrainPipelineBase(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"))
+    it, outputs = iter([torch.full((3, 2), float(i)) for i in range(8)]), []
+    try:
+        while True:
+            outputs.append(pipe.progress(it))
+    except StopIteration:
+        return outputs, None
+    except Exception as e:
+        return outputs, e
+
+
+def test_a_stop_iteration_inside_the_step_is_raised_as_an_error_in_one_process():
+    import pipeline
+
+    outputs, error = _one_process_run()
+    assert isinstance(error, pipeline.StopIterationInStepError), f"after {len(outputs)} outputs: {error!r}"
+    assert isinstance(error.__cause__, StopIteration) and len(outputs) == 3
+
+
+def test_a_stop_iteration_let_through_would_end_the_loop_as_the_data_s_end(monkeypatch):
+    """The negative twin: with the StopIteration let out of `progress()` as it was (the error's
+    class patched to StopIteration itself), the same loop ends quietly after 3 of 8 batches, which
+    the test above would catch."""
+    from pipeline.pipelines import core
+
+    monkeypatch.setattr(core, "StopIterationInStepError", StopIteration)
+    outputs, error = _one_process_run()
+    assert error is None and len(outputs) == 3, (outputs, error)
+
+
+def test_a_stop_iteration_in_a_staged_pipeline_s_stage_is_an_error(monkeypatch):
+    """StagedTrainPipeline ends with None; a stage's StopIteration would end a loop written as
+    `for batch in iter(lambda: pipe.progress(it), None)` quietly. It is raised as the error; with
+    it let through (the twin), that loop ends after one batch of six (the stage's third call runs
+    on batch 3 in the step that would return batch 2)."""
+    import pipeline
+    from pipeline.pipelines import staged
+
+    def runs(n: int) -> list:
+        calls = []
+
+        def stage(batch):
+            calls.append(batch)
+            if len(calls) == 3:
+                raise StopIteration
+            return batch
+
+        pipe = pipeline.StagedTrainPipeline([pipeline.PipelineStage(name="stage", runnable=stage)])
+        it = iter(range(1, n + 1))
+        return list(iter(lambda: pipe.progress(it), None))
+
+    with pytest.raises(pipeline.StopIterationInStepError) as info:
+        runs(6)
+    assert isinstance(info.value.__cause__, StopIteration)
+    monkeypatch.setattr(staged, "StopIterationInStepError", StopIteration)
+    assert runs(6) == [1], "the twin: a StopIteration let through ends the loop quietly"
 
 
 def _signal(store, scope: str, rank: int):

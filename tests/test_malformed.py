@@ -4,10 +4,11 @@ key and the problem (`check_kjts`, `pipeline.ranks.kjt_check`).
 torchrec checks the first batch a sharded module sees and no other: a later
 batch whose lengths do not sum to its values, with a negative length, or with an id past its
 table's rows fails deep inside input_dist or the lookup on one rank, with the others left in a
-collective. On 2 gloo ranks with real all-to-alls: rank 1's batch 5 (or 1, which is voted on
-rather than flagged) is broken one way per case; every rank raises `MalformedBatchError` before
-that batch enters a collective, with rank 1's batch, key and problem in the message, and the process
-group still works. The single-process cases check the messages of rarer shapes (variable batch
+collective. On 2 gloo ranks with real all-to-alls (and 3 and 4, with SparseDist, Prefetch and
+Lite): rank 1's batch 5 (or 1, which is voted on rather than flagged) is broken one way per case;
+every rank raises `MalformedBatchError` before that batch enters a collective, with rank 1's batch,
+key and problem in the message, the model is the plain loop's on the batches trained, and the
+process group still works. The single-process cases check the messages of rarer shapes (variable batch
 per key, weights, a feature in two modules).
 """
 
@@ -20,7 +21,12 @@ from tests.harness import pytest_timeout
 PIPELINES = ("TrainPipelineBase", "TrainPipelineSparseDist", "PrefetchTrainPipelineSparseDist")
 TIMEOUT = 90
 pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
-TRAINED_BEFORE = {"TrainPipelineBase": 5, "TrainPipelineSparseDist": 4, "PrefetchTrainPipelineSparseDist": 4}
+TRAINED_BEFORE = {
+    "TrainPipelineBase": 5,
+    "TrainPipelineSparseDist": 4,
+    "PrefetchTrainPipelineSparseDist": 4,
+    "TrainPipelineSparseDistLite": 5,
+}
 """Batches trained before the error when batch 5 is bad (as for wrong keys, tests/test_ranks.py)."""
 
 
@@ -58,18 +64,23 @@ def _malformed(rank: int, world_size: int, pipe_name: str, sharding: str, how: s
         data[at], sample = _break(data[at], how)
     model, opt = models.build("dlrm", sharding)
     pipe = getattr(pipeline, pipe_name)(model, opt, torch.device("cpu"))
-    it, trained, error = iter(data), 0, None
+    it, outputs, error = iter(data), [], None
     try:
         while True:
-            pipe.progress(it)
-            trained += 1
+            outputs.append(pipe.progress(it))
     except pipeline.MalformedBatchError as e:
         error = str(e)
     except StopIteration:
         pass
     t = torch.ones(1)
     dist.all_reduce(t)  # nobody was left inside a collective
-    return {"error": error, "trained": trained, "group_ok": t.item() == 2, "sample": sample}
+    ref_model, ref_opt = models.build("dlrm", sharding)
+    expected = models.plain_loop(ref_model, ref_opt, data[: len(outputs)])
+    plain = models.bitwise_equal(expected, outputs) and models.bitwise_equal(
+        ref_model.state_dict(), model.state_dict()
+    )
+    trained, group_ok = len(outputs), t.item() == world_size
+    return {"error": error, "trained": trained, "group_ok": group_ok, "sample": sample, "plain_loop": plain}
 
 
 PROBLEMS = {
@@ -77,17 +88,23 @@ PROBLEMS = {
     "sum": "key 'f2': its lengths ask for values",
     "id": "key 'f1': id 40 at sample {sample} is outside the 40 rows of table 't1'",
 }
-CASES = [("TrainPipelineSparseDist", "table_wise", how, 5) for how in PROBLEMS] + [
-    ("TrainPipelineBase", "table_wise", "id", 5),
-    ("PrefetchTrainPipelineSparseDist", "table_wise", "sum", 5),
-    ("TrainPipelineSparseDist", "column_wise", "id", 5),
-    ("TrainPipelineSparseDist", "table_wise", "negative", 1),
+CASES = [(2, "TrainPipelineSparseDist", "table_wise", how, 5) for how in PROBLEMS] + [
+    (2, "TrainPipelineBase", "table_wise", "id", 5),
+    (2, "PrefetchTrainPipelineSparseDist", "table_wise", "sum", 5),
+    (2, "TrainPipelineSparseDist", "column_wise", "id", 5),
+    (2, "TrainPipelineSparseDist", "table_wise", "negative", 1),
 ]
+MANY_RANKS = [
+    ("TrainPipelineSparseDist", "id"),
+    ("PrefetchTrainPipelineSparseDist", "sum"),
+    ("TrainPipelineSparseDistLite", "negative"),
+]
+CASES += [(world, p, "table_wise", how, 5) for world in (3, 4) for p, how in MANY_RANKS]
 
 
-@pytest.mark.parametrize(("pipe_name", "sharding", "how", "at"), CASES)
-def test_a_malformed_kjt_on_one_rank_stops_every_rank_naming_it(pool, pipe_name, sharding, how, at):
-    results = pool.run(_malformed, pipe_name, sharding, how, at, timeout=TIMEOUT)
+@pytest.mark.parametrize(("world", "pipe_name", "sharding", "how", "at"), CASES)
+def test_a_malformed_kjt_on_one_rank_stops_every_rank_naming_it(pools, world, pipe_name, sharding, how, at):
+    results = pools(world).run(_malformed, pipe_name, sharding, how, at, timeout=TIMEOUT)
     problem = PROBLEMS[how].format(sample=results[1]["sample"])
     for rank, r in enumerate(results):
         assert r["error"] is not None, f"rank {rank}: trained every batch, no error"
@@ -97,6 +114,7 @@ def test_a_malformed_kjt_on_one_rank_stops_every_rank_naming_it(pool, pipe_name,
         assert "check_kjts=False" in r["error"], r["error"]
         expected = TRAINED_BEFORE[pipe_name] if at == 5 else TRAINED_BEFORE[pipe_name] - 4
         assert r["trained"] == expected and r["group_ok"], r
+        assert r["plain_loop"], f"rank {rank}: not the plain loop's model after {r['trained']} batches"
 
 
 # -- one process: the messages of rarer shapes ---------------------------------------------------

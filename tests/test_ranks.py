@@ -1,5 +1,7 @@
 """Ranks that disagree: uneven data, a batch with wrong keys, a rank that raises, and checkpoints
-taken with batches in flight. Every pipeline, 2 gloo ranks, real all-to-alls.
+taken with batches in flight. Every pipeline, 2 gloo ranks, real all-to-alls; the disagreements also
+at 3 and 4 ranks (one rank short, two ranks short, one rank's bad keys, one rank failing) with
+SparseDist, Prefetch and Lite (a class that admits its batches itself: no status rides).
 
 Each case is a question the user asks when one rank is not like the others: do both ranks stop at
 the same step with the plain loop's parameters, does the error reach every rank, does a dead peer
@@ -16,11 +18,15 @@ import pytest
 from tests.harness import RankError, pytest_timeout, run_ranks
 
 PIPELINES = ("TrainPipelineBase", "TrainPipelineSparseDist", "PrefetchTrainPipelineSparseDist")
+MANY_RANKS = ("TrainPipelineSparseDist", "PrefetchTrainPipelineSparseDist", "TrainPipelineSparseDistLite")
+"""The classes run at 3 and 4 ranks."""
+RIDING = {"TrainPipelineSparseDist", "TrainPipelineFusedSparseDist", "PrefetchTrainPipelineSparseDist"}
+"""Classes whose batches' statuses ride on their fused splits all-to-all once it exists."""
 TIMEOUT = 120
 pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 LONG = 12
-# (batches on rank 0, batches on rank 1): rank 1 short by 1, 2, 3 and 10; rank 0 short by 2; rank 1
-# with one batch and with none
+# (batches on rank 0, batches on rank 1, ...): rank 1 short by 1, 2, 3 and 10; rank 0 short by 2;
+# rank 1 with one batch and with none
 UNEVEN = [
     (LONG, LONG - 1),
     (LONG, LONG - 2),
@@ -29,6 +35,13 @@ UNEVEN = [
     (LONG - 2, LONG),
     (LONG, 1),
     (LONG, 0),
+]
+SHORT = 6
+UNEVEN_MANY = [  # at 3 and 4 ranks, fewer batches: these cases are the slowest per batch
+    (SHORT, SHORT, SHORT - 2),  # one rank short
+    (SHORT, SHORT - 3, SHORT - 1),  # two ranks short, by different counts
+    (SHORT, SHORT - 2, SHORT, SHORT),
+    (SHORT - 1, SHORT, SHORT, SHORT - 3),
 ]
 
 
@@ -55,7 +68,7 @@ class Stateful:
 # -- uneven data ------------------------------------------------------------------------------
 
 
-def _uneven(rank: int, world_size: int, pipe_name: str, sharding: str, counts: tuple[int, int]) -> dict:
+def _uneven(rank: int, world_size: int, pipe_name: str, sharding: str, counts: tuple[int, ...]) -> dict:
     import warnings
 
     import torch
@@ -92,15 +105,19 @@ def _uneven(rank: int, world_size: int, pipe_name: str, sharding: str, counts: t
     return result
 
 
-UNEVEN_CASES = [(p, "table_wise", c) for p in PIPELINES for c in UNEVEN] + [
-    (p, "column_wise", UNEVEN[1]) for p in PIPELINES
-]
+UNEVEN_CASES = (
+    [(p, "table_wise", c) for p in PIPELINES for c in UNEVEN]
+    + [(p, "column_wise", UNEVEN[1]) for p in PIPELINES]
+    + [(p, "table_wise", c) for c in UNEVEN_MANY for p in MANY_RANKS]  # by world size: fewer restarts
+)
 
 
 @pytest.mark.parametrize(("pipe_name", "sharding", "counts"), UNEVEN_CASES)
-def test_uneven_data_trains_the_common_count_on_every_rank(pool, pipe_name, sharding, counts):
+def test_uneven_data_trains_the_common_count_on_every_rank(pools, pipe_name, sharding, counts):
+    """`counts`: the batches of each rank (one per rank: 2, 3 or 4)."""
     common = min(counts)
-    for rank, r in enumerate(pool.run(_uneven, pipe_name, sharding, counts, timeout=TIMEOUT)):
+    results = pools(len(counts)).run(_uneven, pipe_name, sharding, counts, timeout=TIMEOUT)
+    for rank, r in enumerate(results):
         assert r["count"] == common, f"rank {rank}: {r['count']} outputs, expected {common}"
         assert r["outputs_equal"], f"rank {rank}: outputs differ from the plain loop on {common} batches"
         assert r["params_equal"], f"rank {rank}: parameters differ from the plain loop on {common} batches"
@@ -109,8 +126,10 @@ def test_uneven_data_trains_the_common_count_on_every_rank(pool, pipe_name, shar
         # the longer rank fetched ahead: what it did not train is reported, with a warning
         assert (r["untrained"] > 0) == longer, r
         assert (len(r["warnings"]) == 1) == longer, r["warnings"]
-        if pipe_name != "TrainPipelineBase" and common >= 3:  # the splits are fused by then
+        if pipe_name in RIDING and common >= 3:  # the splits are fused by then
             assert r["refused_riding"] == 1, f"rank {rank}: the end was not found on the splits: {r}"
+        elif pipe_name not in RIDING:  # found by a vote
+            assert not r["refused_riding"], f"rank {rank}: {pipe_name} let a status ride: {r}"
         assert r["error"] is not None and f"have {common} batches" in r["error"], r["error"]
 
 
@@ -164,8 +183,9 @@ def test_agreement_false_on_uneven_data_leaves_a_collective_unmatched():
 
 
 def _wrong_keys(rank: int, world_size: int, pipe_name: str, check_keys: bool) -> dict:
-    """Rank 1's batch 5 has a feature renamed; with `check_keys=False`, also the plain loop on the
-    same batches (torchrec reads the keys of the first batch only: it trains under the wrong table)."""
+    """Rank 1's batch 5 has a feature renamed. Whether the model is the plain loop's on the batches
+    trained; with `check_keys=False`, on every batch (torchrec reads the keys of the first batch
+    only: it trains under the wrong table)."""
     import torch
     import torch.distributed as dist
     from torchrec import KeyedJaggedTensor
@@ -196,32 +216,36 @@ def _wrong_keys(rank: int, world_size: int, pipe_name: str, check_keys: bool) ->
     # the process group is still usable: nobody was left inside a collective
     t = torch.ones(1)
     dist.all_reduce(t)
-    result = {"error": error, "trained": len(outputs), "group_ok": t.item() == 2}
-    if not check_keys:
-        ref_model, ref_opt = models.build("dlrm", "table_wise")
-        expected = models.plain_loop(ref_model, ref_opt, data())
-        result["plain_loop"] = models.bitwise_equal(expected, outputs) and models.bitwise_equal(
-            ref_model.state_dict(), model.state_dict()
-        )
+    result = {"error": error, "trained": len(outputs), "group_ok": t.item() == world_size}
+    ref_model, ref_opt = models.build("dlrm", "table_wise")
+    expected = models.plain_loop(ref_model, ref_opt, data()[: len(outputs)])
+    result["plain_loop"] = models.bitwise_equal(expected, outputs) and models.bitwise_equal(
+        ref_model.state_dict(), model.state_dict()
+    )
     return result
 
 
 # The wrong batch (5) is stopped before its first collective: forward under Base (5 trained),
 # input_dist::start during the step that trains batch i-1 under SparseDist and Prefetch (4).
+# Lite starts a batch's input_dist in the step that trains it (5).
 TRAINED_BEFORE_KEYS_ERROR = {
     "TrainPipelineBase": 5,
     "TrainPipelineSparseDist": 4,
     "PrefetchTrainPipelineSparseDist": 4,
+    "TrainPipelineSparseDistLite": 5,
 }
+WORLDS = [(2, p) for p in PIPELINES] + [(w, p) for w in (3, 4) for p in MANY_RANKS]
+"""(world size, class) of the cases run at every world size."""
 
 
-@pytest.mark.parametrize("pipe_name", PIPELINES)
-def test_wrong_keys_on_one_rank_stop_every_rank_with_the_keys(pool, pipe_name):
-    for rank, r in enumerate(pool.run(_wrong_keys, pipe_name, True, timeout=TIMEOUT)):
+@pytest.mark.parametrize(("world", "pipe_name"), WORLDS)
+def test_wrong_keys_on_one_rank_stop_every_rank_with_the_keys(pools, world, pipe_name):
+    for rank, r in enumerate(pools(world).run(_wrong_keys, pipe_name, True, timeout=TIMEOUT)):
         assert r["error"] is not None, f"{pipe_name} rank {rank}: trained all batches, no error"
         assert "batch 5 of rank 1" in r["error"], r["error"]
         assert "['f0', 'f1', 'zz']" in r["error"] and "['f0', 'f1', 'f2']" in r["error"], r["error"]
         assert r["trained"] == TRAINED_BEFORE_KEYS_ERROR[pipe_name] and r["group_ok"], r
+        assert r["plain_loop"], f"rank {rank}: not the plain loop's model after {r['trained']} batches"
 
 
 @pytest.mark.parametrize("pipe_name", PIPELINES)
@@ -234,7 +258,8 @@ def test_check_keys_false_trains_wrong_keys_as_the_plain_loop_does(pool, pipe_na
 # -- a failing rank ----------------------------------------------------------------------------
 
 
-def _failing(rank: int, world_size: int, pipe_name: str) -> dict:
+def _failing(rank: int, world_size: int, pipe_name: str, grace: float = 2.0) -> dict:
+    """Rank 1's forward raises at step 5, under `failure_grace=grace`: what ended each rank."""
     import torch
 
     import pipeline
@@ -252,7 +277,9 @@ def _failing(rank: int, world_size: int, pipe_name: str) -> dict:
             raise ValueError("bad batch on purpose")
         return model(batch)
 
-    pipe = getattr(pipeline, pipe_name)(model, opt, torch.device("cpu"), custom_model_fwd=forward)
+    pipe = getattr(pipeline, pipe_name)(
+        model, opt, torch.device("cpu"), custom_model_fwd=forward, failure_grace=grace
+    )
     it = iter(models.batches("dlrm", 20, rank))
     try:
         while True:
@@ -276,19 +303,64 @@ def test_a_rank_raising_stops_its_peer_quickly(pipe_name):
     assert 2.0 <= waited < 2.0 + 6.0, f"rank 0 ended {waited:.1f} s after rank 1 raised"
 
 
-@pytest.mark.parametrize("pipe_name", PIPELINES)
-def test_a_third_rank_follows_a_failure(pipe_name):
-    """3 ranks: rank 1 raises; ranks 0 and 2 both stop with rank 1's error, each within seconds (a
-    rank blocked only on the other survivor follows when that one closes its groups)."""
-    results = run_ranks(_failing, 3, timeout=TIMEOUT, args=(pipe_name,))
+@pytest.mark.parametrize(
+    ("world", "pipe_name"),
+    [(3, p) for p in (*PIPELINES, "TrainPipelineSparseDistLite")] + [(4, p) for p in MANY_RANKS],
+)
+def test_the_other_ranks_follow_a_failure(world, pipe_name):
+    """3 and 4 ranks: rank 1 raises; every other rank stops with rank 1's error, each within
+    seconds (a rank blocked only on another survivor follows when that one closes its groups).
+    A grace of 0.5 s (only rank 1 fails, so it always waits all of it) keeps the cases short."""
+    grace = 0.5
+    results = run_ranks(_failing, world, timeout=TIMEOUT, args=(pipe_name, grace))
     raised_at = results[1]["raised_at"]
     assert results[1]["error"] == "ValueError: bad batch on purpose", results[1]
-    for rank in (0, 2):
+    for rank in (r for r in range(world) if r != 1):
         r = results[rank]
         assert r["error"] is not None and r["error"].startswith("PeerFailedError"), r
         assert "rank 1 raised ValueError: bad batch on purpose" in r["error"], r
         waited = r["at"] - raised_at
-        assert 2.0 <= waited < 2.0 + 6.0, f"rank {rank} ended {waited:.1f} s after rank 1 raised"
+        assert grace <= waited < grace + 6.0, f"rank {rank} ended {waited:.1f} s after rank 1 raised"
+
+
+# -- 2D sharding -------------------------------------------------------------------------------
+
+
+def _two_dimensional(rank: int, world_size: int) -> str | None:
+    """Build the DLRM test model as a `DMPCollection`: tables sharded over 2 ranks, replicated twice
+    over 4. None if torchrec built it, else what it raised."""
+    import torch
+    import torch.distributed as dist
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DMPCollection
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+
+    from tests import models
+
+    model, sharders = models.unsharded("dlrm"), [EmbeddingBagCollectionSharder()]
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=2, compute_device="cpu"))
+    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    try:
+        DMPCollection(
+            module=model,
+            device=torch.device("cpu"),
+            plan=plan,
+            world_size=world_size,
+            sharding_group_size=2,
+            global_pg=dist.GroupMember.WORLD,
+            sharders=sharders,
+        )
+    except AssertionError as e:
+        return str(e)
+    return None
+
+
+def test_two_dimensional_sharding_is_not_built_on_cpu_by_torchrec(pools):
+    """The agreement under 2D sharding (replicas of the sharded tables, synced by the pipeline) is
+    not tested on CPU: torchrec refuses to build a `DMPCollection` there. When this fails, torchrec
+    builds it: the uneven, keys and failure cases above then belong at 4 ranks with it too."""
+    for rank, error in enumerate(pools(4).run(_two_dimensional, timeout=TIMEOUT)):
+        assert error == "DMPCollection only supports CUDA or MTIA", f"rank {rank}: {error}"
 
 
 # -- checkpoints with batches in flight --------------------------------------------------------
@@ -393,10 +465,6 @@ def _votes(rank: int, world_size: int, pipe_name: str, execute_all_batches: bool
     pipe = getattr(pipeline, pipe_name)(model, opt, torch.device("cpu"), **extra)
     outputs = models.run_to_end(pipe, iter(models.batches("dlrm", LONG, rank)))
     return len(outputs), pipe._ranks.votes, pipe._ranks.carried
-
-
-RIDING = {"TrainPipelineSparseDist", "TrainPipelineFusedSparseDist", "PrefetchTrainPipelineSparseDist"}
-"""Classes whose batches' statuses ride on their fused splits all-to-all once it exists."""
 
 
 @pytest.mark.parametrize("pipe_name", VOTED_CLASSES)

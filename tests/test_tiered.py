@@ -205,6 +205,168 @@ def test_store_write_error_is_reported_and_rows_stay_readable(tmp_path):
         store.write(torch.tensor([2]), torch.zeros(1, DIM), torch.zeros(1, 1))
 
 
+def _returns_within(call, seconds: float = 10.0):
+    """`call()` on a thread: its outcome ("returned", value) or ("raised", error), or ("hung", None)
+    if it is still running after `seconds` (the thread is a daemon: a hang fails the test, not
+    the run)."""
+    import threading
+
+    outcome: list = [("hung", None)]
+
+    def run() -> None:
+        try:
+            outcome[0] = ("returned", call())
+        except BaseException as e:
+            outcome[0] = ("raised", e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return outcome[0] if not thread.is_alive() else ("hung", None)
+
+
+@pytest.fixture
+def refuse_writes(monkeypatch):
+    """Call it to make the writer threads refuse new work, as at interpreter exit (shut down)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tiered import writer
+
+    def refuse() -> None:
+        stopped = ThreadPoolExecutor(max_workers=1)
+        stopped.shutdown()
+        monkeypatch.setattr(writer, "_executors", [stopped])
+        monkeypatch.setattr(writer, "_pid", os.getpid())
+
+    return refuse
+
+
+def test_a_write_the_writers_refuse_raises_and_nothing_waits_for_it(tmp_path, refuse_writes):
+    store = _store(tmp_path)
+    store.write(torch.tensor([1]), torch.full((1, DIM), 3.0), torch.zeros(1, 1))
+    store.sync()
+    refuse_writes()
+    with pytest.raises(StoreError, match="not written: the writer threads take no more work"):
+        store.write(torch.tensor([2]), torch.full((1, DIM), 4.0), torch.zeros(1, 1))
+    assert store._queued == [], "a refused write was queued"
+    assert _returns_within(store.sync) == ("returned", None)
+    assert _returns_within(store.close) == ("returned", None)
+    on_disk = RowStore.open(tmp_path / "t.rows", ROWS, DIM, 1).read(torch.tensor([1]))[0]
+    assert on_disk[0, 0].item() == 3.0, "the write before the refusal is in the file"
+
+
+def test_an_entry_queued_before_a_refused_submit_would_hang_sync(tmp_path, refuse_writes):
+    """The negative twin: queued before its submit, as `write()` did, an entry whose submit is
+    refused is never done, and `sync()` waits for it (the hang the test above rules out)."""
+    import numpy as np
+
+    from tiered.store import _Queued
+    from tiered.writer import submit_write
+
+    store = _store(tmp_path)
+    refuse_writes()
+    entry = _Queued(np.array([2]), np.full((1, DIM), 4.0, np.float32), np.zeros((1, 1), np.float32))
+    store._queued.append(entry)
+    with pytest.raises(RuntimeError, match="cannot schedule new futures"):
+        submit_write(lambda: store._write_queued(entry), store._writer)
+    assert _returns_within(store.sync, 0.5) == ("hung", None)
+    entry.done.set_result(None)  # lets the waiting thread go
+
+
+_AT_EXIT = """
+import atexit, sys
+import torch
+from tiered import RowStore, StoreError
+
+store = RowStore.create(sys.argv[1], 100, 4, 1, lambda b: b.zero_())
+
+def flush():  # an atexit write-back: it runs after the writer threads have stopped
+    try:
+        store.write(torch.tensor([1]), torch.ones(1, 4), torch.zeros(1, 1))
+        print("written")
+    except StoreError as e:
+        print("refused:", e)
+    store.close()
+    print("closed")
+
+atexit.register(flush)
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch: 3 s
+def test_a_write_back_at_interpreter_exit_is_refused_and_the_process_ends(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _AT_EXIT, str(tmp_path / "t.rows")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "refused:" in done.stdout and "the writer threads take no more work" in done.stdout, done.stdout
+    assert done.stdout.rstrip().endswith("closed"), done.stdout
+
+
+def _child_checks(store: RowStore, pending, tmp_path) -> int:
+    """In a forked child of a process whose store has a write queued: 0, or the number of the
+    first check that failed."""
+    if pending.done.done():  # the negative twin: nothing here will ever complete the parent's entry
+        return 1
+    try:
+        pending.done.result(timeout=0.3)
+        return 2
+    except TimeoutError:
+        pass  # what `sync()` waited on, without a timeout, before the fork was handled
+    for check, call in ((3, store.sync), (4, lambda: store.read(torch.tensor([1])))):
+        outcome, error = _returns_within(call, 5.0)
+        if outcome != "raised" or "was forked while 1 writes" not in str(error):
+            return check
+    if _returns_within(store.close, 5.0) != ("returned", None):
+        return 5
+    fresh = RowStore.create(tmp_path / "child.rows", ROWS, DIM, 1, _zero)  # the child's own store
+    fresh.write(torch.tensor([1]), torch.full((1, DIM), 9.0), torch.zeros(1, 1))
+    if _returns_within(fresh.close, 10.0) != ("returned", None):
+        return 6
+    reopened = RowStore.open(tmp_path / "child.rows", ROWS, DIM, 1)
+    return 0 if reopened.read(torch.tensor([1]))[0][0, 0].item() == 9.0 else 7
+
+
+def test_a_forked_child_never_waits_on_its_parent_s_queued_writes(tmp_path):
+    """The child inherits the queue, not the writer thread: it refuses the store (read, sync) with
+    a clear error, closes it at once, and writes a store of its own through a writer of its own.
+    The parent's queued write lands in the parent."""
+    import os
+    import signal
+    import time
+
+    store = _store(tmp_path)
+    slow = _SlowWrites(store)  # the writer holds the write: queued at the fork
+    store.write(torch.tensor([1]), torch.full((1, DIM), 5.0), torch.zeros(1, 1))
+    pending = store._queued[-1]
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 99
+        try:
+            code = _child_checks(store, pending, tmp_path)
+        finally:
+            os._exit(code)
+    deadline, status = time.monotonic() + 60, None
+    while status is None and time.monotonic() < deadline:
+        done, raw = os.waitpid(pid, os.WNOHANG)
+        status = os.waitstatus_to_exitcode(raw) if done else None
+        time.sleep(0.02)
+    if status is None:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    slow.go.set()
+    store.sync()
+    assert status == 0, f"the forked child hung (None) or failed check {status}"
+    assert store.read(torch.tensor([1]))[0][0, 0].item() == 5.0 and store._queued == []
+
+
 def test_cache_flush_puts_evicted_and_dirty_rows_in_the_file(tmp_path):
     cache = _cache(tmp_path, capacity=4)
     slow = _SlowWrites(cache.store)

@@ -16,6 +16,13 @@ ranks fill the cores, a store's writes always on the same one) writes them in or
 `read()` of a row still queued returns the queued values, so a prefetch never waits for a
 write-back. `sync()` waits for them all; `weights()`/`state()` map the regions as tensors for
 checkpoints (after a `sync()`).
+
+Nothing waits on a write that cannot happen. A write is queued only once a writer thread took it:
+at interpreter exit (an atexit handler, a `__del__`) the threads take no more, and `write()` raises
+instead. A forked child inherits a store's queue but not its writer thread, which writes the
+queued rows in the parent: a child that inherited a store with writes queued cannot use it
+(`read`, `write`, `sync`, `weights`, `state` raise `StoreError`; `close()` only closes the child's
+descriptor, at once); a store inherited with nothing queued works in the child as anywhere.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import itertools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -40,6 +48,8 @@ from tiered.writer import submit_write
 __all__ = ["RowStore", "StoreError", "StoreStats"]
 
 _STORES = itertools.count()
+_OPEN: weakref.WeakSet[RowStore] = weakref.WeakSet()
+"""Every store of this process (a forked child resets their writer state: `_after_fork_in_child`)."""
 
 WRITE_BEHIND = 4
 """Writes queued per store before `write()` waits for the oldest (bounds the RAM they hold)."""
@@ -94,7 +104,10 @@ class RowStore:
         self._queued: list[_Queued] = []  # oldest first; an entry leaves once it is on disk
         self._queue_lock = threading.Lock()
         self._write_error: BaseException | None = None
+        self._inherited = 0
+        """In a forked child: the writes queued in the parent at the fork (the parent writes them)."""
         self._pages = Pages(self._fd, self._w_off, self._s_off)
+        _OPEN.add(self)
         if cold:
             self.drop_page_cache()  # a new store's pages are all in the page cache
 
@@ -146,6 +159,7 @@ class RowStore:
     def read(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Weights `[n, dim]` and state `[n, state_width]` of `rows` (sorted, unique), including
         writes still queued."""
+        self._refuse_if_inherited()
         started = time.perf_counter()
         ids = rows.numpy()
         # Taken before the disk read: a queued write that lands during the read may or may not be
@@ -178,8 +192,10 @@ class RowStore:
                 from its slots; a second copy of every evicted row was CPU for nothing).
 
         Raises:
-            StoreError: an earlier queued write failed (the store is then unusable).
+            StoreError: an earlier queued write failed (the store is then unusable), or the writer
+                threads take no more work (the interpreter is exiting: these rows are not written).
         """
+        self._refuse_if_inherited()
         self._raise_write_error()
         keep = np.ascontiguousarray if owned else np.array  # np.array copies, the other only if it must
         entry = _Queued(
@@ -187,10 +203,19 @@ class RowStore:
             keep(weights.numpy(), dtype=np.float32),
             keep(state.numpy(), dtype=np.float32),
         )
+        # Queued only once a writer took it: an entry whose submit failed would never be done, and
+        # `sync()` would wait for it forever. Under the lock, so the writer cannot dequeue it first.
         with self._queue_lock:
+            try:
+                submit_write(lambda: self._write_queued(entry), self._writer)
+            except RuntimeError as e:
+                raise StoreError(
+                    f"{len(entry.rows)} rows of {self.path} were not written: the writer threads take "
+                    f"no more work ({e}). Write back before the interpreter exits (close() the store, "
+                    "or flush its cache), not from an atexit handler or a __del__"
+                ) from e
             self._queued.append(entry)
             oldest = self._queued[0] if len(self._queued) > WRITE_BEHIND else None
-        submit_write(lambda: self._write_queued(entry), self._writer)
         self.stats.rows_written += len(entry.rows)
         self.stats.bytes_written += entry.weights.nbytes + entry.state.nbytes
         if oldest is not None:
@@ -200,8 +225,10 @@ class RowStore:
         """Wait until every queued write is in the file.
 
         Raises:
-            StoreError: a queued write failed.
+            StoreError: a queued write failed, or this is a forked child that inherited the store
+                with writes queued.
         """
+        self._refuse_if_inherited()
         with self._queue_lock:
             newest = self._queued[-1] if self._queued else None
         if newest is not None:
@@ -228,6 +255,21 @@ class RowStore:
         finally:
             self.stats.write_seconds += time.perf_counter() - started
             entry.done.set_result(None)
+
+    def _refuse_if_inherited(self) -> None:
+        if self._inherited:
+            raise StoreError(
+                f"{self.path}: this process was forked while {self._inherited} writes of this store "
+                "were queued; its parent's writer thread writes them, so the child cannot use the "
+                "store it inherited. Open the store again in the child (after the parent's sync()), "
+                "or fork before writing"
+            )
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: forget the parent's queue (its writer thread did not come along, so
+        nothing in it would ever be done here) and its lock (a parent's thread may have held it)."""
+        self._queue_lock = threading.Lock()
+        self._inherited, self._queued = len(self._queued), []
 
     def _raise_write_error(self) -> None:
         if self._write_error is not None:
@@ -257,7 +299,7 @@ class RowStore:
         return self._map("state", self._s_off, (self.rows, self.state_width))
 
     def _map(self, name: str, offset: int, shape: tuple[int, int]) -> torch.Tensor:
-        self.sync()
+        self.sync()  # also refuses a forked child's inherited store with writes queued
         if name not in self._maps:
             if shape[0] * shape[1] == 0:
                 self._maps[name] = torch.zeros(shape)
@@ -267,10 +309,12 @@ class RowStore:
         return self._maps[name]
 
     def close(self) -> None:
-        """Write what is queued and close the file."""
+        """Write what is queued and close the file (in a forked child that inherited writes
+        queued, only close its descriptor: the parent writes them)."""
         if self._fd >= 0:
             try:
-                self.sync()
+                if not self._inherited:
+                    self.sync()
             finally:
                 os.close(self._fd)
                 self._fd = -1
@@ -279,3 +323,11 @@ class RowStore:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_OPEN):
+        store._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -10,8 +10,10 @@ its system calls (docs/tiered.md, "Why the pipelines cost more CPU at 2 ranks").
 cores, where every miss evicts a dirty row, one writer was what bound the step: each write-back reads
 its page cold and writes it, and a second thread overlaps those waits.
 
-The threads are started on first use, and again in a forked child (which inherits no threads). They
-are not daemons: queued rows are written before the interpreter exits.
+The threads are started on first use, and again in a forked child (which inherits no threads, and
+gets a fresh lock: a parent's thread may have held this one at the fork). They are not daemons:
+rows queued before the interpreter exits are written; a write submitted after that (an atexit
+handler, a `__del__` at shutdown) is refused, and `submit_write` raises.
 """
 
 from __future__ import annotations
@@ -32,7 +34,11 @@ _lock = threading.Lock()
 
 def submit_write(work: Callable[[], None], key: int = 0) -> Future:
     """Run `work` on the writer thread of `key` (a store's), after every write submitted there
-    before it."""
+    before it.
+
+    Raises:
+        RuntimeError: the writer threads take no more work (the interpreter is exiting).
+    """
     global _executors, _pid
     if not _executors or _pid != os.getpid():
         with _lock:
@@ -43,3 +49,11 @@ def submit_write(work: Callable[[], None], key: int = 0) -> Future:
                 ]
                 _pid = os.getpid()
     return _executors[key % len(_executors)].submit(work)
+
+
+def _after_fork_in_child() -> None:
+    global _executors, _pid, _lock
+    _executors, _pid, _lock = [], -1, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

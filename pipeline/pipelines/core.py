@@ -23,13 +23,17 @@ from pipeline.compat.arguments import sync_interval
 from pipeline.compat.types import TrainPipeline
 from pipeline.config import RankOptions
 from pipeline.pipelines.batch_stages import BatchStages
-from pipeline.ranks import AgreedError, Lane, LaneState, Ranks
+from pipeline.ranks import AgreedError, Lane, LaneState, Ranks, StopIterationInStepError
 from pipeline.stages.context import BatchContext
 from pipeline.stages.loader_state import resume_state
 from pipeline.stages.streams import Streams
 from pipeline.stages.thread_streams import streams_for
 
 __all__ = ["PipelineCore"]
+
+_ENDED = object()
+"""What `PipelineCore._advance` returns once the lane is empty (`progress()` then raises
+StopIteration: the one StopIteration it lets out)."""
 
 
 class PipelineCore(BatchStages, TrainPipeline):
@@ -130,41 +134,55 @@ class PipelineCore(BatchStages, TrainPipeline):
         lane = self._enter(dataloader_iter)
         self._streams.poll()  # what the last step's streams are done with goes before this one copies
         try:
-            draining = lane.state is LaneState.DRAINING
-            if not (self._execute_all_batches or draining) and not self._look_ahead(lane):
-                for ctx in lane.inflight:  # the dataloader ended before this step's look-ahead: drop all
-                    self._streams.release(ctx)
-                lane.inflight.clear()
-            self._fill(lane)
-            if not lane.inflight:
-                del self._lanes[id(dataloader_iter)]
-                self._ranks.settle_votes()
-                raise StopIteration
-            head = lane.inflight[0]
-            if self._step_context is None:
-                output = self._step(lane)
-            else:
-                with self._step_context():
-                    output = self._step(lane)
-            # the step queued every stream's last use of what was handed off for the batch (the
-            # caller's: backward, where autograd reads the saved inputs); the output leaves
-            self._streams.release(head)
-            self._streams.returned(output)
-            lane.steps += 1
-            self._ranks.settle_votes()  # nothing in flight between calls: the caller may tear down
-            return output
-        except StopIteration:
-            raise
+            output = self._advance(lane)
+        except StopIteration as stop:  # from inside the step: the lane's end is `_ENDED`, not this
+            error = StopIterationInStepError()
+            self._fail(error)
+            raise error from stop
         except AgreedError:
             self.reset()  # every rank raises it at the same step: the process group is fine
             self._ranks.settle_votes()
             raise
         except BaseException as e:
-            try:
-                self._ranks.fail(e, self.reset)
-            finally:
-                self._ranks.settle_votes()
+            self._fail(e)
             raise
+        if output is _ENDED:
+            raise StopIteration  # the only StopIteration `progress()` lets out: this lane's end
+        return output
+
+    def _advance(self, lane: Lane) -> Any:
+        """`progress()`'s work: fill the lane and step it; `_ENDED` once it is empty."""
+        draining = lane.state is LaneState.DRAINING
+        if not (self._execute_all_batches or draining) and not self._look_ahead(lane):
+            for ctx in lane.inflight:  # the dataloader ended before this step's look-ahead: drop all
+                self._streams.release(ctx)
+            lane.inflight.clear()
+        self._fill(lane)
+        if not lane.inflight:
+            del self._lanes[id(lane.iterator)]
+            self._ranks.settle_votes()
+            return _ENDED
+        head = lane.inflight[0]
+        if self._step_context is None:
+            output = self._step(lane)
+        else:
+            with self._step_context():
+                output = self._step(lane)
+        # the step queued every stream's last use of what was handed off for the batch (the
+        # caller's: backward, where autograd reads the saved inputs); the output leaves
+        self._streams.release(head)
+        self._streams.returned(output)
+        lane.steps += 1
+        self._ranks.settle_votes()  # nothing in flight between calls: the caller may tear down
+        return output
+
+    def _fail(self, error: BaseException) -> None:
+        """This rank raised `error` inside `progress()`: the failure path (`Ranks.fail`), which
+        makes sure no peer is left waiting in a collective for this rank."""
+        try:
+            self._ranks.fail(error, self.reset)
+        finally:
+            self._ranks.settle_votes()
 
     def drain(self, dataloader_iter: Iterator[Any]) -> list[Any]:
         """Run every batch in flight from `dataloader_iter` without fetching another.

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.compat.types import TrainPipeline
+from pipeline.ranks.failure import StopIterationInStepError
 from pipeline.stages.labels import label
 from pipeline.stages.streams import CudaStreams, Streams
 from pipeline.stages.thread_streams import ThreadStreams
@@ -133,7 +134,17 @@ class StagedTrainPipeline(TrainPipeline):
 
         Returns:
             The output of the last stage for the next batch; None when the data has ended.
+
+        Raises:
+            StopIterationInStepError: a stage raised StopIteration (from it): let through, it would
+                end a caller's loop that takes StopIteration for the end, on this rank alone.
         """
+        try:
+            return self._progress(dataloader_iter)
+        except StopIteration as stop:  # the data's end is None here: a StopIteration is a stage's
+            raise StopIterationInStepError() from stop
+
+    def _progress(self, dataloader_iter: Iterator[Any]) -> Any:
         if not self._initialized:
             self._fill(dataloader_iter)
         out, event, _ = self._outputs[0]
@@ -142,7 +153,7 @@ class StagedTrainPipeline(TrainPipeline):
             self._initialized = False  # a new iterator fills again
             if self._flushing:
                 self.flush_end()
-                return self.progress(dataloader_iter)
+                return self._progress(dataloader_iter)
             return None
         n = self.num_stages
         for index in range(n):

@@ -6,7 +6,13 @@ statuses and the errors raised on every rank), `votes.py`, `keys.py`, `kjt_check
 and `lane.py`.
 """
 
-from pipeline.ranks.failure import FailureSignal, PeerFailedError, is_comm_error, rank_and_world
+from pipeline.ranks.failure import (
+    FailureSignal,
+    PeerFailedError,
+    StopIterationInStepError,
+    is_comm_error,
+    rank_and_world,
+)
 from pipeline.ranks.keys import KeyCheck
 from pipeline.ranks.kjt_check import KJTCheck
 from pipeline.ranks.lane import Lane, LaneState, Ticket
@@ -36,6 +42,7 @@ __all__ = [
     "RewriteMismatchError",
     "RidingMismatchError",
     "Status",
+    "StopIterationInStepError",
     "Ticket",
     "UnevenDataError",
     "Vote",

@@ -17,11 +17,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["FailureSignal", "PeerFailedError", "is_comm_error", "rank_and_world"]
+__all__ = ["FailureSignal", "PeerFailedError", "StopIterationInStepError", "is_comm_error", "rank_and_world"]
 
 
 class PeerFailedError(RuntimeError):
     """Another rank raised inside `progress()`; this rank stopped too."""
+
+
+class StopIterationInStepError(RuntimeError):
+    """A `StopIteration` was raised inside a step (forward, backward, the optimizer, a stage), not
+    at the dataloader's end; raised in its place, from it (`__cause__`).
+
+    Let through, it would end this rank's loop as if its data had ended while its peers wait in the
+    step's collectives (until the process group's timeout). As an error it takes the failure path:
+    the peers stop within `failure_grace` with `PeerFailedError`. (Python turns a StopIteration
+    inside a generator into a RuntimeError for the same reason, PEP 479.)
+    """
+
+    def __init__(self) -> None:
+        super().__init__(
+            "a StopIteration was raised inside the step (forward, backward, the optimizer or a stage), "
+            "not by the dataloader's end: raised as an error so that this rank's loop does not end "
+            "alone while its peers wait; see its cause for where it came from"
+        )
 
 
 def rank_and_world() -> tuple[int, int]:
