@@ -532,3 +532,10 @@ def test_docs_benchmarks_md_names_runs_default_loops():
     _SUBCOMMANDS["run"][0](parser)
     (variants,) = [a for a in parser._actions if "--variants" in a.option_strings]
     assert f"docs/benchmarks.md's {len(VARIANTS)}" in variants.help, variants.help
+
+
+def test_the_user_guide_stays_of_readable_length():
+    """docs/pipeline.md is the user guide; the per-class details, streams and schedules' internals
+    belong in docs/reference.md (what `wc -w` counts)."""
+    words = len((ROOT / "docs" / "pipeline.md").read_text().split())
+    assert words <= 6000, f"docs/pipeline.md has {words} words; move reference material to docs/reference.md"
