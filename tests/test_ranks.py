@@ -92,7 +92,7 @@ def _uneven(rank: int, world_size: int, pipe_name: str, sharding: str, counts: t
         "params_equal": models.bitwise_equal(ref_model.state_dict(), model.state_dict()),
         "untrained": len(pipe.untrained_batches),
         "warnings": [str(w.message) for w in caught if "not trained" in str(w.message)],
-        "refused_riding": pipe._input_dist._riding.refused if hasattr(pipe, "_input_dist") else None,
+        "refused_riding": pipe._input_dist._admission.refused if hasattr(pipe, "_input_dist") else None,
     }
     # the error mode, same data: every rank raises, naming both counts
     model, opt = models.build("dlrm", sharding)

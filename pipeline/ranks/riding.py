@@ -1,4 +1,5 @@
-"""`RidingStatus`: a batch's status rides on its fused splits all-to-all instead of a vote.
+"""`Admission`: whether each batch of an `InputDist` is trained, by its vote or by its status
+riding on its fused splits all-to-all instead of a vote.
 
 Once the sharded modules' splits all-to-alls are fused, a batch's first collective is that one
 all-to-all, which every rank issues anyway: each rank adds its word (`pipeline.ranks.word`: its
@@ -27,15 +28,19 @@ from pipeline.ranks.word import TAG, pack, unpack
 if TYPE_CHECKING:
     from pipeline.stages.context import BatchContext
 
-__all__ = ["RidingStatus"]
+__all__ = ["Admission"]
 
 
-class RidingStatus:
-    """Whether and how the statuses of one pipeline's batches ride on their splits.
+class Admission:
+    """The one owner of whether a batch of an `InputDist` is trained, whichever way its status
+    arrives: by a vote before its first collective (`admit`, through `Ranks.admit`), or riding on
+    its splits all-to-all (`admit` lets it start, `conclude` decides at the splits wait). Both end
+    in `Ranks.conclude`, which raises the same error on every rank or drops the batch everywhere.
 
     Args:
-        ranks: the pipeline's ranks' protocol (None: no agreement, nothing rides).
+        ranks: the pipeline's ranks' protocol (None: no agreement, nothing rides, every batch runs).
         enabled: the pipeline admits every batch through `InputDist.fill` and `start_next`.
+        watch: the default schedule's watch, whose figure rides in each word.
     """
 
     def __init__(self, ranks: Ranks | None, enabled: bool, *, watch: Any = None) -> None:
@@ -80,6 +85,24 @@ class RidingStatus:
         """The modules were restored: batches fetched from now on are voted on."""
         if self._shape is not None:
             self._shape, self._ranks.carrying = None, False
+
+    def admit(self, lane: Any, ctx: BatchContext) -> bool:
+        """Before `ctx`'s first collective: True if its input_dist may start, because every rank
+        has it (a vote) or because its status rides on its splits (`conclude` decides). False:
+        some rank lacks it, and it left the lane with the batches after it.
+
+        Raises:
+            AgreedError: on every rank, as `Ranks.admit` says.
+        """
+        return self._ranks is None or self.provisional(ctx) or self._ranks.admit(lane, ctx)
+
+    def without_batch(self, ctx: BatchContext) -> bool:
+        """At `ctx`'s start: whether its status rides (then marked on `ctx`) and this rank has no
+        batch to send, only its word (`status_only`)."""
+        if not self.provisional(ctx):
+            return False
+        ctx.status_rides = True
+        return ctx.ticket.status is not Status.HAVE
 
     def provisional(self, ctx: BatchContext) -> bool:
         """`ctx`'s status rides on its splits: it starts before the ranks' statuses are known."""

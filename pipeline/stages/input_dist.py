@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.config import InputDistOptions, RewriteOptions
-from pipeline.ranks import Lane, Ranks, Status
-from pipeline.ranks.riding import RidingStatus
+from pipeline.ranks import Lane, Ranks
+from pipeline.ranks.riding import Admission
 from pipeline.stages.context import BatchContext
 from pipeline.stages.groups import InputDistGroups
 from pipeline.stages.labels import run_stage
@@ -99,11 +99,12 @@ class InputDist:
         self.freed_bytes = 0
         """Bytes released by the memory flags so far."""
         self._ranks = ranks
-        self._riding = RidingStatus(ranks, carry, watch=self.watch)
+        self._admission = Admission(ranks, carry, watch=self.watch)
+        """Whether each batch is trained, by its vote or by what rides on its splits."""
         if self.watch is not None:
             if self._one_rank:
                 self.watch.pin(ONE_RANK)
-            elif not self._riding.enabled:
+            elif not self._admission.enabled:
                 self.watch.pin(NO_RIDE)
             self.watch.note = self._note
         self._groups = InputDistGroups(ranks.new_group if ranks is not None else dist.new_group)
@@ -113,7 +114,7 @@ class InputDist:
         self._settled = False
         """The complete rewrite was checked across ranks (`_settle`)."""
         self._checked = False
-        """Whether statuses can ride on the fused splits was decided (`RidingStatus.check`)."""
+        """Whether statuses can ride on the fused splits was decided (`Admission.check`)."""
         self._free_early = False
         """`free_features_storage_early` applies (every call site's input is a path in the batch)."""
 
@@ -218,7 +219,7 @@ class InputDist:
     def detach(self) -> None:
         """Restore every original forward and process group; the next `start` re-attaches."""
         self._groups.restore()
-        self._riding.forget()
+        self._admission.forget()
         while self._undo:
             self._undo.pop()()
         if self.rewrite is not None:
@@ -232,12 +233,10 @@ class InputDist:
         the rewrite waits for a recorded forward: the batch is started by a later `fill`)."""
         if ctx.started:
             return
-        if self._riding.provisional(ctx):
-            ctx.status_rides = True
-            if ctx.ticket.status is not Status.HAVE:  # zero splits where the others send theirs
-                self._groups.place(SCHEDULES[self.schedule].own_group, self.rewrite.modules)
-                ctx.splits_requests, ctx.started = self._riding.status_only(ctx, self._groups.current), True
-                return
+        if self._admission.without_batch(ctx):  # zero splits where the others send theirs
+            self._groups.place(SCHEDULES[self.schedule].own_group, self.rewrite.modules)
+            ctx.splits_requests, ctx.started = self._admission.status_only(ctx, self._groups.current), True
+            return
         ctx.wait_copy()  # the device batch, if its copy was dispatched on a worker
         streams = self._streams
         rewrite = self.attach(ctx.batch)
@@ -248,7 +247,7 @@ class InputDist:
         fused = not self._one_rank and rewrite.fuse_splits()
         if fused and not self._checked:  # once: can statuses ride on these modules' splits?
             self._checked = True
-            if (why := self._riding.check([pm.module for pm in rewrite.modules])) is not None:
+            if (why := self._admission.check([pm.module for pm in rewrite.modules])) is not None:
                 rewrite.report.notes.append(why)
                 if self.watch is not None and self.watch.phase.value == "watching":
                     self.watch.pin(NO_RIDE)
@@ -268,9 +267,9 @@ class InputDist:
             if self._free_early:  # every module has its own permuted copy
                 self.freed_bytes += release_features(ctx.module_contexts.values())
             if fused:
-                carrier = self._riding.carrier(ctx)
+                carrier = self._admission.carrier(ctx)
                 ctx.splits_requests = fuse_splits_requests(requests, ctx.module_contexts, carrier=carrier)
-                self._riding.learn(ctx.splits_requests)
+                self._admission.learn(ctx.splits_requests)
             else:
                 ctx.splits_requests = one_by_one(requests)
         ctx.started = True
@@ -285,7 +284,7 @@ class InputDist:
             False: some rank lacks the batch; it and the batches after it left the lane.
         """
         with run_stage(self._streams, "input_dist::splits", ctx.index, self._streams.data_dist):
-            if not self._riding.conclude(ctx):
+            if not self._admission.conclude(ctx):
                 return False
             clock = ctx.wait_clock
             for names, request in ctx.splits_requests:
@@ -303,7 +302,7 @@ class InputDist:
         if not lane.inflight:
             enqueue(lane)
         head = lane.inflight[0] if lane.inflight else None
-        if head is not None and not head.started and self._admit(lane, head):
+        if head is not None and not head.started and self._admission.admit(lane, head):
             self.start(head)
             self.wait_splits(head)
         if len(lane.inflight) < 2:
@@ -313,16 +312,12 @@ class InputDist:
         """Admit batch i+1 (its input_dist is its first collective) and start its input_dist,
         waiting for its splits now under an early schedule. None if there is no such batch."""
         nxt = lane.inflight[1] if len(lane.inflight) > 1 else None
-        if nxt is None or not self._admit(lane, nxt):
+        if nxt is None or not self._admission.admit(lane, nxt):
             return None
         self.start(nxt)
         if self.early_splits and not self.wait_splits(nxt):
             return None
         return nxt
-
-    def _admit(self, lane: Lane, ctx: BatchContext) -> bool:
-        """Every rank has `ctx`'s batch, or its status rides on its splits (`wait_splits` decides)."""
-        return self._ranks is None or self._riding.provisional(ctx) or self._ranks.admit(lane, ctx)
 
     def release_inputs(self, ctx: BatchContext) -> None:
         """`clear_data_dist_inputs`: wait for `ctx`'s values all-to-alls and free what they sent
