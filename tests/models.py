@@ -364,15 +364,17 @@ def bitwise_equal(a, b) -> bool:
     )
 
 
-def run_to_end(pipe, it, limit: int = 1000) -> list:
+def run_to_end(pipe, it, limit: int = 1000, *, schedules: list | None = None) -> list:
     """`pipe.progress(it)` until StopIteration; the outputs. Fails after `limit` outputs (a pipeline
-    that never stops)."""
+    that never stops). With `schedules`, appends `pipe.input_dist_schedule` after each step."""
     outputs = []
     while True:
         try:
             outputs.append(pipe.progress(it))
         except StopIteration:
             return outputs
+        if schedules is not None:
+            schedules.append(pipe.input_dist_schedule)
         assert len(outputs) <= limit, f"no StopIteration after {limit} outputs"
 
 

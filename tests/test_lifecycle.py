@@ -249,18 +249,6 @@ def _groups(rank: int, pipe_name: str) -> dict:
     return out
 
 
-def _run_with_schedules(pipe, data: list) -> tuple[list, list[str]]:
-    """Every output of `pipe` on `data`, and the schedule each step ran under."""
-    got, ran = [], []
-    it = iter(data)
-    while True:
-        try:
-            got.append(pipe.progress(it))
-        except StopIteration:
-            return got, ran
-        ran.append(pipe.input_dist_schedule)
-
-
 def _auto(rank: int, pipe_name: str) -> dict:
     """The "auto" schedule switches between all four while it tunes, keeps one, re-checks it; the
     same on every rank."""
@@ -281,7 +269,8 @@ def _auto(rank: int, pipe_name: str) -> dict:
     )
     data = models.batches(KIND, 3 * N, rank, seed=12)
     expected = models.plain_loop(ref, ref_opt, data)
-    got, ran = _run_with_schedules(pipe, data)
+    ran: list[str] = []
+    got = models.run_to_end(pipe, iter(data), schedules=ran)
     seen = set(ran)
     return {
         "seen": sorted(seen),
@@ -318,7 +307,8 @@ def _adaptive(rank: int, pipe_name: str, verdict: str) -> dict:
     steps = 3 * N
     data = models.batches(KIND, steps, rank, seed=13)
     expected = models.plain_loop(ref, ref_opt, data)
-    got, ran = _run_with_schedules(pipe, data)
+    ran: list[str] = []
+    got = models.run_to_end(pipe, iter(data), schedules=ran)
     report = pipe.rewrite_report
     return {
         "ran": ran,

@@ -26,7 +26,7 @@ def _watched(rank: int, world_size: int, shares: tuple[float, ...]) -> dict:
         calls, so every step takes as long: a ratio of 1 after the switch)."""
 
         def _share(self) -> float | None:
-            return shares[rank] if len(self._samples) >= self._window else None
+            return shares[rank] if len(self._samples) >= self.window else None
 
     counter = itertools.count()
     watch = Fixed(window=3, verify=3, warmup=0, settle=0, margin=0.0, sure=0.0,
@@ -36,14 +36,8 @@ def _watched(rank: int, world_size: int, shares: tuple[float, ...]) -> dict:
     pipe = TrainPipelineSparseDist(model, opt, torch.device("cpu"), input_dist=InputDistOptions(watch=watch))
     data = models.batches(KIND, STEPS, rank, seed=21)
     expected = models.plain_loop(ref, ref_opt, data)
-    got, ran = [], []
-    it = iter(data)
-    while True:
-        try:
-            got.append(pipe.progress(it))
-        except StopIteration:
-            break
-        ran.append(pipe.input_dist_schedule)
+    ran: list[str] = []
+    got = models.run_to_end(pipe, iter(data), schedules=ran)
     return {
         "ran": ran,
         "shares": watch.shares,

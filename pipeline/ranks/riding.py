@@ -28,7 +28,14 @@ from pipeline.ranks.word import TAG, pack, unpack
 if TYPE_CHECKING:
     from pipeline.stages.context import BatchContext
 
-__all__ = ["Admission"]
+__all__ = ["NO_RIDE", "Admission"]
+
+NO_RIDE = (
+    "the ranks' statuses do not ride on this pipeline's splits all-to-all (agreement=False, a class "
+    "that admits batches itself, or torchrec's collective checks), so the ranks have no shared "
+    "observations of their steps to decide on"
+)
+"""Why the default schedule watch keeps torchrec's order without watching."""
 
 
 class Admission:
@@ -48,22 +55,29 @@ class Admission:
         self.enabled = enabled and ranks is not None and ranks.voting and not _validating()
         self._watch = watch
         """The schedule watch (`pipeline.stages.watch`) whose figure rides in each word, or None."""
+        if watch is not None and not self.enabled:
+            watch.pin(NO_RIDE)
+        self._checked = False
+        """Whether statuses can ride on the fused splits was decided (`check`)."""
         self._shape: list[tuple[Any, int, Any, bool]] | None = None
         """What the last fused splits all-to-all sent (`splits_shape`): while known, statuses ride."""
         self.refused = 0
         """Batches some rank lacked, found out from statuses that rode (not from a vote)."""
 
     def check(self, modules: list[Any]) -> str | None:
-        """Once, at the first fused start: whether statuses can ride on these modules' splits
-        (`riding_fits`); where they cannot, every batch is voted on from then on, and the reason is
-        returned (for the rewrite report)."""
-        if not self.enabled:
+        """At every fused start, deciding once: whether statuses can ride on these modules' splits
+        (`riding_fits`); where they cannot, every batch is voted on from then on, the watch keeps
+        torchrec's order, and the reason is returned (for the rewrite report)."""
+        if self._checked or not self.enabled:
             return None
+        self._checked = True
         why = riding_fits(modules)
-        if why is not None:
-            self.enabled = False
-            return f"the ranks vote on every batch; statuses do not ride on the splits all-to-all: {why}"
-        return None
+        if why is None:
+            return None
+        self.enabled = False
+        if self._watch is not None and self._watch.choice is None:  # still watching or trying
+            self._watch.pin(NO_RIDE)
+        return f"the ranks vote on every batch; statuses do not ride on the splits all-to-all: {why}"
 
     def carrier(self, ctx: BatchContext) -> Callable[..., Any] | None:
         """What builds `ctx`'s fused splits all-to-all with this rank's word in it (its status, its
@@ -71,9 +85,11 @@ class Admission:
         shape is learnt), or None when statuses do not ride."""
         if not self.enabled:
             return None
-        status, watch = ctx.ticket.status, self._watch
-        figure = watch.observation() if watch is not None else 0
+        status, figure = ctx.ticket.status, self._figure()
         return functools.partial(StatusSplits, word=lambda rows: pack(status, rows, figure))
+
+    def _figure(self) -> int:
+        return self._watch.observation() if self._watch is not None else 0
 
     def learn(self, fused: list[tuple[list[str], Any]]) -> None:
         """After a fused start: what a rank without a batch must send from now on."""
@@ -118,8 +134,7 @@ class Admission:
     def status_only(self, ctx: BatchContext, current: Callable[[Any], Any]) -> list[tuple[list[str], Any]]:
         """What a rank without `ctx`'s batch sends: zero splits on every group the others use
         (`current` maps a recorded group to the one in use now) and its status where it rides."""
-        figure = self._watch.observation() if self._watch is not None else 0
-        status = ctx.ticket.status
+        status, figure = ctx.ticket.status, self._figure()
         return [
             ([], StatusOnly(current(pg), rows, pack(status, rows, figure) if carries else None, device))
             for pg, rows, device, carries in self._shape

@@ -17,6 +17,7 @@ from torchrec.distributed.types import LazyNoWait
 from pipeline.ranks.lane import Ticket
 from pipeline.stages.labels import label
 from pipeline.stages.streams import Streams
+from pipeline.stages.wait_clock import waited
 
 __all__ = [
     "BatchContext",
@@ -80,8 +81,7 @@ class BatchContext:
         streams = self.streams
         with label(f"pipeline::input_dist::wait#{self.index}"):
             with streams.use(streams.data_dist):
-                clock = self.wait_clock
-                data = request.wait() if clock is None else clock.wait(request)
+                data = waited(request, self.wait_clock)
                 streams.produced(data)
             module_ctx = self.module_contexts.pop(key)
             streams.handoff(data, streams.data_dist, self)

@@ -27,7 +27,8 @@ from pipeline.stages.not_pipelined import warn_not_pipelined
 from pipeline.stages.schedule import SCHEDULES
 from pipeline.stages.streams import Streams
 from pipeline.stages.tuner import Tuner
-from pipeline.stages.tuner_text import NO_RIDE, ONE_RANK, schedule_words
+from pipeline.stages.tuner_text import ONE_RANK, schedule_words
+from pipeline.stages.wait_clock import waited
 from pipeline.stages.watch import ScheduleWatch
 from rewrite import (
     CallSite,
@@ -99,22 +100,19 @@ class InputDist:
         self.freed_bytes = 0
         """Bytes released by the memory flags so far."""
         self._ranks = ranks
-        self._admission = Admission(ranks, carry, watch=self.watch)
-        """Whether each batch is trained, by its vote or by what rides on its splits."""
         if self.watch is not None:
+            self.watch.note = self._note
             if self._one_rank:
                 self.watch.pin(ONE_RANK)
-            elif not self._admission.enabled:
-                self.watch.pin(NO_RIDE)
-            self.watch.note = self._note
+        self._admission = Admission(ranks, carry, watch=self.watch)
+        """Whether each batch is trained, by its vote or by what rides on its splits (it pins the
+        watch where nothing rides)."""
         self._groups = InputDistGroups(ranks.new_group if ranks is not None else dist.new_group)
         self._undo: list[Callable[[], None]] = []
         self._warned: set[str] = set()
         """The sharded modules warned about as not pipelined (once each, not at a re-attach)."""
         self._settled = False
         """The complete rewrite was checked across ranks (`_settle`)."""
-        self._checked = False
-        """Whether statuses can ride on the fused splits was decided (`Admission.check`)."""
         self._free_early = False
         """`free_features_storage_early` applies (every call site's input is a path in the batch)."""
 
@@ -245,12 +243,8 @@ class InputDist:
         if not self._settled:
             self._settle(rewrite)
         fused = not self._one_rank and rewrite.fuse_splits()
-        if fused and not self._checked:  # once: can statuses ride on these modules' splits?
-            self._checked = True
-            if (why := self._admission.check([pm.module for pm in rewrite.modules])) is not None:
-                rewrite.report.notes.append(why)
-                if self.watch is not None and self.watch.phase.value == "watching":
-                    self.watch.pin(NO_RIDE)
+        if fused and (why := self._admission.check([pm.module for pm in rewrite.modules])) is not None:
+            rewrite.report.notes.append(why)
         if fused:  # on their own groups or on torchrec's, as the schedule says
             self._groups.place(SCHEDULES[self.schedule].own_group, rewrite.modules)
 
@@ -288,8 +282,7 @@ class InputDist:
                 return False
             clock = ctx.wait_clock
             for names, request in ctx.splits_requests:
-                waited = request.wait() if clock is None else clock.wait(request)
-                for name, values in zip(names, waited, strict=True):
+                for name, values in zip(names, waited(request, clock), strict=True):
                     ctx.input_dist_requests[name] = values
             ctx.splits_requests = []
         return True

@@ -11,7 +11,6 @@ from pipeline.stages.schedule import SCHEDULES, Decision
 from pipeline.stages.tuner_phase import Phase
 
 __all__ = [
-    "NO_RIDE",
     "ONE_RANK",
     "concluded",
     "decided_repr",
@@ -31,13 +30,6 @@ WHAT = (
 
 ONE_RANK = "one rank: the input all-to-alls move nothing, so every schedule does the same work"
 """Why a one-rank pipeline keeps torchrec's order without trials."""
-
-NO_RIDE = (
-    "the ranks' statuses do not ride on this pipeline's splits all-to-all (agreement=False, a class "
-    "that admits batches itself, or torchrec's collective checks), so the ranks have no shared "
-    "observations of their steps to decide on"
-)
-"""Why the default schedule watch keeps torchrec's order without watching."""
 
 
 def schedule_words(name: str) -> str:

@@ -34,9 +34,10 @@ from collections.abc import Callable
 from typing import Any
 
 from pipeline.ranks.word import observed
-from pipeline.stages.tuner_text import schedule_words
+from pipeline.stages import watch_text as text
+from pipeline.stages.wait_clock import WaitClock
 
-__all__ = ["ScheduleWatch", "WaitClock", "WatchPhase"]
+__all__ = ["ScheduleWatch", "WatchPhase"]
 
 
 _UNSURE = 4.0
@@ -53,51 +54,6 @@ class WatchPhase(enum.Enum):
 
 
 _FINAL = (WatchPhase.KEPT, WatchPhase.BACK, WatchPhase.PINNED)
-
-
-class WaitClock:
-    """Adds up how long the pipeline's own thread blocks in a step: in `wait(request)` (the input
-    all-to-alls' waits) and, used as a context manager around backward, the wall time its thread
-    spends off the CPU there (on
-    CPU, where torchrec's backward waits for its all-to-alls, which on a shared process group queue
-    behind the next batch's input all-to-all). Waits on other threads (a prefetch worker) are not
-    the step's."""
-
-    __slots__ = ("_clock", "_cpu", "_started", "idle", "thread", "waited")
-
-    def __init__(self, clock: Callable[[], float], cpu: Callable[[], float] = time.thread_time) -> None:
-        self._clock, self._cpu = clock, cpu
-        self.waited = 0.0
-        """Seconds blocked in the input all-to-alls' waits."""
-        self.idle = 0.0
-        """Seconds off the CPU within backward."""
-        self.thread: int | None = None
-        self._started: tuple[float, float] | None = None
-
-    def __enter__(self) -> None:
-        if threading.get_ident() == self.thread:
-            self._started = (self._clock(), self._cpu())
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._started is not None:
-            wall, cpu = self._started
-            self._started = None
-            self.idle += max(0.0, (self._clock() - wall) - (self._cpu() - cpu))
-
-    def wait(self, request: Any) -> Any:
-        if threading.get_ident() != self.thread:
-            return request.wait()
-        start = self._clock()
-        try:
-            return request.wait()
-        finally:
-            self.waited += self._clock() - start
-
-    def take(self) -> tuple[float, float]:
-        """(waited, idle) since the last take, and start again from zero."""
-        taken = (self.waited, self.idle)
-        self.waited = self.idle = 0.0
-        return taken
 
 
 class ScheduleWatch:
@@ -133,21 +89,15 @@ class ScheduleWatch:
         sure: float = 0.75,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        if (
-            window < 3
-            or verify < 3
-            or warmup < 0
-            or settle < 0
-            or not 0 < threshold < 1
-            or not 0 <= margin < 1
-        ):
+        if min(window, verify) < 3 or min(warmup, settle) < 0 or not (0 < threshold < 1 and 0 <= margin < 1):
             raise ValueError(f"bad watch settings: window {window}, threshold {threshold}, margin {margin}")
-        self._window, self._threshold, self._settle, self._margin = window, threshold, settle, margin
-        self._verify, self._warmup, self._sure = verify, warmup, sure
-        self._high = 0
-        """Consecutive batches whose figures (the ranks' mean share) reached the threshold."""
         if not 0 <= sure <= 1:
             raise ValueError(f"bad watch settings: sure {sure}")
+        self.window, self.threshold, self.settle, self.margin = window, threshold, settle, margin
+        self.verify, self.warmup, self.sure = verify, warmup, sure
+        """The settings (see Args), read by `pipeline.stages.watch_text`."""
+        self._high = 0
+        """Consecutive batches whose figures (the ranks' mean share) reached the threshold."""
         self._clock = clock
         self.schedule = "late"
         """The schedule in use."""
@@ -185,7 +135,7 @@ class ScheduleWatch:
         now = self._clock()
         self.waits.thread = threading.get_ident()
         blocked = self.waits.take()
-        if self._last is not None and self.steps > self._warmup + 1:
+        if self._last is not None and self.steps > self.warmup + 1:
             self._record(now - self._last, *blocked)
         self._last = now
         if self._pending is not None:
@@ -214,8 +164,8 @@ class ScheduleWatch:
         values = [(o - 1) / 1000 for o in observations]
         if self.phase is WatchPhase.WATCHING:
             share = statistics.fmean(values)
-            self._high = self._high + 1 if share >= self._threshold else 0
-            if self._high > self._window:
+            self._high = self._high + 1 if share >= self.threshold else 0
+            if self._high > self.window:
                 self._switch(values, share)
         elif self.phase is WatchPhase.TRYING:
             self._verdict(values)
@@ -223,7 +173,7 @@ class ScheduleWatch:
     def pin(self, reason: str) -> None:
         """Keep torchrec's order without watching (nothing to agree on; `reason` says why)."""
         self.schedule, self.phase, self._pending = "late", WatchPhase.PINNED, None
-        self._decide(f"kept {schedule_words('late')}: {reason}")
+        self._decide(text.pinned(reason))
 
     # -- what users read -----------------------------------------------------------------------
 
@@ -251,7 +201,7 @@ class ScheduleWatch:
     @property
     def medians_ms(self) -> dict[str, float]:
         """This rank's median step before and after the switch, in ms (empty before a verdict)."""
-        if not (self._before and len(self._after) >= self._verify):
+        if not (self._before and len(self._after) >= self.verify):
             return {}
         return {"late": 1e3 * statistics.median(self._before), "early": 1e3 * statistics.median(self._after)}
 
@@ -259,23 +209,11 @@ class ScheduleWatch:
     def tuning_steps_by_schedule(self) -> dict[str, int]:
         """Steps run under "early" only to verify it (none where it was kept)."""
         if self.phase is WatchPhase.BACK:
-            return {"early": self._settle + self._verify + 1}
+            return {"early": self.settle + self.verify + 1}
         return {}
 
     def __repr__(self) -> str:
-        head = f"input_dist schedule: adaptive, running {schedule_words(self.schedule)}"
-        if self.phase is WatchPhase.WATCHING:
-            seen = self.share
-            seen_text = "not yet a full window" if seen is None else f"{seen:.0%} of the step on this rank"
-            return (
-                f"{head}; watching how long the host blocks on the input all-to-alls over the last "
-                f"{self._window} steps ({seen_text}; tries early once the ranks' mean has been at least "
-                f"{self._threshold:.0%} for {self._window + 1} batches in a row)"
-            )
-        lines = [head] + [f"  step {step}: {text}" for step, text in self.decisions]
-        if self.phase is WatchPhase.TRYING:
-            lines.append(f"  verifying over {self._settle} + {self._verify} steps under early")
-        return "\n".join(lines)
+        return text.watch_repr(self)
 
     def state_dict(self) -> dict[str, Any]:
         """The decision, to save with a checkpoint: a watch that loads it does not try again. While
@@ -304,11 +242,11 @@ class ScheduleWatch:
         elif self.phase is WatchPhase.TRYING:
             if self._skip > 0:
                 self._skip -= 1
-            elif len(self._after) < self._verify:
+            elif len(self._after) < self.verify:
                 self._after.append(step_s)
 
     def _share(self) -> float | None:
-        if len(self._samples) < self._window:
+        if len(self._samples) < self.window:
             return None
         return statistics.median((w + i) / s if s > 0 else 0.0 for s, w, i in self._samples)
 
@@ -316,7 +254,7 @@ class ScheduleWatch:
     def parts(self) -> tuple[float, float] | None:
         """Of `share`, this rank's median share in the input all-to-alls' waits and off the CPU in
         backward, over the same window (None before a full window)."""
-        if len(self._samples) < self._window:
+        if len(self._samples) < self.window:
             return None
         return (
             statistics.median(w / s if s > 0 else 0.0 for s, w, _ in self._samples),
@@ -326,16 +264,16 @@ class ScheduleWatch:
     def _observation(self) -> int:
         if self.phase is WatchPhase.WATCHING:
             return observed(self._share())
-        if self.phase is WatchPhase.TRYING and len(self._after) >= self._verify:
+        if self.phase is WatchPhase.TRYING and len(self._after) >= self.verify:
             ratio = statistics.median(self._after) / statistics.median(self._before)
-            return observed(ratio if self.faster_steps >= self._sure else ratio + _UNSURE)
+            return observed(ratio if self.faster_steps >= self.sure else ratio + _UNSURE)
         return 0
 
     @property
     def faster_steps(self) -> float:
         """The share of this rank's verified steps shorter than its median step before the switch;
         0 before the verification window is full."""
-        if len(self._after) < self._verify or not self._before:
+        if len(self._after) < self.verify or not self._before:
             return 0.0
         before = statistics.median(self._before)
         return sum(a < before for a in self._after) / len(self._after)
@@ -346,45 +284,20 @@ class ScheduleWatch:
         self._before = list(self._late)
         self._after, self._pending, self.phase = [], "early", WatchPhase.TRYING
         # the step that decides runs on under "late": its time is not the new schedule's
-        self._skip = self._settle + 1
-        self._decide(
-            f"the host blocked on the input all-to-alls {share:.0%} of the step (median over "
-            f"{self._window} steps, mean over {len(shares)} ranks: {_shares(shares)}; this rank "
-            f"{waits:.0%} in their waits and {idle:.0%} off the CPU in backward; at least "
-            f"{self._threshold:.0%} for {self._window + 1} batches in a row): trying "
-            f"{schedule_words('early')} from the next step, its "
-            "all-to-alls on a process group of their own ('pipeline_input_dist', created then; on "
-            f"NCCL one more communicator); it is verified over {self._settle} + {self._verify} steps"
-        )
+        self._skip = self.settle + 1
+        self._decide(text.switched(self, share, waits, idle))
 
     def _verdict(self, published: list[float]) -> None:
         unsure = [v >= _UNSURE for v in published]
         self.ratios = [v - _UNSURE if u else v for v, u in zip(published, unsure, strict=True)]
-        shown = ", ".join(
-            f"{r:.2f}{' (not sure)' if u else ''}" for r, u in zip(self.ratios, unsure, strict=True)
-        )
-        rule = (
-            f"at most {1 - self._margin:.2f}, and at least {self._sure:.0%} of the steps after shorter "
-            f"than the median before, on every rank; this rank: {self.faster_steps:.0%}"
-        )
-        if max(self.ratios) <= 1 - self._margin and not any(unsure):
+        kept = max(self.ratios) <= 1 - self.margin and not any(unsure)
+        if kept:
             self.phase = WatchPhase.KEPT
-            self._decide(
-                f"kept {schedule_words('early')}: the median step under it over the median before "
-                f"was {shown} on the ranks ({rule})"
-            )
-            return
-        self._pending, self.phase = "late", WatchPhase.BACK
-        self._decide(
-            f"back to {schedule_words('late')} from the next step: the median step under early over "
-            f"the median before was {shown} on the ranks (kept needs {rule}); no second try in this job"
-        )
+        else:
+            self._pending, self.phase = "late", WatchPhase.BACK
+        self._decide(text.verdict(self, unsure, kept=kept))
 
     def _decide(self, text: str) -> None:
         self.decisions.append((self.steps, text))
         if self.note is not None:
             self.note(f"input_dist schedule, step {self.steps}: {text}")
-
-
-def _shares(values: list[float]) -> str:
-    return ", ".join(f"{v:.0%}" for v in values)
