@@ -193,7 +193,7 @@ def rounds_and_variants() -> None:
 
 def one_warmup_per_config() -> None:
     """Every variant of a config times the same steps: the longer warm-up for all of them where one
-    measures before it decides (the schedule tuner; Prefetch's overlap trial, with tables on disk),
+    measures before it decides (the schedule tuner; Prefetch's watch, with tables on disk),
     else the short one."""
 
     def spec(*variants: str) -> RunSpec:
@@ -207,7 +207,7 @@ def one_warmup_per_config() -> None:
     assert (tuned.warmup_of("demo"), tuned.warmup_of("tiered")) == (90, 90)
     gpu = RunSpec(configs=("gpu-uvm",), variants=("plain", "ours-prefetch"), warmup=20, auto_warmup=90,
                   device="cuda")  # fmt: skip
-    assert gpu.warmup_of("gpu-uvm") == 20, "on CUDA, Prefetch behind the UVM cache runs no overlap trial"
+    assert gpu.warmup_of("gpu-uvm") == 20, "on CUDA, Prefetch behind the UVM cache runs no watch"
 
 
 def _prediction(**ms: float) -> SimpleNamespace:

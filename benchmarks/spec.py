@@ -44,7 +44,7 @@ FLAGS: dict[str, dict[str, bool]] = {
 }
 """`+FLAG`: constructor options of our pipelines (the ranks' checks off, together or one at a time,
 torchrec's memory flags,
-Prefetch's stage forced ahead or inline instead of its overlap trial)."""
+Prefetch's stage forced ahead or inline instead of its watch)."""
 _SCHEDULED = ("ours-sparse-dist", "ours-prefetch", "ours-fused-sparse-dist", "ours-semi-sync", "ours-eval")
 """Our classes that take `input_dist_schedule`; all but Eval tune it when asked for "auto"."""
 CPU_UNSUPPORTED = ("torchrec-prefetch", "torchrec-fused-sparse-dist", "torchrec-semi-sync")
@@ -76,7 +76,7 @@ def parse_variant(variant: str) -> tuple[str, str | None, tuple[str, ...]]:
 
 def _tunes(variant: str, on_disk: bool) -> bool:
     """Whether `variant` measures before it decides: the schedule tuner (`@auto`), and our Prefetch's
-    overlap trial where its `prefetch()` has work (tables on disk), unless `+ahead` or `+inline`
+    watch where its `prefetch()` has work (tables on disk), unless `+ahead` or `+inline`
     forces the mode."""
     name, schedule, flags = parse_variant(variant)
     if schedule == AUTO:
@@ -109,7 +109,7 @@ class RunSpec:
     """Untimed steps before them (first-batch rewrite, allocator warm-up)."""
     auto_warmup: int = 90
     """Untimed steps of every variant of a config where one of them measures before it decides: our
-    Prefetch with tables on disk (its overlap trial, docs/tiered.md, "Ahead or inline"). Every
+    Prefetch with tables on disk (its watch, docs/tiered.md, "Ahead or inline"). Every
     variant of a config times the same steps of the same batches: with tables on disk, a variant
     timed earlier than another would be timed while its caches still fill, before evictions write
     rows back."""
@@ -148,7 +148,7 @@ class RunSpec:
 
     def warmup_of(self, config: str) -> int:
         """Untimed steps before the timed ones of every variant of `config` (`auto_warmup`). On CUDA
-        a config's cached tables are torchrec's UVM cache, where Prefetch runs no overlap trial."""
+        a config's cached tables are torchrec's UVM cache, where Prefetch runs ahead without a watch."""
         on_disk = get_config(config).cache_fraction is not None and self.device == "cpu"
         return self.auto_warmup if any(_tunes(v, on_disk) for v in self.variants) else self.warmup
 

@@ -135,8 +135,13 @@ def _run_one(spec: RunSpec, config: BenchConfig, variant: str, batches: list, de
     record.update(peak_bytes=peak(device) - baseline, baseline_bytes=baseline)
     pipe = runner.pipe
     record["schedule"] = getattr(pipe, "input_dist_schedule", None)
-    if hasattr(pipe, "prefetch_ahead"):  # Prefetch: the mode its overlap trial kept, and why
+    if hasattr(pipe, "prefetch_ahead"):  # Prefetch: the mode its watch kept, and why
         record.update(prefetch_ahead=pipe.prefetch_ahead, prefetch_reason=pipe.prefetch_reason)
+        watch = pipe.prefetch_watch
+        if watch is not None:  # under "auto" on CPU: what it saw, and when it decided
+            record["prefetch_watch"] = {"share": watch.share, "ready_at": watch.ready_at,
+                                        "shares": watch.shares, "ratios": watch.ratios,
+                                        "decisions": watch.decisions, "phase": watch.phase.value}  # fmt: skip
     report = getattr(pipe, "rewrite_report", None)
     if report is not None:  # a pipeline that fell back to forward costs less: say it beside its figures
         sites = report.sites

@@ -60,7 +60,7 @@ from pipeline.ranks import (
 from pipeline.stages.backward_step import StepPlacement
 from pipeline.stages.context import TrainPipelineContext
 from pipeline.stages.not_pipelined import NotPipelinedWarning
-from pipeline.stages.overlap import OverlapTrial
+from pipeline.stages.prefetch_watch import PrefetchWatch
 from pipeline.stages.streams import CudaStreams, Streams
 from pipeline.stages.thread_streams import ThreadStreams
 from pipeline.stages.tuner import Tuner
@@ -95,12 +95,12 @@ __all__ = [
     "NotPreparedError",
     "Out",
     "OutputDistTensorFinder",
-    "OverlapTrial",
     "PeerFailedError",
     "PipelineStage",
     "PipelineState",
     "PrefetchOptions",
     "PrefetchTrainPipelineSparseDist",
+    "PrefetchWatch",
     "RankOptions",
     "RewriteError",
     "RewriteOptions",

@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
-    from pipeline.stages.overlap import OverlapTrial
+    from pipeline.stages.prefetch_watch import PrefetchWatch
     from pipeline.stages.tuner import Tuner
     from pipeline.stages.watch import ScheduleWatch
 
@@ -153,10 +153,10 @@ class PrefetchOptions:
     prefetch_ahead: bool | str = "auto"
     """True: the prefetch of batch i+1 is submitted right after forward of i (on CPU on a worker
     thread), overlapping backward and optimizer; False: just before forward of i+1; "auto": True
-    on CUDA; on CPU False while `prefetch()` takes under `AHEAD_MIN_MS` a batch, else what `trial`
-    measures to be faster (`pipeline.stages.overlap`)."""
-    trial: OverlapTrial | None = None
-    """Under "auto" on CPU, the `pipeline.OverlapTrial` that decides; None: `OverlapTrial()`."""
+    on CUDA; on CPU False until `watch` sees from the steps that True is faster
+    (`pipeline.stages.prefetch_watch`)."""
+    watch: PrefetchWatch | None = None
+    """Under "auto" on CPU, the `pipeline.PrefetchWatch` that decides; None: `PrefetchWatch()`."""
 
     def __post_init__(self) -> None:
         _one_of("prefetch_ahead", self.prefetch_ahead, (True, False, "auto"))

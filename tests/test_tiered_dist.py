@@ -8,11 +8,11 @@
 - An independent oracle: with SGD and with row-wise Adagrad, per-step outputs and every trained
   parameter equal those of torchrec's fused CPU kernel (fbgemm's CPU TBE) on the same batches, bit
   for bit, and a learning rate 1 % off or a step less does not.
-- The Prefetch pipeline under a short overlap trial (`pipeline.OverlapTrial`) timing steps on fake
-  clocks: ahead where that is faster, inline where it is not, every rank alike at the same step
-  (also where the ranks' own times disagree; deciding alone, the negative twin, they part), the
-  re-check changing the decision, each change in the rewrite report, and bit for bit in every mode;
-  `prefetch_ahead=True`/`False` run no trial.
+- The Prefetch pipeline under its watch (`pipeline.PrefetchWatch`) reading fake clocks: it starts
+  inline, runs ahead where that is faster, goes back where it is not or where one rank does not
+  gain, never moves where the stage blocks little, every rank alike at the same step (deciding
+  alone where nothing rides, the negative twin, they part), each decision in the rewrite report, and
+  bit for bit in every mode; `prefetch_ahead=True`/`False` have no watch.
 - state_dict holds the trained weights, and a restart from a checkpoint (model, fused and dense
   optimizer state, saved with torch.save) gives the same next outputs as an uninterrupted run.
 """
@@ -310,140 +310,133 @@ def test_restart_from_a_checkpoint_continues_bit_for_bit(pool):
         assert r["reloaded_equal"], "loading a checkpoint into a trained model kept stale rows"
 
 
-class _StepClock:
-    """A fake clock for the overlap trial on the ranks: each read advances it by the time of the
-    step that just ended, by the mode that step ran in (the trial reads it once a step, at the start
-    of the next, before the stage switches mode); `costs` (ahead ms, inline ms) until the first
-    decision, `after` from then on."""
+class _Clock:
+    """A fake clock for the prefetch watch on the ranks, advanced by the test: by the time the
+    training thread blocks in `prefetch()` (inline), then by the rest of the step's time."""
 
-    def __init__(self, costs: tuple, after: tuple, scale: float = 1.0) -> None:
-        self.costs, self.after, self.scale = costs, after, scale
-        self.now, self.pipe, self.trial = 0.0, None, None
+    def __init__(self) -> None:
+        self.now = 0.0
 
     def __call__(self) -> float:
-        costs = self.costs if self.trial.result is None else self.after
-        self.now += self.scale * costs[0 if self.pipe.prefetch_ahead else 1] / 1e3
         return self.now
 
 
-TRIAL_STEPS = 70
-"""About 10 steps to see that `prefetch()` works, a first trial by step ~32, its re-check by ~60."""
+WATCH_STEPS = 60
+"""Caches full from the first steps (the cache is a little above the rows in flight), 2 warm-up
+steps, a window of 3, 4 figures in a row, 1 + 4 steps of verification: a verdict by step ~25."""
 
 
-def _under_a_trial(rank: int, world_size: int, costs: tuple, after: tuple | None, mode: object,
-                   local: bool) -> dict:  # fmt: skip
+def _under_the_watch(rank: int, world_size: int, costs: tuple, mode: object, agreement: bool) -> dict:
     """The Prefetch pipeline on the tiered kernel, really running the stage ahead or inline as its
-    overlap trial says, the trial timing steps on `_StepClock`s: `costs[rank]` (ahead ms, inline ms)
-    until the first decision, `after[rank]` from then on. `mode`: `prefetch_ahead` ("auto", True or
-    False); `local`: each rank decides on its own times only (no sum over ranks). Each `prefetch()`
-    sleeps 1.5 ms, so that "auto" sees work to move (`PrefetchStage.AHEAD_MIN_MS`)."""
+    watch says, the watch reading a fake clock: `costs[rank]` is (inline step ms, of it blocked in
+    `prefetch()`, ahead step ms). `mode`: `prefetch_ahead` ("auto", True or False); `agreement`:
+    False lets nothing ride, so each rank decides alone."""
     import threading
-    import time
 
     import torch
 
     import pipeline
     from tests.models import bitwise_equal, plain_loop
 
-    data = _batches(TRIAL_STEPS, rank)
+    data = _batches(WATCH_STEPS, rank)
     with tempfile.TemporaryDirectory() as d:
         ref, ref_opt = _build("table_wise", d)
         expected, expected_state = plain_loop(ref, ref_opt, data), _state(ref)
-    mine = costs[rank], (after or costs)[rank]
-    wall, cpu = _StepClock(*mine), _StepClock(*mine, scale=0.5)
-    trial = pipeline.OverlapTrial(
-        warmup=2, block=3, settle=1, rounds=3, recheck_after=10, clock=wall, cpu_clock=cpu,
-        agree=(lambda v: v) if local else None, cores=2, local_ranks=2,
-    )  # fmt: skip
+    inline_ms, blocked_ms, ahead_ms = costs[rank]
+    clock = _Clock()
+    watch = pipeline.PrefetchWatch(window=3, verify=4, warmup=2, settle=1, sure=0.75, clock=clock)
     with tempfile.TemporaryDirectory() as d:
         model, opt = _build("table_wise", d)
         pipe = pipeline.PrefetchTrainPipelineSparseDist(
             model, opt, torch.device("cpu"), input_dist_schedule="late", prefetch_ahead=mode,
-            prefetch_trial=trial,
+            prefetch_watch=watch, agreement=agreement,
         )  # fmt: skip
-        for clock in (wall, cpu):
-            clock.pipe, clock.trial = pipe, trial
         ebc = model.module.model.sparse_arch.embedding_bag_collection
         real = ebc.prefetch
 
         def prefetch(*args, **kwargs):
-            on_main.append((len(outputs), threading.current_thread() is threading.main_thread()))
-            time.sleep(1.5e-3)
+            main = threading.current_thread() is threading.main_thread()
+            on_main.append((len(outputs), main))
+            if main:
+                clock.now += blocked_ms / 1e3
             return real(*args, **kwargs)
 
-        it, outputs, decisions, modes, since, on_main = iter(data), [], [], [], 0, []
+        it, outputs, modes, on_main = iter(data), [], [], []
         ebc.prefetch = prefetch
-        for step in range(TRIAL_STEPS):
+        for _ in range(WATCH_STEPS):
             outputs.append(pipe.progress(it))
             modes.append(pipe.prefetch_ahead)
-            if trial.result is not None and (not decisions or decisions[-1][0] != trial.decided_at):
-                decisions.append((trial.decided_at, trial.result.ahead))
-                since = step  # the step that decided ran in the mode decided
+            clock.now += (ahead_ms if pipe.prefetch_ahead else inline_ms - blocked_ms) / 1e3
         try:
             pipe.progress(it)
             stopped = False
         except StopIteration:
             stopped = True
+        decided = watch.decisions[-1][0] if watch.decisions else 0
         return {
             "outputs": bitwise_equal(outputs, expected),
             "params": bitwise_equal(_state(model), expected_state),
             "stopped": stopped,
-            "decisions": decisions,
-            "modes_after": modes[since:],
-            "on_main_after": {main for step, main in on_main if step > since},
+            "decisions": [step for step, _ in watch.decisions],
+            "phase": watch.phase.value,
+            "ready_at": watch.ready_at,
+            "modes": modes,
+            "on_main_after": {main for step, main in on_main if step > decided + 1},
             "reason": pipe.prefetch_reason,
-            "notes": [n for n in pipe.rewrite_report.notes if n.startswith("prefetch runs")],
+            "notes": [n for n in pipe.rewrite_report.notes if n.startswith("prefetch, step")],
         }
 
 
-FASTER, SLOWER, A_BIT_SLOWER = (60.0, 100.0), (140.0, 100.0), (105.0, 100.0)
-"""Step ms (ahead, inline) on a rank's fake clock."""
-TRIALS = {
-    # scenario: (costs per rank, costs per rank after the first decision, the decisions)
-    "ahead-faster": ((FASTER, FASTER), None, [True, True]),
-    "ahead-slower": ((SLOWER, SLOWER), None, [False, False]),
-    "ranks-disagree": ((FASTER, A_BIT_SLOWER), None, [True, True]),
-    "recheck-changes": ((FASTER, FASTER), (SLOWER, SLOWER), [True, False]),
+PAYS, DOES_NOT, BLOCKS_LITTLE = (100.0, 40.0, 60.0), (100.0, 40.0, 110.0), (100.0, 5.0, 60.0)
+"""(inline step ms, of it blocked in prefetch(), ahead step ms) on a rank's fake clock."""
+WATCHED = {
+    # scenario: (costs per rank, the phase it ends in)
+    "ahead-pays": ((PAYS, PAYS), "kept"),
+    "ahead-slower": ((DOES_NOT, DOES_NOT), "back"),
+    "one-rank-slower": ((PAYS, DOES_NOT), "back"),
+    "blocks-little": ((BLOCKS_LITTLE, BLOCKS_LITTLE), "watching"),
 }
 
 
-@pytest.mark.parametrize("scenario", list(TRIALS))
-def test_overlap_trial_decides_alike_on_every_rank_and_stays_bit_for_bit(pool, scenario):
-    """ranks-disagree: running ahead is faster on rank 0, a little slower on rank 1; summed over
-    ranks it is faster, and both ranks run ahead. recheck-changes: the re-check sees the change."""
-    costs, after, expected = TRIALS[scenario]
-    results = pool.run(_under_a_trial, costs, after, "auto", False, timeout=TIMEOUT)
+@pytest.mark.parametrize("scenario", list(WATCHED))
+def test_prefetch_watch_decides_alike_on_every_rank_and_stays_bit_for_bit(pool, scenario):
+    """one-rank-slower: running ahead pays on rank 0 only; every rank must gain, so both go back.
+    blocks-little (the twin of ahead-pays with the stage 5 % of the step): it never moves."""
+    costs, phase = WATCHED[scenario]
+    results = pool.run(_under_the_watch, costs, "auto", True, timeout=TIMEOUT)
     for rank, r in enumerate(results):
         where = f"{scenario}, rank {rank}"
         assert r["outputs"] and r["params"] and r["stopped"], f"{where}: not the plain loop bit for bit"
-        assert [a for _, a in r["decisions"]] == expected, f"{where}: decisions {r['decisions']}"
-        assert set(r["modes_after"]) == {expected[-1]}, f"{where}: the stage did not follow the decision"
-        assert r["on_main_after"] == {not expected[-1]}, f"{where}: prefetch() on the main thread: {r}"
-        changes = 1 + sum(a != b for a, b in itertools.pairwise(expected))  # a re-check alike adds none
-        assert len(r["notes"]) == changes, f"{where}: the report notes {r['notes']}"
-        words = "prefetch runs ahead on its worker" if expected[-1] else "prefetch runs inline: running"
-        assert r["reason"].startswith(words) and r["notes"][-1].startswith(words), f"{where}: {r['reason']}"
+        assert r["phase"] == phase and r["ready_at"] is not None, f"{where}: {r['phase']} {r['reason']}"
+        assert r["modes"][0] is False, f"{where}: auto does not start inline"
+        ahead = phase == "kept"
+        assert r["modes"][-1] is ahead and r["on_main_after"] == {not ahead}, f"{where}: {r['modes']}"
+        assert len(r["notes"]) == len(r["decisions"]) == {"kept": 2, "back": 2, "watching": 0}[phase]
+        if phase != "watching":
+            assert True in r["modes"] and "trying it ahead" in r["notes"][0], f"{where}: {r['notes']}"
+            words = "prefetch runs ahead on its worker" if ahead else "prefetch runs inline again"
+            assert words in r["reason"], f"{where}: {r['reason']}"
     assert results[0]["decisions"] == results[1]["decisions"], f"{scenario}: the ranks decided apart"
+    assert results[0]["modes"] == results[1]["modes"], f"{scenario}: the ranks ran apart"
 
 
-def test_overlap_trial_without_the_sum_over_ranks_decides_apart(pool):
-    """The negative twin of ranks-disagree: each rank on its own times, rank 0 runs ahead and rank 1
-    inline (still bit for bit: the mode changes when the work runs, not what it computes)."""
-    costs = TRIALS["ranks-disagree"][0]
-    results = pool.run(_under_a_trial, costs, None, "auto", True, timeout=TIMEOUT)
+def test_prefetch_watch_where_nothing_rides_decides_on_each_ranks_own_steps(pool):
+    """The twin of one-rank-slower: with agreement=False each rank decides alone, rank 0 keeps ahead
+    and rank 1 goes back (still bit for bit: the mode changes where the work runs, not what)."""
+    results = pool.run(_under_the_watch, WATCHED["one-rank-slower"][0], "auto", False, timeout=TIMEOUT)
     for rank, r in enumerate(results):
         assert r["outputs"] and r["params"], f"rank {rank} deciding alone: not the plain loop bit for bit"
-    assert [r["decisions"][0][1] for r in results] == [True, False], f"decisions: {results}"
+    assert [r["phase"] for r in results] == ["kept", "back"], [r["reason"] for r in results]
 
 
 @pytest.mark.parametrize("forced", [True, False], ids=["ahead", "inline"])
-def test_forced_prefetch_mode_runs_no_trial_and_stays_bit_for_bit(pool, forced):
-    """`prefetch_ahead=True` keeps running ahead where the trial would fall back (the negative twin
-    of ahead-slower), and `False` keeps inline where it would run ahead; neither asks the trial."""
-    costs = (SLOWER, SLOWER) if forced else (FASTER, FASTER)
-    for rank, r in enumerate(pool.run(_under_a_trial, costs, None, forced, False, timeout=TIMEOUT)):
+def test_forced_prefetch_mode_runs_no_watch_and_stays_bit_for_bit(pool, forced):
+    """`prefetch_ahead=True` keeps running ahead where the watch would go back (the negative twin
+    of ahead-slower), and `False` keeps inline where it would run ahead; neither has a watch."""
+    costs = (DOES_NOT, DOES_NOT) if forced else (PAYS, PAYS)
+    for rank, r in enumerate(pool.run(_under_the_watch, costs, forced, True, timeout=TIMEOUT)):
         where = f"prefetch_ahead={forced}, rank {rank}"
         assert r["outputs"] and r["params"] and r["stopped"], f"{where}: not the plain loop bit for bit"
-        assert r["decisions"] == [] and r["reason"] is None and r["notes"] == [], f"{where}: a trial ran"
-        assert set(r["modes_after"]) == {forced}, f"{where}: the mode changed"
+        assert r["reason"] is None and r["notes"] == [] and r["phase"] == "watching", f"{where}: {r}"
+        assert set(r["modes"]) == {forced}, f"{where}: the mode changed"
         assert r["on_main_after"] == {not forced}, f"{where}: prefetch() ran on the main thread: {r}"

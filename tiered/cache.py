@@ -236,3 +236,11 @@ class RowCache:
     @property
     def pinned_rows(self) -> int:
         return int((self.pins > 0).sum())
+
+    @property
+    def full(self) -> bool:
+        """Every slot holds a row (or every row of the shard is resident): from here on a batch's
+        misses evict, and a prefetch costs what it will cost in the steady state."""
+        if self.stats.evictions > 0:
+            return True
+        return int((self.row_of_slot >= 0).sum()) >= min(self.capacity, self.store.rows)

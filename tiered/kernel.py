@@ -220,6 +220,11 @@ class TieredEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         for cache in self.caches:
             cache.purge()
 
+    def caches_full(self) -> bool:
+        """Whether every table's cache is full (the Prefetch pipeline observes its steps from then
+        on: `pipeline.stages.prefetch_watch`)."""
+        return all(cache.full for cache in self.caches)
+
     def state_dict(
         self, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
     ) -> dict[str, Any]:

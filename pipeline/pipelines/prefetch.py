@@ -16,8 +16,8 @@ from pipeline.config import InputDistOptions, PrefetchOptions, RankOptions, Rewr
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
 from pipeline.stages.context import PrefetchBatchContext
-from pipeline.stages.overlap import OverlapTrial
 from pipeline.stages.prefetch import PrefetchStage, prefetch_does_work
+from pipeline.stages.prefetch_watch import PrefetchWatch
 from pipeline.stages.streams import Streams
 from pipeline.stages.thread_streams import streams_for
 from pipeline.stages.tuner import Tuner
@@ -32,7 +32,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
 
     Args (torchrec's, in its order, then ours, keyword-only): as in `TrainPipelineSparseDist`
     (under `execute_all_batches=False` the last two batches are dropped, as by torchrec's fixed
-    class; torchrec 1.8.0 drops four), and `prefetch_ahead`, `prefetch_trial`: the fields of
+    class; torchrec 1.8.0 drops four), and `prefetch_ahead`, `prefetch_watch`: the fields of
     `PrefetchOptions` (`prefetch` may give them).
     """
 
@@ -52,7 +52,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
         *,
         prefetch: PrefetchOptions | None = None,
         prefetch_ahead: bool | str | None = None,
-        prefetch_trial: OverlapTrial | None = None,
+        prefetch_watch: PrefetchWatch | None = None,
         strict: bool = False,
         rewrite: RewriteOptions | None = None,
         rewrite_method: str | None = None,
@@ -73,9 +73,9 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
         if streams is None and device.type != "cuda":  # CPU: the prefetch stream is a worker thread
             streams = streams_for(device, prefetch_thread=True)
         self._build(locals(), forward="prefetch", batch_context=PrefetchBatchContext)
-        options = resolve(prefetch, PrefetchOptions, prefetch_ahead=prefetch_ahead, trial=prefetch_trial)
+        options = resolve(prefetch, PrefetchOptions, prefetch_ahead=prefetch_ahead, watch=prefetch_watch)
         self._prefetch = PrefetchStage(
-            self._streams, self._input_dist, ahead=options.prefetch_ahead, trial=options.trial
+            self._streams, self._input_dist, ahead=options.prefetch_ahead, watch=options.watch
         )
         self._with_stage: bool | None = None
         """Some sharded module's `prefetch()` moves data (decided at the first batch); without,
@@ -88,10 +88,16 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
 
     @property
     def prefetch_reason(self) -> str | None:
-        """Under "auto" on CPU, once its overlap trial has decided: why the prefetch stage runs ahead
-        or inline, in one line with what was measured (also a note of the rewrite report)."""
-        trial = self._prefetch.trial
-        return trial.result.reason if trial is not None and trial.result is not None else None
+        """Under "auto" on CPU, once its watch has decided something: the last decision, in one line
+        with what was measured (each is also a note of the rewrite report)."""
+        watch = self._prefetch.watch
+        return watch.reason if watch is not None else None
+
+    @property
+    def prefetch_watch(self) -> PrefetchWatch | None:
+        """Under "auto" on CPU, the watch choosing ahead or inline: `print()` it to see what it saw
+        and did; `state_dict()`/`load_state_dict()` carry its decision across a restart."""
+        return self._prefetch.watch
 
     @property
     def prefetch_mode(self) -> str | None:

@@ -3,7 +3,7 @@ riding on its fused splits all-to-all instead of a vote.
 
 Once the sharded modules' splits all-to-alls are fused, a batch's first collective is that one
 all-to-all, which every rank issues anyway: each rank adds its word (`pipeline.ranks.word`: its
-status, its row count and the schedule watch's figure) as one more row (`pipeline.ranks.rows`), and
+status, its row count and one watch's figure) as one more row (`pipeline.ranks.rows`), and
 the splits wait reads every rank's word before any values move. A rank without the batch (its data
 ended, or the batch is rejected) sends zero splits of the shape the others send, recorded from an
 earlier batch, with its word (`StatusOnly`). Every receiver checks each word's tag and row
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.ranks.protocol import Ranks
 from pipeline.ranks.rows import StatusOnly, StatusSplits, riding_fits, settle_splits, splits_shape
 from pipeline.ranks.status import RidingMismatchError, Status
-from pipeline.ranks.word import TAG, pack, unpack
+from pipeline.ranks.word import TAG, figure_of, pack, tagged, unpack
 
 if TYPE_CHECKING:
     from pipeline.stages.context import BatchContext
@@ -35,7 +35,7 @@ NO_RIDE = (
     "that admits batches itself, or torchrec's collective checks), so the ranks have no shared "
     "observations of their steps to decide on"
 )
-"""Why the default schedule watch keeps torchrec's order without watching."""
+"""Why a watch cannot agree with the other ranks (`StepWatch.no_ride`)."""
 
 
 class Admission:
@@ -47,16 +47,19 @@ class Admission:
     Args:
         ranks: the pipeline's ranks' protocol (None: no agreement, nothing rides, every batch runs).
         enabled: the pipeline admits every batch through `InputDist.fill` and `start_next`.
-        watch: the default schedule's watch, whose figure rides in each word.
+        watch: the default schedule's watch, whose figure rides in the words (`add_watch` adds one).
     """
 
     def __init__(self, ranks: Ranks | None, enabled: bool, *, watch: Any = None) -> None:
         self._ranks = ranks
         self.enabled = enabled and ranks is not None and ranks.voting and not _validating()
-        self._watch = watch
-        """The schedule watch (`pipeline.stages.watch`) whose figure rides in each word, or None."""
-        if watch is not None and not self.enabled:
-            watch.pin(NO_RIDE)
+        self._watches: list[Any] = []
+        """The watches (`pipeline.stages.step_watch`) whose figures ride in the words, taking turns
+        where more than one publishes (at most two)."""
+        self._words = 0
+        """Words packed so far (whose turn it is)."""
+        if watch is not None:
+            self.add_watch(watch)
         self._checked = False
         """Whether statuses can ride on the fused splits was decided (`check`)."""
         self._shape: list[tuple[Any, int, Any, bool]] | None = None
@@ -75,21 +78,38 @@ class Admission:
         if why is None:
             return None
         self.enabled = False
-        if self._watch is not None and self._watch.choice is None:  # still watching or trying
-            self._watch.pin(NO_RIDE)
+        for watch in self._watches:
+            if watch.choice is None:  # still watching or trying
+                watch.no_ride(NO_RIDE)
         return f"the ranks vote on every batch; statuses do not ride on the splits all-to-all: {why}"
 
     def carrier(self, ctx: BatchContext) -> Callable[..., Any] | None:
         """What builds `ctx`'s fused splits all-to-all with this rank's word in it (its status, its
-        row count, the schedule watch's figure; HAVE for a batch already agreed on, so that the
+        row count, a watch's figure; HAVE for a batch already agreed on, so that the
         shape is learnt), or None when statuses do not ride."""
         if not self.enabled:
             return None
         status, figure = ctx.ticket.status, self._figure()
         return functools.partial(StatusSplits, word=lambda rows: pack(status, rows, figure))
 
+    def add_watch(self, watch: Any) -> None:
+        """Let `watch`'s figures ride (where nothing rides, it is told so: `no_ride`)."""
+        if len(self._watches) == 2:
+            raise ValueError("a word carries the figures of two watches at most")
+        if self._watches:  # each holds still while the other verifies a switch
+            watch.partner, self._watches[0].partner = self._watches[0], watch
+        self._watches.append(watch)
+        if not self.enabled:
+            watch.no_ride(NO_RIDE)
+
     def _figure(self) -> int:
-        return self._watch.observation() if self._watch is not None else 0
+        """The observation field of the next word: the figure of the watch whose turn it is."""
+        live = [i for i, w in enumerate(self._watches) if w.publishing]
+        if not live:
+            return 0
+        which = live[self._words % len(live)]
+        self._words += 1
+        return tagged(which, self._watches[which].observation())
 
     def learn(self, fused: list[tuple[list[str], Any]]) -> None:
         """After a fused start: what a rank without a batch must send from now on."""
@@ -140,6 +160,14 @@ class Admission:
             for pg, rows, device, carries in self._shape
         ]
 
+    def _hand_out(self, observations: list[int]) -> None:
+        """Every rank's figure for one batch, to the watch they all belong to (a batch whose words
+        name different watches, or lack a figure, decides nothing)."""
+        fields = [figure_of(o) for o in observations]
+        which = {w for w, _ in fields}
+        if len(which) == 1 and (w := which.pop()) < len(self._watches):
+            self._watches[w].received([f for _, f in fields])
+
     def conclude(self, ctx: BatchContext) -> bool:
         """At the splits wait: where `ctx`'s status rode, read every rank's and let the ranks'
         protocol decide (`Ranks.conclude`: it may raise on every rank). False: some rank lacks
@@ -151,8 +179,7 @@ class Admission:
         if carrier is None:
             raise RuntimeError("a batch whose status rides has no status row among its splits all-to-alls")
         statuses, figures = _read(carrier.words(), carrier.rows, ctx.index)
-        if self._watch is not None:
-            self._watch.received(figures)
+        self._hand_out(figures)
         counts = Counter(statuses)
         if counts[Status.HAVE] < sum(counts.values()):  # refused: wait for every group's splits first
             settle_splits(ctx.splits_requests)

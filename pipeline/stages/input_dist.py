@@ -105,6 +105,8 @@ class InputDist:
             if self._one_rank:
                 self.watch.pin(ONE_RANK)
         self._admission = Admission(ranks, carry, watch=self.watch)
+        self._others: list[Any] = []
+        """Other stages' watches (`add_watch`)."""
         """Whether each batch is trained, by its vote or by what rides on its splits (it pins the
         watch where nothing rides)."""
         self._groups = InputDistGroups(ranks.new_group if ranks is not None else dist.new_group)
@@ -154,6 +156,15 @@ class InputDist:
         if self.report is not None:
             self.report.notes.append(text)
 
+    def add_watch(self, watch: Any) -> None:
+        """Let another stage's watch (`pipeline.stages.prefetch_watch`) publish its figures in the
+        ranks' words, its decisions noted in the rewrite report."""
+        watch.note = self._note
+        self._others.append(watch)
+        if self._one_rank:
+            watch.no_ride("one rank")
+        self._admission.add_watch(watch)
+
     def use_forward(self, forward: str) -> None:
         """Change which hijacked forward the sharded modules get (see the class), before the first
         batch rewrote them.
@@ -166,11 +177,12 @@ class InputDist:
         self._forward = forward
 
     def interrupt(self) -> None:
-        """The step ended abnormally (the pipeline reset): the tuner does not time across it."""
+        """The step ended abnormally (the pipeline reset): no tuner or watch times across it."""
         if self.tuner is not None:
             self.tuner.interrupt()
-        if self.watch is not None:
-            self.watch.interrupt()
+        for watch in (self.watch, *self._others):
+            if watch is not None:
+                watch.interrupt()
 
     def attach(self, batch: Any) -> Rewrite:
         """Rewrite the model's sharded modules, once, with `batch` as the sample. The rewrite may

@@ -1,11 +1,9 @@
 """`PrefetchStage`: the prefetch stage of a batch, waiting for its input_dist and running each
 sharded module's `prefetch()` on the prefetch stream (a worker thread on CPU), ahead of forward where
-that pays (`pipeline.stages.overlap`)."""
+that pays (`pipeline.stages.prefetch_watch`)."""
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any
 
 import torch
@@ -13,7 +11,7 @@ import torch
 from pipeline.stages.context import PrefetchBatchContext
 from pipeline.stages.input_dist import InputDist
 from pipeline.stages.labels import label, run_stage
-from pipeline.stages.overlap import OverlapTrial
+from pipeline.stages.prefetch_watch import PrefetchWatch
 from pipeline.stages.streams import Streams
 
 __all__ = ["PrefetchStage", "prefetch_does_work"]
@@ -26,27 +24,29 @@ class PrefetchStage:
     Args:
         streams: the pipeline's streams.
         input_dist: the pipeline's input_dist (its modules, and `clear_data_dist_inputs`).
-        ahead: `PrefetchOptions.prefetch_ahead`: True, False or "auto". On CPU, "auto" runs the
-            stage inline where the modules' `prefetch()` calls take under `AHEAD_MIN_MS` a batch
-            (median of batches 2 to 9: handing a near-empty stage to a thread costs more than it
-            hides), and otherwise lets `trial` measure whether running it ahead pays.
-        trial: under "auto" on CPU, the `OverlapTrial` that decides (None: `OverlapTrial()`).
+        ahead: `PrefetchOptions.prefetch_ahead`: True, False or "auto". "auto" runs ahead on CUDA
+            (the prefetch stream takes no host core); on CPU it starts inline and lets `watch`
+            move it ahead where the steps show that pays.
+        watch: under "auto" on CPU, the `PrefetchWatch` that decides (None: `PrefetchWatch()`).
     """
 
-    AHEAD_MIN_MS = 1.0
-    """Under "auto" on CPU, the prefetch work per batch below which the stage stays inline."""
-    _AHEAD_SAMPLES = 8
-
     def __init__(
-        self, streams: Streams, input_dist: InputDist, *, ahead: bool | str, trial: OverlapTrial | None = None
+        self,
+        streams: Streams,
+        input_dist: InputDist,
+        *,
+        ahead: bool | str,
+        watch: PrefetchWatch | None = None,
     ) -> None:
         self._streams, self._input_dist = streams, input_dist
-        self.ahead = ahead if ahead != "auto" else True
-        self._auto = ahead == "auto" and streams.has_prefetch_worker
-        self.trial: OverlapTrial | None = None
-        """Under "auto" on CPU, once the stage has work: the trial deciding ahead or inline."""
-        self._next_trial = (trial or OverlapTrial()) if self._auto else None
-        self._work_ms: list[float] = []  # prefetch() time per batch, for the "auto" choice
+        auto = ahead == "auto" and streams.has_prefetch_worker
+        self.ahead = (not auto) if ahead == "auto" else ahead
+        self.watch: PrefetchWatch | None = (watch or PrefetchWatch()) if auto else None
+        """Under "auto" on CPU: the watch that may run the stage ahead."""
+        if self.watch is not None:
+            input_dist.add_watch(self.watch)
+            if input_dist.tuner is not None:  # "auto": no switch of this stage while it compares
+                self.watch.partner = input_dist.tuner
         self._working: set[str] | None = None
         """FQNs of the modules whose `prefetch()` moves data (known at the first submission)."""
         streams.set_prefetch_on_worker(self.ahead)
@@ -62,13 +62,24 @@ class PrefetchStage:
                 f"prefetch() of {', '.join(idle)} moves no data (kernels without a cache to fill): "
                 "not called" + ("; the prefetch stage runs inline" if not self._working else "")
             )
-        if not self._working and self._auto:
-            self._auto, self.ahead = False, False
-            self._streams.set_prefetch_on_worker(False)
+        if not self._working:
+            self.stay_inline()
+        elif self.watch is not None:
+            caches = [
+                m
+                for pm in modules
+                if pm.fqn in self._working
+                for m in pm.module.modules()
+                if callable(getattr(m, "caches_full", None))
+            ]
+            if caches:
+                self.watch.ready = lambda: all(m.caches_full() for m in caches)
 
     def stay_inline(self) -> None:
         """The stage will not run (no module's `prefetch()` moves data): nothing ahead, no thread."""
-        self._auto, self.ahead = False, False
+        if self.watch is not None and self.watch.choice is None:
+            self.watch.pin("no sharded module's prefetch() moves data")
+        self.ahead = False
         self._streams.set_prefetch_on_worker(False)
 
     def submit_early(self, ctx: PrefetchBatchContext) -> None:
@@ -90,39 +101,31 @@ class PrefetchStage:
             )
 
     def wait(self, ctx: PrefetchBatchContext) -> None:
-        """Before forward of `ctx`: its prefetch stage done (submitted now if it was not)."""
+        """Before forward of `ctx`: its prefetch stage done (submitted now if it was not). While the
+        watch watches or tries, the time the training thread blocks here is its figure."""
+        watch = self.watch
+        start = watch.clock() if watch is not None and watch.clocked else None
         self.submit(ctx)  # not ahead, the first batch, or another lane's successor
         ctx.prefetch_job.result()  # re-raises what went wrong on the prefetch stream
-        if self._auto and len(self._work_ms) > self._AHEAD_SAMPLES:
-            self._auto = False
-            self.ahead = statistics.median(self._work_ms[1:]) >= self.AHEAD_MIN_MS
-            self._streams.set_prefetch_on_worker(self.ahead)
-            if self.ahead:
-                self.trial = self._next_trial
+        if start is not None:
+            watch.blocked += watch.clock() - start
 
     def start_step(self, training: bool) -> None:
-        """At the start of a step: under a trial, run this training step's stage ahead or inline
-        as it says (an eval step is not timed), and note each decision that changes the mode."""
-        trial = self.trial
-        if trial is None:
+        """At the start of a step: under the watch, run this training step's stage ahead or inline
+        as it says (an eval step is not timed)."""
+        watch = self.watch
+        if watch is None:
             return
         if not training:
-            trial.interrupt()
+            watch.interrupt()
             return
-        previous, decided = trial.result, trial.decided_at
-        tuner = self._input_dist.tuner
-        ahead = trial.next_step(busy=tuner is not None and tuner.tuning)
+        ahead = watch.step() == "ahead"
         if ahead != self.ahead:
             self.ahead = ahead
             self._streams.set_prefetch_on_worker(ahead)
-        report = self._input_dist.report
-        changed = trial.decided_at != decided and (previous is None or previous.ahead != trial.result.ahead)
-        if changed and report is not None:
-            report.notes.append(trial.result.reason)
 
     def _run(self, ctx: PrefetchBatchContext, forward_stream: Any) -> None:
         streams = self._streams
-        work = 0.0
         self._input_dist.release_inputs(ctx)
         with run_stage(streams, "prefetch", ctx.index), torch.no_grad():
             for site in self._input_dist.sites:
@@ -131,17 +134,13 @@ class PrefetchStage:
                     continue
                 module_ctx, data = prepared
                 if site.fqn in self._working:
-                    start = time.perf_counter()
                     # fbgemm's UVM-caching kernels record their cache locations on forward_stream
                     # themselves (record_stream inside `prefetch`); what we hand over is held by ctx
                     with label(f"pipeline::prefetch::{site.key}#{ctx.index}"):
                         site.module.prefetch(dist_input=data, forward_stream=forward_stream, ctx=module_ctx)
-                    work += time.perf_counter() - start
                 streams.produced(data)
                 streams.produced(module_ctx)
                 ctx.prefetched[site.key] = (module_ctx, data)
-        if self._auto:
-            self._work_ms.append(work * 1e3)
 
 
 _NO_PREFETCH = frozenset({"dense", "fused", "fused_uvm", "quant", "quant_uvm"})

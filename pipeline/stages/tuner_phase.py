@@ -123,7 +123,7 @@ class Phase:
 
 def all_reduce_sum(values: list[float]) -> list[float]:
     """`values` summed over the ranks of the default process group (as they are at one rank): how
-    the tuner and the overlap trial agree."""
+    the tuner's ranks agree."""
     if not (dist.is_available() and dist.is_initialized()):
         return values
     backend = dist.get_backend()

@@ -54,7 +54,7 @@ def verdict(w: ScheduleWatch, unsure: list[bool], *, kept: bool) -> str:
 
 def watch_repr(w: ScheduleWatch) -> str:
     """What `print(pipe.tuner)` shows under the default schedule."""
-    from pipeline.stages.watch import WatchPhase
+    from pipeline.stages.step_watch import WatchPhase
 
     head = f"input_dist schedule: adaptive, running {schedule_words(w.schedule)}"
     if w.phase is WatchPhase.WATCHING:

@@ -1,0 +1,168 @@
+"""Prefetch's ahead-or-inline choice on CPU (pipeline.stages.prefetch_watch) with fake clocks and
+simulated ranks, and the words two watches share (pipeline.ranks.riding): it starts inline, observes
+nothing while the caches fill, tries ahead where the stage blocks a steady share of the step, keeps it
+only where the steps after are faster on every rank, else goes back once; it holds still while the
+schedule's own choice verifies; alone (one rank, nothing rides) it decides from its own figure."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.ranks.riding import Admission
+from pipeline.ranks.word import figure_of, observed, tagged
+from pipeline.stages.prefetch_watch import PrefetchWatch
+from pipeline.stages.step_watch import WatchPhase
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def simulate(steps: int, cost, *, ranks: int = 2, ready=None, partner=None, alone=False, **settings):
+    """`ranks` watches in lockstep; `cost(rank, mode, step)` is (step_s, blocked_s): the step's time
+    and, of it, the time the training thread blocked in the prefetch stage. Every rank's figure
+    reaches every rank in the same step, as the words in the splits all-to-all do."""
+    clocks = [FakeClock() for _ in range(ranks)]
+    watches = [PrefetchWatch(clock=c, **settings) for c in clocks]
+    for w in watches:
+        w.ready, w.partner = ready, partner
+        if alone:
+            w.no_ride("one rank")
+    ran: list[list[str]] = [[] for _ in range(ranks)]
+    for step in range(1, steps + 1):
+        figures = []
+        for r, (watch, clock) in enumerate(zip(watches, clocks, strict=True)):
+            mode = watch.step()
+            ran[r].append(mode)
+            figures.append(watch.observation())
+            step_s, blocked_s = cost(r, mode, step)
+            watch.blocked += blocked_s
+            clock.now += step_s
+        if not alone:
+            for watch in watches:
+                watch.received(list(figures))
+    return watches, ran
+
+
+def _disk_bound(r, mode, step):
+    """Inline, a 100 ms step blocks 40 ms in the prefetch stage; ahead takes 65 ms."""
+    return (0.100, 0.040) if mode == "inline" else (0.065, 0.002)
+
+
+def test_a_step_that_blocks_in_the_prefetch_stage_runs_it_ahead_where_that_pays():
+    watches, ran = simulate(60, _disk_bound)
+    for watch, modes in zip(watches, ran, strict=True):
+        assert watch.phase is WatchPhase.KEPT and watch.mode == "ahead", watch
+        assert modes[:25] == ["inline"] * 25 and modes.count("inline") == 25 and modes[-1] == "ahead"
+        assert watch.shares == pytest.approx([0.4, 0.4]) and watch.ratios == pytest.approx([0.65, 0.65])
+    text = repr(watches[0])
+    assert "trying it ahead" in text and "prefetch runs ahead on its worker thread" in text
+    assert watches[0].reason.startswith("prefetch runs ahead")
+
+
+def test_where_ahead_does_not_pay_it_goes_back_inline_once():
+    watches, ran = simulate(200, lambda r, m, s: (0.100, 0.040) if m == "inline" else (0.104, 0.0))
+    for watch, modes in zip(watches, ran, strict=True):
+        assert watch.phase is WatchPhase.BACK and watch.mode == "inline"
+        assert modes.count("ahead") == 2 + 20 + 1 and modes[-100:] == ["inline"] * 100
+    assert "inline again" in watches[0].reason and "no second try" in watches[0].reason
+
+
+def test_a_gain_on_one_rank_only_is_not_kept():
+    """Every rank must gain: rank 1's steps ahead are slower (two ranks sharing the cores)."""
+
+    def cost(r, mode, step):
+        if mode == "inline":
+            return 0.100, 0.040
+        return (0.065, 0.0) if r == 0 else (0.105, 0.0)
+
+    watches, ran = simulate(100, cost)
+    assert ran[0] == ran[1] and all(w.phase is WatchPhase.BACK for w in watches)
+
+
+def test_nothing_changes_where_the_stage_blocks_little():
+    watches, ran = simulate(200, lambda r, m, s: (0.100, 0.015))  # 15 %: under the 20 % threshold
+    assert all(modes == ["inline"] * 200 for modes in ran)
+    assert all(w.phase is WatchPhase.WATCHING and w.share == pytest.approx(0.15) for w in watches)
+
+
+def test_nothing_is_observed_while_the_caches_fill():
+    """A cold cache reads more: inline steps block 60 % until step 50, 10 % after (ahead would have
+    looked worth trying on the cold steps). Twin: without the kernels' word it tries."""
+    full = [False]
+
+    def cost(r, mode, step):
+        full[0] = step > 50
+        return (0.100, 0.060 if step <= 50 else 0.010) if mode == "inline" else (0.090, 0.0)
+
+    watches, ran = simulate(150, cost, ready=lambda: full[0])
+    assert all(modes == ["inline"] * 150 for modes in ran)
+    assert watches[0].ready_at == 52 and watches[0].share == pytest.approx(0.1)
+    _, ran = simulate(150, cost)
+    assert "ahead" in ran[0]
+
+
+def test_it_holds_still_while_the_schedule_verifies_a_switch():
+    class Tuning:
+        tuning = True
+
+    _, ran = simulate(100, _disk_bound, partner=Tuning())
+    assert ran[0] == ["inline"] * 100
+    Tuning.tuning = False
+    _, ran = simulate(100, _disk_bound, partner=Tuning())
+    assert "ahead" in ran[0]
+
+
+def test_alone_it_decides_from_its_own_figure():
+    watches, ran = simulate(60, _disk_bound, ranks=1, alone=True)
+    assert watches[0].phase is WatchPhase.KEPT and ran[0][-1] == "ahead"
+    assert not watches[0].publishing and "one rank" in repr(watches[0])
+
+
+def test_state_dict_keeps_the_decision():
+    watches, _ = simulate(60, _disk_bound)
+    restored = PrefetchWatch(clock=lambda: (_ for _ in ()).throw(AssertionError("clock read")))
+    restored.load_state_dict(watches[0].state_dict())
+    assert restored.step() == "ahead" and restored.phase is WatchPhase.KEPT and not restored.clocked
+    with pytest.raises(ValueError, match="names 'early'"):
+        restored.load_state_dict({"phase": "kept", "mode": "early", "decisions": []})
+
+
+# -- two watches in one word --------------------------------------------------------------------
+
+
+class _Watch:
+    def __init__(self, figure: float) -> None:
+        self.figure, self.publishing, self.got, self.partner = figure, True, [], None
+
+    def no_ride(self, reason: str) -> None:
+        pass
+
+    def observation(self) -> int:
+        return observed(self.figure)
+
+    def received(self, figures: list[int]) -> None:
+        self.got.append(figures)
+
+
+def test_two_watches_take_turns_in_the_words_and_each_reads_only_its_own():
+    admission = Admission(None, False)
+    first, second = _Watch(0.25), _Watch(0.5)
+    admission.add_watch(first)
+    admission.add_watch(second)
+    assert first.partner is second and second.partner is first
+    sent = [admission._figure() for _ in range(4)]
+    assert [figure_of(f) for f in sent] == [(0, 251), (1, 501)] * 2
+    admission._hand_out([sent[0], sent[0]])
+    admission._hand_out([sent[1], sent[1]])
+    admission._hand_out([sent[0], sent[1]])  # the ranks' words name different watches: nobody's
+    assert first.got == [[251, 251]] and second.got == [[501, 501]]
+    second.publishing = False  # decided: the other publishes in every word
+    assert {figure_of(admission._figure())[0] for _ in range(3)} == {0}
+    assert tagged(1, 0) == 0  # no figure: nothing to route
+    with pytest.raises(ValueError, match="two watches at most"):
+        admission.add_watch(_Watch(0.1))
