@@ -27,7 +27,7 @@ from benchmarks.spec import VARIANTS, RunSpec, reference
 __all__ = ["Row", "merge_ranks", "run", "run_benchmark", "summarize"]
 
 _MIB = 2**20
-_DICTS = ("tuner", "watch", "cprofile", "predicted_ms")
+_DICTS = ("tuner", "watch", "prefetch_watch", "cprofile", "predicted_ms")
 """The structured fields of a record kept from rank 0."""
 _MAX_OVER_RANKS = ("cpu_ms", "peak_bytes", "tensor_peak_bytes", "wait_in_forward_ms", "forward_ms",
                    "store_read_ms", "prefetch_ms")  # fmt: skip

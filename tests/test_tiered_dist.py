@@ -361,11 +361,13 @@ def _under_the_watch(rank: int, world_size: int, costs: tuple, mode: object, agr
                 clock.now += blocked_ms / 1e3
             return real(*args, **kwargs)
 
-        it, outputs, modes, on_main = iter(data), [], [], []
+        it, outputs, modes, on_main, full_at = iter(data), [], [], [], None
         ebc.prefetch = prefetch
-        for _ in range(WATCH_STEPS):
+        for step in range(1, WATCH_STEPS + 1):
             outputs.append(pipe.progress(it))
             modes.append(pipe.prefetch_ahead)
+            if full_at is None and ebc.caches_full():
+                full_at = step
             clock.now += (ahead_ms if pipe.prefetch_ahead else inline_ms - blocked_ms) / 1e3
         try:
             pipe.progress(it)
@@ -380,6 +382,7 @@ def _under_the_watch(rank: int, world_size: int, costs: tuple, mode: object, agr
             "decisions": [step for step, _ in watch.decisions],
             "phase": watch.phase.value,
             "ready_at": watch.ready_at,
+            "full_at": full_at,
             "modes": modes,
             "on_main_after": {main for step, main in on_main if step > decided + 1},
             "reason": pipe.prefetch_reason,
@@ -407,7 +410,10 @@ def test_prefetch_watch_decides_alike_on_every_rank_and_stays_bit_for_bit(pool, 
     for rank, r in enumerate(results):
         where = f"{scenario}, rank {rank}"
         assert r["outputs"] and r["params"] and r["stopped"], f"{where}: not the plain loop bit for bit"
-        assert r["phase"] == phase and r["ready_at"] is not None, f"{where}: {r['phase']} {r['reason']}"
+        assert r["phase"] == phase, f"{where}: {r['phase']} {r['reason']}"
+        # observed from the step after the kernels' caches filled, not from the warm-up's end (4)
+        seen = f"{where}: full at {r['full_at']}, observed from {r['ready_at']}"
+        assert r["ready_at"] == r["full_at"] + 1 > 4, seen
         assert r["modes"][0] is False, f"{where}: auto does not start inline"
         ahead = phase == "kept"
         assert r["modes"][-1] is ahead and r["on_main_after"] == {not ahead}, f"{where}: {r['modes']}"

@@ -184,6 +184,11 @@ class TieredShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             k for lookup in self._lookups if isinstance(lookup, TieredLookup) for k in lookup.tiered_kernels()
         ]
 
+    def caches_full(self) -> bool:
+        """Whether every tiered table's cache on this rank is full (from then on a prefetch costs
+        what it will cost in the steady state: the Prefetch pipeline's watch observes from then)."""
+        return all(k.caches_full() for k in self.tiered_kernels())
+
     def release_prefetched(self, dist_input: list[KeyedJaggedTensor], *, updated: bool = False) -> None:
         """Unpin the rows `prefetch(dist_input)` acquired, without a forward (`TieredLookup`); the
         I/O of a step with no compute, for benchmarks."""
