@@ -573,6 +573,54 @@ def test_reads_on_several_threads_return_in_order_and_raise_after_all_ended():
     assert names == [threading.current_thread().name] * 2
 
 
+def test_a_child_forked_while_a_read_pool_starts_reads_on_a_pool_of_its_own():
+    """The fork happens while another thread holds the lock that guards the read pool's start: the
+    child inherits that lock held, by a thread it does not have. It reads on threads of its own at
+    once (twin: the child of a fork without the reset waits on that lock forever: killed, None)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from tiered import readers
+
+    readers.run_all([lambda: 0, lambda: 1], 2)  # the parent's pool exists
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with readers._lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 99
+        try:
+            names = []
+
+            def read(i):
+                return lambda: (names.append(threading.current_thread().name), i)[1]
+
+            ok = readers.run_all([read(i) for i in range(4)], 2) == [0, 1, 2, 3]
+            code = 0 if ok and all(n.startswith("tiered-reader") for n in names) else 2
+        finally:
+            os._exit(code)
+    deadline, status = time.monotonic() + 20, None
+    while status is None and time.monotonic() < deadline:
+        done, raw = os.waitpid(pid, os.WNOHANG)
+        status = os.waitstatus_to_exitcode(raw) if done else None
+        time.sleep(0.02)
+    if status is None:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    release.set()
+    holder.join()
+    assert status == 0, f"the forked child hung on the read pool's lock (None) or failed ({status})"
+
+
 def test_read_threads_default_to_this_ranks_share_of_the_cores(tmp_path, monkeypatch):
     import os
 

@@ -9,7 +9,8 @@ those of one thread.
 
 The default gives each local rank its share of the cores the process may run on: one thread where
 the ranks already fill the cores, so nothing is added there. The pool is started on first use, and
-again in a forked child (which inherits no threads).
+again in a forked child, which inherits no threads: its pool and the lock guarding the pool's start
+are reset at the fork (a lock another thread held then would stay held in the child forever).
 """
 
 from __future__ import annotations
@@ -64,8 +65,7 @@ def run_all(calls: Sequence[Callable[[], T]], threads: int) -> list[T]:
 
 
 def _executor() -> ThreadPoolExecutor:
-    """The process's pool of `MAX_THREADS` (threads start as work needs them); a new one in a forked
-    child."""
+    """The process's pool of `MAX_THREADS` (threads start as work needs them)."""
     global _pool, _pid
     if _pool is None or _pid != os.getpid():
         with _lock:
@@ -73,3 +73,12 @@ def _executor() -> ThreadPoolExecutor:
                 _pool = ThreadPoolExecutor(max_workers=MAX_THREADS, thread_name_prefix="tiered-reader")
                 _pid = os.getpid()
     return _pool
+
+
+def _after_fork_in_child() -> None:
+    """The child has none of the parent's threads: a pool and a lock of its own."""
+    global _pool, _pid, _lock
+    _pool, _pid, _lock = None, -1, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
