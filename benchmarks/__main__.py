@@ -57,8 +57,8 @@ def _run(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--auto-warmup",
         type=int,
-        default=90,
-        help="untimed steps of every variant of a config where one tunes (default 90)",
+        default=250,
+        help="untimed steps of every variant of a config where one tunes or watches (default 250)",
     )
     p.add_argument("--profile-steps", type=int, default=5, help="steps of the profiled segment; 0: none")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: nccl, one GPU per rank")
@@ -94,7 +94,7 @@ def _sweep(p: argparse.ArgumentParser) -> None:
 
 
 def _tiered(p: argparse.ArgumentParser) -> None:
-    _common(p, steps=15, warmup=110, rounds=2, json="out/bench/tiered.json", md="out/bench/tiered.md")
+    _common(p, steps=15, warmup=250, rounds=2, json="out/bench/tiered.json", md="out/bench/tiered.md")
     _names(p, "--configs", "configs with tables on disk (default tiered tiered-skewed tiered-balanced)")
     p.add_argument("--world-sizes", nargs="+", type=int, default=[1, 2], help="default 1 2")
     p.add_argument("--store-dir", default=_STORE, help="stores (local disk; $BENCH_STORE_DIR)")

@@ -74,6 +74,10 @@ class Row:
     store_read_ms: float | None = None
     prefetch_ms: float | None = None
     """Tables on disk: time making a batch's rows resident per step, on whichever thread ran it."""
+    prefetch: str | None = None
+    """Our Prefetch under its watch (tables on disk): the mode it ran in at the end, counted over rounds."""
+    prefetch_watch: str | None = None
+    """What the watch did, round by round: when it observed, tried ahead and decided, and the ratios."""
 
 
 def run_benchmark(spec: RunSpec, *, world_size: int, link: str | None, timeout: float, command: str) -> dict:
@@ -157,6 +161,7 @@ def summarize(runs: list[dict[str, Any]], *, world_size: int) -> list[Row]:
         step = over_rounds([statistics.median(r["step_times_s"]) * 1e3 for r in ok])
         ref = reference(variant)
         schedules = Counter(r["schedule"] for r in ok if r.get("schedule"))
+        modes = Counter(("ahead" if r["prefetch_ahead"] else "inline") for r in ok if r.get("prefetch_watch"))
         rows.append(Row(
             config=config, variant=variant, status="ok", step_ms=step,
             samples_per_s=get_config(config).batch_size * world_size / step.median * 1e3,
@@ -172,8 +177,23 @@ def summarize(runs: list[dict[str, Any]], *, world_size: int) -> list[Row]:
             schedule=" ".join(f"{s} x{n}" for s, n in schedules.most_common()) or None,
             cache_hit_rate=_median(ok, "cache_hit_rate"), store_read_ms=_median(ok, "store_read_ms"),
             prefetch_ms=_median(ok, "prefetch_ms"),
+            prefetch=" ".join(f"{m} x{n}" for m, n in modes.most_common()) or None,
+            prefetch_watch="; ".join(w for r in ok if (w := _prefetch_watch(r))) or None,
         ))  # fmt: skip
     return rows
+
+
+def _prefetch_watch(run: dict[str, Any]) -> str | None:
+    """One round of Prefetch's watch in words: when it observed, each decision's step, the ratios."""
+    watch = run.get("prefetch_watch")
+    if not watch:
+        return None
+    steps = [str(step) for step, _ in watch["decisions"]]
+    ratios = ", ".join(f"{r:.2f}" for r in watch["ratios"])
+    seen = f"round {run['round']}: observed from step {watch['ready_at']}"
+    if len(steps) == 2:
+        return f"{seen}, tried ahead at {steps[0]}, {watch['phase']} at {steps[1]} (ratios {ratios})"
+    return f"{seen}, {watch['phase']}" + (f" at {', '.join(steps)}" if steps else "")
 
 
 def _share(run: dict[str, Any]) -> float | None:
@@ -194,7 +214,7 @@ def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str | None]]
     columns = ["config / variant", "step ms", "samples/s", "vs plain", "vs reference", "CPU ms", "RSS MiB",
                "tensor MiB", "input_dist in fwd ms", "of it assembly", "schedule kept", "share blocked",
                "total s", "total vs reference"]  # fmt: skip
-    columns += ["hit rate", "store read ms", "resident ms"] if disk else []
+    columns += ["hit rate", "store read ms", "resident ms", "prefetch kept"] if disk else []
     cells = []
     for r in (r for r in rows if r["status"] == "ok"):
         kinds = ("step_ms", "vs_plain", "vs_reference", "cpu_ms", "share", "total_s", "total_vs_reference")
@@ -211,9 +231,15 @@ def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str | None]]
                 cell(r["cache_hit_rate"], ".3f"),
                 cell(r["store_read_ms"], ".1f"),
                 cell(r["prefetch_ms"], ".1f"),
+                r.get("prefetch"),
             ]
         cells.append(line)
     notes = [f"{r['config']} / {r['variant']}: {r['message']}" for r in rows if r["status"] != "ok"]
+    notes += [
+        f"{r['config']} / {r['variant']}, its prefetch watch: {w}"
+        for r in rows
+        if (w := r.get("prefetch_watch"))
+    ]
     return columns, cells, [*notes, *_NOTES]
 
 

@@ -107,9 +107,11 @@ class RunSpec:
     """Timed steps per run."""
     warmup: int = 20
     """Untimed steps before them (first-batch rewrite, allocator warm-up)."""
-    auto_warmup: int = 90
+    auto_warmup: int = 250
     """Untimed steps of every variant of a config where one of them measures before it decides: our
-    Prefetch with tables on disk (its watch, docs/tiered.md, "Ahead or inline"). Every
+    Prefetch with tables on disk (its watch, docs/tiered.md, "Ahead or inline", decides 40-50 steps
+    after the caches fill, about 100 steps into the `tiered` configs at one rank), or the schedule
+    tuner. Every
     variant of a config times the same steps of the same batches: with tables on disk, a variant
     timed earlier than another would be timed while its caches still fill, before evictions write
     rows back."""
