@@ -190,7 +190,10 @@ def _prefetch_watch(run: dict[str, Any]) -> str | None:
         return None
     steps = [str(step) for step, _ in watch["decisions"]]
     ratios = ", ".join(f"{r:.2f}" for r in watch["ratios"])
-    seen = f"round {run['round']}: observed from step {watch['ready_at']}"
+    shares = ", ".join(f"{v:.2f}" for v in watch["shares"])
+    seen = f"round {run['round']}: observed from step {watch['ready_at']}" + (
+        f" (shares {shares})" if shares else ""
+    )
     if len(steps) == 2:
         return f"{seen}, tried ahead at {steps[0]}, {watch['phase']} at {steps[1]} (ratios {ratios})"
     return f"{seen}, {watch['phase']}" + (f" at {', '.join(steps)}" if steps else "")
