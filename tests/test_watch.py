@@ -4,6 +4,8 @@ it, when it goes back, and that every rank decides alike from the words they all
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from pipeline.ranks import RidingMismatchError, Status
@@ -30,12 +32,14 @@ class _Blocks:
         self._clock.now += self._seconds
 
 
-def simulate(steps: int, cost, *, ranks: int = 2, **settings) -> tuple[list[ScheduleWatch], list[list[str]]]:
+def simulate(
+    steps: int, cost, *, ranks: int = 2, kind: type = ScheduleWatch, **settings
+) -> tuple[list[ScheduleWatch], list[list[str]]]:
     """`ranks` watches stepping in lockstep. `cost(rank, schedule, step)` is `(step_s, blocked_s)`:
     the step's time and, of it, the time blocked on the input all-to-alls. Every rank's figure for a
     step's batch reaches every rank in that step, as the words in the splits all-to-all do."""
     clocks = [FakeClock() for _ in range(ranks)]
-    watches = [ScheduleWatch(clock=c, **settings) for c in clocks]
+    watches = [kind(clock=c, **settings) for c in clocks]
     ran: list[list[str]] = [[] for _ in range(ranks)]
     for step in range(1, steps + 1):
         figures = []
@@ -140,6 +144,32 @@ def test_a_burst_of_waiting_is_not_a_steady_wait():
     assert ran[0] == ["late"] * 100
     _, ran = simulate(100, burst(10))  # the twin: a step longer, and it moves
     assert "early" in ran[0]
+
+
+def _slow_patch(r: int, schedule: str, step: int) -> tuple[float, float]:
+    """Loopback-like: under late a 10 ms step blocks 30 %; from step 40 to 59 the machine is slow
+    (16 ms, 60 % blocked: the ranks wait on each other). Early takes 12 ms: it does not pay."""
+    if schedule == "early":
+        return 0.012, 0.001
+    return (0.016, 0.0096) if 40 <= step < 60 else (0.010, 0.003)
+
+
+def test_a_slow_patch_of_the_machine_before_the_switch_is_not_a_gain():
+    """The slow patch moves it to early; the steps before the switch are half normal, half slow,
+    so their median is slow, and early (slower than a normal late step) would pass against it. The
+    reference is the faster half's median: early goes back. Twin: against the plain median, early
+    is kept where it does not pay."""
+    watches, ran = simulate(120, _slow_patch)
+    assert ran[0] == ran[1] and "early" in ran[0] and ran[0][-1] == "late"
+    assert all(w.phase is WatchPhase.BACK for w in watches), [w.ratios for w in watches]
+
+    class PlainMedian(ScheduleWatch):
+        @property
+        def reference(self) -> float:
+            return statistics.median(self._before)
+
+    watches, ran = simulate(120, _slow_patch, kind=PlainMedian)
+    assert ran[0][-1] == "early" and watches[0].phase is WatchPhase.KEPT
 
 
 def test_a_rank_without_a_full_window_holds_the_decision():

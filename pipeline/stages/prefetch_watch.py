@@ -60,7 +60,7 @@ class PrefetchWatch(StepWatch):
     def _rule(self) -> str:
         return (
             f"at most {1 - self.margin:.2f}, and at least {self.sure:.0%} of the steps after shorter "
-            f"than the median before, on every rank; this rank: {self.faster_steps:.0%}"
+            f"than the steps before, on every rank; this rank: {self.faster_steps:.0%}"
         )
 
     def _switched_text(self, share: float) -> str:
@@ -79,13 +79,13 @@ class PrefetchWatch(StepWatch):
         )
         if kept:
             return (
-                f"prefetch runs ahead on its worker thread: the median step ahead over the median "
-                f"inline before was {shown} on the rank(s) ({self._rule()})"
+                f"prefetch runs ahead on its worker thread: the median step ahead over the steps "
+                f"inline before (the faster half's median) was {shown} on the rank(s) ({self._rule()})"
             )
         return (
-            f"prefetch runs inline again from the next step: the median step ahead over the median "
-            f"inline before was {shown} on the rank(s) (kept needs {self._rule()}); no second try "
-            "in this job"
+            f"prefetch runs inline again from the next step: the median step ahead over the steps inline "
+            f"before (the faster half's median) was {shown} on the rank(s) (kept needs {self._rule()}); "
+            "no second try in this job"
         )
 
     def _pinned_text(self, reason: str) -> str:

@@ -9,10 +9,12 @@ mode can hide, then keeps it only where the steps after are faster:
    reached `threshold` for `window + 1` figures in a row (two windows that share no step), every
    rank moves to the other mode at its next step.
 2. Trying: the first `settle` steps are not timed; over the next `verify` steps each rank
-   publishes its median step over its median of the last `verify` steps before the switch. If every
-   rank's ratio is at most `1 - margin`, and on every rank at least `sure` of the verified steps
-   are shorter than its median before, the new mode is kept; else every rank goes back at the next
-   step and the watch ends: no second try in this job.
+   publishes its median step over its reference: the lower of the medians of the two halves of its
+   last `verify` steps before the switch (a slow patch of the machine just before the switch, or
+   steps still speeding up, would make any step after it look faster than the plain median). If
+   every rank's ratio is at most `1 - margin`, and on every rank at least `sure` of the verified
+   steps are shorter than its reference, the new mode is kept; else every rank goes back at the
+   next step and the watch ends: no second try in this job.
 3. Kept, back or pinned: no clock runs any more.
 
 Each rank's figure rides in its status word on the batch's fused splits all-to-all
@@ -35,7 +37,7 @@ __all__ = ["StepWatch", "WatchPhase"]
 
 UNSURE = 2.0
 """Added to a rank's published ratio where too few of its steps after the switch were shorter than
-its median before (a published ratio itself is capped just under 2)."""
+its reference (a published ratio itself is capped just under 2)."""
 _RATIO_CAP = 1.99
 
 
@@ -179,12 +181,14 @@ class StepWatch:
 
     def received(self, observations: list[int]) -> None:
         """Every rank's figure for one batch (the same list on every rank): decide where they suffice."""
-        if self._pending is not None or self.phase in FINAL or not observations or 0 in observations:
+        if self._pending is not None or self.phase in FINAL or not observations:
+            return
+        if 0 in observations:  # some rank has no figure yet
             return
         values = [(o - 1) / 1000 for o in observations]
         if self.phase is WatchPhase.WATCHING:
             if self.partner is not None and self.partner.tuning:
-                self._high = 0  # its switch changes the steps: a steady figure starts again after it
+                self._high = 0  # the partner's switch changes the steps: start again after it
                 return
             share = statistics.fmean(values)
             self._high = self._high + 1 if share >= self.threshold else 0
@@ -244,7 +248,7 @@ class StepWatch:
         if not (self._before and len(self._after) >= self.verify):
             return {}
         start, other = self.modes
-        return {start: 1e3 * statistics.median(self._before), other: 1e3 * statistics.median(self._after)}
+        return {start: 1e3 * self.reference, other: 1e3 * statistics.median(self._after)}
 
     @property
     def tuning_steps_by_schedule(self) -> dict[str, int]:
@@ -254,12 +258,22 @@ class StepWatch:
         return {}
 
     @property
+    def reference(self) -> float:
+        """What the steps after the switch are compared with (s): the lower of the medians of the
+        two halves of the steps before it (their median where there are fewer than 4)."""
+        before = self._before
+        if len(before) < 4:
+            return statistics.median(before)
+        half = len(before) // 2
+        return min(statistics.median(before[:half]), statistics.median(before[half:]))
+
+    @property
     def faster_steps(self) -> float:
         """The share of this rank's verified steps shorter than its median step before the switch;
         0 before the verification window is full."""
         if len(self._after) < self.verify or not self._before:
             return 0.0
-        before = statistics.median(self._before)
+        before = self.reference
         return sum(a < before for a in self._after) / len(self._after)
 
     def state_dict(self) -> dict[str, Any]:
@@ -297,7 +311,7 @@ class StepWatch:
         if self.phase is WatchPhase.WATCHING:
             return observed(self._share())
         if self.phase is WatchPhase.TRYING and len(self._after) >= self.verify:
-            ratio = min(_RATIO_CAP, statistics.median(self._after) / statistics.median(self._before))
+            ratio = min(_RATIO_CAP, statistics.median(self._after) / self.reference)
             return observed(ratio if self.faster_steps >= self.sure else ratio + UNSURE)
         return 0
 

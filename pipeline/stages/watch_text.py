@@ -37,18 +37,19 @@ def switched(w: ScheduleWatch, share: float, waits: float, idle: float) -> str:
 def verdict(w: ScheduleWatch, unsure: list[bool], *, kept: bool) -> str:
     """Early kept, or torchrec's order again: every rank's ratio, and the rule it met or missed."""
     shown = ", ".join(f"{r:.2f}{' (not sure)' if u else ''}" for r, u in zip(w.ratios, unsure, strict=True))
+    before = "the steps before (the faster half's median)"
     rule = (
         f"at most {1 - w.margin:.2f}, and at least {w.sure:.0%} of the steps after shorter "
-        f"than the median before, on every rank; this rank: {w.faster_steps:.0%}"
+        f"than the steps before, on every rank; this rank: {w.faster_steps:.0%}"
     )
     if kept:
         return (
-            f"kept {schedule_words('early')}: the median step under it over the median before "
-            f"was {shown} on the ranks ({rule})"
+            f"kept {schedule_words('early')}: the median step under it over {before} was {shown} "
+            f"on the ranks ({rule})"
         )
     return (
-        f"back to {schedule_words('late')} from the next step: the median step under early over "
-        f"the median before was {shown} on the ranks (kept needs {rule}); no second try in this job"
+        f"back to {schedule_words('late')} from the next step: the median step under early over {before} "
+        f"was {shown} on the ranks (kept needs {rule}); no second try in this job"
     )
 
 
