@@ -334,26 +334,21 @@ def _child_checks(store: RowStore, pending, tmp_path) -> int:
     return 0 if reopened.read(torch.tensor([1]))[0][0, 0].item() == 9.0 else 7
 
 
-def test_a_forked_child_never_waits_on_its_parent_s_queued_writes(tmp_path):
-    """The child inherits the queue, not the writer thread: it refuses the store (read, sync) with
-    a clear error, closes it at once, and writes a store of its own through a writer of its own.
-    The parent's queued write lands in the parent."""
+def _in_a_forked_child(check, *, timeout: float) -> int | None:
+    """`check()`'s exit code in a forked child (99 if it raised), or None where the child did not
+    end within `timeout` seconds (it is killed then). The child never returns into pytest."""
     import os
     import signal
     import time
 
-    store = _store(tmp_path)
-    slow = _SlowWrites(store)  # the writer holds the write: queued at the fork
-    store.write(torch.tensor([1]), torch.full((1, DIM), 5.0), torch.zeros(1, 1))
-    pending = store._queued[-1]
     pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
+    if pid == 0:
         code = 99
         try:
-            code = _child_checks(store, pending, tmp_path)
+            code = check()
         finally:
             os._exit(code)
-    deadline, status = time.monotonic() + 60, None
+    deadline, status = time.monotonic() + timeout, None
     while status is None and time.monotonic() < deadline:
         done, raw = os.waitpid(pid, os.WNOHANG)
         status = os.waitstatus_to_exitcode(raw) if done else None
@@ -361,6 +356,19 @@ def test_a_forked_child_never_waits_on_its_parent_s_queued_writes(tmp_path):
     if status is None:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+    return status
+
+
+def test_a_forked_child_never_waits_on_its_parent_s_queued_writes(tmp_path):
+    """The child inherits the queue, not the writer thread: it refuses the store (read, sync) with
+    a clear error, closes it at once, and writes a store of its own through a writer of its own.
+    The parent's queued write lands in the parent."""
+
+    store = _store(tmp_path)
+    slow = _SlowWrites(store)  # the writer holds the write: queued at the fork
+    store.write(torch.tensor([1]), torch.full((1, DIM), 5.0), torch.zeros(1, 1))
+    pending = store._queued[-1]
+    status = _in_a_forked_child(lambda: _child_checks(store, pending, tmp_path), timeout=60)
     slow.go.set()
     store.sync()
     assert status == 0, f"the forked child hung (None) or failed check {status}"
@@ -577,10 +585,7 @@ def test_a_child_forked_while_a_read_pool_starts_reads_on_a_pool_of_its_own():
     """The fork happens while another thread holds the lock that guards the read pool's start: the
     child inherits that lock held, by a thread it does not have. It reads on threads of its own at
     once (twin: the child of a fork without the reset waits on that lock forever: killed, None)."""
-    import os
-    import signal
     import threading
-    import time
 
     from tiered import readers
 
@@ -595,27 +600,17 @@ def test_a_child_forked_while_a_read_pool_starts_reads_on_a_pool_of_its_own():
     holder = threading.Thread(target=hold)
     holder.start()
     held.wait(10)
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        code = 99
-        try:
-            names = []
 
-            def read(i):
-                return lambda: (names.append(threading.current_thread().name), i)[1]
+    def child() -> int:
+        names = []
 
-            ok = readers.run_all([read(i) for i in range(4)], 2) == [0, 1, 2, 3]
-            code = 0 if ok and all(n.startswith("tiered-reader") for n in names) else 2
-        finally:
-            os._exit(code)
-    deadline, status = time.monotonic() + 20, None
-    while status is None and time.monotonic() < deadline:
-        done, raw = os.waitpid(pid, os.WNOHANG)
-        status = os.waitstatus_to_exitcode(raw) if done else None
-        time.sleep(0.02)
-    if status is None:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        def read(i):
+            return lambda: (names.append(threading.current_thread().name), i)[1]
+
+        ok = readers.run_all([read(i) for i in range(4)], 2) == [0, 1, 2, 3]
+        return 0 if ok and all(n.startswith("tiered-reader") for n in names) else 2
+
+    status = _in_a_forked_child(child, timeout=20)
     release.set()
     holder.join()
     assert status == 0, f"the forked child hung on the read pool's lock (None) or failed ({status})"
