@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from pipeline.stages.step_watch import FINAL, StepWatch, WatchPhase
+from pipeline.stages import watch_text as text
+from pipeline.stages.step_watch import FINAL, StepWatch
 
 __all__ = ["PrefetchWatch"]
 
@@ -57,55 +58,14 @@ class PrefetchWatch(StepWatch):
         if self.phase not in FINAL and not self.alone:
             self.alone, self.alone_reason = True, reason
 
-    def _rule(self) -> str:
-        return (
-            f"at most {1 - self.margin:.2f}, and at least {self.sure:.0%} of the steps after shorter "
-            f"than the steps before, on every rank; this rank: {self.faster_steps:.0%}"
-        )
-
     def _switched_text(self, share: float) -> str:
-        shares = ", ".join(f"{v:.0%}" for v in self.shares)
-        return (
-            f"the training thread blocked in the prefetch stage {share:.0%} of the step inline "
-            f"(median over {self.window} steps, mean over {len(self.shares)} rank(s): {shares}; "
-            f"observed from step {self.ready_at}, once the caches were full; at least "
-            f"{self.threshold:.0%} for {self.window + 1} figures in a row): trying it ahead on its "
-            f"worker thread from the next step, verified over {self.settle} + {self.verify} steps"
-        )
+        return text.prefetch_switched(self, share)
 
     def _verdict_text(self, unsure: list[bool], *, kept: bool) -> str:
-        shown = ", ".join(
-            f"{r:.2f}{' (not sure)' if u else ''}" for r, u in zip(self.ratios, unsure, strict=True)
-        )
-        if kept:
-            return (
-                f"prefetch runs ahead on its worker thread: the median step ahead over the steps "
-                f"inline before (the faster half's median) was {shown} on the rank(s) ({self._rule()})"
-            )
-        return (
-            f"prefetch runs inline again from the next step: the median step ahead over the steps inline "
-            f"before (the faster half's median) was {shown} on the rank(s) (kept needs {self._rule()}); "
-            "no second try in this job"
-        )
+        return text.prefetch_verdict(self, unsure, kept=kept)
 
     def _pinned_text(self, reason: str) -> str:
-        return f"prefetch runs inline: {reason}"
+        return text.prefetch_pinned(reason)
 
     def __repr__(self) -> str:
-        head = f"prefetch: auto, running {self.mode}"
-        if self.alone_reason is not None:
-            head += f"; each rank decides alone ({self.alone_reason})"
-        if self.phase is WatchPhase.WATCHING:
-            if self.ready_at is None:
-                return f"{head}; waiting for the caches to fill before watching"
-            seen = self.share
-            seen_text = "not yet a full window" if seen is None else f"{seen:.0%} of the step on this rank"
-            return (
-                f"{head}; watching how long the training thread blocks in the prefetch stage over "
-                f"the last {self.window} steps ({seen_text}; tries ahead once the ranks' mean has "
-                f"been at least {self.threshold:.0%} for {self.window + 1} figures in a row)"
-            )
-        lines = [head] + [f"  step {step}: {line}" for step, line in self.decisions]
-        if self.phase is WatchPhase.TRYING:
-            lines.append(f"  verifying over {self.settle} + {self.verify} steps ahead")
-        return "\n".join(lines)
+        return text.prefetch_repr(self)

@@ -1,17 +1,68 @@
-"""The schedule watch's words, in one place (as `pipeline.stages.tuner_text` is the tuner's): what
-it saw when it moved, its verdict, and what `print(pipe.tuner)` shows. The watch stays numbers only.
+"""The watches' words, in one place (as `pipeline.stages.tuner_text` is the tuner's): what each saw
+when it moved, its verdict, and what printing it shows, for the schedule watch (`print(pipe.tuner)`)
+and Prefetch's (`print(pipe.prefetch_watch)`). The watches stay numbers only.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pipeline.stages.step_watch import WatchPhase
 from pipeline.stages.tuner_text import schedule_words
 
 if TYPE_CHECKING:
+    from pipeline.stages.prefetch_watch import PrefetchWatch
+    from pipeline.stages.step_watch import StepWatch
     from pipeline.stages.watch import ScheduleWatch
 
-__all__ = ["pinned", "switched", "verdict", "watch_repr"]
+__all__ = [
+    "pinned",
+    "prefetch_pinned",
+    "prefetch_repr",
+    "prefetch_switched",
+    "prefetch_verdict",
+    "switched",
+    "verdict",
+    "watch_repr",
+]
+
+_BEFORE = "the steps before (the faster half's median)"
+
+
+def _shares(w: StepWatch) -> str:
+    return ", ".join(f"{v:.0%}" for v in w.shares)
+
+
+def _ratios(w: StepWatch, unsure: list[bool]) -> str:
+    return ", ".join(f"{r:.2f}{' (not sure)' if u else ''}" for r, u in zip(w.ratios, unsure, strict=True))
+
+
+def _rule(w: StepWatch) -> str:
+    """What a verdict needs, and how this rank's steps fared."""
+    return (
+        f"at most {1 - w.margin:.2f}, and at least {w.sure:.0%} of the steps after shorter "
+        f"than the steps before, on every rank; this rank: {w.faster_steps:.0%}"
+    )
+
+
+def _described(w: StepWatch, head: str, watched: str, unit: str, trying: str) -> str:
+    """While watching: what it watches (`watched`) and when it tries the other mode; after: each
+    decision, one a line (`trying`: the words for the mode being verified)."""
+    if w.phase is WatchPhase.WATCHING:
+        seen = w.share
+        seen_text = "not yet a full window" if seen is None else f"{seen:.0%} of the step on this rank"
+        return (
+            f"{head}; watching how long {watched} over the last {w.window} steps ({seen_text}; "
+            f"tries {w.modes[1]} once the ranks' mean has been at least {w.threshold:.0%} for "
+            f"{w.window + 1} {unit} in a row)"
+        )
+    lines = [head] + [f"  step {step}: {line}" for step, line in w.decisions]
+    if w.phase is WatchPhase.TRYING:
+        lines.append(f"  verifying over {w.settle} + {w.verify} steps {trying}")
+    return "\n".join(lines)
+
+
+# -- the schedule watch ------------------------------------------------------------------------
 
 
 def pinned(reason: str) -> str:
@@ -22,10 +73,9 @@ def pinned(reason: str) -> str:
 def switched(w: ScheduleWatch, share: float, waits: float, idle: float) -> str:
     """The move to early: the ranks' shares that triggered it, this rank's parts, what the switch
     creates and how long it is verified."""
-    shares = ", ".join(f"{v:.0%}" for v in w.shares)
     return (
         f"the host blocked on the input all-to-alls {share:.0%} of the step (median over "
-        f"{w.window} steps, mean over {len(w.shares)} ranks: {shares}; this rank "
+        f"{w.window} steps, mean over {len(w.shares)} ranks: {_shares(w)}; this rank "
         f"{waits:.0%} in their waits and {idle:.0%} off the CPU in backward; at least "
         f"{w.threshold:.0%} for {w.window + 1} batches in a row): trying "
         f"{schedule_words('early')} from the next step, its "
@@ -36,37 +86,64 @@ def switched(w: ScheduleWatch, share: float, waits: float, idle: float) -> str:
 
 def verdict(w: ScheduleWatch, unsure: list[bool], *, kept: bool) -> str:
     """Early kept, or torchrec's order again: every rank's ratio, and the rule it met or missed."""
-    shown = ", ".join(f"{r:.2f}{' (not sure)' if u else ''}" for r, u in zip(w.ratios, unsure, strict=True))
-    before = "the steps before (the faster half's median)"
-    rule = (
-        f"at most {1 - w.margin:.2f}, and at least {w.sure:.0%} of the steps after shorter "
-        f"than the steps before, on every rank; this rank: {w.faster_steps:.0%}"
-    )
+    shown, rule = _ratios(w, unsure), _rule(w)
     if kept:
         return (
-            f"kept {schedule_words('early')}: the median step under it over {before} was {shown} "
+            f"kept {schedule_words('early')}: the median step under it over {_BEFORE} was {shown} "
             f"on the ranks ({rule})"
         )
     return (
-        f"back to {schedule_words('late')} from the next step: the median step under early over {before} "
+        f"back to {schedule_words('late')} from the next step: the median step under early over {_BEFORE} "
         f"was {shown} on the ranks (kept needs {rule}); no second try in this job"
     )
 
 
 def watch_repr(w: ScheduleWatch) -> str:
     """What `print(pipe.tuner)` shows under the default schedule."""
-    from pipeline.stages.step_watch import WatchPhase
-
     head = f"input_dist schedule: adaptive, running {schedule_words(w.schedule)}"
-    if w.phase is WatchPhase.WATCHING:
-        seen = w.share
-        seen_text = "not yet a full window" if seen is None else f"{seen:.0%} of the step on this rank"
+    return _described(w, head, "the host blocks on the input all-to-alls", "batches", "under early")
+
+
+# -- Prefetch's watch --------------------------------------------------------------------------
+
+
+def prefetch_pinned(reason: str) -> str:
+    """The stage kept inline without watching, and why."""
+    return f"prefetch runs inline: {reason}"
+
+
+def prefetch_switched(w: PrefetchWatch, share: float) -> str:
+    """The move ahead: the ranks' shares that triggered it, when it began to observe, how long it
+    is verified."""
+    return (
+        f"the training thread blocked in the prefetch stage {share:.0%} of the step inline "
+        f"(median over {w.window} steps, mean over {len(w.shares)} rank(s): {_shares(w)}; "
+        f"observed from step {w.ready_at}, once the caches were full; at least "
+        f"{w.threshold:.0%} for {w.window + 1} figures in a row): trying it ahead on its "
+        f"worker thread from the next step, verified over {w.settle} + {w.verify} steps"
+    )
+
+
+def prefetch_verdict(w: PrefetchWatch, unsure: list[bool], *, kept: bool) -> str:
+    """Ahead kept, or inline again: every rank's ratio, and the rule it met or missed."""
+    shown, rule = _ratios(w, unsure), _rule(w)
+    if kept:
         return (
-            f"{head}; watching how long the host blocks on the input all-to-alls over the last "
-            f"{w.window} steps ({seen_text}; tries early once the ranks' mean has been at least "
-            f"{w.threshold:.0%} for {w.window + 1} batches in a row)"
+            f"prefetch runs ahead on its worker thread: the median step ahead over the steps "
+            f"inline before (the faster half's median) was {shown} on the rank(s) ({rule})"
         )
-    lines = [head] + [f"  step {step}: {line}" for step, line in w.decisions]
-    if w.phase is WatchPhase.TRYING:
-        lines.append(f"  verifying over {w.settle} + {w.verify} steps under early")
-    return "\n".join(lines)
+    return (
+        f"prefetch runs inline again from the next step: the median step ahead over the steps inline "
+        f"before (the faster half's median) was {shown} on the rank(s) (kept needs {rule}); "
+        "no second try in this job"
+    )
+
+
+def prefetch_repr(w: PrefetchWatch) -> str:
+    """What `print(pipe.prefetch_watch)` shows."""
+    head = f"prefetch: auto, running {w.mode}"
+    if w.alone_reason is not None:
+        head += f"; each rank decides alone ({w.alone_reason})"
+    if w.phase is WatchPhase.WATCHING and w.ready_at is None:
+        return f"{head}; waiting for the caches to fill before watching"
+    return _described(w, head, "the training thread blocks in the prefetch stage", "figures", "ahead")
