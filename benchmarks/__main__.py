@@ -9,6 +9,7 @@
     predict     each pipeline's predicted step over configs, world sizes, links; --validate: vs measured
     calibrate   measure this machine's costs for the cost model into its cache (subprocesses)
     agreement   the ranks' per-batch vote at 2-16 local ranks, against a request to rank 0's store
+    riding      the agreement's host work per batch where statuses ride, 8-1,024 simulated ranks
     first-step  time to first output in fresh torchrun jobs: plain, our pipelines, torchrec's
     selfcheck   the benchmarks' own arithmetic and link setup, against fakes (no ranks, no root)
     figures     re-run the command each docs/results/*.md states, one at a time (`make figures`)
@@ -169,6 +170,14 @@ def _agreement(p: argparse.ArgumentParser) -> None:
     p.add_argument("--md", default="out/bench/agreement.md", help="'' for none")
 
 
+def _riding(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world-sizes", nargs="+", type=int, default=[8, 64, 1024], metavar="N")
+    p.add_argument("--batches", type=int, default=2000, help="batches a round (default 2000)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds per world size and state (default 5)")
+    p.add_argument("--json", default="out/bench/riding.json", help="'' for none")
+    p.add_argument("--md", default="out/bench/riding.md", help="'' for none")
+
+
 def _first_step(p: argparse.ArgumentParser) -> None:
     _names(p, "--variants", "plain ours-sparse-dist ours-prefetch torchrec-sparse-dist (default: all)")
     p.add_argument("--rounds", type=int, default=3, help="jobs per variant, order rotated (default 3)")
@@ -194,6 +203,7 @@ _SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callabl
     "selfcheck": (_selfcheck, _function("selfcheck", "selfcheck")),
     "calibrate": (_calibrate, _function("predictor.machine", "calibrate")),
     "agreement": (_agreement, _function("agreement", "agreement")),
+    "riding": (_riding, _function("riding", "riding")),
     "first-step": (_first_step, _function("first_step", "first_step")),
     "figures": (_figures, _function("figures", "figures")),
 }

@@ -42,6 +42,7 @@ def simulate(steps: int, cost, *, ranks: int = 2, ready=None, partner=None, alon
             step_s, blocked_s = cost(r, mode, step)
             watch.blocked += blocked_s
             clock.now += step_s
+            watch.step_ended()
         if not alone:
             for watch in watches:
                 watch.received(list(figures))
@@ -159,8 +160,9 @@ def test_two_watches_take_turns_in_the_words_and_each_reads_only_its_own():
     assert [figure_of(f) for f in sent] == [(0, 251), (1, 501)] * 2
     admission._hand_out([sent[0], sent[0]])
     admission._hand_out([sent[1], sent[1]])
-    admission._hand_out([sent[0], sent[1]])  # the ranks' words name different watches: nobody's
-    assert first.got == [[251, 251]] and second.got == [[501, 501]]
+    admission._hand_out([sent[0], sent[1]])  # the ranks' words name different watches: each
+    # watch sees another rank's figure missing (0), which decides nothing
+    assert first.got == [[251, 251], [251, 0]] and second.got == [[501, 501], [0, 501]]
     second.publishing = False  # decided: the other publishes in every word
     assert {figure_of(admission._figure())[0] for _ in range(3)} == {0}
     assert tagged(1, 0) == 0  # no figure: nothing to route

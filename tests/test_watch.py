@@ -50,6 +50,7 @@ def simulate(
             step_s, blocked_s = cost(r, schedule, step)
             watch.waits.wait(_Blocks(clock, blocked_s))
             clock.now += step_s - blocked_s
+            watch.step_ended()
         for watch in watches:
             watch.received(list(figures))
     return watches, ran
@@ -65,7 +66,7 @@ def test_word_round_trip_and_fields():
     f = unpack(word)
     assert (f.status, f.tag, f.rows, f.observation) == (3, TAG, 1234 % 1024, 421)
     assert 0 < word < 2**31  # torchrec's optional int32 check of the splits must pass it
-    assert observed(None) == 0 and observed(0) == 1 and observed(100.0) == 4095
+    assert observed(None) == 0 and observed(0) == 1 and observed(100.0) == 4093  # under RESTORED
 
 
 def test_a_step_that_waits_on_its_input_moves_to_early_and_keeps_it_where_it_pays():
@@ -207,12 +208,27 @@ def test_an_eval_step_is_not_timed():
     for _ in range(3):
         watch.step()
         clock.now += 0.010
+        watch.step_ended()
     watch.interrupt()  # an eval step of 10 s between
     clock.now += 10
     watch.step()
     clock.now += 0.010
+    watch.step_ended()
     watch.step()
     assert watch.share == 0.0 and max(s for s, _ in watch._samples) < 1
+
+
+def test_the_time_between_two_steps_is_not_a_step():
+    """A checkpoint save, an outside eval loop or the end of the data between two `progress()`
+    calls: the step is timed from its start to its end, not to the next step's start."""
+    clock = FakeClock()
+    watch = ScheduleWatch(clock=clock, warmup=0, window=3)
+    for i in range(6):
+        watch.step()
+        clock.now += 0.010
+        watch.step_ended()
+        clock.now += 5.0 if i == 2 else 0.0  # a checkpoint saved between steps 3 and 4
+    assert max(s for s, _ in watch._samples) == pytest.approx(0.010)
 
 
 def test_rejects_bad_settings():
@@ -242,3 +258,70 @@ def test_a_row_that_is_not_the_same_status_word_is_an_error_naming_the_rank(word
     with pytest.raises(RidingMismatchError, match=said) as caught:
         _read(words, 7, index=3)
     assert "batch 3" in str(caught.value) and "after 7 splits rows" in str(caught.value)
+
+
+# -- a restored decision, on simulated ranks whose checkpoints differ ----------------------------
+
+
+def _restored(loads: tuple[bool, ...], monkeypatch, *, agreed: bool) -> list[list[str]]:
+    """Ranks that each load a kept "early" (`loads`), or nothing, then step in lockstep with nothing
+    to wait for; `agreed=False` is the twin: each rank takes its state alone, as before."""
+    from pipeline.stages import step_watch
+
+    monkeypatch.setattr(step_watch, "_world_size", lambda: len(loads))
+    state = {"phase": "kept", "mode": "early", "decisions": [(40, "kept early")], "world_size": len(loads)}
+    clocks = [FakeClock() for _ in loads]
+    watches = [ScheduleWatch(clock=c, warmup=0, window=3) for c in clocks]
+    for watch, load in zip(watches, loads, strict=True):
+        if load:
+            watch.load_state_dict(state) if agreed else watch._take(state)
+    ran: list[list[str]] = [[] for _ in loads]
+    for _ in range(12):
+        figures = []
+        for r, (watch, clock) in enumerate(zip(watches, clocks, strict=True)):
+            ran[r].append(watch.step())
+            figures.append(watch.observation())
+            clock.now += 0.1
+            watch.step_ended()
+        for watch in watches:
+            watch.received(list(figures))
+    return ran
+
+
+@pytest.mark.parametrize("loads", [(True, False), (False, True, True), (True, True, True)])
+def test_ranks_whose_restored_states_differ_still_run_alike(loads, monkeypatch):
+    ran = _restored(loads, monkeypatch, agreed=True)
+    assert all(r == ran[0] for r in ran), ran
+    assert ("early" in ran[0]) is all(loads) and ran[0][0] == "late"
+
+
+@pytest.mark.parametrize("loads", [(True, False), (False, True, True)])
+def test_twin_ranks_that_take_their_own_states_split(loads, monkeypatch):
+    ran = _restored(loads, monkeypatch, agreed=False)
+    assert any(r != ran[0] for r in ran), "the twin should split the ranks: the scenario tests nothing"
+
+
+def test_a_decision_saved_at_another_world_size_is_not_taken(monkeypatch):
+    from pipeline.stages import step_watch
+
+    monkeypatch.setattr(step_watch, "_world_size", lambda: 3)
+    watch = ScheduleWatch(clock=FakeClock())
+    watch.load_state_dict({"phase": "kept", "mode": "early", "decisions": [], "world_size": 2})
+    assert watch.phase is WatchPhase.WATCHING and watch.observation() == 0
+    assert "saved at world size 2" in watch.reason and "watching afresh" in watch.reason
+
+
+def test_where_no_splits_group_spans_every_rank_the_watches_are_pinned(monkeypatch):
+    """2D sharding: every fused splits all-to-all runs on a subgroup, so nothing rides; the watch
+    says why and stops its clocks instead of reporting "watching" for ever."""
+    from pipeline.ranks import riding
+
+    class Ranks:
+        voting, carrying = True, False
+
+    watch = ScheduleWatch(clock=FakeClock())
+    admission = riding.Admission(Ranks(), True, watch=watch)
+    monkeypatch.setattr(riding, "splits_shape", lambda fused: None)
+    admission.learn([])
+    assert watch.phase is WatchPhase.PINNED and watch.active_clock is None
+    assert "spans every rank" in watch.reason and not admission.enabled

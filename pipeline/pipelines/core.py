@@ -95,6 +95,8 @@ class PipelineCore(BatchStages, TrainPipeline):
         """What each step runs inside (compiled autograd: `pipeline.pipelines.pt2`)."""
         self._on_reset: list[Callable[[], None]] = []
         """What the components drop when the pipeline resets (besides the streams' work)."""
+        self._on_step_end: list[Callable[[], None]] = []
+        """What the components are told when a step has ended (the watches stop their step's clock)."""
         self._lanes: dict[int, Lane] = {}
         self._next_index = 0
 
@@ -172,6 +174,8 @@ class PipelineCore(BatchStages, TrainPipeline):
         # caller's: backward, where autograd reads the saved inputs); the output leaves
         self._streams.release(head)
         self._streams.returned(output)
+        for ended in self._on_step_end:
+            ended()
         lane.steps += 1
         self._ranks.settle_votes()  # nothing in flight between calls: the caller may tear down
         return output

@@ -203,6 +203,7 @@ class InputDistCore(SparseDistMethods, PipelineCore):
             carry=self._status_rides_splits and execute_all_batches,  # a look-ahead admits itself
         )
         self._on_reset.append(self._input_dist.interrupt)
+        self._on_step_end.append(self._input_dist.step_ended)
 
 
 _COMPOSED = frozenset(inspect.signature(InputDistCore._compose).parameters) - {"self"}

@@ -211,8 +211,9 @@ class Ranks:
             with contextlib.suppress(Exception):
                 vote.wait()
 
-    def agree_on(self, what: str, text: str) -> None:
+    def agree_on(self, what: str, text: str, advice: str | None = None) -> None:
         """Check that every rank has the same `text` (once, before a collective that depends on it).
+        `advice`: what to do where they differ (by default, about the sharded modules' calls).
 
         Raises:
             RewriteMismatchError: on every rank, naming the ranks whose `text` differs.
@@ -222,10 +223,12 @@ class Ranks:
         texts = self._votes.gather(text)
         if len(set(texts)) > 1:
             shown = "\n".join(f"  rank {r}:\n    " + t.replace("\n", "\n    ") for r, t in enumerate(texts))
-            raise RewriteMismatchError(
-                f"the ranks found different {what}, so their input all-to-alls would not match:\n"
-                f"{shown}\nMake the model's calls of its sharded modules the same on every rank "
+            advice = advice or (
+                "Make the model's calls of its sharded modules the same on every rank "
                 "(no branch on batch data before them), or give explicit arg_paths."
+            )
+            raise RewriteMismatchError(
+                f"the ranks found different {what}, so their collectives would not match:\n{shown}\n{advice}"
             )
 
     def enter(self, lane: Lane) -> None:

@@ -28,7 +28,7 @@ from pipeline.ranks.word import TAG, figure_of, pack, tagged, unpack
 if TYPE_CHECKING:
     from pipeline.stages.context import BatchContext
 
-__all__ = ["NO_RIDE", "Admission"]
+__all__ = ["NO_FULL_GROUP", "NO_RIDE", "Admission"]
 
 NO_RIDE = (
     "the ranks' statuses do not ride on this pipeline's splits all-to-all (agreement=False, a class "
@@ -36,6 +36,12 @@ NO_RIDE = (
     "observations of their steps to decide on"
 )
 """Why a watch cannot agree with the other ranks (`StepWatch.no_ride`)."""
+
+NO_FULL_GROUP = (
+    "no splits all-to-all of this model spans every rank (2D sharding: each runs on a subgroup), so "
+    "the ranks' statuses do not ride on it and the ranks have no shared observations of their steps"
+)
+"""Why a watch cannot agree with the other ranks where no fused splits group spans every rank."""
 
 
 class Admission:
@@ -112,10 +118,17 @@ class Admission:
         return tagged(which, self._watches[which].observation())
 
     def learn(self, fused: list[tuple[list[str], Any]]) -> None:
-        """After a fused start: what a rank without a batch must send from now on."""
-        if self.enabled:
-            self._shape = splits_shape(fused)
-            self._ranks.carrying = self._shape is not None
+        """After a fused start: what a rank without a batch must send from now on. Where no group
+        spans every rank (the same on every rank: it is the model's), nothing rides from now on and
+        the watches are told so."""
+        if not self.enabled:
+            return
+        self._shape = splits_shape(fused)
+        self._ranks.carrying = self._shape is not None
+        if self._shape is None:
+            self.enabled = False
+            for watch in self._watches:
+                watch.no_ride(NO_FULL_GROUP)
 
     def forget(self) -> None:
         """The modules were restored: batches fetched from now on are voted on."""
@@ -161,12 +174,13 @@ class Admission:
         ]
 
     def _hand_out(self, observations: list[int]) -> None:
-        """Every rank's figure for one batch, to the watch they all belong to (a batch whose words
-        name different watches, or lack a figure, decides nothing)."""
+        """Every rank's figures for one batch, each watch the ones naming it (0 for a rank whose word
+        names the other: a figure missing, which decides nothing but a loaded decision's fate)."""
         fields = [figure_of(o) for o in observations]
-        which = {w for w, _ in fields}
-        if len(which) == 1 and (w := which.pop()) < len(self._watches):
-            self._watches[w].received([f for _, f in fields])
+        for i, watch in enumerate(self._watches):
+            mine = [f if w == i else 0 for w, f in fields]
+            if any(mine):
+                watch.received(mine)
 
     def conclude(self, ctx: BatchContext) -> bool:
         """At the splits wait: where `ctx`'s status rode, read every rank's and let the ranks'
@@ -178,7 +192,11 @@ class Admission:
         carrier = next((r for _, r in ctx.splits_requests if getattr(r, "carries", False)), None)
         if carrier is None:
             raise RuntimeError("a batch whose status rides has no status row among its splits all-to-alls")
-        statuses, figures = _read(carrier.words(), carrier.rows, ctx.index)
+        words = carrier.words()
+        plain = pack(Status.HAVE, carrier.rows)
+        if words and words.count(plain) == len(words):  # the steady case, in C: no rank's word to read
+            return self._ranks.conclude(self._ranks.lane, ctx, {Status.HAVE: len(words)})
+        statuses, figures = _read(words, carrier.rows, ctx.index)
         self._hand_out(figures)
         counts = Counter(statuses)
         if counts[Status.HAVE] < sum(counts.values()):  # refused: wait for every group's splits first

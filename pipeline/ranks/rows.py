@@ -40,7 +40,7 @@ class _Rows:
         rows = self.wait()
         if self._status_row >= len(rows):
             return []  # fewer rows than this rank sent: the receiver reports the mismatch
-        return list(rows[self._status_row])
+        return rows[self._status_row]
 
 
 class StatusSplits(FusedKJTListSplitsAwaitable):

@@ -10,7 +10,8 @@ Layout (31 bits, so that torchrec's optional int32 check of the splits passes it
     bits 2-7    TAG
     bits 8-17   the sender's status row index (its splits rows before the status row), mod 1,024
     bits 18-30  observation: bits 18-29 the figure (0 none, else round(1,000 x value) + 1, at
-                most 4,095), bit 30 which watch it belongs to (0 or 1)
+                most 4,093; 4,094 and 4,095: a decision loaded from a checkpoint, `RESTORED`),
+                bit 30 which watch it belongs to (0 or 1)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 from pipeline.ranks.status import Status
 
-__all__ = ["TAG", "Word", "figure_of", "observed", "pack", "tagged", "unpack"]
+__all__ = ["RESTORED", "TAG", "Word", "figure_of", "observed", "pack", "tagged", "unpack"]
 
 TAG = 0b101101
 """Marks a status word. A split (a count of ids or a batch size) read by mistake in its place
@@ -27,6 +28,9 @@ matches it and the row count by chance once in 65,536."""
 _ROWS = 1 << 10
 _FIGURE_BITS = 12
 _OBSERVED_MAX = (1 << _FIGURE_BITS) - 1
+RESTORED = (_OBSERVED_MAX - 1, _OBSERVED_MAX)
+"""The figure of a watch holding a decision loaded from a checkpoint, per mode (its start mode, the
+other): no observation reaches them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +49,7 @@ def observed(value: float | None) -> int:
     """`value` (a fraction or a ratio, >= 0) as the word's observation field; None: none."""
     if value is None:
         return 0
-    return min(_OBSERVED_MAX, 1 + max(0, round(value * 1000)))
+    return min(RESTORED[0] - 1, 1 + max(0, round(value * 1000)))
 
 
 def tagged(which: int, figure: int) -> int:

@@ -28,7 +28,6 @@ from pipeline.stages.schedule import SCHEDULES
 from pipeline.stages.streams import Streams
 from pipeline.stages.tuner import Tuner
 from pipeline.stages.tuner_text import ONE_RANK, schedule_words
-from pipeline.stages.wait_clock import waited
 from pipeline.stages.watch import ScheduleWatch
 from rewrite import (
     CallSite,
@@ -42,6 +41,14 @@ from rewrite import (
 )
 
 __all__ = ["InputDist"]
+
+WATCH_ADVICE = "Give every rank the same ScheduleWatch and PrefetchWatch settings (or none)."
+
+NOT_ON_NCCL = (
+    "the watch's figure (the host's time blocked on the input all-to-alls) has not been measured on "
+    "NCCL, where a wait blocks a stream rather than the host; pin input_dist_schedule='early' to try "
+    "the other order"
+)
 
 
 class InputDist:
@@ -104,12 +111,14 @@ class InputDist:
             self.watch.note = self._note
             if self._one_rank:
                 self.watch.pin(ONE_RANK)
+            elif dist.get_backend() == "nccl":
+                self.watch.pin(NOT_ON_NCCL)
         self._admission = Admission(ranks, carry, watch=self.watch)
         self._others: list[Any] = []
         """Other stages' watches (`add_watch`)."""
         """Whether each batch is trained, by its vote or by what rides on its splits (it pins the
         watch where nothing rides)."""
-        self._groups = InputDistGroups(ranks.new_group if ranks is not None else dist.new_group)
+        self._groups = InputDistGroups(ranks.new_group if ranks is not None else dist.new_group, self._note)
         self._undo: list[Callable[[], None]] = []
         self._warned: set[str] = set()
         """The sharded modules warned about as not pipelined (once each, not at a re-attach)."""
@@ -176,6 +185,12 @@ class InputDist:
             raise RuntimeError("the sharded modules are rewritten already; detach() first")
         self._forward = forward
 
+    def step_ended(self) -> None:
+        """A step ended: the watches stop its clock (the time until the next step is not a step's)."""
+        for watch in (self.watch, *self._others):
+            if watch is not None:
+                watch.step_ended()
+
     def interrupt(self) -> None:
         """The step ended abnormally (the pipeline reset): no tuner or watch times across it."""
         if self.tuner is not None:
@@ -221,6 +236,9 @@ class InputDist:
         warn_not_pipelined(rewrite.report, self._warned, pipeline_postproc=self._pipeline_postproc)
         if self._ranks is not None:
             self._ranks.agree_on("call sites of the sharded modules", rewrite.signature())
+            live = [w.settings() for w in (self.watch, *self._others) if w is not None and w.publishing]
+            if live:  # the watches decide from the words alike only with the same settings
+                self._ranks.agree_on("watch settings", "\n".join(live), advice=WATCH_ADVICE)
         undo = free_early_where_safe(rewrite) if self._memory.free_features_storage_early else None
         self._free_early = undo is not None
         if undo is not None:
@@ -290,13 +308,17 @@ class InputDist:
             False: some rank lacks the batch; it and the batches after it left the lane.
         """
         with run_stage(self._streams, "input_dist::splits", ctx.index, self._streams.data_dist):
-            if not self._admission.conclude(ctx):
-                return False
+            # The whole wait is timed: where the status rides, `conclude` is where it blocks.
             clock = ctx.wait_clock
-            for names, request in ctx.splits_requests:
-                for name, values in zip(names, waited(request, clock), strict=True):
-                    ctx.input_dist_requests[name] = values
-            ctx.splits_requests = []
+            return self._wait_splits(ctx) if clock is None else clock.timed(self._wait_splits, ctx)
+
+    def _wait_splits(self, ctx: BatchContext) -> bool:
+        if not self._admission.conclude(ctx):
+            return False
+        for names, request in ctx.splits_requests:
+            for name, values in zip(names, request.wait(), strict=True):
+                ctx.input_dist_requests[name] = values
+        ctx.splits_requests = []
         return True
 
     # -- the next batch, within a step (the pipelines' steps call these by name) ---------------

@@ -17,9 +17,14 @@ mode can hide, then keeps it only where the steps after are faster:
    next step and the watch ends: no second try in this job.
 3. Kept, back or pinned: no clock runs any more.
 
+A step is timed from its start (`step`) to its end (`step_ended`): the time between two
+`progress()` calls (a checkpoint save, an outside eval loop, the end of the data) is not a step's.
 Each rank's figure rides in its status word on the batch's fused splits all-to-all
 (`pipeline.ranks.word`), so every rank reads every rank's figures for the same batch and decides
-alike at the same step. A watch with no ranks to agree with decides from its own figure (`alone`).
+alike at the same step; the settings are checked alike on every rank once, before the first figure
+(`settings`). A decision loaded from a checkpoint takes effect only once every rank's word shows the
+same one (`load_state_dict`). A watch with no ranks to agree with decides from its own figure
+(`alone`).
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from pipeline.ranks.word import observed
+import torch.distributed as dist
+
+from pipeline.ranks.word import RESTORED, observed
 
 __all__ = ["StepWatch", "WatchPhase"]
 
@@ -114,6 +121,11 @@ class StepWatch:
         self._after: list[float] = []
         self._skip = 0
         self._last: float | None = None
+        """When the step under way began (None: not timed)."""
+        self._ended: float | None = None
+        """When it ended (`step_ended`)."""
+        self._restored: dict[str, Any] | None = None
+        """A decision loaded from a checkpoint, until every rank's word shows it (`load_state_dict`)."""
         self._pending: str | None = None
         self._published = 0
         self.steps = 0
@@ -151,12 +163,16 @@ class StepWatch:
     def step(self) -> str:
         """At the start of each training step: the mode to run it in."""
         self.steps += 1
-        if self._pending is None and self.phase in FINAL:
-            return self.mode  # the hot path once decided: no clock
+        if self.phase in FINAL:  # the hot path once decided: no clock
+            if self._pending is not None:
+                self.mode, self._pending, self._published = self._pending, None, 0
+            return self.mode
         now = self.clock()
         parts = self._parts()
-        if self._last is not None and self.steps > self.warmup + 1 and self._observing():
-            self._record(now - self._last, parts)
+        ended, self._ended = self._ended, None
+        timed = self._last is not None and ended is not None
+        if timed and self.steps > self.warmup + 1 and self._observing():
+            self._record(ended - self._last, parts)
         self._last = now
         if self._pending is not None:
             self.mode, self._pending = self._pending, None
@@ -165,15 +181,29 @@ class StepWatch:
             self.received([self._published])
         return self.mode
 
+    def step_ended(self) -> None:
+        """At the end of each step (after the optimizer): what `step` times the step to."""
+        if self._last is not None:
+            self._ended = self.clock()
+
     def interrupt(self) -> None:
         """An eval step, or a step that ended abnormally: do not time across it."""
-        self._last = None
+        self._last = self._ended = None
         self._parts()
+
+    def settings(self) -> str:
+        """The settings, in one line: the ranks check that theirs are alike before the first figure
+        rides (settings that differ would decide differently on the same words)."""
+        return (
+            f"{type(self).__name__}(window={self.window}, verify={self.verify}, warmup={self.warmup}, "
+            f"threshold={self.threshold}, settle={self.settle}, margin={self.margin}, sure={self.sure})"
+        )
 
     @property
     def publishing(self) -> bool:
-        """Whether this watch has figures for the ranks to read (it watches or tries, with ranks)."""
-        return self.phase not in FINAL and not self.alone
+        """Whether this watch has figures for the ranks to read (it watches or tries, or holds a
+        loaded decision, with ranks)."""
+        return (self.phase not in FINAL or self._restored is not None) and not self.alone
 
     def observation(self) -> int:
         """This rank's figure for the batch started now (`pipeline.ranks.word.observed`; 0: none yet)."""
@@ -181,6 +211,10 @@ class StepWatch:
 
     def received(self, observations: list[int]) -> None:
         """Every rank's figure for one batch (the same list on every rank): decide where they suffice."""
+        if self._restored is not None or any(o in RESTORED for o in observations):
+            if any(observations):  # all 0: no rank's word spoke for this watch
+                self._agree_restored(observations)
+            return
         if self._pending is not None or self.phase in FINAL or not observations:
             return
         if 0 in observations:  # some rank has no figure yet
@@ -277,23 +311,62 @@ class StepWatch:
         return sum(a < before for a in self._after) / len(self._after)
 
     def state_dict(self) -> dict[str, Any]:
-        """The decision, to save with a checkpoint: a watch that loads it does not try again. While
-        watching or trying, the state says so, and a restarted job watches from the start."""
-        return {"phase": self.phase.value, "mode": self.mode, "decisions": list(self.decisions)}
+        """The decision and the world size it was taken at, to save with a checkpoint: a job that
+        loads it does not try again. While watching or trying, the state says so, and a restarted
+        job watches from the start."""
+        return {
+            "phase": self.phase.value,
+            "mode": self.mode,
+            "decisions": list(self.decisions),
+            "world_size": _world_size(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take a saved decision (from the next step on). A state saved while watching or trying
-        leaves the watch as it is."""
-        if not state:
-            return
-        phase = WatchPhase(state["phase"])
-        if phase not in FINAL:
+        """Take a saved decision. With ranks to agree with, it waits until every rank's word shows
+        the same decision, then takes effect on every rank at the same step; where any rank's word
+        differs (a rank loaded another state, or none), every rank drops it and watches afresh.
+        Alone (one rank, or a watch whose choice cannot split the ranks), it takes effect at the next
+        step. A state saved while watching or trying, at another world size, or (where nothing
+        rides, so the ranks cannot agree) for the other mode leaves the watch as it is, and says so.
+
+        Raises:
+            ValueError: the state names a mode this watch does not have.
+        """
+        if not state or WatchPhase(state["phase"]) not in FINAL:
             return
         mode = state.get("mode", state.get("schedule"))
         if mode not in self.modes:
             raise ValueError(f"a saved {type(self).__name__} state names {mode!r}, not one of {self.modes}")
-        self.phase, self.mode, self._pending = phase, mode, None
+        saved, world = state.get("world_size"), _world_size()
+        if saved is not None and saved != world:
+            self._decide(f"a decision saved at world size {saved} is not taken at {world}: watching afresh")
+        elif self.alone or world == 1:
+            self._take(state)
+        elif self.phase is WatchPhase.PINNED and mode != self.mode:
+            self._decide(f"a saved {mode!r} is not taken: nothing rides, so the ranks cannot agree on it")
+        else:
+            self._restored = state
+
+    def _take(self, state: dict[str, Any]) -> None:
+        mode = state.get("mode", state.get("schedule"))
+        self.phase = WatchPhase(state["phase"])
+        self._pending = mode if mode != self.mode else None
         self.decisions = [tuple(d) for d in state["decisions"]]
+
+    def _agree_restored(self, observations: list[int]) -> None:
+        """A batch's words where some rank holds a loaded decision: taken where every rank's word
+        shows the one this rank holds, else dropped (every rank reads the same words, so every rank
+        ends alike: all take it, or none does)."""
+        if self._restored is None:
+            return
+        state, self._restored = self._restored, None
+        mine = RESTORED[self.modes.index(state.get("mode", state.get("schedule")))]
+        if observations and all(o == mine for o in observations):
+            self._take(state)
+            mode = self.mode if self._pending is None else self._pending
+            self._decide(f"took the saved decision ({mode}): every rank holds it")
+        else:
+            self._decide("dropped the saved decision: not every rank holds it; watching afresh")
 
     # -- the rule ------------------------------------------------------------------------------
 
@@ -308,6 +381,8 @@ class StepWatch:
                 self._after.append(step_s)
 
     def _observation(self) -> int:
+        if self._restored is not None:
+            return RESTORED[self.modes.index(self._restored.get("mode", self._restored.get("schedule")))]
         if self.phase is WatchPhase.WATCHING:
             return observed(self._share())
         if self.phase is WatchPhase.TRYING and len(self._after) >= self.verify:
@@ -337,3 +412,7 @@ class StepWatch:
         self.decisions.append((self.steps, text))
         if self.note is not None:
             self.note(f"{self.label}, step {self.steps}: {text}")
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -41,11 +41,15 @@ class WaitClock:
             self.idle += max(0.0, (self._clock() - wall) - (self._cpu() - cpu))
 
     def wait(self, request: Any) -> Any:
+        return self.timed(request.wait)
+
+    def timed(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)`, its wall time added to `waited` where it runs on the pipeline's thread."""
         if threading.get_ident() != self.thread:
-            return request.wait()
+            return fn(*args)
         start = self._clock()
         try:
-            return request.wait()
+            return fn(*args)
         finally:
             self.waited += self._clock() - start
 
