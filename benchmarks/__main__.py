@@ -10,6 +10,7 @@
     calibrate   measure this machine's costs for the cost model into its cache (subprocesses)
     agreement   the ranks' per-batch vote at 2-16 local ranks, against a request to rank 0's store
     riding      the agreement's host work per batch where statuses ride, 8-1,024 simulated ranks
+    step-path   the files and functions one steady step enters: ours against torchrec's
     first-step  time to first output in fresh torchrun jobs: plain, our pipelines, torchrec's
     selfcheck   the benchmarks' own arithmetic and link setup, against fakes (no ranks, no root)
     figures     re-run the command each docs/results/*.md states, one at a time (`make figures`)
@@ -178,6 +179,14 @@ def _riding(p: argparse.ArgumentParser) -> None:
     p.add_argument("--md", default="out/bench/riding.md", help="'' for none")
 
 
+def _step_path(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cls", default="TrainPipelineSparseDist", help="the class, by torchrec's name")
+    p.add_argument("--steps", type=int, default=40, help="steps before the one counted (default 40)")
+    p.add_argument("--schedules", nargs="+", default=["late", "adaptive"], help="ours, one count each")
+    p.add_argument("--json", default="out/bench/step_path.json", help="'' for none")
+    p.add_argument("--md", default="out/bench/step_path.md", help="'' for none")
+
+
 def _first_step(p: argparse.ArgumentParser) -> None:
     _names(p, "--variants", "plain ours-sparse-dist ours-prefetch torchrec-sparse-dist (default: all)")
     p.add_argument("--rounds", type=int, default=3, help="jobs per variant, order rotated (default 3)")
@@ -204,6 +213,7 @@ _SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callabl
     "calibrate": (_calibrate, _function("predictor.machine", "calibrate")),
     "agreement": (_agreement, _function("agreement", "agreement")),
     "riding": (_riding, _function("riding", "riding")),
+    "step-path": (_step_path, _function("step_path", "step_path")),
     "first-step": (_first_step, _function("first_step", "first_step")),
     "figures": (_figures, _function("figures", "figures")),
 }

@@ -288,7 +288,8 @@ def _auto(rank: int, pipe_name: str) -> dict:
 def _adaptive(rank: int, pipe_name: str, verdict: str) -> dict:
     """The default schedule's watch, made to try early at once on a tiny model: every rank moves
     at the same step, and back ("back") or not ("kept"), bit for bit across both switches. Its
-    clock counts its own calls, so that both ranks see equal steps: a ratio of 1 after the switch."""
+    clock counts its own calls, so that both ranks see equal steps: a ratio of 1 after the switch
+    ("back"), or, under "kept", a reference that any step after the switch beats."""
     import itertools
 
     import torch.distributed as dist
@@ -299,9 +300,15 @@ def _adaptive(rank: int, pipe_name: str, verdict: str) -> dict:
 
     counter = itertools.count()
     kept = verdict == "kept"
-    watch = ScheduleWatch(
+
+    class Watch(ScheduleWatch):
+        @property
+        def reference(self) -> float:  # "kept": every step after the switch reads as faster
+            return 1e9 if kept else ScheduleWatch.reference.fget(self)
+
+    watch = Watch(
         window=3, verify=3, warmup=0, settle=0, threshold=0.0001,
-        margin=0.0 if kept else 0.5, sure=0.0, clock=lambda: float(next(counter)),
+        margin=0.5, sure=0.0, clock=lambda: float(next(counter)),
     )  # fmt: skip
     ref, ref_opt, model, pipe = _pair(pipe_name, input_dist=InputDistOptions(watch=watch))
     steps = 3 * N

@@ -363,12 +363,19 @@ def _under_the_watch(rank: int, world_size: int, costs: tuple, mode: object, agr
 
         it, outputs, modes, on_main, full_at = iter(data), [], [], [], None
         ebc.prefetch = prefetch
+        optimizer_step = opt.step
+
+        def timed_step(*args, **kwargs):  # the rest of the step's time, inside the step (the watch times
+            # a step from its start to its end, not the time between two progress() calls)
+            clock.now += (ahead_ms if pipe.prefetch_ahead else inline_ms - blocked_ms) / 1e3
+            return optimizer_step(*args, **kwargs)
+
+        opt.step = timed_step
         for step in range(1, WATCH_STEPS + 1):
             outputs.append(pipe.progress(it))
             modes.append(pipe.prefetch_ahead)
             if full_at is None and ebc.caches_full():
                 full_at = step
-            clock.now += (ahead_ms if pipe.prefetch_ahead else inline_ms - blocked_ms) / 1e3
         try:
             pipe.progress(it)
             stopped = False

@@ -17,7 +17,6 @@ from torchrec.distributed.types import LazyNoWait
 from pipeline.ranks.lane import Ticket
 from pipeline.stages.labels import label
 from pipeline.stages.streams import Streams
-from pipeline.stages.wait_clock import waited
 
 __all__ = [
     "BatchContext",
@@ -81,7 +80,8 @@ class BatchContext:
         streams = self.streams
         with label(f"pipeline::input_dist::wait#{self.index}"):
             with streams.use(streams.data_dist):
-                data = waited(request, self.wait_clock)
+                clock = self.wait_clock  # while the default schedule watches: the wait is timed
+                data = request.wait() if clock is None else clock.wait(request)
                 streams.produced(data)
             module_ctx = self.module_contexts.pop(key)
             streams.handoff(data, streams.data_dist, self)

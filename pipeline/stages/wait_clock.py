@@ -1,5 +1,6 @@
 """`WaitClock`: how long the pipeline's thread is blocked in a step, for the default schedule's
-watch (`pipeline.stages.watch`), and `waited`, the one place an input_dist wait goes through it."""
+watch (`pipeline.stages.watch`): the splits wait and the values wait are timed on it while the
+watch watches or tries."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["WaitClock", "waited"]
+__all__ = ["WaitClock"]
 
 
 class WaitClock:
@@ -58,8 +59,3 @@ class WaitClock:
         taken = (self.waited, self.idle)
         self.waited = self.idle = 0.0
         return taken
-
-
-def waited(request: Any, clock: WaitClock | None) -> Any:
-    """`request.wait()`, timed on `clock` where one is given (while the watch watches or tries)."""
-    return request.wait() if clock is None else clock.wait(request)

@@ -1,0 +1,103 @@
+"""`python -m benchmarks step-path`: what a reader must follow to understand one steady training step,
+ours against torchrec's: the files and functions of the pipeline package that one `progress()` call
+enters (2 gloo ranks, the tests' table-wise DLRM, the same step of the same data), counted with
+`sys.setprofile` over our `pipeline/` and `rewrite/` and over torchrec's `train_pipeline/`.
+
+`--schedule late` pins torchrec's order (the path of a default whose watch has decided: no clock
+runs); `adaptive` is the default while it still watches.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from benchmarks.report import markdown_table, stamp, text_table, write
+
+__all__ = ["step_path"]
+
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _rank(rank: int, port: int, impl: str, cls: str, steps: int, schedule: str, queue: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    sys.path.insert(0, str(_ROOT))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    from tests import models
+
+    model, opt = models.build("dlrm", "table_wise")
+    if impl == "ours":
+        import pipeline as package
+
+        roots = tuple(str(_ROOT / d) + os.sep for d in ("pipeline", "rewrite"))
+        pipe = getattr(package, cls)(model, opt, torch.device("cpu"), input_dist_schedule=schedule)
+    else:
+        from torchrec.distributed import train_pipeline as package
+
+        roots = (os.path.dirname(package.__file__) + os.sep,)
+        pipe = getattr(package, cls)(model, opt, torch.device("cpu"))
+    it = iter(models.batches("dlrm", steps + 10, rank))
+    for _ in range(steps):
+        pipe.progress(it)
+    funcs: set[tuple[str, str]] = set()
+
+    def seen(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(roots):
+            funcs.add((frame.f_code.co_filename, frame.f_code.co_name))
+
+    sys.setprofile(seen)
+    pipe.progress(it)
+    sys.setprofile(None)
+    if rank == 0:
+        files = sorted({os.path.relpath(f, roots[0].rsplit(os.sep, 2)[0]) for f, _ in funcs})
+        queue.put((files, len(funcs)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _count(impl: str, cls: str, steps: int, schedule: str) -> tuple[list[str], int]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [ctx.Process(target=_rank, args=(r, port, impl, cls, steps, schedule, queue)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    try:
+        return queue.get(timeout=600)
+    finally:
+        for p in ranks:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+
+
+def step_path(
+    *, cls: str, steps: int, schedules: list[str], command: str, json: str | None, md: str | None
+) -> int:
+    result: dict[str, Any] = {"command": command, "class": cls, "step": steps + 1, "runs": {}}
+    rows = []
+    for impl, schedule in [*(("ours", s) for s in schedules), ("torchrec", "torchrec's")]:
+        files, funcs = _count(impl, cls, steps, schedule)
+        result["runs"][f"{impl} {schedule}"] = {"files": files, "functions": funcs}
+        rows.append([impl, schedule, len(files), funcs])
+    columns = ["pipeline", "schedule", "files", "functions"]
+    print(text_table(columns, rows))
+    for name, run in result["runs"].items():
+        print(f"{name}:", *run["files"], sep="\n  ")
+    lines = [*stamp(command), "", f"{cls}, step {steps + 1}, 2 gloo ranks, the tests' table-wise DLRM.", ""]
+    lines += markdown_table(columns, rows)
+    for name, run in result["runs"].items():
+        lines += ["", f"{name}: " + ", ".join(f"`{f}`" for f in run["files"])]
+    write(result, "\n".join(lines) + "\n", json_path=json, md_path=md)
+    return 0
