@@ -107,7 +107,7 @@ class InputDist:
             if self._one_rank:
                 self.watch.pin(ONE_RANK)
         self._admission = Admission(ranks, carry, watch=self.watch)
-        self._narrow = NarrowIds(schedule.narrow_ids, self._note)
+        self._narrow = NarrowIds(schedule.narrow_ids, self._note, one_rank=self._one_rank)
         """Which call sites' KJTs go through the all-to-all as int32 (`pipeline.stages.narrow`)."""
         self._others: list[Any] = []
         """Other stages' watches (`add_watch`)."""

@@ -15,7 +15,8 @@ ones the int64 ids give: the numerics cannot change.
 
 When: decided once per call site, at the first pipelined batch, from the module alone (`decide`),
 so every rank decides alike: an all-to-all's receiver allocates what it receives in the dtype it
-sends itself, so every rank must send the same dtype, whatever its batch holds. Not narrowed (with
+sends itself, so every rank must send the same dtype, whatever its batch holds. Nothing is narrowed
+at one rank, where the all-to-all moves nothing between ranks to save. Not narrowed (with
 the reason in the rewrite report): a module of another kind (sequence collections return the lengths
 and ids they were sent to the model; managed-collision modules remap raw ids), a table with 2^31
 rows or more or a virtual one (its block sizes and ids need int64), a kernel that does not say that
@@ -130,10 +131,12 @@ class NarrowIds:
     Args:
         enabled: `InputDistOptions.narrow_ids`.
         note: adds one sentence to the rewrite report.
+        one_rank: the world is one rank: the all-to-alls move nothing between ranks, so narrowing
+            would only cost its passes; nothing is narrowed.
     """
 
-    def __init__(self, enabled: bool, note: Callable[[str], None]) -> None:
-        self._enabled, self._note = enabled, note
+    def __init__(self, enabled: bool, note: Callable[[str], None], *, one_rank: bool = False) -> None:
+        self._enabled, self._note, self._one_rank = enabled, note, one_rank
         self._sites: set[str] = set()
         """The keys of the call sites whose inputs are narrowed."""
         self._saturated: set[str] = set()
@@ -144,6 +147,9 @@ class NarrowIds:
         self._sites.clear()
         if not self._enabled:
             self._note("ids are not narrowed (narrow_ids=False): the input all-to-all sends them as made")
+            return
+        if self._one_rank:
+            self._note("ids are not narrowed: at one rank the input all-to-all moves nothing")
             return
         refused: dict[str, str] = {}
         for site in sites:
