@@ -5,7 +5,8 @@ On 2 and 3 gloo ranks, table-, row- and column-wise, unweighted (DLRM, two tower
 weighted EBC, and position weights, which row-wise sends with the ids) and the models written as
 users write them (tests/user_models.py): each scenario trains with narrowing on and off, and both
 give the plain loop's outputs and final parameters; what the KJT all-to-all sent (`_WireSpy`) is
-int32 on, int64 off, half the bytes; the batch's KJTs are the dataloader's after the run.
+int32 on, int64 off, half the bytes; the batch's KJTs are the dataloader's after the run. A
+data-parallel module sends nothing and is left as made.
 
 An id outside int32 (2^32 + 3, in a table of 40 rows): with `check_kjts` every rank stops with the
 malformed-batch error naming the id as the dataloader made it; without it the pipeline gives the plain
@@ -199,6 +200,17 @@ USER_CASES = [(2, "split"), (2, "built"), (2, "shared"), (2, "recorded"), (3, "s
 def test_narrowed_ids_on_models_written_as_users_write_them(pools, world, pattern):
     results = pools(world).run(_user_case, pattern, timeout=TIMEOUT)
     _assert_narrowed(results, f"the {pattern!r} user model at {world} ranks", recorded=pattern == "recorded")
+
+
+@pytest.mark.timeout(pytest_timeout(TIMEOUT))
+@pytest.mark.slow
+def test_a_data_parallel_module_sends_nothing_and_is_left_as_made(pools):
+    for rank, r in enumerate(pools(2).run(_model_case, "weighted", "data_parallel", timeout=TIMEOUT)):
+        for narrow, run in r.items():
+            at = f"data-parallel, narrow_ids={narrow}, rank {rank}"
+            assert run["outputs"] and run["params"], f"{at}: not the plain loop's numbers"
+            assert run["wire"]["count"] == 0, f"{at}: a KJT all-to-all ran: {run['wire']}"
+        assert any("data-parallel" in n for n in r[True]["notes"]), r[True]["notes"]
 
 
 # -- an id outside int32 ---------------------------------------------------------------------------

@@ -8,7 +8,8 @@ and every other field are the original's tensors. The batch is not touched: what
 it outside the sharded modules is what the dataloader made. Every sharding type takes it: table- and
 column-wise send the copy as it is, row-wise bucketizes it first (fbgemm's `block_bucketize_sparse_
 features` keeps the ids' dtype and casts the block sizes to it), data-parallel sends nothing and
-looks the copy up locally. The lookup widens what it receives (torchrec's batched kernels call
+looks the copy up locally (a module whose every table is data-parallel is not narrowed: nothing to
+save). The lookup widens what it receives (torchrec's batched kernels call
 `values().to(index_type)` and `offsets().to(offset_type)`, int64 unless the user's fused params say
 otherwise; the feature processors call `offsets().long()`), so the rows, sums and gradients are the
 ones the int64 ids give: the numerics cannot change.
@@ -67,6 +68,9 @@ def decide(module: nn.Module) -> str | None:
     """None if the ids of `module`'s input may be narrowed; else why not."""
     if not isinstance(module, _MODULES):
         return f"a {type(module).__name__} (only embedding-bag collections take int32 ids)"
+    plan = getattr(module, "module_sharding_plan", None) or {}
+    if plan and all(getattr(p, "sharding_type", None) == "data_parallel" for p in plan.values()):
+        return "every table is data-parallel (no input all-to-all to narrow)"
     for child in module.modules():
         for config in table_configs(child):
             if getattr(config, "use_virtual_table", False):
