@@ -32,7 +32,9 @@ plain cast would wrap it (2^32 + 3 to row 3); it is saturated instead (to -2^31 
 pass, only then), so it stays outside every table: the malformed-batch check (`check_kjts`, which
 runs before input_dist and stops every rank) or fbgemm's bounds check still sees a bad id, and a
 note in the rewrite report says which call site and batch. Sending that batch unnarrowed is not an
-option: the other ranks send int32.
+option: the other ranks send int32. One difference remains, only without `check_kjts`: row-wise may
+bucketize a saturated id to another rank than the original id (out of range on both), so the
+zeroed lookup of fbgemm's default bounds check reads another shard's row 0.
 """
 
 from __future__ import annotations
