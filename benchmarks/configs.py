@@ -6,15 +6,18 @@ sample with tiny MLPs, so the input all-to-all dominates; `compute-heavy` has on
 big MLPs. `tiny` (4 tables of 1,000 rows, one linear layer) leaves nothing to hide: what a pipeline
 adds there is its host overhead. The `tiered*` configs keep every table on disk (the `tiered` kernel,
 a cold store, a few % of the rows cached). The `sweep-*` configs are the sweep's 14 points, each with
-its link (`SWEEP_LINKS`). Kept free of torch: the launcher and the reports read it.
+its link (`SWEEP_LINKS`). `net-ids120` (16 table-wise tables, ~120 ids a feature, batch 1,024, a
+small dense part) is the most network-bound; it and the other `NETWORK_BOUND` configs have `-int32`
+twins whose dataloader makes int32 ids and lengths (what narrowed ids send). Kept free of torch: the
+launcher and the reports read it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["CONFIGS", "HEADS", "RUN_CONFIGS", "SWEEP_LINKS", "TIERED_CONFIGS", "BenchConfig", "get_config",
-           "sweep_points"]  # fmt: skip
+__all__ = ["CONFIGS", "HEADS", "NETWORK_BOUND", "RUN_CONFIGS", "SWEEP_LINKS", "TIERED_CONFIGS", "BenchConfig",
+           "get_config", "sweep_points"]  # fmt: skip
 
 HEADS = ("dlrm", "linear", "linear-split", "linear-built", "linear-shared")
 
@@ -56,11 +59,15 @@ class BenchConfig:
     id_skew: float | None = None
     """Ids from a power law with this exponent (hot rows spread over the table by a hash); None:
     uniform."""
+    id_dtype: str = "int64"
+    """What the dataloader makes: "int64" ids (and int32 lengths), or "int32" ids and lengths."""
 
     def __post_init__(self) -> None:
         for field in ("batch_size", "embedding_dim", "num_embeddings", "ids_per_feature", "num_tables"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{self.name}: {field} must be positive, got {getattr(self, field)}")
+        if self.id_dtype not in ("int64", "int32"):
+            raise ValueError(f"{self.name}: id_dtype must be int64 or int32, got {self.id_dtype!r}")
         if self.head not in HEADS:
             raise ValueError(f"{self.name}: head must be one of {', '.join(HEADS)}, got {self.head!r}")
 
@@ -140,6 +147,21 @@ for _name, _link, _batch, _ids, _dim, _tables, _bottom, _top in _POINTS:
                     description=f"{_link or 'loopback'}: {_batch}/rank, {_ids} ids, dim {_dim}, "
                     f"{_tables} tables, MLPs {'-'.join(map(str, _bottom))} / {'-'.join(map(str, _top))}")
     )  # fmt: skip
+
+_NET = BenchConfig(
+    name="net-ids120", batch_size=1024, embedding_dim=4, num_embeddings=10_000, ids_per_feature=120,
+    num_tables=16, dense_hidden=(16,), over_hidden=(16,), sharding_types=("table_wise",),
+    description="16 table-wise tables, ~120 ids a feature, batch 1,024, tiny MLPs: the ids are ~98 % "
+    "of the input all-to-all",
+)  # fmt: skip
+_LIST.append(_NET)
+_BY_NAME = {c.name: c for c in _LIST}
+NETWORK_BOUND = ("net-ids120", "input-dist-heavy", "sweep-1g-ids100-dense", "sweep-1g-ids30")
+"""The configs where the input all-to-all dominates over 1 Gbit; each has an `-int32` twin."""
+for _name in NETWORK_BOUND:
+    _base = _BY_NAME[_name]
+    _LIST.append(replace(_base, name=f"{_name.removeprefix('sweep-')}-int32", id_dtype="int32",
+                         description=f"{_base.description}; int32 ids and lengths"))  # fmt: skip
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in _LIST}
 RUN_CONFIGS = ("demo", "input-dist-heavy", "compute-heavy")

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # imported where used: the launcher reads the machine without loading torch
     import torch
 
-__all__ = ["ProfileSummary", "cpu_busy", "machine", "peak", "peak_rss_bytes", "reset_peak",
+__all__ = ["InputBytes", "ProfileSummary", "cpu_busy", "machine", "peak", "peak_rss_bytes", "reset_peak",
            "summarize_profile", "tensor_peak_bytes"]  # fmt: skip
 
 _STATUS = Path("/proc/self/status")
@@ -178,3 +178,39 @@ def machine() -> str:
         except PackageNotFoundError:
             pass
     return f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}; {', '.join(versions)}"
+
+
+class InputBytes:
+    """Bytes handed to torchrec's KJT values all-to-alls (ids, lengths, weights; this rank's own share
+    included) per step, while in the `with` block: `step()` after each step, `per_batch()` the
+    median of the later half of the steps, where each step starts one batch's all-to-alls (ours and
+    torchrec's loops alike; the first steps also fill the pipeline)."""
+
+    def __init__(self) -> None:
+        self._steps: list[int] = []
+        self._now = 0
+
+    def __enter__(self) -> InputBytes:
+        from torchrec.distributed.dist_data import KJTAllToAllTensorsAwaitable
+
+        self._class, self._original = KJTAllToAllTensorsAwaitable, KJTAllToAllTensorsAwaitable.__init__
+        original, counter = self._original, self
+
+        def counting(awaitable: Any, *args: Any, **kwargs: Any) -> None:
+            counter._now += sum(t.numel() * t.element_size() for t in kwargs.get("input_tensors", []))
+            original(awaitable, *args, **kwargs)
+
+        self._class.__init__ = counting
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._class.__init__ = self._original
+
+    def step(self) -> None:
+        self._steps.append(self._now)
+        self._now = 0
+
+    def per_batch(self) -> int | None:
+        """None under 4 steps."""
+        later = sorted(self._steps[len(self._steps) // 2 :])
+        return later[len(later) // 2] if len(self._steps) >= 4 else None

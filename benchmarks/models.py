@@ -197,6 +197,8 @@ def make_batches(config: BenchConfig, *, count: int, rank: int, seed: int = 0) -
         n, p = config.batch_size, config.ids_per_feature
         lengths = torch.randint(1, 2 * p, (config.num_tables * n,), generator=gen, dtype=torch.int32)
         values = _ids(config, int(lengths.sum()), gen)
+        if config.id_dtype == "int32":  # the same ids and lengths, as a 32-bit dataloader makes them
+            values = values.int()
         sparse = KeyedJaggedTensor.from_lengths_sync(
             keys=[f"f{i}" for i in range(config.num_tables)], values=values, lengths=lengths
         )

@@ -67,6 +67,9 @@ class Row:
     """Per step, time forward waits on input_dist (the whole inline input_dist for plain and Base)."""
     assembly_in_wait_ms: float | None = None
     """Of it, torchrec's reordering of the received ids (CPU work, not waiting)."""
+    input_a2a_kib: float | None = None
+    """KiB a batch hands to the input (KJT values) all-to-alls on rank 0, its own share included
+    (`benchmarks.measure.InputBytes`, in the warm-up), median of rounds."""
     schedule: str | None = None
     """Our SparseDist/Prefetch under "auto": the schedule kept, counted over rounds."""
     cache_hit_rate: float | None = None
@@ -174,6 +177,7 @@ def summarize(runs: list[dict[str, Any]], *, world_size: int) -> list[Row]:
             rss_mib=_median(ok, "peak_bytes", _MIB), tensor_mib=_median(ok, "tensor_peak_bytes", _MIB),
             wait_in_forward_ms=_median(ok, "wait_in_forward_ms"),
             assembly_in_wait_ms=_median(ok, "assembly_in_wait_ms"),
+            input_a2a_kib=_median(ok, "input_a2a_bytes", 1024),
             schedule=" ".join(f"{s} x{n}" for s, n in schedules.most_common()) or None,
             cache_hit_rate=_median(ok, "cache_hit_rate"), store_read_ms=_median(ok, "store_read_ms"),
             prefetch_ms=_median(ok, "prefetch_ms"),
@@ -215,8 +219,8 @@ def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str | None]]
     """The summary's columns, cells and notes (rows as in the JSON: `Paired` figures as dicts)."""
     disk = any(r["cache_hit_rate"] is not None for r in rows)
     columns = ["config / variant", "step ms", "samples/s", "vs plain", "vs reference", "CPU ms", "RSS MiB",
-               "tensor MiB", "input_dist in fwd ms", "of it assembly", "schedule kept", "share blocked",
-               "total s", "total vs reference"]  # fmt: skip
+               "tensor MiB", "input_dist in fwd ms", "of it assembly", "input a2a KiB", "schedule kept",
+               "share blocked", "total s", "total vs reference"]  # fmt: skip
     columns += ["hit rate", "store read ms", "resident ms", "prefetch kept"] if disk else []
     cells = []
     for r in (r for r in rows if r["status"] == "ok"):
@@ -226,7 +230,8 @@ def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str | None]]
         line = [f"{r['config']} / {r['variant']}", f"{p['step_ms']:.1f}", cell(r["samples_per_s"], ",.0f"),
                 cell(p["vs_plain"], ".2f"), ref, f"{p['cpu_ms']:.1f}", cell(r["rss_mib"], ".1f"),
                 cell(r["tensor_mib"], ".1f"), cell(r["wait_in_forward_ms"], ".2f"),
-                cell(r["assembly_in_wait_ms"], ".2f"), r["schedule"], cell(p["share"], ".2f"),
+                cell(r["assembly_in_wait_ms"], ".2f"), cell(r.get("input_a2a_kib"), ",.0f"), r["schedule"],
+                cell(p["share"], ".2f"),
                 cell(p["total_s"], ".2f"),
                 cell(p["total_vs_reference"], ".3f")]  # fmt: skip
         if disk:
@@ -254,6 +259,8 @@ _NOTES = [
     "share blocked: under the default schedule, the share of the step the host was blocked on the input "
     "all-to-alls under torchrec's order (the ranks' mean when it moved to early, else rank 0's last 8 "
     "steps). total s: the timed steps' total; total vs reference: over the reference's, paired.",
+    "input a2a KiB: what one batch hands to the input (KJT values) all-to-alls on rank 0, its own share "
+    "included, counted in the warm-up steps (ours narrows the ids to int32 unless +wide).",
 ]
 
 

@@ -41,10 +41,11 @@ FLAGS: dict[str, dict[str, bool]] = {
     "copy-after-forward": {"enqueue_batch_after_forward": True},
     "ahead": {"prefetch_ahead": True},
     "inline": {"prefetch_ahead": False},
+    "wide": {"narrow_ids": False},
 }
 """`+FLAG`: constructor options of our pipelines (the ranks' checks off, together or one at a time,
 torchrec's memory flags,
-Prefetch's stage forced ahead or inline instead of its watch)."""
+Prefetch's stage forced ahead or inline instead of its watch, ids sent as made instead of as int32)."""
 _SCHEDULED = ("ours-sparse-dist", "ours-prefetch", "ours-fused-sparse-dist", "ours-semi-sync", "ours-eval")
 """Our classes that take `input_dist_schedule`; all but Eval tune it when asked for "auto"."""
 CPU_UNSUPPORTED = ("torchrec-prefetch", "torchrec-fused-sparse-dist", "torchrec-semi-sync")

@@ -35,7 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import bound
 from benchmarks.configs import BenchConfig, get_config
-from benchmarks.measure import peak, reset_peak, summarize_profile, tensor_peak_bytes
+from benchmarks.measure import InputBytes, peak, reset_peak, summarize_profile, tensor_peak_bytes
 from benchmarks.models import batch_nbytes, build_model, make_batches
 from benchmarks.spec import BOUND, CPU_UNSUPPORTED, RunSpec, round_order
 from benchmarks.variants import Runner, labelled_input_dist, make_runner
@@ -117,9 +117,12 @@ def _run_one(spec: RunSpec, config: BenchConfig, variant: str, batches: list, de
     it = iter(batches)
     try:
         runner = make_runner(variant, model, optimizer, device, captured=captured)
-        for _ in range(spec.warmup_of(config.name)):
-            runner.step(it)
+        with InputBytes() as sent:  # counted in the warm-up only: the timed steps run unwrapped
+            for _ in range(spec.warmup_of(config.name)):
+                runner.step(it)
+                sent.step()
         record = _timed(runner, it, spec, variant, rank, tiered)
+        record["input_a2a_bytes"] = sent.per_batch()
     except Exception as e:
         if variant not in CPU_UNSUPPORTED or device.type != "cpu":
             raise

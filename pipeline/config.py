@@ -123,7 +123,7 @@ class RewriteOptions:
 
 @dataclass(kw_only=True, slots=True)
 class InputDistOptions:
-    """When the next batch's input all-to-alls run, and on which process group."""
+    """When the next batch's input all-to-alls run, on which process group, and in what width."""
 
     schedule: str = "adaptive"
     """"adaptive" (the default): torchrec's order, moving to "early" where the host blocks on the
@@ -141,9 +141,15 @@ class InputDistOptions:
     """Under "adaptive", the `pipeline.ScheduleWatch` to use (its window, threshold, margin);
     None: `ScheduleWatch()` (its constants and their measurements: docs/reference.md, "The default
     schedule")."""
+    narrow_ids: bool = True
+    """Send the ids (and int64 lengths) of a sharded module's KeyedJaggedTensor through the input
+    all-to-all as int32 where every table of the module has fewer than 2^31 rows: half the bytes,
+    the same rows (the lookup widens them), the batch untouched; an id outside int32 is never
+    wrapped to a valid row (`pipeline.stages.narrow`). False sends what the dataloader made."""
 
     def __post_init__(self) -> None:
         _one_of("input_dist_schedule", self.schedule, SCHEDULE_NAMES)
+        _one_of("narrow_ids", self.narrow_ids, (True, False))
 
 
 @dataclass(kw_only=True, slots=True)

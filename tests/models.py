@@ -2,7 +2,8 @@
 
 Four kinds (KINDS): torchrec's DLRM on its `Batch`, a two-tower model on a nested dataclass holding
 two KJTs or on a plain dict, and a feature-processed EBC (position-weighted features) on torchrec's
-`Batch`. A fifth, "postproc", feeds the two towers through postprocs called with collections.
+`Batch`. A fifth, "postproc", feeds the two towers through postprocs called with collections; a
+sixth, "weighted", is the DLRM on a weighted EBC, its batches' KJTs carrying a weight per id.
 `build(kind, sharding)` returns a DistributedModelParallel and its dense optimizer; embeddings use a
 fused (in-backward) SGD, as in production; the position weights are dense (data-parallel) parameters.
 Two builds with the same seed are identical. Table- and column-wise plans come from torchrec's planner;
@@ -152,8 +153,9 @@ def unsharded(kind: str, seed: int = 0) -> nn.Module:
         return PositionWeighted()
     if kind == "postproc":
         return WithPostprocs()
-    if kind == "dlrm":
-        ebc = EmbeddingBagCollection(tables=tables("", 3), device=torch.device("cpu"))
+    if kind in ("dlrm", "weighted"):
+        weighted = kind == "weighted"
+        ebc = EmbeddingBagCollection(tables=tables("", 3), is_weighted=weighted, device=torch.device("cpu"))
         return DLRMTrain(
             DLRM(
                 embedding_bag_collection=ebc,
@@ -249,11 +251,12 @@ def _row_wise_plan(model: nn.Module, device_type: str) -> ShardingPlan:
     return ShardingPlan(plan)
 
 
-def _kjt(prefix: str, n: int, gen: torch.Generator) -> KeyedJaggedTensor:
+def _kjt(prefix: str, n: int, gen: torch.Generator, *, weighted: bool = False) -> KeyedJaggedTensor:
     lengths = torch.randint(0, MAX_BAG + 1, (n * BATCH,), generator=gen)
     values = torch.randint(0, ROWS, (int(lengths.sum()),), generator=gen)
+    weights = torch.rand(values.numel(), generator=gen) if weighted else None
     return KeyedJaggedTensor.from_lengths_sync(
-        keys=[f"{prefix}f{i}" for i in range(n)], values=values, lengths=lengths
+        keys=[f"{prefix}f{i}" for i in range(n)], values=values, lengths=lengths, weights=weights
     )
 
 
@@ -264,8 +267,9 @@ def batches(kind: str, n: int, rank: int, seed: int = 1) -> list:
     for _ in range(n):
         dense = torch.rand(BATCH, DENSE, generator=gen)
         labels = torch.randint(0, 2, (BATCH,), generator=gen).float()
-        if kind in ("dlrm", "fp"):
-            out.append(Batch(dense_features=dense, sparse_features=_kjt("", 3, gen), labels=labels))
+        if kind in ("dlrm", "fp", "weighted"):
+            sparse = _kjt("", 3, gen, weighted=kind == "weighted")
+            out.append(Batch(dense_features=dense, sparse_features=sparse, labels=labels))
         elif kind in ("nested", "postproc"):
             feats = Features(user=_kjt("u", 2, gen), item=_kjt("i", 2, gen))
             out.append(NestedBatch(dense=dense, features=feats, labels=labels))

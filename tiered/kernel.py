@@ -58,6 +58,10 @@ class TieredEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         prefix: distinguishes the store files of this module from those of others.
     """
 
+    widens_ids = True
+    """Takes int32 ids and lengths as well as int64 (`RowCache.acquire` widens the ids, the bag
+    offsets are a cumsum, int64): a pipeline may send them narrowed (`narrow_ids`)."""
+
     def __init__(
         self,
         config: GroupedEmbeddingConfig,

@@ -82,6 +82,7 @@ class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist):
         input_dist: InputDistOptions | None = None,
         input_dist_schedule: str | None = None,
         tuner: Tuner | None = None,
+        narrow_ids: bool | None = None,
         streams: Streams | None = None,
         ranks: RankOptions | None = None,
         on_uneven: str | None = None,

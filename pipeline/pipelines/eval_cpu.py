@@ -81,6 +81,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist):
         rewrite: RewriteOptions | None = None,
         rewrite_method: str | None = None,
         arg_paths: dict[str, Any] | None = None,
+        narrow_ids: bool | None = None,
         streams: Streams | None = None,
         ranks: RankOptions | None = None,
         on_uneven: str | None = None,

@@ -63,6 +63,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
         arg_paths: dict[str, Any] | None = None,
         input_dist: InputDistOptions | None = None,
         input_dist_schedule: str | None = None,
+        narrow_ids: bool | None = None,
         streams: Streams | None = None,
         ranks: RankOptions | None = None,
         on_uneven: str | None = None,

@@ -157,6 +157,7 @@ class InputDistCore(SparseDistMethods, PipelineCore):
         input_dist: InputDistOptions | None = None,
         input_dist_schedule: str | None = None,
         tuner: Tuner | None = None,
+        narrow_ids: bool | None = None,
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
         dmp_collection_sync_interval_batches: int | None = 1,
@@ -196,7 +197,9 @@ class InputDistCore(SparseDistMethods, PipelineCore):
             rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
             strict=strict,
             pipeline_postproc=pipeline_postproc,
-            schedule=resolve(input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner),
+            schedule=resolve(
+                input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner, narrow_ids=narrow_ids
+            ),
             memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
             forward=forward,
             ranks=self._ranks,

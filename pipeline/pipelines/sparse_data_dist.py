@@ -68,6 +68,7 @@ class SparseDataDistUtil:
     Keyword-only, ours:
         strict: fail on the first batch if a sharded module cannot be pipelined.
         rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
+        narrow_ids: `InputDistOptions.narrow_ids` (None: its default, True).
         streams: the hand-offs of the stages' results to forward's stream (tests pass
             `tests.streamcheck.RecordingStreams()`, with its `data_dist` as `data_dist_stream`); None: CUDA
             hand-offs if `data_dist_stream` is a CUDA stream.
@@ -92,6 +93,7 @@ class SparseDataDistUtil:
         rewrite: RewriteOptions | None = None,
         rewrite_method: str | None = None,
         arg_paths: dict[str, Any] | None = None,
+        narrow_ids: bool | None = None,
         streams: Streams | None = None,
     ) -> None:
         refuse_jit(apply_jit)
@@ -121,7 +123,7 @@ class SparseDataDistUtil:
             rewrite=resolve(rewrite, RewriteOptions, method=rewrite_method, arg_paths=arg_paths),
             strict=strict,
             pipeline_postproc=pipeline_postproc,
-            schedule=InputDistOptions(schedule="late"),
+            schedule=resolve(InputDistOptions(schedule="late"), InputDistOptions, narrow_ids=narrow_ids),
             forward=self._extra.value,
         )
         self._prefetch = (

@@ -49,7 +49,8 @@ class TrainPipelineSparseDist(InputDistCore):
     Keyword-only, ours:
         strict: fail on the first batch if a sharded module cannot be pipelined.
         rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
-        input_dist_schedule, tuner: the fields of `InputDistOptions` (`input_dist` may give them).
+        input_dist_schedule, tuner, narrow_ids: the fields of `InputDistOptions` (`input_dist` may
+            give them).
         streams: the streams to run on; None: CUDA streams on a GPU, none on CPU.
         on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
             peer_timeout: the fields of `RankOptions` (`ranks` may give them).
@@ -80,6 +81,7 @@ class TrainPipelineSparseDist(InputDistCore):
         input_dist: InputDistOptions | None = None,
         input_dist_schedule: str | None = None,
         tuner: Tuner | None = None,
+        narrow_ids: bool | None = None,
         streams: Streams | None = None,
         ranks: RankOptions | None = None,
         on_uneven: str | None = None,

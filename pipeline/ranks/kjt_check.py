@@ -21,7 +21,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from pipeline.ranks.keys import kjt_at
 from rewrite import find_kjts
 
-__all__ = ["KJTCheck", "Table", "tables_of"]
+__all__ = ["KJTCheck", "Table", "table_configs", "tables_of"]
 
 _NO_LIMIT = torch.iinfo(torch.int64).max
 
@@ -49,7 +49,7 @@ def tables_of(model: nn.Module) -> dict[str, Table]:
         if any(name == r or name.startswith(f"{r}.") for r in remapped):
             continue
         per_module: dict[str, Table] = {}
-        for config in _configs(module):
+        for config in table_configs(module):
             if getattr(config, "use_virtual_table", False):
                 continue
             table = Table(config.name, int(config.num_embeddings))
@@ -62,7 +62,9 @@ def tables_of(model: nn.Module) -> dict[str, Table]:
     return found
 
 
-def _configs(module: nn.Module) -> list[Any]:
+def table_configs(module: nn.Module) -> list[Any]:
+    """The table configs `module` itself holds (not its children's): an embedding module's,
+    sharded or not; [] for any other module."""
     # torchrec's sharded modules keep their tables' configs only under these (private) names; the
     # unsharded ones have public accessors
     for attr in ("_embedding_bag_configs", "_embedding_configs"):

@@ -16,11 +16,11 @@ In the `progress()` call that returns batch i, each stage runs on the batch show
 | backward, optimizer| the caller's | i    | i (not Eval)            | i        | i        |
 
 The stages: copy moves the batch to the device; input_dist::start issues the splits all-to-all (each
-rank's number of ids per feature); input_dist::splits waits for it and issues the values
-all-to-all; input_dist::wait waits for the values (inside forward, in the prefetch stage, or in the
-lookup); prefetch runs `module.prefetch()` (a cache filled ahead); lookup runs
-`compute_and_output_dist` (the embedding lookup and its output all-to-all) ahead of forward. The
-profiler label of a stage is `pipeline::<stage>#<batch index>`.
+rank's number of ids per feature; the KJTs it hands to input_dist carry int32 ids: `narrow`);
+input_dist::splits waits for it and issues the values all-to-all; input_dist::wait waits for the
+values (inside forward, in the prefetch stage, or in the lookup); prefetch runs `module.prefetch()`
+(a cache filled ahead); lookup runs `compute_and_output_dist` (the embedding lookup and its output
+all-to-all) ahead of forward. The profiler label of a stage is `pipeline::<stage>#<batch index>`.
 
 Notes on the table:
 - input_dist::splits runs before forward of i under the "early" schedules and after it under "late"

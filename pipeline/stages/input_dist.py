@@ -23,6 +23,7 @@ from pipeline.stages.context import BatchContext
 from pipeline.stages.groups import InputDistGroups
 from pipeline.stages.labels import run_stage
 from pipeline.stages.memory import MemoryFlags, free_early_where_safe, release_features, release_sent_inputs
+from pipeline.stages.narrow import NarrowIds, originals
 from pipeline.stages.not_pipelined import warn_not_pipelined
 from pipeline.stages.schedule import SCHEDULES
 from pipeline.stages.streams import Streams
@@ -60,7 +61,8 @@ class InputDist:
         rewrite: how the sharded modules' inputs are found (`RewriteOptions`).
         strict: fail on the first batch if a sharded module cannot be pipelined.
         pipeline_postproc: run parameter-free modules that transform the batch ahead.
-        schedule: the input_dist schedule and its tuner (`InputDistOptions`).
+        schedule: the input_dist schedule and its tuner, and whether ids are narrowed
+            (`InputDistOptions`).
         memory: torchrec's memory flags (`MemoryFlags`).
         forward: which hijacked forward the sharded modules get: "input_dist" (they wait for the
             values all-to-all), "prefetch" (they take the prefetch stage's output) or "lookup"
@@ -114,6 +116,8 @@ class InputDist:
             elif dist.get_backend() == "nccl":
                 self.watch.pin(NOT_ON_NCCL)
         self._admission = Admission(ranks, carry, watch=self.watch)
+        self._narrow = NarrowIds(schedule.narrow_ids, self._note, one_rank=self._one_rank)
+        """Which call sites' KJTs go through the all-to-all as int32 (`pipeline.stages.narrow`)."""
         self._others: list[Any] = []
         """Other stages' watches (`add_watch`)."""
         """Whether each batch is trained, by its vote or by what rides on its splits (it pins the
@@ -234,6 +238,7 @@ class InputDist:
         forward never reads the features."""
         self._settled = True
         warn_not_pipelined(rewrite.report, self._warned, pipeline_postproc=self._pipeline_postproc)
+        self._narrow.settle(rewrite.sites)
         if self._ranks is not None:
             self._ranks.agree_on("call sites of the sharded modules", rewrite.signature())
             live = [w.settings() for w in (self.watch, *self._others) if w is not None and w.publishing]
@@ -281,15 +286,16 @@ class InputDist:
         with run_stage(streams, "input_dist::start", ctx.index, streams.data_dist):
             streams.handoff(ctx.batch, streams.memcpy, ctx)
             streams.consumed(ctx.batch)
-            requests = {}
+            requests, narrowed = {}, {}
             for site, args, kwargs in rewrite.site_inputs(ctx.batch, ctx.postproc_results):
                 args, kwargs = site.module.preprocess_input(args, kwargs)
+                args, kwargs = self._narrow.inputs(site, args, kwargs, narrowed, ctx.index)
                 module_ctx = ctx.module_contexts[site.key] = site.module.create_context()
                 requests[site.key] = site.module.input_dist(module_ctx, *args, **kwargs)
             for result in ctx.postproc_results.values():
                 streams.produced(result)
             if self._free_early:  # every module has its own permuted copy
-                self.freed_bytes += release_features(ctx.module_contexts.values())
+                self.freed_bytes += release_features(ctx.module_contexts.values(), originals(narrowed))
             if fused:
                 carrier = self._admission.carrier(ctx)
                 ctx.splits_requests = fuse_splits_requests(requests, ctx.module_contexts, carrier=carrier)

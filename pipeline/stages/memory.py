@@ -13,7 +13,7 @@ Both return the bytes they freed, which the pipeline adds to `InputDist.freed_by
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,13 +63,17 @@ def free_early_where_safe(rewrite: Any) -> Callable[[], None] | None:
     return free_features_early(pm.module for pm in rewrite.modules)
 
 
-def release_features(module_contexts: Iterable[Any]) -> int:
-    """Free the original features the modules' contexts hold for release; returns the bytes."""
+def release_features(module_contexts: Iterable[Any], narrowed: Mapping[int, Any] | None = None) -> int:
+    """Free the original features the modules' contexts hold for release; returns the bytes.
+    Where a module held a narrowed copy (`pipeline.stages.narrow`), `narrowed` maps its id to the
+    batch's KJT, which is freed too, as it would have been without narrowing."""
     size = 0
+    originals = dict(narrowed or {})
     for module_ctx in module_contexts:
         releasable = getattr(module_ctx, "early_releasable_inputs", None)
         if releasable:
-            size += sum(kjt.clear_storage() for kjt in releasable)
+            also = [originals.pop(id(kjt)) for kjt in releasable if id(kjt) in originals]
+            size += sum(kjt.clear_storage() for kjt in [*releasable, *also])
             releasable.clear()
     return size
 

@@ -1,0 +1,425 @@
+"""Narrowed ids (`pipeline.stages.narrow`): the input all-to-all sends int32 ids and lengths, and the
+numbers stay the plain loop's, bit for bit.
+
+On 2 and 3 gloo ranks, table-, row- and column-wise, unweighted (DLRM, two towers), weighted (a
+weighted EBC, and position weights, which row-wise sends with the ids) and the models written as
+users write them (tests/user_models.py): each scenario trains with narrowing on and off, and both
+give the plain loop's outputs and final parameters; what the KJT all-to-all sent (`_WireSpy`) is
+int32 on, int64 off, half the bytes; the batch's KJTs are the dataloader's after the run. A
+data-parallel module sends nothing and is left as made.
+
+An id outside int32 (2^32 + 3, in a table of 40 rows): with `check_kjts` every rank stops with the
+malformed-batch error naming the id as the dataloader made it; without it the pipeline gives the plain
+loop's numbers (fbgemm's bounds check zeroes the id in both), and its twin, a cast without the check,
+wraps the id to row 3 and differs. A table of 2^31 rows or more leaves its module's ids as made. The
+single-process cases check the copy, the saturation and the option's wiring.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from tests.harness import pytest_timeout
+
+STEPS = 8
+TIMEOUT = 120
+MULTI_RANK = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
+BAD_ID = 2**32 + 3
+"""Wraps to 3 in int32: a valid row of every test table (40 rows)."""
+
+
+class _WireSpy:
+    """Records the dtype and bytes of the lengths and values every KJT values all-to-all sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, torch.dtype, int]] = []
+
+    def __enter__(self) -> _WireSpy:
+        from unittest import mock
+
+        from torchrec.distributed.dist_data import KJTAllToAllTensorsAwaitable
+
+        original = KJTAllToAllTensorsAwaitable.__init__
+        spy = self
+
+        def recording(self, *args, **kwargs):
+            labels, tensors = kwargs["labels"], kwargs["input_tensors"]
+            for label, tensor in zip(labels, tensors, strict=True):
+                if label in ("lengths", "values"):
+                    spy.sent.append((label, tensor.dtype, tensor.numel() * tensor.element_size()))
+            original(self, *args, **kwargs)
+
+        self._patch = mock.patch.object(KJTAllToAllTensorsAwaitable, "__init__", recording)
+        self._patch.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._patch.stop()
+
+    def summary(self) -> dict:
+        return {
+            "dtypes": sorted({str(dtype) for _, dtype, _ in self.sent}),
+            "sent": [(label, str(dtype), n) for label, dtype, n in self.sent],
+            "count": len(self.sent),
+        }
+
+
+def _snapshot(batches: list) -> list:
+    from rewrite import find_kjts
+
+    return [(k.values().clone(), k.lengths().clone()) for b in batches for _, k in find_kjts(b)]
+
+
+def _unchanged(before: list, batches: list) -> bool:
+    from rewrite import find_kjts
+
+    after = [(k.values(), k.lengths()) for b in batches for _, k in find_kjts(b)]
+    return len(before) == len(after) and all(
+        v.dtype == w.dtype and torch.equal(v, w) and torch.equal(l1, l2)
+        for (v, l1), (w, l2) in zip(before, after, strict=True)
+    )
+
+
+def _train(build, batches, *, narrow: bool, **options) -> dict:
+    """One SparseDist run to the end with narrowing on or off: outputs, state, what went on the
+    wire, the report's notes, whether the batches are as made."""
+    import pipeline
+    from tests import models
+
+    model, opt = build()
+    data = batches()
+    before = _snapshot(data)
+    with _WireSpy() as spy:
+        pipe = pipeline.TrainPipelineSparseDist(model, opt, torch.device("cpu"), narrow_ids=narrow, **options)
+        outputs = models.run_to_end(pipe, iter(data))
+    return {
+        "outputs": outputs,
+        "state": models.flat_tensors(model.state_dict()),
+        "wire": spy.summary(),
+        "notes": list(pipe.rewrite_report.notes),
+        "unchanged": _unchanged(before, data),
+    }
+
+
+def _compare(expected: list, ref_state: list, runs: dict) -> dict:
+    from tests import models
+
+    return {
+        narrow: {
+            "outputs": models.bitwise_equal(expected, run["outputs"]),
+            "params": models.bitwise_equal(ref_state, run["state"]),
+            "count": len(run["outputs"]),
+            **{k: run[k] for k in ("wire", "notes", "unchanged")},
+        }
+        for narrow, run in runs.items()
+    }
+
+
+def _model_case(rank: int, world_size: int, kind: str, sharding: str) -> dict:
+    from tests import models
+
+    expected, ref_state = models.reference(kind, sharding, STEPS, rank)
+    runs = {
+        narrow: _train(
+            lambda: models.build(kind, sharding), lambda: models.batches(kind, STEPS, rank), narrow=narrow
+        )
+        for narrow in (True, False)
+    }
+    return _compare(expected, ref_state, runs)
+
+
+def _user_case(rank: int, world_size: int, pattern: str) -> dict:
+    from tests import models, user_models
+
+    ref, ref_opt = user_models.build(pattern)
+    expected = models.plain_loop(ref, ref_opt, user_models.batches(STEPS, rank))
+    runs = {
+        narrow: _train(
+            lambda: user_models.build(pattern), lambda: user_models.batches(STEPS, rank), narrow=narrow
+        )
+        for narrow in (True, False)
+    }
+    return _compare(expected, models.flat_tensors(ref.state_dict()), runs)
+
+
+def _assert_narrowed(results: list, where: str, *, recorded: bool = False, steps: int = STEPS) -> None:
+    """Both runs of each rank give the plain loop's numbers and leave the batches as made; with
+    narrowing every KJT all-to-all sent int32 (but the recorded first batch's, which the model's
+    own forward sends: `recorded`), half the bytes of the same all-to-all without it."""
+    for rank, r in enumerate(results):
+        for narrow, run in r.items():
+            at = f"{where}, narrow_ids={narrow}, rank {rank}"
+            assert run["count"] == steps, f"{at}: {run['count']} outputs"
+            assert run["outputs"], f"{at}: outputs differ from the plain loop"
+            assert run["params"], f"{at}: final parameters differ from the plain loop"
+            assert run["unchanged"], f"{at}: the batch's KJTs changed"
+            assert run["wire"]["count"] > 0, f"{at}: no KJT all-to-all seen"
+        on, off = r[True]["wire"]["sent"], r[False]["wire"]["sent"]
+        head = next((i for i, (_, dtype, _) in enumerate(on) if dtype != "torch.int64"), len(on))
+        assert (head > 0) == recorded, f"{where}, rank {rank}: {head} int64 sends before the first int32"
+        assert on[:head] == off[:head] and len(on) == len(off), f"{where}, rank {rank}: {on} vs {off}"
+        assert {dtype for _, dtype, _ in on[head:]} == {"torch.int32"}, f"{where}, rank {rank}: sent {on}"
+        assert {dtype for _, dtype, _ in off} == {"torch.int64"}, (
+            f"{where}, rank {rank}: not narrowed, sent {off}"
+        )
+        halves = [(label, 2 * n) for label, _, n in on[head:]]
+        assert halves == [(label, n) for label, _, n in off[head:]], f"{where}, rank {rank}: {on} vs {off}"
+        assert any("sent as int32" in n for n in r[True]["notes"]), r[True]["notes"]
+        assert any("narrow_ids=False" in n for n in r[False]["notes"]), r[False]["notes"]
+
+
+MODEL_CASES = [
+    (2, "dlrm", "table_wise"),
+    (2, "weighted", "row_wise"),
+    (2, "fp", "row_wise"),
+    (2, "dict", "column_wise"),
+    (3, "weighted", "table_wise"),
+    (3, "nested", "row_wise"),
+    (3, "dlrm", "column_wise"),
+]
+"""(world size, kind, sharding), 2 ranks first: the module holds one pool at a time."""
+
+
+@pytest.mark.parametrize(("world", "kind", "sharding"), MODEL_CASES)
+@pytest.mark.timeout(pytest_timeout(TIMEOUT))
+@pytest.mark.slow
+def test_narrowed_ids_give_the_plain_loops_numbers_and_half_the_bytes(pools, world, kind, sharding):
+    results = pools(world).run(_model_case, kind, sharding, timeout=TIMEOUT)
+    _assert_narrowed(results, f"{kind} {sharding} at {world} ranks")
+
+
+USER_CASES = [(2, "split"), (2, "built"), (2, "shared"), (2, "recorded"), (3, "shared")]
+
+
+@pytest.mark.parametrize(("world", "pattern"), USER_CASES)
+@pytest.mark.timeout(pytest_timeout(TIMEOUT))
+@pytest.mark.slow
+def test_narrowed_ids_on_models_written_as_users_write_them(pools, world, pattern):
+    results = pools(world).run(_user_case, pattern, timeout=TIMEOUT)
+    _assert_narrowed(results, f"the {pattern!r} user model at {world} ranks", recorded=pattern == "recorded")
+
+
+@pytest.mark.timeout(pytest_timeout(TIMEOUT))
+@pytest.mark.slow
+def test_a_data_parallel_module_sends_nothing_and_is_left_as_made(pools):
+    for rank, r in enumerate(pools(2).run(_model_case, "weighted", "data_parallel", timeout=TIMEOUT)):
+        for narrow, run in r.items():
+            at = f"data-parallel, narrow_ids={narrow}, rank {rank}"
+            assert run["outputs"] and run["params"], f"{at}: not the plain loop's numbers"
+            assert run["wire"]["count"] == 0, f"{at}: a KJT all-to-all ran: {run['wire']}"
+        assert any("data-parallel" in n for n in r[True]["notes"]), r[True]["notes"]
+
+
+# -- an id outside int32 ---------------------------------------------------------------------------
+
+
+def _with_bad_id(data: list, at: int) -> None:
+    """Batch `at` of `data` with its first id of f1 replaced by BAD_ID (in place)."""
+    from torchrec import KeyedJaggedTensor
+
+    kjt = data[at].sparse_features
+    values, lengths = kjt.values().clone(), kjt.lengths()
+    stride = kjt.stride()
+    first_of_f1 = int(lengths[:stride].sum())
+    assert int(lengths[stride:].sum()) > 0
+    values[first_of_f1] = BAD_ID
+    data[at].sparse_features = KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=lengths)
+
+
+def _bad_id_case(rank: int, world_size: int, check: bool, wrap: bool) -> dict:
+    import contextlib
+    from unittest import mock
+
+    import pipeline
+    from tests import models
+
+    def batches():
+        data = models.batches("dlrm", STEPS, rank)
+        if rank == 1:
+            _with_bad_id(data, 3)
+        return data
+
+    def plain_cast(tensor):  # the twin: narrowing without the check
+        return tensor.to(torch.int32), False
+
+    ref, ref_opt = models.build("dlrm", "table_wise")
+    expected = models.plain_loop(ref, ref_opt, batches())
+    twin = mock.patch("pipeline.stages.narrow._to_int32", plain_cast) if wrap else contextlib.nullcontext()
+    try:
+        with twin:
+            run = _train(lambda: models.build("dlrm", "table_wise"), batches, narrow=True, check_kjts=check)
+    except pipeline.MalformedBatchError as e:
+        return {"error": str(e)}
+    return {
+        "error": None,
+        "equal": models.bitwise_equal(expected, run["outputs"])
+        and models.bitwise_equal(models.flat_tensors(ref.state_dict()), run["state"]),
+        "wire": run["wire"],
+        "notes": run["notes"],
+    }
+
+
+@pytest.mark.timeout(pytest_timeout(TIMEOUT))
+@pytest.mark.slow
+def test_an_id_outside_int32_is_caught_by_the_kjt_check_as_made(pools):
+    for rank, r in enumerate(pools(2).run(_bad_id_case, True, False, timeout=TIMEOUT)):
+        assert r["error"] is not None, f"rank {rank}: trained through an id of {BAD_ID}"
+        assert f"id {BAD_ID} at sample" in r["error"], f"rank {rank}: {r['error']}"
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["checked", "twin-plain-cast"])
+@pytest.mark.timeout(pytest_timeout(TIMEOUT))
+@pytest.mark.slow
+def test_an_id_outside_int32_is_never_wrapped_to_a_valid_row(pools, wrap):
+    results = pools(2).run(_bad_id_case, False, wrap, timeout=TIMEOUT)
+    for rank, r in enumerate(results):
+        assert r["error"] is None, f"rank {rank}: {r['error']}"
+        assert r["wire"]["dtypes"] == ["torch.int32"], r["wire"]
+    if wrap:  # the twin: a plain cast reads row 3 where the plain loop's bounds check reads none
+        assert not all(r["equal"] for r in results), "a wrapped id gave the plain loop's numbers"
+        return
+    assert all(r["equal"] for r in results), "the saturated id did not give the plain loop's numbers"
+    assert any("outside int32" in n for n in results[1]["notes"]), results[1]["notes"]
+
+
+def _big_table_case(rank: int, world_size: int) -> dict:
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    from tests import models
+
+    def build():
+        model, opt = models.build("dlrm", "table_wise")
+        for module in model.modules():
+            if isinstance(module, ShardedEmbeddingBagCollection):
+                module._embedding_bag_configs[0].num_embeddings = 2**31  # as the sharding read 40
+        return model, opt
+
+    expected, ref_state = models.reference("dlrm", "table_wise", STEPS, rank)
+    run = _train(build, lambda: models.batches("dlrm", STEPS, rank), narrow=True)
+    return {
+        "equal": models.bitwise_equal(expected, run["outputs"])
+        and models.bitwise_equal(ref_state, run["state"]),
+        "wire": run["wire"],
+        "notes": run["notes"],
+    }
+
+
+@pytest.mark.timeout(pytest_timeout(TIMEOUT))
+@pytest.mark.slow
+def test_a_table_of_2_31_rows_leaves_its_modules_ids_as_made(pools):
+    for rank, r in enumerate(pools(2).run(_big_table_case, timeout=TIMEOUT)):
+        assert r["equal"], f"rank {rank}: not the plain loop's numbers"
+        assert r["wire"]["dtypes"] == ["torch.int64"], f"rank {rank}: sent {r['wire']['dtypes']}"
+        assert any("2147483648 rows" in n for n in r["notes"]), r["notes"]
+
+
+# -- one process ---------------------------------------------------------------------------------
+
+
+def _kjt(values, lengths, **kwargs):
+    from torchrec import KeyedJaggedTensor
+
+    return KeyedJaggedTensor(
+        keys=["a", "b"], values=torch.tensor(values), lengths=torch.tensor(lengths), **kwargs
+    )
+
+
+def test_narrow_kjt_copies_ids_and_lengths_as_int32_and_keeps_the_rest():
+    from pipeline.stages.narrow import narrow_kjt
+
+    weights = torch.rand(4)
+    kjt = _kjt([5, 0, 7, 39], [1, 2, 1, 0], weights=weights)
+    narrowed = narrow_kjt(kjt)
+    copy = narrowed.kjt
+    assert copy is not kjt and not narrowed.saturated
+    assert copy.values().dtype == copy.lengths().dtype == torch.int32
+    assert copy.values().tolist() == [5, 0, 7, 39] and copy.lengths().tolist() == [1, 2, 1, 0]
+    assert copy.weights() is weights and copy.keys() == kjt.keys() and copy.stride() == kjt.stride()
+    assert kjt.values().dtype == kjt.lengths().dtype == torch.int64  # the batch's own is untouched
+    int32 = _kjt([1, 2], [1, 1, 0, 0])
+    int32 = type(int32)(keys=["a", "b"], values=int32.values().int(), lengths=int32.lengths().int())
+    assert narrow_kjt(int32).kjt is int32  # nothing to narrow: the same object
+
+
+def test_narrow_kjt_keeps_a_variable_batch_per_key():
+    from pipeline.stages.narrow import narrow_kjt
+
+    inverse = (["a", "b"], torch.zeros(2, 3, dtype=torch.int64))
+    kjt = _kjt([1, 2, 3, 4], [1, 1, 2], stride_per_key_per_rank=[[1], [2]], inverse_indices=inverse)
+    copy = narrow_kjt(kjt).kjt
+    assert copy.variable_stride_per_key() and copy.stride_per_key_per_rank() == [[1], [2]]
+    assert copy.inverse_indices() is inverse and copy.values().dtype == torch.int32
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["checked", "twin-plain-cast"])
+def test_an_id_outside_int32_saturates_outside_every_table(wrap, monkeypatch):
+    from pipeline.stages import narrow
+
+    if wrap:  # the twin: the cast without the check
+        monkeypatch.setattr(narrow, "_to_int32", lambda t: (t.to(torch.int32), False))
+    narrowed = narrow.narrow_kjt(_kjt([1, BAD_ID, -(2**40), 2], [1, 1, 1, 1]))
+    ids = narrowed.kjt.values().tolist()
+    rows = 40
+    outside = [i for i in ids[1:3] if not 0 <= i < rows]
+    if wrap:
+        assert ids[1] == 3 and len(outside) < 2  # wrapped into the table: what the check prevents
+        return
+    assert narrowed.saturated and ids == [1, 2**31 - 1, -(2**31), 2]
+    assert len(outside) == 2, f"a bad id landed on a valid row: {ids}"
+
+
+def test_decide_names_what_is_not_narrowed():
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    from pipeline.stages.narrow import decide
+
+    ebc = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])],
+        device=torch.device("meta"),
+    )
+    assert "EmbeddingBagCollection" in decide(ebc)  # only sharded collections are known to widen
+
+
+def _classes_with_input_dist() -> list[str]:
+    import pipeline
+    from pipeline.pipelines.input_dist_core import InputDistCore
+
+    return sorted(
+        n
+        for n in pipeline.__all__
+        if inspect.isclass(c := getattr(pipeline, n))
+        and (issubclass(c, InputDistCore) or c is pipeline.SparseDataDistUtil)
+    )
+
+
+@pytest.mark.parametrize("name", _classes_with_input_dist())
+def test_every_class_that_runs_an_input_dist_takes_narrow_ids(name):
+    import pipeline
+
+    parameter = inspect.signature(getattr(pipeline, name)).parameters.get("narrow_ids")
+    assert parameter is not None, f"{name} has no narrow_ids keyword"
+    assert parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.default is None
+
+
+def test_narrow_ids_flat_and_in_the_options_object_mean_the_same():
+    import pipeline
+    from pipeline.config import InputDistOptions
+    from tests.test_torchrec_parity import _Echo
+
+    assert InputDistOptions().narrow_ids is True
+    with pytest.raises(ValueError, match="narrow_ids must be one of"):
+        InputDistOptions(narrow_ids="yes")
+
+    def options(**kwargs):
+        model = _Echo()
+        pipe = pipeline.TrainPipelineSparseDist(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"), **kwargs
+        )
+        return pipe._input_dist._narrow._enabled
+
+    assert options() is True
+    assert options(narrow_ids=False) is options(input_dist=InputDistOptions(narrow_ids=False)) is False
+    assert options(input_dist=InputDistOptions(narrow_ids=False), narrow_ids=True) is True
