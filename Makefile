@@ -31,7 +31,7 @@ TESTS_1.8 := tests/test_compat.py tests/test_compat_names.py tests/test_torchrec
 	tests/test_pec.py tests/test_staged_stages.py tests/test_user_models.py tests/test_async_inplace_copy.py \
 	tests/test_upstream_fixes.py tests/test_ranks.py tests/test_malformed.py tests/test_agreement.py
 
-.PHONY: setup test test-quick test-1.8 lint demo demo-faults bench bench-overhead bench-tiered hit-rates bench-sweep bench-big bench-agreement predict figures timeline clean
+.PHONY: setup test test-quick test-1.8 lint demo time-fresh-clone demo-faults bench bench-overhead bench-tiered hit-rates bench-sweep bench-big bench-agreement predict figures timeline clean
 
 setup: $(STAMP)
 
@@ -64,15 +64,21 @@ lint: setup
 	$(BIN)/ruff check pipeline rewrite tiered timeline tests examples benchmarks torchrec_pipeline.py
 	$(BIN)/ruff format --check pipeline rewrite tiered timeline tests examples benchmarks torchrec_pipeline.py
 
-# DLRM on 2 local ranks (gloo on CPU, NCCL on GPUs) with the prefetch pipeline: synthetic Criteo-like
-# data, loss/AUC/throughput as it trains, then the plain loop on the same config (--compare plain),
-# and the summary (also in $(DEMO_OUT)/summary.json): the pipeline's schedule and rewrite report,
-# both step times, and a last line saying whether the pipeline was faster, and by how much.
+# DLRM with the prefetch pipeline on local ranks: one per GPU where there are two or more (NCCL), else
+# 2 CPU ranks (gloo), as one line says first (examples/dlrm/devices.py; DEMO_NPROC=1 runs one rank on
+# a single GPU, DEMO_DEVICE=cpu|cuda forces the device). Synthetic Criteo-like data, loss/AUC/
+# throughput as it trains, then the plain loop on the same config (--compare plain), and the summary
+# (also in $(DEMO_OUT)/summary.json): the pipeline's schedule and rewrite report, both step times, and
+# a last line saying whether the pipeline was faster, and by how much.
 DEMO_OUT ?= out/demo
 DEMO_ARGS ?= --steps 300 --log-every 50 --eval-every 100
+DEMO_NPROC ?=
+DEMO_DEVICE ?= auto
 
 demo: setup
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 examples/dlrm/train.py --pipeline prefetch $(DEMO_ARGS) --compare plain --summary-json $(DEMO_OUT)/summary.json
+	@layout=$$($(BIN)/python -m examples.dlrm.devices --nproc "$(DEMO_NPROC)" --device $(DEMO_DEVICE)) && set -- $$layout && \
+	echo "torchrun --nproc_per_node=$$1 examples/dlrm/train.py --device $$2 ..." && \
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$$1 examples/dlrm/train.py --device $$2 --pipeline prefetch $(DEMO_ARGS) --compare plain --summary-json $(DEMO_OUT)/summary.json
 
 # The same DLRM on 2 ranks, checkpointed every 50 steps, with rank 1 SIGKILLed after step 120:
 # torchrun stops rank 0 and restarts both (--max-restarts=1), they resume from step 100 and finish.
@@ -169,6 +175,14 @@ predict: setup
 FIGURES_ARGS ?=
 figures: setup
 	$(BIN)/python -m benchmarks figures $(FIGURES_ARGS)
+
+# How long a new user waits: `make setup`, `make demo` and `make test` timed one after the other on a
+# fresh clone of HEAD (in a temporary folder; pip's cache as it is), written with the command, the
+# machine, the date and the commit to $(FRESH_CLONE_OUT), whose times README.md quotes. Minutes, and
+# gigabytes of downloads on a cold cache: run it on a quiet machine.
+FRESH_CLONE_OUT ?= docs/results/fresh-clone.json
+time-fresh-clone:
+	$(PY) scripts/fresh_clone.py --out $(FRESH_CLONE_OUT)
 
 clean:
 	rm -rf $(VENV) *.egg-info

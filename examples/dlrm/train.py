@@ -3,8 +3,9 @@
     torchrun --standalone --nproc_per_node=2 examples/dlrm/train.py --pipeline prefetch --steps 40
 
 torchrun provides RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous; run without it, this trains as a
-single process. The backend is NCCL with device cuda:LOCAL_RANK when CUDA is available, gloo on CPU
-otherwise. See README.md for the data options, the flags and multi-node runs.
+single process. The backend is NCCL with device cuda:LOCAL_RANK where every local rank has a GPU of
+its own, gloo on the CPU otherwise (examples/dlrm/devices.py). See README.md for the data options,
+the flags and multi-node runs.
 Exit status: 0 on success, 2 for bad input (flags, data files, malformed lines): one paragraph
 starting `train.py: error:` from the rank that found it, and nothing else from the others.
 
@@ -88,13 +89,11 @@ def _preflight(config: TrainConfig, device: str) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config.local_batch_size(world_size)
     if device == "cuda":
-        import torch
+        from examples.dlrm.devices import rank_device
 
-        if not torch.cuda.is_available():
-            raise InputError(
-                "--device cuda: no CUDA device is usable here (torch.cuda.is_available() is False); "
-                "use --device cpu, or auto to take a GPU when there is one"
-            )
+        rank_device(
+            device, int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        )
     for pattern in (config.data, config.eval_data):
         if pattern:
             from examples.dlrm.criteo_tsv import resolve_paths
@@ -144,11 +143,20 @@ def _init_distributed(choice: str) -> Any:
     import torch
     import torch.distributed as dist
 
-    use_cuda = choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
+    from examples.dlrm.devices import rank_device
+
     if "RANK" not in os.environ:  # not under torchrun: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # cuda:LOCAL_RANK only where every local rank has a GPU of its own (examples/dlrm/devices.py).
+    use_cuda = rank_device(choice, local_rank, local_world) != "cpu"
+    if choice == "auto" and not use_cuda and torch.cuda.is_available() and local_rank == 0:
+        gpus = torch.cuda.device_count()
+        note = f"{local_world} local ranks and {gpus} GPU(s): training on the CPU (gloo)"
+        print(f"train.py: {note}; start one rank per GPU to train on them", file=sys.stderr)
     from examples.dlrm.elastic import attempt_store
 
     # Under torchrun, a store of this attempt's own (examples/dlrm/elastic.py); else env://.
@@ -156,7 +164,7 @@ def _init_distributed(choice: str) -> Any:
     where = {} if store is None else {"store": store, "rank": int(os.environ["RANK"]),
                                       "world_size": int(os.environ["WORLD_SIZE"])}  # fmt: skip
     if use_cuda:
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device, **where)
     else:
@@ -297,7 +305,12 @@ def _parser() -> argparse.ArgumentParser:
     add("--checkpoint-async", action="store_true", help="write checkpoints behind training")
     add("--inject-kill", metavar="RANK:step|save:N", help="SIGKILL a rank once, for demos and tests")
     add("--loss-log", metavar="PATH", help="append every step's exact loss on every rank here")
-    add("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if available")
+    add(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: cuda where each local rank has a GPU",
+    )
     add("--summary-json", metavar="PATH", help="also write the summary here")
     add("--no-progress", action="store_true", help="no progress bar or periodic reports")
     add("--write-tsv", metavar="PATH", help="write synthetic rows as Criteo TSV and exit")

@@ -1,7 +1,7 @@
 """torchrec's subclass points shared by every pipeline class: the protected methods, with torchrec's
 names and signatures, that a user's subclass overrides and every class's step calls (`_next_batch`
 for every batch fetched, `_backward`, `_optimizer_step`; `_wait_for_batch`, with torchrec's two
-signatures, each class defines). docs/pipeline.md, "Subclassing", says what an override must do.
+signatures, each class defines). docs/reference.md, "Subclassing", says what an override must do.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 between run under `no_sync()` of every DistributedDataParallel in the model (the dense gradients are
 summed, not scaled, and all-reduced once a group), fused embedding optimizers still update every
 batch, and a group the dataloader ends steps on gradients first averaged over the ranks (torchrec
-1.8's are unsynced there). docs/pipeline.md, "Gradient accumulation", says each rule.
+1.8's are unsynced there). docs/reference.md, "Gradient accumulation", says each rule.
 """
 
 from __future__ import annotations

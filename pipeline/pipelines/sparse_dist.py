@@ -1,6 +1,7 @@
 """TrainPipelineSparseDist: input_dist of the next batch runs ahead of forward (stages and streams:
 `pipeline.stages`; when the next batch's splits are waited for and on which process group its
-all-to-alls run: `pipeline.stages.schedule`, torchrec's order by default). With
+all-to-alls run: `pipeline.stages.schedule`; by default the watch of `pipeline.stages.watch`, which
+starts in torchrec's order and may move every rank to early where that pays). With
 `enqueue_batch_after_forward`, the copy of batch i+2 moves after forward of i, as in torchrec. On
 CPU the collectives run in gloo's threads, so the overlap is real there too.
 """
