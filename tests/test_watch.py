@@ -267,14 +267,16 @@ def _restored(loads: tuple[bool, ...], monkeypatch, *, agreed: bool) -> list[lis
     """Ranks that each load a kept "early" (`loads`), or nothing, then step in lockstep with nothing
     to wait for; `agreed=False` is the twin: each rank takes its state alone, as before."""
     from pipeline.stages import step_watch
+    from pipeline.stages.saved_decision import SavedDecision
 
-    monkeypatch.setattr(step_watch, "_world_size", lambda: len(loads))
+    modes, final = ScheduleWatch.modes, ("kept", "back", "pinned")
+    monkeypatch.setattr(step_watch, "world_size", lambda: len(loads))
     state = {"phase": "kept", "mode": "early", "decisions": [(40, "kept early")], "world_size": len(loads)}
     clocks = [FakeClock() for _ in loads]
     watches = [ScheduleWatch(clock=c, warmup=0, window=3) for c in clocks]
     for watch, load in zip(watches, loads, strict=True):
         if load:
-            watch.load_state_dict(state) if agreed else watch._take(state)
+            watch.load_state_dict(state) if agreed else watch._take(SavedDecision.parse(state, modes, final))
     ran: list[list[str]] = [[] for _ in loads]
     for _ in range(12):
         figures = []
@@ -304,11 +306,11 @@ def test_twin_ranks_that_take_their_own_states_split(loads, monkeypatch):
 def test_a_decision_saved_at_another_world_size_is_not_taken(monkeypatch):
     from pipeline.stages import step_watch
 
-    monkeypatch.setattr(step_watch, "_world_size", lambda: 3)
+    monkeypatch.setattr(step_watch, "world_size", lambda: 3)
     watch = ScheduleWatch(clock=FakeClock())
     watch.load_state_dict({"phase": "kept", "mode": "early", "decisions": [], "world_size": 2})
     assert watch.phase is WatchPhase.WATCHING and watch.observation() == 0
-    assert "saved at world size 2" in watch.reason and "watching afresh" in watch.reason
+    assert "saved at world size 2" in watch.reason and "watching again" in watch.reason
 
 
 def test_where_no_splits_group_spans_every_rank_the_watches_are_pinned(monkeypatch):
