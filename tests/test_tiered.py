@@ -80,8 +80,8 @@ class _SlowWrites:
     def __init__(self, store: RowStore) -> None:
         import threading
 
-        self.go, self.store, self._real = threading.Event(), store, store._write_now
-        store._write_now = self._write
+        self.go, self.store, self._real = threading.Event(), store, store._queue._write_now
+        store._queue._write_now = self._write
 
     def _write(self, *args) -> None:
         assert self.go.wait(30)
@@ -102,7 +102,7 @@ def test_store_writes_behind_and_reads_see_queued_rows(tmp_path):
     assert state[:, 0].tolist() == [0.0, 1.0, 2.0, 2.0]
     slow.go.set()
     store.sync()
-    assert store._queued == []
+    assert store._queue._queued == []
     weights = on_disk.read(torch.tensor([3, 4, 5, 9]))[0]
     assert weights[:, 0].tolist() == [1.0, 2.0, 1.0, 2.0]  # written in order: row 4 ends at 2.0
 
@@ -156,7 +156,7 @@ def test_stores_write_behind_on_the_ranks_share_of_writer_threads(tmp_path, monk
             for v in (i, 10 + i):  # two writes a store: the later one lands last
                 store.write(torch.tensor([i]), torch.full((1, DIM), float(v)), torch.zeros(1, 1))
                 names.setdefault(i, set()).add(
-                    writer.submit_write(threading.get_ident, store._writer).result()
+                    writer.submit_write(threading.get_ident, store._queue._writer).result()
                 )
         for store in stores:
             store.sync()
@@ -170,9 +170,9 @@ def test_stores_write_behind_on_the_ranks_share_of_writer_threads(tmp_path, monk
 def test_store_write_queue_is_bounded(tmp_path, monkeypatch):
     import threading
 
-    import tiered.store
+    import tiered.write_queue
 
-    monkeypatch.setattr(tiered.store, "WRITE_BEHIND", 2)
+    monkeypatch.setattr(tiered.write_queue, "WRITE_BEHIND", 2)
     store = _store(tmp_path)
     slow = _SlowWrites(store)
     for row in range(2):  # the writer holds the first in its write; both are queued
@@ -196,7 +196,7 @@ def test_store_write_error_is_reported_and_rows_stay_readable(tmp_path):
     def fail(*args) -> None:
         raise OSError(28, "No space left on device")
 
-    store._write_now = fail
+    store._queue._write_now = fail
     store.write(torch.tensor([1]), torch.full((1, DIM), 5.0), torch.zeros(1, 1))
     with pytest.raises(StoreError, match="No space left on device"):
         store.sync()
@@ -249,7 +249,7 @@ def test_a_write_the_writers_refuse_raises_and_nothing_waits_for_it(tmp_path, re
     refuse_writes()
     with pytest.raises(StoreError, match="not written: the writer threads take no more work"):
         store.write(torch.tensor([2]), torch.full((1, DIM), 4.0), torch.zeros(1, 1))
-    assert store._queued == [], "a refused write was queued"
+    assert store._queue._queued == [], "a refused write was queued"
     assert _returns_within(store.sync) == ("returned", None)
     assert _returns_within(store.close) == ("returned", None)
     on_disk = RowStore.open(tmp_path / "t.rows", ROWS, DIM, 1).read(torch.tensor([1]))[0]
@@ -261,15 +261,15 @@ def test_an_entry_queued_before_a_refused_submit_would_hang_sync(tmp_path, refus
     refused is never done, and `sync()` waits for it (the hang the test above rules out)."""
     import numpy as np
 
-    from tiered.store import _Queued
+    from tiered.write_queue import _Queued
     from tiered.writer import submit_write
 
     store = _store(tmp_path)
     refuse_writes()
     entry = _Queued(np.array([2]), np.full((1, DIM), 4.0, np.float32), np.zeros((1, 1), np.float32))
-    store._queued.append(entry)
+    store._queue._queued.append(entry)
     with pytest.raises(RuntimeError, match="cannot schedule new futures"):
-        submit_write(lambda: store._write_queued(entry), store._writer)
+        submit_write(lambda: store._queue._write_queued(entry), store._queue._writer)
     assert _returns_within(store.sync, 0.5) == ("hung", None)
     entry.done.set_result(None)  # lets the waiting thread go
 
@@ -367,12 +367,12 @@ def test_a_forked_child_never_waits_on_its_parent_s_queued_writes(tmp_path):
     store = _store(tmp_path)
     slow = _SlowWrites(store)  # the writer holds the write: queued at the fork
     store.write(torch.tensor([1]), torch.full((1, DIM), 5.0), torch.zeros(1, 1))
-    pending = store._queued[-1]
+    pending = store._queue._queued[-1]
     status = _in_a_forked_child(lambda: _child_checks(store, pending, tmp_path), timeout=60)
     slow.go.set()
     store.sync()
     assert status == 0, f"the forked child hung (None) or failed check {status}"
-    assert store.read(torch.tensor([1]))[0][0, 0].item() == 5.0 and store._queued == []
+    assert store.read(torch.tensor([1]))[0][0, 0].item() == 5.0 and store._queue._queued == []
 
 
 def test_cache_flush_puts_evicted_and_dirty_rows_in_the_file(tmp_path):
