@@ -98,7 +98,10 @@ demo-faults: setup
 # compute of a step of similar size): 12 tables of 500k rows x 32 on disk behind 25,000 cached rows
 # each, cold store, 1 id per feature, 256 samples, MLPs 1024-1024 / 2048-1024 (the example has 26
 # tables: the other 14 have 1,000 rows, all cached). Traced with torch.profiler after 110 steps (the
-# caches full, each miss evicting a dirty row); then the PNG and tables in $(TIMELINE_OUT)
+# caches full, each miss evicting a dirty row), Prefetch pinned ahead ($(TIMELINE_PREFETCH_ARGS): its
+# watch would start inline and decide after the traced steps, so the trace would show no overlap);
+# each trace records how its pipeline ran every traced step, read from the pipeline object, and the
+# tables and the PNG say it per run (mode, schedule, steps traced); then the PNG and tables in $(TIMELINE_OUT)
 # (timeline.png/.md/.json), and the tables' store ($(TIMELINE_STORE), about 800 MB) is removed.
 # docs/timeline.md explains how to read them.
 TIMELINE_OUT ?= out/timeline
@@ -106,13 +109,14 @@ TIMELINE_STORE ?= /var/tmp/timeline-store
 TIMELINE_NPROC ?= 1
 TIMELINE_TABLES ?= 500000$(shell printf ",500000%.0s" $$(seq 11))$(shell printf ",1000%.0s" $$(seq 14))
 TIMELINE_TRAIN_ARGS ?= --steps 134 --warmup-steps 110 --profile-steps 16 --no-progress --batch-size 256 --embedding-dim 32 --num-embeddings $(TIMELINE_TABLES) --pooling 1 --dense-hidden 1024,1024 --over-hidden 2048,1024 --embedding-store $(TIMELINE_STORE) --cache-rows 25000 --cold-store
+TIMELINE_PREFETCH_ARGS ?= --prefetch-ahead true
 TIMELINE_ARGS ?= --steps 3 --warmup 2
 
 timeline: setup
 	rm -rf $(TIMELINE_OUT)/base $(TIMELINE_OUT)/prefetch $(TIMELINE_STORE)
 	mkdir -p $(TIMELINE_STORE)
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$(TIMELINE_NPROC) examples/dlrm/train.py --pipeline base $(TIMELINE_TRAIN_ARGS) --profile $(TIMELINE_OUT)/base
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$(TIMELINE_NPROC) examples/dlrm/train.py --pipeline prefetch $(TIMELINE_TRAIN_ARGS) --profile $(TIMELINE_OUT)/prefetch
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$(TIMELINE_NPROC) examples/dlrm/train.py --pipeline prefetch $(TIMELINE_TRAIN_ARGS) $(TIMELINE_PREFETCH_ARGS) --profile $(TIMELINE_OUT)/prefetch
 	rm -rf $(TIMELINE_STORE)
 	@echo "removed the tables' store $(TIMELINE_STORE)"
 	$(BIN)/python -m timeline compare $(TIMELINE_OUT)/base/rank0.json $(TIMELINE_OUT)/prefetch/rank0.json -o $(TIMELINE_OUT) --labels base,prefetch $(TIMELINE_ARGS)

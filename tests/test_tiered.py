@@ -80,8 +80,8 @@ class _SlowWrites:
     def __init__(self, store: RowStore) -> None:
         import threading
 
-        self.go, self.store, self._real = threading.Event(), store, store._write_now
-        store._write_now = self._write
+        self.go, self.store, self._real = threading.Event(), store, store._queue._write_now
+        store._queue._write_now = self._write
 
     def _write(self, *args) -> None:
         assert self.go.wait(30)
@@ -102,7 +102,7 @@ def test_store_writes_behind_and_reads_see_queued_rows(tmp_path):
     assert state[:, 0].tolist() == [0.0, 1.0, 2.0, 2.0]
     slow.go.set()
     store.sync()
-    assert store._queued == []
+    assert store._queue._queued == []
     weights = on_disk.read(torch.tensor([3, 4, 5, 9]))[0]
     assert weights[:, 0].tolist() == [1.0, 2.0, 1.0, 2.0]  # written in order: row 4 ends at 2.0
 
@@ -156,7 +156,7 @@ def test_stores_write_behind_on_the_ranks_share_of_writer_threads(tmp_path, monk
             for v in (i, 10 + i):  # two writes a store: the later one lands last
                 store.write(torch.tensor([i]), torch.full((1, DIM), float(v)), torch.zeros(1, 1))
                 names.setdefault(i, set()).add(
-                    writer.submit_write(threading.get_ident, store._writer).result()
+                    writer.submit_write(threading.get_ident, store._queue._writer).result()
                 )
         for store in stores:
             store.sync()
@@ -170,9 +170,9 @@ def test_stores_write_behind_on_the_ranks_share_of_writer_threads(tmp_path, monk
 def test_store_write_queue_is_bounded(tmp_path, monkeypatch):
     import threading
 
-    import tiered.store
+    import tiered.write_queue
 
-    monkeypatch.setattr(tiered.store, "WRITE_BEHIND", 2)
+    monkeypatch.setattr(tiered.write_queue, "WRITE_BEHIND", 2)
     store = _store(tmp_path)
     slow = _SlowWrites(store)
     for row in range(2):  # the writer holds the first in its write; both are queued
@@ -196,7 +196,7 @@ def test_store_write_error_is_reported_and_rows_stay_readable(tmp_path):
     def fail(*args) -> None:
         raise OSError(28, "No space left on device")
 
-    store._write_now = fail
+    store._queue._write_now = fail
     store.write(torch.tensor([1]), torch.full((1, DIM), 5.0), torch.zeros(1, 1))
     with pytest.raises(StoreError, match="No space left on device"):
         store.sync()
@@ -249,7 +249,7 @@ def test_a_write_the_writers_refuse_raises_and_nothing_waits_for_it(tmp_path, re
     refuse_writes()
     with pytest.raises(StoreError, match="not written: the writer threads take no more work"):
         store.write(torch.tensor([2]), torch.full((1, DIM), 4.0), torch.zeros(1, 1))
-    assert store._queued == [], "a refused write was queued"
+    assert store._queue._queued == [], "a refused write was queued"
     assert _returns_within(store.sync) == ("returned", None)
     assert _returns_within(store.close) == ("returned", None)
     on_disk = RowStore.open(tmp_path / "t.rows", ROWS, DIM, 1).read(torch.tensor([1]))[0]
@@ -261,15 +261,15 @@ def test_an_entry_queued_before_a_refused_submit_would_hang_sync(tmp_path, refus
     refused is never done, and `sync()` waits for it (the hang the test above rules out)."""
     import numpy as np
 
-    from tiered.store import _Queued
+    from tiered.write_queue import _Queued
     from tiered.writer import submit_write
 
     store = _store(tmp_path)
     refuse_writes()
     entry = _Queued(np.array([2]), np.full((1, DIM), 4.0, np.float32), np.zeros((1, 1), np.float32))
-    store._queued.append(entry)
+    store._queue._queued.append(entry)
     with pytest.raises(RuntimeError, match="cannot schedule new futures"):
-        submit_write(lambda: store._write_queued(entry), store._writer)
+        submit_write(lambda: store._queue._write_queued(entry), store._queue._writer)
     assert _returns_within(store.sync, 0.5) == ("hung", None)
     entry.done.set_result(None)  # lets the waiting thread go
 
@@ -367,12 +367,12 @@ def test_a_forked_child_never_waits_on_its_parent_s_queued_writes(tmp_path):
     store = _store(tmp_path)
     slow = _SlowWrites(store)  # the writer holds the write: queued at the fork
     store.write(torch.tensor([1]), torch.full((1, DIM), 5.0), torch.zeros(1, 1))
-    pending = store._queued[-1]
+    pending = store._queue._queued[-1]
     status = _in_a_forked_child(lambda: _child_checks(store, pending, tmp_path), timeout=60)
     slow.go.set()
     store.sync()
     assert status == 0, f"the forked child hung (None) or failed check {status}"
-    assert store.read(torch.tensor([1]))[0][0, 0].item() == 5.0 and store._queued == []
+    assert store.read(torch.tensor([1]))[0][0, 0].item() == 5.0 and store._queue._queued == []
 
 
 def test_cache_flush_puts_evicted_and_dirty_rows_in_the_file(tmp_path):
@@ -581,27 +581,45 @@ def test_reads_on_several_threads_return_in_order_and_raise_after_all_ended():
     assert names == [threading.current_thread().name] * 2
 
 
-def test_a_child_forked_while_a_read_pool_starts_reads_on_a_pool_of_its_own():
+def _holding(lock):
+    """A thread that holds `lock` until the returned event is set (then joins it: `stop()`)."""
+    import threading
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(10)
+
+    def stop() -> None:
+        release.set()
+        holder.join()
+
+    return stop
+
+
+@pytest.mark.parametrize("reset", [True, False], ids=["reset", "twin-without-reset"])
+def test_a_child_forked_while_a_read_pool_starts_reads_on_a_pool_of_its_own(reset):
     """The fork happens while another thread holds the lock that guards the read pool's start: the
     child inherits that lock held, by a thread it does not have. It reads on threads of its own at
-    once (twin: the child of a fork without the reset waits on that lock forever: killed, None)."""
+    once. Twin: the child puts back what it inherited (as if the fork hook had not run), and waits
+    on that lock forever: killed, None."""
     import threading
 
     from tiered import readers
 
     readers.run_all([lambda: 0, lambda: 1], 2)  # the parent's pool exists
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with readers._lock:
-            held.set()
-            release.wait(30)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    held.wait(10)
+    inherited = (readers._pool, readers._pid, readers._lock)
+    stop = _holding(readers._lock)
 
     def child() -> int:
+        if not reset:
+            readers._pool, readers._pid, readers._lock = inherited
         names = []
 
         def read(i):
@@ -610,10 +628,63 @@ def test_a_child_forked_while_a_read_pool_starts_reads_on_a_pool_of_its_own():
         ok = readers.run_all([read(i) for i in range(4)], 2) == [0, 1, 2, 3]
         return 0 if ok and all(n.startswith("tiered-reader") for n in names) else 2
 
-    status = _in_a_forked_child(child, timeout=20)
-    release.set()
-    holder.join()
-    assert status == 0, f"the forked child hung on the read pool's lock (None) or failed ({status})"
+    status = _in_a_forked_child(child, timeout=20 if reset else 3)
+    stop()
+    if reset:
+        assert status == 0, f"the forked child hung on the read pool's lock (None) or failed ({status})"
+    else:
+        assert status is None, f"without the reset the child did not hang on the held lock ({status})"
+
+
+def _cache_child_checks(cache: RowCache, pin, *, mid_update: bool) -> int:
+    """In a forked child: 0, or the number of the first check that failed. A pin taken in the
+    parent is released at once; a cache inherited mid-update refuses `acquire` and `flush` with a
+    clear error, one inherited between updates serves rows as in the parent."""
+    if _returns_within(pin.release, 5.0) != ("returned", None) or not pin.released:
+        return 1
+    if not mid_update:
+        outcome, got = _returns_within(lambda: cache.acquire(torch.tensor([3, 7])), 5.0)
+        expected = cache.store.read(torch.tensor([3, 7]))[0]
+        return 0 if outcome == "returned" and torch.equal(cache.weights[got.slots], expected) else 2
+    for check, call in ((3, lambda: cache.acquire(torch.tensor([3]))), (4, cache.flush)):
+        outcome, error = _returns_within(call, 5.0)
+        if outcome != "raised" or "forked while another thread was updating" not in str(error):
+            return check
+    return 0
+
+
+@pytest.mark.parametrize(
+    "held, reset",
+    [("_lock", True), ("_io_lock", True), (None, True), ("_lock", False), ("_io_lock", False)],
+    ids=["lock", "io-lock", "none-held", "twin-lock-without-reset", "twin-io-lock-without-reset"],
+)
+def test_a_child_forked_while_a_cache_lock_is_held_never_waits_on_it(tmp_path, held, reset):
+    """The fork happens while another thread holds one of a cache's locks (`_io_lock`: a prefetch
+    reading on the worker thread; `_lock`: its bookkeeping, or backward's unpin). The child gets
+    fresh locks: a pin released there returns, and the half-updated cache says so instead of
+    serving rows. Twin: the child puts back the locks it inherited (as if the fork hook had not
+    run) and waits forever on the first one it takes: killed, None."""
+    cache = _cache(tmp_path, capacity=8)
+    pin = cache.acquire(torch.tensor([1, 2]))
+    inherited = (cache._lock, cache._io_lock)
+    stop = _holding(getattr(cache, held)) if held else (lambda: None)
+
+    def child() -> int:
+        if reset:
+            return _cache_child_checks(cache, pin, mid_update=held is not None)
+        cache._lock, cache._io_lock, cache._forked_mid_update = *inherited, False
+        pin.release()  # takes `_lock`
+        cache.acquire(torch.tensor([3]))  # takes `_io_lock`, then `_lock`
+        return 0
+
+    status = _in_a_forked_child(child, timeout=20 if reset else 4)
+    stop()
+    pin.release()
+    if reset:
+        assert status == 0, f"the forked child hung (None) or failed check {status}"
+        assert cache.acquire(torch.tensor([3])).slots.numel() == 1, "the parent's cache still works"
+    else:
+        assert status is None, f"without the reset the child did not hang on the held {held} ({status})"
 
 
 def test_read_threads_default_to_this_ranks_share_of_the_cores(tmp_path, monkeypatch):

@@ -327,3 +327,125 @@ def test_the_tool_knows_every_stage_the_pipeline_labels():
         labelled |= set(re.findall(r'run_stage\([^,]+, "([\w:]+)"', text))  # run_stage(streams, "copy", ...)
         labelled |= set(re.findall(r'"pipeline::([\w:]+)#\{', text))  # f"pipeline::input_dist::wait#{i}"
     assert labelled == set(tool_stages), "timeline.trace.STAGES is out of date with the pipeline's stages"
+
+
+def _with_steps(tmp_path: Path, steps: list) -> Path:
+    """The fixture (forward#0-6) with the pipeline's account of each recorded step."""
+    data = json.loads(FIXTURE.read_text())
+    data["pipeline_steps"] = steps
+    path = tmp_path / "prefetch.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+_WATCHING = {
+    "pipeline": "PrefetchTrainPipelineSparseDist",
+    "prefetch": "inline",
+    "prefetch_by": "watch: watching",
+    "input_dist_schedule": "early",
+    "schedule_by": "pinned",
+}
+_TRYING = {**_WATCHING, "prefetch": "ahead", "prefetch_by": "watch: trying"}
+
+
+def test_the_tables_and_the_picture_say_how_each_traced_step_ran(tmp_path: Path) -> None:
+    """The trace's account of its 7 steps (3 inline, then 4 ahead) is matched to forward#0-6 in
+    order and said per run in the run's table, the comparison's heading, the JSON and the picture's
+    title; a trace without one says so and claims no mode."""
+    out = tmp_path / "out"
+    prefetch = _with_steps(tmp_path, [_WATCHING] * 3 + [_TRYING] * 4)
+    result = compare_traces(_without_input_dist(tmp_path), prefetch, out, warmup=1, steps=2)
+    markdown = (out / "timeline.md").read_text()
+    assert "- PrefetchTrainPipelineSparseDist, traced forward#0-6 (7 steps)" in markdown
+    assert "- forward#0-2: prefetch inline (watch: watching); input_dist early (pinned)" in markdown
+    assert "- forward#3-6: prefetch ahead (watch: trying); input_dist early (pinned)" in markdown
+    assert "- base: pipeline ?: mode not recorded" in markdown
+    assert "- mode: not in the trace (no top-level 'pipeline_steps' list)" in markdown
+    assert "#3-6: prefetch ahead (watch: trying)" in _title_of(result.runs[1])
+    record = json.loads((out / "timeline.json").read_text())
+    segments = record["runs"][1]["modes"]["segments"]
+    assert [(s["first"], s["last"], s["mode"]["prefetch"]) for s in segments] == [
+        (0, 2, "inline"),
+        (3, 6, "ahead"),
+    ]
+    assert record["runs"][0]["modes"]["segments"] == []
+
+
+def test_an_account_that_does_not_match_the_steps_claims_no_mode(tmp_path: Path) -> None:
+    """The twin: 6 steps described for 7 forwards (a step lost or one too many) cannot be matched
+    to them in order: the table says so, and names no mode."""
+    run = analyse(_with_steps(tmp_path, [_TRYING] * 6), "prefetch")
+    lines = run.modes.lines()
+    assert run.modes.segments == ()
+    assert "- mode: 6 steps described for 7 forwards in the trace: not matched" in lines
+    assert not any("ahead" in line for line in lines)
+
+
+def _title_of(run) -> str:
+    """The picture's title of `run`'s panel."""
+    from timeline.cli import _title
+
+    return _title(run)
+
+
+def test_the_dlrm_profiler_records_each_recorded_step_s_mode_in_the_trace(tmp_path: Path) -> None:
+    """examples/dlrm's profiler writes `describe()` of exactly the recorded steps (not the profiler's
+    warm-up step, not the steps after), which the tool matches to the trace's forwards."""
+    torch = pytest.importorskip("torch")
+    from torch.profiler import record_function
+
+    from examples.dlrm.profiling import step_profiler
+
+    mode = {"pipeline": "P", "prefetch": "inline", "prefetch_by": "pinned"}
+    with step_profiler(
+        str(tmp_path), rank=0, device=torch.device("cpu"), skip=2, active=4, describe=lambda: dict(mode)
+    ) as step:
+        for i in range(9):
+            mode["prefetch"] = "ahead" if i >= 5 else "inline"
+            with record_function(f"pipeline::copy#{i + 1}"):
+                torch.ones(8)
+            with record_function(f"pipeline::forward#{i}"):
+                torch.ones(8).sum()
+            step()
+    trace = load_trace(tmp_path / "rank0.json")
+    run = analyse(tmp_path / "rank0.json", "p", warmup=0, steps=1)
+    assert [s["prefetch"] for s in trace.steps] == ["inline", "inline", "ahead", "ahead"]
+    assert [(s.first, s.last, s.mode["prefetch"]) for s in run.modes.segments] == [
+        (3, 4, "inline"),
+        (5, 6, "ahead"),
+    ]
+
+
+def test_running_mode_is_read_from_the_pipeline_object() -> None:
+    """What the profiler records is what the pipeline object says at that step: its class, the
+    prefetch stage's mode and who chose it, the schedule and who chose it."""
+    pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from examples.dlrm.runners import running_mode
+    from pipeline.stages.step_watch import WatchPhase
+
+    watch = SimpleNamespace(phase=WatchPhase.TRYING)
+    pipe = SimpleNamespace(
+        prefetch_mode="prefetch",
+        prefetch_ahead=True,
+        prefetch_watch=None,
+        input_dist_schedule="late",
+        tuner=watch,
+    )
+    assert running_mode(pipe) == {
+        "pipeline": "SimpleNamespace",
+        "prefetch": "ahead",
+        "prefetch_by": "pinned",
+        "input_dist_schedule": "late",
+        "schedule_by": "watch: trying",
+    }
+    pipe.prefetch_ahead, pipe.prefetch_watch, pipe.tuner = False, watch, None
+    assert running_mode(pipe) == {
+        "pipeline": "SimpleNamespace",
+        "prefetch": "inline",
+        "prefetch_by": "watch: trying",
+        "input_dist_schedule": "late",
+        "schedule_by": "pinned",
+    }
+    assert running_mode(SimpleNamespace()) == {"pipeline": "SimpleNamespace"}  # the base pipeline

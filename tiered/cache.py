@@ -10,10 +10,17 @@ them behind, and a read sees them at once) and on `flush()` (which waits until t
 Thread safety: one prefetch (or flush) at a time (`_io_lock`); the bookkeeping (`_lock`) is held
 only briefly, never across disk I/O, so a pin released by backward on the main thread never waits
 for a prefetch that is reading from disk on a worker thread.
+
+A forked child (a dataloader worker forked while a prefetch reads on the worker thread) gets both
+locks fresh: a lock another thread held at the fork would stay held in the child, by a thread it
+does not have, and a pin released there (or dropped: its finalizer) would wait on it forever. A
+cache inherited while a lock was held may be half-updated (slots assigned, rows not yet read), so
+the child refuses `acquire`/`flush` with `RuntimeError`; releasing pins and `purge()` still work.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -26,6 +33,9 @@ from tiered.policy import Policy
 from tiered.store import RowStore
 
 __all__ = ["CacheStats", "CacheTooSmallError", "Pin", "RowCache", "rows_needed"]
+
+_CACHES: weakref.WeakSet[RowCache] = weakref.WeakSet()
+"""Every cache of this process (a forked child gives each fresh locks: `_after_fork_in_child`)."""
 
 
 class CacheTooSmallError(RuntimeError):
@@ -109,6 +119,9 @@ class RowCache:
         self.stats = CacheStats()
         self._lock = threading.Lock()
         self._io_lock = threading.Lock()
+        self._forked_mid_update = False
+        """In a forked child: a lock was held at the fork (the bookkeeping may be half-updated)."""
+        _CACHES.add(self)
 
     def acquire(self, ids: torch.Tensor) -> Pin:
         """Make the rows `ids` resident and pin them until the returned Pin is released.
@@ -119,6 +132,8 @@ class RowCache:
         """
         started = time.perf_counter()
         ids = ids.long()
+        if self._forked_mid_update:
+            self._refuse("acquire rows")
         with self._io_lock:
             unique = torch.unique(ids)
             if len(unique) and (unique[0] < 0 or unique[-1] >= self.store.rows):
@@ -208,6 +223,8 @@ class RowCache:
     def flush(self) -> None:
         """Write every dirty row back to the store and wait until it is in the file (rows stay
         cached)."""
+        if self._forked_mid_update:
+            self._refuse("flush")
         with self._io_lock:
             with self._lock:
                 slots = torch.nonzero(self.dirty).squeeze(1)
@@ -233,6 +250,18 @@ class RowCache:
             self.row_of_slot.fill_(-1)
             self.dirty.fill_(False)
 
+    def _refuse(self, what: str) -> None:
+        raise RuntimeError(
+            f"{self.name or 'a cache'}: this process was forked while another thread was updating the "
+            f"cache, which may be half-updated here: cannot {what}. Fork before training starts or "
+            "while no prefetch runs, or build the model again in the child"
+        )
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: fresh locks (a parent's thread may have held one at the fork)."""
+        self._forked_mid_update = self._lock.locked() or self._io_lock.locked()
+        self._lock, self._io_lock = threading.Lock(), threading.Lock()
+
     @property
     def pinned_rows(self) -> int:
         return int((self.pins > 0).sum())
@@ -244,3 +273,11 @@ class RowCache:
         if self.stats.evictions > 0:
             return True
         return int((self.row_of_slot >= 0).sum()) >= min(self.capacity, self.store.rows)
+
+
+def _after_fork_in_child() -> None:
+    for cache in list(_CACHES):
+        cache._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,6 +1,6 @@
-"""The threads that write every store's queued rows behind (`tiered.store`): as many per process as
-the rank's share of the cores (`tiered.readers.default_read_threads`), one where the local ranks fill
-them. A store's writes always go to the same thread, so they land in order, which is all a store
+"""The threads that write every store's queued rows behind (`tiered.write_queue`): as many per
+process as the rank's share of the cores (`tiered.readers.default_read_threads`), one where the local
+ranks fill them. A store's writes always go to the same thread, so they land in order, which is all a store
 needs.
 
 A thread per store had put as many writers as table shards on a rank (4 at 2 ranks of the `tiered`

@@ -8,10 +8,12 @@ docs/timeline.md for how to read them. The package imports neither torch nor tor
 matplotlib only to draw.
 
 Modules: ``trace`` reads the file, ``tracks`` builds the rows of the picture, ``stats`` measures,
-``report`` formats the tables, ``plot`` draws, ``cli`` ties them together.
+``modes`` says how each traced step ran (as the trace records it), ``report`` formats the tables,
+``plot`` draws, ``cli`` ties them together.
 """
 
 from timeline.cli import CompareResult, RunAnalysis, analyse, compare_traces, main
+from timeline.modes import RunModes, Segment, run_modes
 from timeline.report import Comparison, Row, compare_stats
 from timeline.stats import CommStats, RunStats, StepSelection, run_stats, select_steps
 from timeline.trace import (
@@ -33,7 +35,9 @@ __all__ = [
     "NoPipelineLabelsError",
     "Row",
     "RunAnalysis",
+    "RunModes",
     "RunStats",
+    "Segment",
     "Span",
     "StepSelection",
     "Timeline",
@@ -46,6 +50,7 @@ __all__ = [
     "compare_traces",
     "load_trace",
     "main",
+    "run_modes",
     "run_stats",
     "select_steps",
 ]

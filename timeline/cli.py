@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from timeline.modes import RunModes, run_modes
 from timeline.report import (
     Comparison,
     compare_stats,
@@ -35,6 +36,8 @@ class RunAnalysis:
     timeline: Timeline
     selection: StepSelection
     stats: RunStats
+    modes: RunModes
+    """How its steps ran, as the trace says (`timeline.modes`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,14 +62,16 @@ def analyse(path: str | Path, label: str, *, warmup: int = 2, steps: int = 3) ->
         steps: Steady-state steps to draw.
 
     Returns:
-        The run's timeline, step selection and table.
+        The run's timeline, step selection, table and modes.
 
     Raises:
         TraceError: The file is not a trace, has no pipeline labels, or no steady-state step.
     """
-    timeline = build_timeline(load_trace(path), label)
+    trace = load_trace(path)
+    timeline = build_timeline(trace, label)
     selection = select_steps(timeline, warmup=warmup, shown=steps)
-    return RunAnalysis(str(path), timeline, selection, run_stats(timeline, selection))
+    modes = run_modes(trace.steps, trace.spans)
+    return RunAnalysis(str(path), timeline, selection, run_stats(timeline, selection), modes)
 
 
 def compare_traces(
@@ -91,10 +96,16 @@ def compare_traces(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     png = _render(runs, out / "timeline.png", [_title(r) for r in runs])
-    markdown = "\n".join([*(run_markdown(r.stats) for r in runs), comparison_markdown(comparison)])
+    about = [r.modes.lines() for r in runs]
+    markdown = "\n".join(
+        [
+            *(run_markdown(r.stats, a) for r, a in zip(runs, about, strict=True)),
+            comparison_markdown(comparison, [r.modes.short() for r in runs]),
+        ]
+    )
     md_path = out / "timeline.md"
     md_path.write_text(markdown)
-    record = to_json([(r.stats, r.selection, r.path) for r in runs], comparison)
+    record = to_json([(r.stats, r.selection, r.path, r.modes) for r in runs], comparison)
     json_path = out / "timeline.json"
     json_path.write_text(json.dumps(record, indent=2) + "\n")
     return CompareResult(runs, comparison, markdown, png, md_path, json_path)
@@ -106,7 +117,7 @@ def _title(run: RunAnalysis) -> str:
     return (
         f"{stats.label} ({stats.device}): {steps}, 0 ms = start of forward#{shown[0]}; "
         f"median step {stats.step_us / 1000:.3f} ms over steps {stats.steady_steps[0]}-"
-        f"{stats.steady_steps[-1]}"
+        f"{stats.steady_steps[-1]}\n{run.modes.short()}"
     )
 
 

@@ -126,7 +126,7 @@ def render_png(
     Args:
         runs: (timeline, selection) per run, top to bottom.
         path: Where to write the PNG; parent folders are created.
-        titles: One panel title per run; the run labels when omitted.
+        titles: One panel title per run (a second line: how the run ran); the run labels when omitted.
 
     Returns:
         The path written.
@@ -135,7 +135,7 @@ def render_png(
     path.parent.mkdir(parents=True, exist_ok=True)
     titles = list(titles) if titles is not None else [t.label for t, _ in runs]
     heights = [max(len(t.tracks), 1) + 1 for t, _ in runs]
-    fig = Figure(figsize=(14, 1.2 + 0.42 * sum(heights)), layout="constrained")
+    fig = Figure(figsize=(14, 1.2 + 0.42 * sum(heights) + 0.2 * len(runs)), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(runs), 1, sharex=True, squeeze=False, height_ratios=heights)[:, 0]
     xlim = _x_range(runs)

@@ -8,9 +8,11 @@ so no communication numbers) is ``None`` in JSON and ``n/a`` in Markdown.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from timeline.modes import RunModes
 from timeline.stats import RunStats, StepSelection
 from timeline.tracks import CPU_TRACK_ORDER, GPU_TRACK_ORDER
 
@@ -126,11 +128,14 @@ def _steps(steps: tuple[int, ...]) -> str:
     return f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else str(steps[0])
 
 
-def run_markdown(stats: RunStats) -> str:
-    """One run's table in Markdown, with a heading naming its steady-state steps."""
+def run_markdown(stats: RunStats, about: Sequence[str] = ()) -> str:
+    """One run's table in Markdown, with a heading naming its steady-state steps and, under it, the
+    lines `about` (how the run ran: `timeline.modes.RunModes.lines`)."""
     lines = [
         f"### {stats.label} ({stats.device}, steady-state steps {_steps(stats.steady_steps)})",
         "",
+        *about,
+        *([""] if about else []),
         "| metric | value |",
         "|---|---:|",
     ]
@@ -138,12 +143,15 @@ def run_markdown(stats: RunStats) -> str:
     return "\n".join(lines) + "\n"
 
 
-def comparison_markdown(comparison: Comparison) -> str:
-    """The difference table in Markdown: both values, second minus first, relative change."""
+def comparison_markdown(comparison: Comparison, modes: Sequence[str] = ()) -> str:
+    """The difference table in Markdown: both values, second minus first, relative change; under
+    the heading, one line per run of `modes` (how each ran: `timeline.modes.RunModes.short`)."""
     first, second = comparison.labels
     lines = [
         f"### {second} vs {first}",
         "",
+        *(f"- {label}: {text}" for label, text in zip(comparison.labels, modes, strict=True)),
+        *([""] if modes else []),
         f"| metric | {first} | {second} | {second} - {first} | change |",
         "|---|---:|---:|---:|---:|",
     ]
@@ -153,18 +161,20 @@ def comparison_markdown(comparison: Comparison) -> str:
     return "\n".join(lines) + "\n"
 
 
-def to_json(runs: list[tuple[RunStats, StepSelection, str]], comparison: Comparison) -> dict[str, Any]:
+def to_json(
+    runs: list[tuple[RunStats, StepSelection, str, RunModes]], comparison: Comparison
+) -> dict[str, Any]:
     """Everything in the tables as a JSON-ready dict (times in microseconds).
 
     Args:
-        runs: (stats, selection, trace path) of each run.
+        runs: (stats, selection, trace path, modes) of each run.
         comparison: Their difference table.
     """
     out_runs = []
-    for stats, selection, path in runs:
+    for stats, selection, path, modes in runs:
         record = dataclasses.asdict(stats)
         record["step_times_us"] = {str(k): v for k, v in stats.step_times_us.items()}
-        record.update(trace=path, shown_steps=list(selection.shown))
+        record.update(trace=path, shown_steps=list(selection.shown), modes=dataclasses.asdict(modes))
         out_runs.append(record)
     rows = [
         {

@@ -33,6 +33,7 @@ torch nor torchrec; a test checks it against the stages the pipeline's source la
 
 __all__ = [
     "STAGES",
+    "STEPS_KEY",
     "Kernel",
     "NoPipelineLabelsError",
     "Span",
@@ -42,6 +43,9 @@ __all__ = [
     "parse_label",
 ]
 
+
+STEPS_KEY = "pipeline_steps"
+"""The trace's top-level key with the pipeline's account of each recorded step (`timeline.modes`)."""
 
 LABEL_RE = re.compile(r"^pipeline::(?P<stage>.+)#(?P<batch>\d+)$")
 # Kernel-like activities on the GPU timeline; each carries args.stream and args.correlation.
@@ -101,6 +105,9 @@ class Trace:
     """GPU activities, sorted by start; empty for a CPU-only trace."""
     launches: dict[int, tuple[float, tuple[Any, Any]]]
     """correlation id -> (start, (pid, tid)) of the CPU call that launched the kernel."""
+    steps: Any = None
+    """The trace's top-level `STEPS_KEY` (how the pipeline ran each recorded step:
+    `timeline.modes`), None where it has none; as read, not checked."""
 
 
 def parse_label(name: str) -> tuple[str, int] | None:
@@ -128,12 +135,13 @@ def _read_json(path: Path) -> Any:
         raise TraceError(f"{path}: not valid JSON ({err}); {_EXPECTED}") from None
 
 
-def _events(path: Path) -> list[Any]:
+def _events(path: Path) -> tuple[list[Any], Any]:
+    """The trace's events and its ``pipeline_steps`` (None if absent)."""
     data = _read_json(path)
     events = data.get("traceEvents") if isinstance(data, dict) else None
     if not isinstance(events, list):
         raise TraceError(f"{path}: no 'traceEvents' list; {_EXPECTED}")
-    return events
+    return events, data.get(STEPS_KEY)
 
 
 def _interval(event: dict[str, Any]) -> tuple[float, float]:
@@ -182,7 +190,8 @@ def load_trace(path: str | Path) -> Trace:
     spans: list[Span] = []
     kernels: list[Kernel] = []
     launches: dict[int, tuple[float, tuple[Any, Any]]] = {}
-    for event in _events(path):
+    events, steps = _events(path)
+    for event in events:
         _add_event(event, spans, kernels, launches)
     if not any(span.stage == "forward" for span in spans):
         found = sorted({span.stage for span in spans})
@@ -193,4 +202,4 @@ def load_trace(path: str | Path) -> Trace:
         )
     spans.sort(key=lambda s: (s.start, -s.end))
     kernels.sort(key=lambda k: (k.start, k.end))
-    return Trace(str(path), tuple(spans), tuple(kernels), launches)
+    return Trace(str(path), tuple(spans), tuple(kernels), launches, steps)

@@ -8,10 +8,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["NUM_DENSE", "NUM_SPARSE", "PIPELINES", "SCHEDULES", "InputError", "TrainConfig"]
+__all__ = [
+    "NUM_DENSE",
+    "NUM_SPARSE",
+    "PIPELINES",
+    "PREFETCH_AHEAD",
+    "SCHEDULES",
+    "InputError",
+    "TrainConfig",
+]
 
 PIPELINES = ("none", "base", "sparse-dist", "prefetch")
 SCHEDULES = ("adaptive", "late", "early", "early-shared", "late-own", "auto")
+PREFETCH_AHEAD = ("auto", "true", "false")
 NUM_DENSE = 13
 NUM_SPARSE = 26
 
@@ -41,6 +50,10 @@ class TrainConfig:
     `input_dist_schedule`): `adaptive` (the library's default: torchrec's order, moving to `early`
     where the steps wait for the input all-to-all and that pays), `late` (torchrec's order, pinned),
     `early`, `early-shared`, `late-own`, or `auto` (trials of real steps choose; bit for bit)."""
+    prefetch_ahead: str = "auto"
+    """With `prefetch`: the pipeline's `prefetch_ahead`: `auto` (the library's default: on CPU
+    inline until its watch sees that ahead pays), `true` (the prefetch of batch i+1 during backward
+    of i, pinned) or `false` (inline, pinned)."""
     batch_size: int = 256
     """Global batch size: every step trains on this many samples, split evenly over the ranks, so it
     must be divisible by the world size."""
@@ -118,6 +131,10 @@ class TrainConfig:
         if self.input_dist_schedule not in SCHEDULES:
             raise InputError(
                 f"unknown --input-dist-schedule {self.input_dist_schedule!r}; choose one of {SCHEDULES}"
+            )
+        if self.prefetch_ahead not in PREFETCH_AHEAD:
+            raise InputError(
+                f"unknown --prefetch-ahead {self.prefetch_ahead!r}; choose one of {PREFETCH_AHEAD}"
             )
         _positive(batch_size=self.batch_size, epochs=self.epochs, embedding_dim=self.embedding_dim)
         _positive(pooling=self.pooling, eval_batches=self.eval_batches, log_every=self.log_every)

@@ -26,7 +26,7 @@ from examples.dlrm.faults import LossLog
 from examples.dlrm.model import ShardedDLRM, build_model
 from examples.dlrm.profiling import step_profiler
 from examples.dlrm.report import Reporter
-from examples.dlrm.runners import Runner, describe_pipeline, make_runner, unwrap
+from examples.dlrm.runners import Runner, describe_pipeline, make_runner, running_mode, unwrap
 from examples.dlrm.store import cache_summary, guard_cache
 
 __all__ = ["TrainResult", "train"]
@@ -69,6 +69,7 @@ def train(
         sharded.optimizer,
         device,
         input_dist_schedule=config.input_dist_schedule,
+        prefetch_ahead=config.prefetch_ahead,
     )
     if config.embedding_store is not None:
         runner = guard_cache(runner, config)
@@ -92,6 +93,7 @@ def train(
         device=device,
         skip=config.warmup_steps,
         active=config.profile_steps,
+        describe=lambda: running_mode(runner),
     ) as profiler_step:
         try:
             _run_epochs(config, runner, sharded.model, sources, reporter, profiler_step, resume)

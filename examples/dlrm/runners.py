@@ -16,7 +16,15 @@ from torchrec.datasets.utils import Batch
 
 from examples.dlrm.config import InputError
 
-__all__ = ["PIPELINE_CLASSES", "PlainLoop", "Runner", "describe_pipeline", "make_runner", "unwrap"]
+__all__ = [
+    "PIPELINE_CLASSES",
+    "PlainLoop",
+    "Runner",
+    "describe_pipeline",
+    "make_runner",
+    "running_mode",
+    "unwrap",
+]
 
 PIPELINE_CLASSES = {
     "base": "TrainPipelineBase",
@@ -76,8 +84,10 @@ def make_runner(
     device: torch.device,
     *,
     input_dist_schedule: str = "adaptive",
+    prefetch_ahead: str = "auto",
 ) -> Runner:
-    """The runner for `--pipeline name` (`input_dist_schedule` for the classes that have one).
+    """The runner for `--pipeline name` (`input_dist_schedule` for the classes that have one,
+    `prefetch_ahead`, "auto", "true" or "false", for `prefetch`).
 
     Raises:
         InputError: the `pipeline` package is not installed or lacks the class for `name`.
@@ -102,6 +112,9 @@ def make_runner(
         )
     if name == "base":
         return cls(model, optimizer, device)
+    if name == "prefetch":
+        ahead = {"auto": "auto", "true": True, "false": False}[prefetch_ahead]
+        return cls(model, optimizer, device, input_dist_schedule=input_dist_schedule, prefetch_ahead=ahead)
     return cls(model, optimizer, device, input_dist_schedule=input_dist_schedule)
 
 
@@ -146,3 +159,32 @@ def describe_pipeline(runner: Runner) -> dict[str, str]:
             ]
         )
     return found
+
+
+def running_mode(runner: Runner) -> dict[str, str]:
+    """How the pipeline behind `runner` runs its steps now, read from the pipeline object (not from
+    the flags it was given, so that it cannot say what did not run): its class; with a prefetch
+    stage, `prefetch` ("ahead" or "inline") and `prefetch_by` ("pinned": no watch, or "watch: " and
+    its phase); with an input_dist ahead, `input_dist_schedule` and `schedule_by` ("pinned", "watch:
+    " and its phase, or "tuner: tuning"/"tuner: decided"). The profiler records it at every traced
+    step (`examples.dlrm.profiling`), and `python -m timeline` says it beside each run."""
+    pipe = unwrap(runner)
+    mode = {"pipeline": type(pipe).__name__}
+    stage = getattr(pipe, "prefetch_mode", None)  # None before the first batch
+    if stage == "prefetch":
+        watch = pipe.prefetch_watch
+        mode["prefetch"] = "ahead" if pipe.prefetch_ahead else "inline"
+        mode["prefetch_by"] = "pinned" if watch is None else f"watch: {watch.phase.value}"
+    elif stage == "sparse-dist":
+        mode["prefetch"], mode["prefetch_by"] = "none", "no module's prefetch() moves data"
+    schedule = getattr(pipe, "input_dist_schedule", None)
+    if schedule is not None:
+        tuner = pipe.tuner
+        mode["input_dist_schedule"] = schedule
+        if tuner is None:
+            mode["schedule_by"] = "pinned"
+        elif hasattr(tuner, "phase"):  # the default's schedule watch
+            mode["schedule_by"] = f"watch: {tuner.phase.value}"
+        else:
+            mode["schedule_by"] = f"tuner: {'tuning' if tuner.tuning else 'decided'}"
+    return mode

@@ -30,7 +30,7 @@ import os
 import socket
 from typing import Any, NoReturn
 
-from examples.dlrm.config import PIPELINES, SCHEDULES, InputError, TrainConfig
+from examples.dlrm.config import PIPELINES, PREFETCH_AHEAD, SCHEDULES, InputError, TrainConfig
 
 __all__ = ["format_summary", "main"]
 
@@ -183,6 +183,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         pipeline=args.pipeline,
         input_dist_schedule=args.input_dist_schedule,
+        prefetch_ahead=args.prefetch_ahead,
         batch_size=args.batch_size,
         steps=args.steps,
         epochs=args.epochs,
@@ -273,6 +274,12 @@ def _parser() -> argparse.ArgumentParser:
         choices=SCHEDULES,
         default=d.input_dist_schedule,
         help="sparse-dist/prefetch: when the next batch's all-to-alls run (late: torchrec's order)",
+    )
+    add(
+        "--prefetch-ahead",
+        choices=PREFETCH_AHEAD,
+        default=d.prefetch_ahead,
+        help="prefetch: the prefetch of batch i+1 during backward of i (auto: the watch decides on CPU)",
     )
     add("--steps", type=int, default=d.steps, help="batches per epoch (with --data: cap; 0: all)")
     add("--epochs", type=int, default=d.epochs, help="passes over the data")
