@@ -27,9 +27,8 @@ from pipeline.stages.narrow import NarrowIds, originals
 from pipeline.stages.not_pipelined import warn_not_pipelined
 from pipeline.stages.schedule import SCHEDULES
 from pipeline.stages.streams import Streams
-from pipeline.stages.tuner import Tuner
-from pipeline.stages.tuner_text import ONE_RANK, schedule_words
 from pipeline.stages.watch import ScheduleWatch
+from pipeline.stages.watch_text import ONE_RANK
 from rewrite import (
     CallSite,
     ContextSlot,
@@ -61,7 +60,7 @@ class InputDist:
         rewrite: how the sharded modules' inputs are found (`RewriteOptions`).
         strict: fail on the first batch if a sharded module cannot be pipelined.
         pipeline_postproc: run parameter-free modules that transform the batch ahead.
-        schedule: the input_dist schedule and its tuner, and whether ids are narrowed
+        schedule: the input_dist schedule and its watch, and whether ids are narrowed
             (`InputDistOptions`).
         memory: torchrec's memory flags (`MemoryFlags`).
         forward: which hijacked forward the sharded modules get: "input_dist" (they wait for the
@@ -95,17 +94,13 @@ class InputDist:
         self.slot = ContextSlot()
         """Holds the context of the batch whose forward runs (the hijacked forwards read it)."""
         self.rewrite: Rewrite | None = None
-        self.tuner = (schedule.tuner or Tuner()) if schedule.schedule == "auto" else None
         self.watch = (schedule.watch or ScheduleWatch()) if schedule.schedule == "adaptive" else None
         """Under the default ("adaptive"): the watch that may move to "early" (`pipeline.stages.watch`)."""
-        self.schedule = "late" if schedule.schedule in ("auto", "adaptive") else schedule.schedule
-        """The schedule in use (under "auto", changes while tuning and may change at a re-check;
-        under "adaptive", may change once or twice: `ScheduleWatch`)."""
+        self.schedule = "late" if schedule.schedule == "adaptive" else schedule.schedule
+        """The schedule in use (under "adaptive", may change once or twice: `ScheduleWatch`)."""
         self._one_rank = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
         """One rank: the input all-to-alls move nothing between ranks, so the splits are not fused
         into an all-to-all of their own and every schedule does the same work."""
-        if self._one_rank and self.tuner is not None:
-            self.tuner.settle("late", f"kept {schedule_words('late')}: {ONE_RANK}")
         self.freed_bytes = 0
         """Bytes released by the memory flags so far."""
         self._ranks = ranks
@@ -151,19 +146,13 @@ class InputDist:
         return SCHEDULES[self.schedule].early_splits
 
     def choose_schedule(self, training: bool) -> None:
-        """At the start of a step: under "auto", let the tuner pick this training step's schedule;
-        under "adaptive", the watch (an eval step is not timed)."""
+        """At the start of a step: under "adaptive", let the watch pick this training step's
+        schedule (an eval step is not timed)."""
         if self.watch is not None:
             if training:
                 self.schedule = self.watch.step()
             else:
                 self.watch.interrupt()
-        if self.tuner is None:
-            return
-        if training:
-            self.schedule = self.tuner.next_schedule()
-        else:
-            self.tuner.interrupt()
 
     def _note(self, text: str) -> None:
         if self.report is not None:
@@ -196,9 +185,7 @@ class InputDist:
                 watch.step_ended()
 
     def interrupt(self) -> None:
-        """The step ended abnormally (the pipeline reset): no tuner or watch times across it."""
-        if self.tuner is not None:
-            self.tuner.interrupt()
+        """The step ended abnormally (the pipeline reset): no watch times across it."""
         for watch in (self.watch, *self._others):
             if watch is not None:
                 watch.interrupt()
@@ -207,8 +194,6 @@ class InputDist:
         """Rewrite the model's sharded modules, once, with `batch` as the sample. The rewrite may
         wait for the first forward to be recorded (`recording`) before anything is pipelined."""
         if self.rewrite is None:
-            if self.tuner is not None:  # one small collective, at the same batch on every rank
-                self.tuner.start_from_prior()
             options = self._options
             self.rewrite = rewrite_model(
                 self._model,
