@@ -11,7 +11,7 @@ from dataclasses import dataclass
 __all__ = ["NUM_DENSE", "NUM_SPARSE", "PIPELINES", "SCHEDULES", "InputError", "TrainConfig"]
 
 PIPELINES = ("none", "base", "sparse-dist", "prefetch")
-SCHEDULES = ("adaptive", "late", "early", "early-shared", "late-own", "auto")
+SCHEDULES = ("adaptive", "late", "early", "early-shared", "late-own")
 NUM_DENSE = 13
 NUM_SPARSE = 26
 
@@ -40,7 +40,7 @@ class TrainConfig:
     """With `sparse-dist` or `prefetch`: when the next batch's input all-to-alls run (the pipeline's
     `input_dist_schedule`): `adaptive` (the library's default: torchrec's order, moving to `early`
     where the steps wait for the input all-to-all and that pays), `late` (torchrec's order, pinned),
-    `early`, `early-shared`, `late-own`, or `auto` (trials of real steps choose; bit for bit)."""
+    `early`, `early-shared` or `late-own`."""
     batch_size: int = 256
     """Global batch size: every step trains on this many samples, split evenly over the ranks, so it
     must be divisible by the world size."""
