@@ -16,7 +16,9 @@ if TYPE_CHECKING:
     from pipeline.stages.watch import ScheduleWatch
 
 __all__ = [
+    "NOT_ON_NCCL",
     "ONE_RANK",
+    "WATCH_ADVICE",
     "pinned",
     "prefetch_pinned",
     "prefetch_repr",
@@ -32,6 +34,14 @@ _BEFORE = "the steps before (the faster half's median)"
 
 ONE_RANK = "one rank: the input all-to-alls move nothing, so every schedule does the same work"
 """Why a one-rank pipeline keeps torchrec's order without watching."""
+NOT_ON_NCCL = (
+    "the watch's figure (the host's time blocked on the input all-to-alls) has not been measured on "
+    "NCCL, where a wait blocks a stream rather than the host; pin input_dist_schedule='early' to try "
+    "the other order"
+)
+"""Why the schedule watch keeps torchrec's order on NCCL."""
+WATCH_ADVICE = "Give every rank the same ScheduleWatch and PrefetchWatch settings (or none)."
+"""What to do where the ranks' live watches have different settings."""
 
 
 def schedule_words(name: str) -> str:
