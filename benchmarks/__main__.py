@@ -60,7 +60,7 @@ def _run(p: argparse.ArgumentParser) -> None:
         "--auto-warmup",
         type=int,
         default=250,
-        help="untimed steps of every variant of a config where one tunes or watches (default 250)",
+        help="untimed steps of every variant of a config where one measures before it decides (default 250)",
     )
     p.add_argument("--profile-steps", type=int, default=5, help="steps of the profiled segment; 0: none")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: nccl, one GPU per rank")
@@ -90,7 +90,7 @@ def _sweep(p: argparse.ArgumentParser) -> None:
         "--auto-warmup",
         type=int,
         default=75,
-        help="untimed steps on a point where a variant tunes (default 75)",
+        help="untimed steps on a point where a variant measures before it decides (default 75)",
     )
     p.add_argument("--png", default="out/sweep/sweep.png", help="the plot ('' for none)")
 

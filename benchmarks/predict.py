@@ -31,8 +31,8 @@ __all__ = ["PIPELINES", "VALIDATE_VARIANTS", "predict", "prediction_name", "pred
 PIPELINES = ("base", "sparse-dist", "prefetch", "fused", "semi-sync")
 VALIDATE_VARIANTS = ("ours-base", *(f"ours-sparse-dist@{s}" for s in SCHEDULES), "ours-prefetch@late",
                      "ours-fused-sparse-dist", "ours-semi-sync")  # fmt: skip
-"""Measured per point. Forced schedules are predicted as such; Fused and SemiSync run "auto" and are
-predicted under the schedule they ended on."""
+"""Measured per point. Forced schedules are predicted as such; Fused and SemiSync run the default
+("adaptive") and are predicted under the schedule they ended on."""
 Row = tuple[str, str, int, Any]
 """(config, link, world size, `pipeline.Prediction`)."""
 
@@ -56,7 +56,9 @@ def predict(*, config: list[str], world_size: list[int], link: list[str], cores_
     rows = predictions(config, world_size, link, costs, cores_per_rank)
     meta = {"command": command, "machine": machine()}
     notes = ["ms: each pipeline's predicted step under its best input_dist schedule; winner: the fastest "
-             "pipeline and schedule, and the stage it spends most of its step on.",
+             "pipeline and schedule (PIPELINE@SCHEDULE: that class with input_dist_schedule=SCHEDULE), and "
+             "the stage it spends most of its step on. In a job, benchmarks.predictor.pin.schedule_to_pin "
+             "says whether to pin that schedule or keep the default.",
              *sorted({n for *_, p in rows for n in p.notes})]  # fmt: skip
     result = {"meta": meta, "predictions": [
         {"config": c, "link": lk, "world_size": w, "winner": p.winner.name, "critical": p.winner.critical,

@@ -27,7 +27,7 @@ from benchmarks.spec import VARIANTS, RunSpec, reference
 __all__ = ["Row", "merge_ranks", "run", "run_benchmark", "summarize"]
 
 _MIB = 2**20
-_DICTS = ("tuner", "watch", "prefetch_watch", "cprofile", "predicted_ms")
+_DICTS = ("watch", "prefetch_watch", "cprofile", "predicted_ms")
 """The structured fields of a record kept from rank 0."""
 _MAX_OVER_RANKS = ("cpu_ms", "peak_bytes", "tensor_peak_bytes", "wait_in_forward_ms", "forward_ms",
                    "store_read_ms", "prefetch_ms")  # fmt: skip
@@ -71,7 +71,7 @@ class Row:
     """KiB a batch hands to the input (KJT values) all-to-alls on rank 0, its own share included
     (`benchmarks.measure.InputBytes`, in the warm-up), median of rounds."""
     schedule: str | None = None
-    """Our SparseDist/Prefetch under "auto": the schedule kept, counted over rounds."""
+    """Our SparseDist/Prefetch under the default ("adaptive"): the schedule kept, counted over rounds."""
     cache_hit_rate: float | None = None
     """Tables on disk: rows found in the cache over rows looked up, mean over ranks."""
     store_read_ms: float | None = None
@@ -114,7 +114,7 @@ def run_benchmark(spec: RunSpec, *, world_size: int, link: str | None, timeout: 
     meta = {"command": command, "machine": machine(), "cpu_busy_before": round(busy, 3),
             "rounds": spec.rounds,
             "steps": spec.steps,
-            "warmup": f"{spec.warmup} ({spec.auto_warmup} on a config where a variant tunes)",
+            "warmup": f"{spec.warmup} ({spec.auto_warmup} on a config where a variant measures first)",
             "where": f"{world_size} rank(s) over {link or 'loopback'}", "world_size": world_size,
             "link": link, "spec": asdict(spec), "duration_s": round(time.time() - started, 1),
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started))}  # fmt: skip

@@ -183,9 +183,8 @@ def rounds_and_variants() -> None:
     assert parse_variant("ours-prefetch+inline") == ("ours-prefetch", None, ("inline",))
     assert reference("ours-sparse-dist@late+novote") == "ours-sparse-dist@late"
     assert reference("ours-eval") == "torchrec-eval" and reference("plain") is None
-    assert parse_variant("ours-sparse-dist@auto") == ("ours-sparse-dist", "auto", ())
-    assert reference("ours-sparse-dist@auto") == "ours-sparse-dist", "the tuner against the default"
-    for bad in ("fast", "torchrec-base+novote", "ours-base@early", "ours-base+nope", "ours-eval@auto"):
+    assert reference("ours-sparse-dist@adaptive") == "ours-sparse-dist", "the default, named"
+    for bad in ("fast", "torchrec-base+novote", "ours-base@early", "ours-base+nope", "ours-sparse-dist@auto"):
         with suppress(ValueError):
             parse_variant(bad)
             raise AssertionError(f"{bad!r} was taken for a variant")
@@ -193,8 +192,7 @@ def rounds_and_variants() -> None:
 
 def one_warmup_per_config() -> None:
     """Every variant of a config times the same steps: the longer warm-up for all of them where one
-    measures before it decides (the schedule tuner; Prefetch's watch, with tables on disk),
-    else the short one."""
+    measures before it decides (Prefetch's watch, with tables on disk), else the short one."""
 
     def spec(*variants: str) -> RunSpec:
         return RunSpec(configs=("demo", "tiered"), variants=variants, warmup=20, auto_warmup=90)
@@ -203,8 +201,6 @@ def one_warmup_per_config() -> None:
     assert (every.warmup_of("demo"), every.warmup_of("tiered")) == (20, 90)
     forced = spec("plain", "ours-prefetch+inline", "ours-sparse-dist@early")
     assert (forced.warmup_of("demo"), forced.warmup_of("tiered")) == (20, 20)
-    tuned = spec("plain", "ours-sparse-dist@auto")  # the schedule tuner, on every config
-    assert (tuned.warmup_of("demo"), tuned.warmup_of("tiered")) == (90, 90)
     gpu = RunSpec(configs=("gpu-uvm",), variants=("plain", "ours-prefetch"), warmup=20, auto_warmup=90,
                   device="cuda")  # fmt: skip
     assert gpu.warmup_of("gpu-uvm") == 20, "on CUDA, Prefetch behind the UVM cache runs no watch"
@@ -244,7 +240,7 @@ def validation_table() -> None:
     from benchmarks.predict import prediction_name, validation_table
 
     assert prediction_name("ours-sparse-dist@late-own", "early") == "sparse-dist@late-own", "forced first"
-    assert prediction_name("ours-fused-sparse-dist", "early") == "fused@early", "then what auto kept"
+    assert prediction_name("ours-fused-sparse-dist", "early") == "fused@early", "then what the default kept"
     assert prediction_name("ours-base", None) == "base"
     predicted = {"base": 20.0, "sparse-dist@early": 8.0, "fused@late": 12.0}
     measured = (("ours-base", None, 16.0), ("ours-sparse-dist@early", "early", 10.0),

@@ -26,10 +26,8 @@ FAMILY = ("ours-fused-sparse-dist", "torchrec-fused-sparse-dist", "ours-semi-syn
 BOUND = ("compute-alone", "comm-alone", "io-alone")
 NAMES = (*VARIANTS, *FAMILY, *BOUND)
 SCHEDULES = ("adaptive", "early", "late", "early-shared", "late-own")
-"""Our `input_dist_schedule` values other than "auto" (repeated here to stay free of torch);
-"adaptive" is the default, so `@adaptive` names it explicitly."""
-AUTO = "auto"
-"""`@auto`: the schedule tuner, which measures paired rounds of real steps before it decides."""
+"""Our `input_dist_schedule` values (repeated here to stay free of torch); "adaptive" is the default,
+so `@adaptive` names it explicitly."""
 FLAGS: dict[str, dict[str, bool]] = {
     "novote": {"agreement": False, "check_keys": False, "check_kjts": False},
     "nocheck": {"check_kjts": False},
@@ -47,7 +45,7 @@ FLAGS: dict[str, dict[str, bool]] = {
 torchrec's memory flags,
 Prefetch's stage forced ahead or inline instead of its watch, ids sent as made instead of as int32)."""
 _SCHEDULED = ("ours-sparse-dist", "ours-prefetch", "ours-fused-sparse-dist", "ours-semi-sync", "ours-eval")
-"""Our classes that take `input_dist_schedule`; all but Eval tune it when asked for "auto"."""
+"""Our classes that take `input_dist_schedule`."""
 CPU_UNSUPPORTED = ("torchrec-prefetch", "torchrec-fused-sparse-dist", "torchrec-semi-sync")
 """torchrec 1.8's pipelines that fail on CPU at their first steps; recorded as unsupported there."""
 
@@ -62,26 +60,22 @@ def parse_variant(variant: str) -> tuple[str, str | None, tuple[str, ...]]:
     name, _, schedule = head.partition("@")
     if (
         name not in NAMES
-        or (schedule and (schedule not in (*SCHEDULES, AUTO) or name not in _SCHEDULED))
-        or (schedule == AUTO and name == "ours-eval")
+        or (schedule and (schedule not in SCHEDULES or name not in _SCHEDULED))
         or (flags and (not name.startswith("ours-") or name == "ours-staged"))
         or any(f not in FLAGS for f in flags)
     ):
         raise ValueError(
             f"unknown variant {variant!r}: NAME[@SCHEDULE][+FLAG...] with NAME one of {', '.join(NAMES)}; "
-            f"@SCHEDULE ({', '.join(SCHEDULES)}; {AUTO} but on ours-eval) on {', '.join(_SCHEDULED)}; "
+            f"@SCHEDULE ({', '.join(SCHEDULES)}) on {', '.join(_SCHEDULED)}; "
             f"+FLAG ({', '.join(FLAGS)}) on ours-* but ours-staged"
         )
     return name, schedule or None, tuple(flags)
 
 
 def _tunes(variant: str, on_disk: bool) -> bool:
-    """Whether `variant` measures before it decides: the schedule tuner (`@auto`), and our Prefetch's
-    watch where its `prefetch()` has work (tables on disk), unless `+ahead` or `+inline`
-    forces the mode."""
-    name, schedule, flags = parse_variant(variant)
-    if schedule == AUTO:
-        return True
+    """Whether `variant` measures before it decides: our Prefetch's watch where its `prefetch()` has
+    work (tables on disk), unless `+ahead` or `+inline` forces the mode."""
+    name, _, flags = parse_variant(variant)
     return name == "ours-prefetch" and on_disk and not {"ahead", "inline"} & set(flags)
 
 
@@ -111,11 +105,9 @@ class RunSpec:
     auto_warmup: int = 250
     """Untimed steps of every variant of a config where one of them measures before it decides: our
     Prefetch with tables on disk (its watch, docs/tiered.md, "Ahead or inline", decides 40-50 steps
-    after the caches fill, about 100 steps into the `tiered` configs at one rank), or the schedule
-    tuner. Every
-    variant of a config times the same steps of the same batches: with tables on disk, a variant
-    timed earlier than another would be timed while its caches still fill, before evictions write
-    rows back."""
+    after the caches fill, about 100 steps into the `tiered` configs at one rank). Every variant of a
+    config times the same steps of the same batches: with tables on disk, a variant timed earlier
+    than another would be timed while its caches still fill, before evictions write rows back."""
     rounds: int = 4
     """Repetitions of every variant; the order is rotated between rounds."""
     profile_steps: int = 5

@@ -1,13 +1,13 @@
 """`python -m benchmarks sweep`: 14 points from network-bound (100 Mbit) to compute-bound (loopback).
 
 Per point (`benchmarks.configs.SWEEP_LINKS`), in rotated rounds on 2 ranks: the plain loop, our Base,
-SparseDist (its default, torchrec's order; "auto", the tuner; and each forced schedule) and Prefetch,
-torchrec's SparseDist, and the bound's halves (compute alone, communication alone:
+SparseDist (its default, "adaptive", which starts in torchrec's order; and each forced schedule) and
+Prefetch, torchrec's SparseDist, and the bound's halves (compute alone, communication alone:
 `benchmarks.bound`). Points are grouped by link so that each link is set up once. Figures per point:
 step times (median over rounds), paired ratios, our SparseDist over max(compute alone, communication
-alone), the schedule "auto" kept in each round,
-the fastest forced schedule, and what tuning cost: the time lost against the kept schedule, as a
-share of a 1,000-step run. Writes the JSON, the Markdown and a PNG of the ratios to torchrec.
+alone), the schedule the default kept in each round, the fastest forced schedule, and what the
+default's try cost: the time its verified steps lost against the kept schedule, as a share of a
+1,000-step run. Writes the JSON, the Markdown and a PNG of the ratios to torchrec.
 """
 
 from __future__ import annotations
@@ -21,16 +21,15 @@ from typing import Any
 from benchmarks.configs import SWEEP_LINKS, sweep_points
 from benchmarks.report import Paired, by_round, cell, markdown_table, paired, publish, pyplot, save_figure
 from benchmarks.run import run_benchmark
-from benchmarks.spec import AUTO, SCHEDULES, RunSpec
+from benchmarks.spec import SCHEDULES, RunSpec
 
 __all__ = ["VARIANTS", "analyse", "sweep"]
 
 SD, PF, TR = "ours-sparse-dist", "ours-prefetch", "torchrec-sparse-dist"
-SD_AUTO = f"{SD}@{AUTO}"
 FORCED = tuple(f"{SD}@{s}" for s in SCHEDULES)
-VARIANTS = ("plain", "ours-base", SD, SD_AUTO, PF, TR, *FORCED, "compute-alone", "comm-alone")
+VARIANTS = ("plain", "ours-base", SD, PF, TR, *FORCED, "compute-alone", "comm-alone")
 TOLERANCE = 0.03
-"""A schedule within this of the fastest forced one is as good (the tuner's margin)."""
+"""A schedule within this of the fastest forced one is as good."""
 
 
 def sweep(*, points: list[str], steps: int, warmup: int, auto_warmup: int, rounds: int, seed: int,
@@ -48,7 +47,8 @@ def sweep(*, points: list[str], steps: int, warmup: int, auto_warmup: int, round
         runs += result["runs"]
         meta = {**result["meta"], "where": "2 ranks; each point's link in the table"}
     results = [analyse([r for r in runs if r["config"] == n], name=n) for n in names]
-    more = ["Our SparseDist with each schedule forced and under auto (median step ms); auto's choice:", "",
+    more = ["Our SparseDist with each schedule forced and under its default (median step ms); the default's "
+            "choice:", "",
             *markdown_table(*forced_table(results)), ""]  # fmt: skip
     if png:
         plot(results, png, f"{command}  ({meta['started']})")
@@ -62,9 +62,9 @@ def sweep(*, points: list[str], steps: int, warmup: int, auto_warmup: int, round
 _NOTES = [
     "bound by: the larger of communication alone and compute alone. SD / bound: our SparseDist's step "
     "over max(compute alone, communication alone).",
-    f"auto kept: the schedule our SparseDist@auto ended on, per round (ok: within {TOLERANCE:.0%} of the "
-    "fastest forced schedule). tuning cost: time the tuner lost against the kept schedule, as a share of "
-    "a 1,000-step run.",
+    f"default kept: the schedule our SparseDist ended on under its default, per round (ok: within "
+    f"{TOLERANCE:.0%} of the fastest forced schedule). try cost: time the default's verified steps lost "
+    "against the kept schedule, as a share of a 1,000-step run.",
 ]
 
 
@@ -75,8 +75,8 @@ def analyse(runs: list[dict[str, Any]], *, name: str) -> dict[str, Any]:
               for v in dict.fromkeys(v for r in steps.values() for v in r)}  # fmt: skip
     compute, comm = median.get("compute-alone"), median.get("comm-alone")
     bound = max(compute, comm) if compute and comm else None
-    kept = [r["schedule"] for r in runs if r["variant"] == SD_AUTO and r.get("schedule")]
-    forced = {v.split("@")[1]: m for v, m in median.items() if v in FORCED}
+    kept = [r["schedule"] for r in runs if r["variant"] == SD and r.get("schedule")]
+    forced = {s: m for v, m in median.items() if v in FORCED and (s := v.split("@")[1]) != "adaptive"}
     fastest = min(forced, key=forced.__getitem__) if forced else None
     right = None
     if fastest and kept:
@@ -84,8 +84,8 @@ def analyse(runs: list[dict[str, Any]], *, name: str) -> dict[str, Any]:
             kept
         )
     costs = []
-    for r in (r for r in runs if r["variant"] == SD_AUTO and r.get("tuner")):
-        ran, chosen = r["tuner"]["tuning_steps_by_schedule"], forced.get(r.get("schedule") or "")
+    for r in (r for r in runs if r["variant"] == SD and r.get("watch")):
+        ran, chosen = r["watch"]["tuning_steps_by_schedule"], forced.get(r.get("schedule") or "")
         if chosen and ran and all(s in forced for s in ran):
             costs.append(sum(n * max(0.0, forced[s] - chosen) for s, n in ran.items()) / (1000 * chosen))
     return {
@@ -94,36 +94,37 @@ def analyse(runs: list[dict[str, Any]], *, name: str) -> dict[str, Any]:
         "sd_vs_torchrec": paired(steps, SD, TR), "pf_vs_sd": paired(steps, PF, SD),
         "base_vs_plain": paired(steps, "ours-base", "plain"),
         "sd_to_bound": median[SD] / bound if bound and SD in median else None,
-        "auto_kept": kept,
-        "fastest_forced": fastest, "auto_right": right,
-        "tuning_cost": statistics.median(costs) if costs else None,
+        "default_kept": kept,
+        "fastest_forced": fastest, "default_right": right,
+        "try_cost": statistics.median(costs) if costs else None,
     }  # fmt: skip
 
 
 def table(points: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """The main table: per point, what bounds it, the paired ratios, the bound, the tuner."""
+    """The main table: per point, what bounds it, the paired ratios, the bound, the default's choice."""
     columns = ["point", "link", "bound by", "compute ms", "comm ms", "torchrec SD ms", "ours SD / torchrec",
-               "ours PF / ours SD", "ours Base / plain", "SD / bound", "auto kept", "fastest forced",
-               "tuning cost"]  # fmt: skip
+               "ours PF / ours SD", "ours Base / plain", "SD / bound", "default kept", "fastest forced",
+               "try cost"]  # fmt: skip
     cells = []
     for p in points:
         by = "-" if p["compute_ms"] is None else ("network" if p["comm_ms"] > p["compute_ms"] else "compute")
-        kept = " ".join(f"{s} x{n}" for s, n in Counter(p["auto_kept"]).most_common())
-        mark = "" if p["auto_right"] is None else (" ok" if p["auto_right"] else " not the fastest")
+        kept = " ".join(f"{s} x{n}" for s, n in Counter(p["default_kept"]).most_common())
+        mark = "" if p["default_right"] is None else (" ok" if p["default_right"] else " not the fastest")
         ratios = ("sd_vs_torchrec", "pf_vs_sd", "base_vs_plain", "sd_to_bound")
         ms = (p["compute_ms"], p["comm_ms"], p["median_ms"].get(TR))
         cells.append([p["name"].removeprefix("sweep-"), p["link"] or "loopback", by,
                       *(cell(v, ".1f") for v in ms), *(cell(p[k], ".2f") for k in ratios), kept + mark,
-                      p["fastest_forced"] or "-", cell(p["tuning_cost"], ".2%")])  # fmt: skip
+                      p["fastest_forced"] or "-", cell(p["try_cost"], ".2%")])  # fmt: skip
     return columns, cells
 
 
 def forced_table(points: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """Our SparseDist's median step per forced schedule and under auto, and what auto kept per round."""
-    columns = ["point", *(f"{s} ms" for s in SCHEDULES), "auto ms", "auto kept"]
-    shown = (*FORCED, SD_AUTO)
+    """Our SparseDist's median step per forced schedule and under its default, and what the default
+    kept per round."""
+    columns = ["point", *(f"{s} ms" for s in SCHEDULES), "default ms", "default kept"]
+    shown = (*FORCED, SD)
     cells = [[p["name"].removeprefix("sweep-"), *(cell(p["median_ms"].get(v), ".1f") for v in shown),
-              ", ".join(p["auto_kept"]) or "-"]
+              ", ".join(p["default_kept"]) or "-"]
              for p in points]  # fmt: skip
     return columns, cells
 

@@ -46,7 +46,8 @@ class Runner:
     wait_label: str = _INLINE
     """Prefix of the profiler label of the input_dist wait inside forward."""
     pipe: Any = None
-    """The pipeline object, if any (its public `input_dist_schedule` and `tuner` are recorded)."""
+    """The pipeline object, if any (its public `input_dist_schedule` and `tuner`, the schedule watch,
+    are recorded)."""
     profile: bool = True
     """Run the profiled segment (a bound's step has nothing to label)."""
 

@@ -149,14 +149,12 @@ def _run_one(spec: RunSpec, config: BenchConfig, variant: str, batches: list, de
     if report is not None:  # a pipeline that fell back to forward costs less: say it beside its figures
         sites = report.sites
         record["pipelined"] = f"{sum(s.reason is None for s in sites)}/{len(sites)} call sites"
-    tuner = getattr(pipe, "tuner", None)
-    if tuner is not None:
-        record["tuner"] = {"choice": tuner.choice, "reason": tuner.reason, "medians_ms": tuner.medians_ms,
-                           "tuning_steps_by_schedule": tuner.tuning_steps_by_schedule}  # fmt: skip
-        if hasattr(tuner, "share"):  # the default's schedule watch: what it saw, and when it decided
-            record["watch"] = {"share": tuner.share, "parts": tuner.parts, "decisions": tuner.decisions,
-                               "shares": tuner.shares,
-                               "ratios": tuner.ratios, "phase": tuner.phase.value}  # fmt: skip
+    watch = getattr(pipe, "tuner", None)
+    if watch is not None:  # the default's schedule watch: what it saw, and when it decided
+        record["watch"] = {"share": watch.share, "parts": watch.parts, "decisions": watch.decisions,
+                           "shares": watch.shares, "ratios": watch.ratios, "phase": watch.phase.value,
+                           "choice": watch.choice, "reason": watch.reason, "medians_ms": watch.medians_ms,
+                           "tuning_steps_by_schedule": watch.tuning_steps_by_schedule}  # fmt: skip
     if spec.profile_steps and runner.profile:
         trace = None
         if spec.trace_dir:

@@ -87,7 +87,7 @@ BOXES = {
             "attach / start / wait_splits / fill /",
             "start_next / finish_next / retire_head;",
             "release_inputs; InputDistGroups",
-            "schedule.py: schedules, Tuner",
+            "schedule.py, watch.py: schedules, the watch",
             "memory.py: torchrec's memory flags",
         ),
     ),

@@ -63,7 +63,6 @@ from pipeline.stages.not_pipelined import NotPipelinedWarning
 from pipeline.stages.prefetch_watch import PrefetchWatch
 from pipeline.stages.streams import CudaStreams, Streams
 from pipeline.stages.thread_streams import ThreadStreams
-from pipeline.stages.tuner import Tuner
 from pipeline.stages.watch import ScheduleWatch
 from rewrite import NotPreparedError, RewriteError
 from rewrite.torchrec_args import ArgInfo, ArgInfoStepFactory, CallArgs
@@ -130,7 +129,6 @@ __all__ = [
     "TrainPipelineSparseDistLite",
     "TrainPipelineSparseDistOptStash",
     "TrainPipelineSparseDistT",
-    "Tuner",
     "UnevenDataError",
     "register_backward_hook",
     "will_hook_fire",

@@ -11,13 +11,15 @@ only: the constructors' keywords default to None, which means "this dataclass's 
 from __future__ import annotations
 
 import dataclasses
+import sys
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from pipeline.stages.prefetch_watch import PrefetchWatch
-    from pipeline.stages.tuner import Tuner
     from pipeline.stages.watch import ScheduleWatch
 
 __all__ = [
@@ -54,8 +56,25 @@ def fields_in(arguments: dict[str, Any], kind: type) -> dict[str, Any]:
     return {f.name: arguments[f.name] for f in dataclasses.fields(kind) if f.name in arguments}
 
 
-SCHEDULE_NAMES = ("adaptive", "auto", "early", "late", "early-shared", "late-own")
-"""Values of `input_dist_schedule=` (`pipeline.stages.schedule.SCHEDULES`, "adaptive" and "auto")."""
+SCHEDULE_NAMES = ("adaptive", "early", "late", "early-shared", "late-own")
+"""Values of `input_dist_schedule=` (`pipeline.stages.schedule.SCHEDULES` and "adaptive"); "auto" is
+taken too, as a deprecated name of "adaptive" (`InputDistOptions`)."""
+
+_PACKAGE = str(Path(__file__).resolve().parent)
+
+
+def _user_frame() -> int:
+    """The `stacklevel` of the first caller outside this package (and outside the dataclass
+    machinery that runs `__post_init__`: `replace`, the generated `__init__`), so that a warning
+    names the user's line."""
+    level, frame = 2, sys._getframe(2)
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_PACKAGE)
+        or frame.f_code.co_filename == dataclasses.__file__
+        or (frame.f_code.co_filename == "<string>" and frame.f_code.co_name == "__init__")
+    ):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def _one_of(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
@@ -130,13 +149,10 @@ class InputDistOptions:
     input all-to-alls for a large share of the step, kept only if the steps after are faster
     (`pipeline.stages.watch`: no trial steps, no collective of its own, at most one try per job).
     "late" pins torchrec's order (no extra process group); "early", "early-shared", "late-own" pin
-    that schedule (`pipeline.stages.schedule`); "auto": paired trials of real training steps choose
-    among them (`pipeline.Tuner`; bit for bit, within a bounded number of steps). "early",
-    "late-own", "auto", and "adaptive" where it moves, create one more process group per
-    input_dist group."""
-    tuner: Tuner | None = None
-    """Under "auto", the `pipeline.Tuner` to use (e.g. `Tuner(prior=...)` with a prediction made
-    beforehand by `python -m benchmarks predict`); None: `Tuner()`, which measures every schedule."""
+    that schedule (`pipeline.stages.schedule`). "early", "late-own", and "adaptive" where it moves,
+    create one more process group per input_dist group. "auto" is a deprecated name of "adaptive"
+    (a `DeprecationWarning` says so, once, when the options are made; the field then reads
+    "adaptive")."""
     watch: ScheduleWatch | None = None
     """Under "adaptive", the `pipeline.ScheduleWatch` to use (its window, threshold, margin);
     None: `ScheduleWatch()` (its constants and their measurements: docs/reference.md, "The default
@@ -148,6 +164,14 @@ class InputDistOptions:
     wrapped to a valid row (`pipeline.stages.narrow`). False sends what the dataloader made."""
 
     def __post_init__(self) -> None:
+        if self.schedule == "auto":
+            warnings.warn(
+                'input_dist_schedule="auto" is a deprecated name of the default, "adaptive": the schedule '
+                'watch runs (pipe.tuner is a ScheduleWatch); pass "adaptive" or leave it out',
+                DeprecationWarning,
+                stacklevel=_user_frame(),
+            )
+            self.schedule = "adaptive"
         _one_of("input_dist_schedule", self.schedule, SCHEDULE_NAMES)
         _one_of("narrow_ids", self.narrow_ids, (True, False))
 

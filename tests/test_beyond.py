@@ -139,7 +139,7 @@ def _loader_raises(rank: int, world_size: int, pipe_name: str, at: int) -> dict:
 
 
 # Mid-epoch for every class (SparseDist and Prefetch: while the peer installs the input
-# all-to-alls' own process groups, chosen by the schedule's tuner at that step), and at the first
+# all-to-alls' own process groups, should the schedule's watch switch at that step), and at the first
 # batch (the peer creates the votes' process group).
 @pytest.mark.parametrize(("pipe_name", "at"), [(p, 5) for p in PIPELINES] + [("TrainPipelineSparseDist", 0)])
 def test_a_dataloader_raising_on_one_rank_ends_every_rank(pipe_name, at):

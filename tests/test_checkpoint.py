@@ -322,18 +322,3 @@ def test_async_checkpoints_are_committed_and_change_nothing(tmp_path, reference)
     assert status == 0, output[-4000:]
     assert summary["state_digest"] == reference["fused"]["summary"]["state_digest"]
     assert sorted(p.name for p in ckpt.iterdir()) == [f"step-{2 * EVERY:09d}", f"step-{TOTAL:09d}"]
-
-
-def test_a_resumed_run_takes_the_saved_tuner_decision_instead_of_tuning_again(tmp_path):
-    # the tuner decides within `Tuner().steps_left` (86) steps; the checkpoint of step 90 carries it
-    ckpt = tmp_path / "ckpt"
-    flags = ("--pipeline", "sparse-dist", "--input-dist-schedule", "auto")
-    flags += ("--checkpoint-dir", str(ckpt), "--checkpoint-every", "90")
-    status, first, _, output = _torchrun(tmp_path, "first", *flags, "--steps", "90", forked=True)
-    assert status == 0, output[-4000:]
-    assert "still tuning" not in first["input_dist_schedule"], first["input_dist_schedule"]
-    status, resumed, _, output = _torchrun(tmp_path, "resumed", *flags, "--steps", "94", forked=True)
-    assert status == 0, output[-4000:]
-    assert resumed["resumed_from_step"] == 90 and resumed["steps"] == 4
-    # 4 steps could not have tuned: the decision and its reason are the saved ones
-    assert resumed["input_dist_schedule"] == first["input_dist_schedule"]

@@ -84,8 +84,8 @@ def test_unknown_or_refused_arguments_say_what_to_do():
         _echo_pipe("TrainPipelineSparseDist", apply_jit=True)
     with pytest.raises(ValueError, match="input_dist_schedule must be one of"):
         _echo_pipe("TrainPipelineSparseDist", input_dist_schedule="soon")
-    with pytest.raises(ValueError, match='"auto" tunes training'):
-        _echo_pipe("EvalPipelineSparseDist", input_dist_schedule="auto")
+    with pytest.raises(TypeError, match=r"unexpected keyword.*tuner"):  # the paired-trials tuner is gone
+        _echo_pipe("EvalPipelineSparseDist", tuner=None)
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """Every reference a reader of the docs would follow exists: the repository paths they name, the
-dotted names of our packages (`pipeline.stages.tuner.Tuner`), the `make` targets and the
+dotted names of our packages (`pipeline.stages.watch.ScheduleWatch`), the `make` targets and the
 `python -m benchmarks` / `python -m timeline` subcommands, and every section a doc or the code names
 (`docs/pipeline.md, "Checkpointing"`) is a heading of that file. `python -m benchmarks --help` and
 docs/benchmarks.md's table list the same commands, and the doc lists the default loops `run --help`
@@ -7,8 +7,8 @@ points at. Each failure names the file, the line and the reference. Negative twi
 checkers on small synthetic texts with broken ones.
 
 What counts as a path: a token with a `/` (or a file name with a known extension) that starts at a
-top-level entry of the repository (`pipeline/stages/tuner.py`, `docs/results/`), or, when it starts
-elsewhere, a tail of a tracked path (`stages/tuner.py`) or of a torchrec file (`torchrec/...`).
+top-level entry of the repository (`pipeline/stages/watch.py`, `docs/results/`), or, when it starts
+elsewhere, a tail of a tracked path (`stages/watch.py`) or of a torchrec file (`torchrec/...`).
 Markdown links resolve from the doc's folder. Skipped: URLs, absolute and home paths (`/tmp`,
 `~/.cache/...`), outputs (`out/...`), placeholders (`DIR/rank{r}.json`, `<host>`, `...`, `*`).
 A bare file name must be some tracked file's or torchrec file's name."""
@@ -425,10 +425,10 @@ def test_the_docs_read_are_there():
 SYNTHETIC = """\
 # A doc with broken references
 
-The tuner lives in `pipeline/stages/no_such_file.py`, beside pipeline/stages/tuner.py
+The watch lives in `pipeline/stages/no_such_file.py`, beside pipeline/stages/watch.py
 and tests/test_no_such_test.py.
 
-Its class is `pipeline.stages.tuner.NoSuchTuner`; the module `pipeline.no_such_module` is gone.
+Its class is `pipeline.stages.watch.NoSuchWatch`; the module `pipeline.no_such_module` is gone.
 `Ranks.no_such_method` was removed, and so was pipeline/stages/no_such_file.py.
 
 Run `make no-such-target`, or `python -m benchmarks no-such-sub`, or `python -m timeline nope`.
@@ -440,7 +440,7 @@ make lint
 .venv/bin/python -m benchmarks.no_such_module
 ```
 
-Fine: `pipeline/stages/tuner.py`, `pipeline.stages.tuner.Tuner`, `make test`, `python -m benchmarks
+Fine: `pipeline/stages/watch.py`, `pipeline.stages.watch.ScheduleWatch`, `make test`, `python -m benchmarks
 run`, https://example.com/a/b.py, `~/.cache/torchrec-pipeline/costs-<host>.json`, `/tmp/x.py`,
 `out/bench/results.md`, `DIR/rank{r}.json`, [the pipeline doc](pipeline.md).
 """
@@ -452,7 +452,7 @@ def test_the_checker_reports_each_broken_reference_with_its_doc_and_line():
     assert got == {
         (3, "path", "pipeline/stages/no_such_file.py"),
         (4, "path", "tests/test_no_such_test.py"),
-        (6, "name", "pipeline.stages.tuner.NoSuchTuner"),
+        (6, "name", "pipeline.stages.watch.NoSuchWatch"),
         (6, "name", "pipeline.no_such_module"),
         (7, "member", "Ranks.no_such_method"),
         (7, "path", "pipeline/stages/no_such_file.py"),
@@ -465,12 +465,12 @@ def test_the_checker_reports_each_broken_reference_with_its_doc_and_line():
     }, "\n".join(map(str, broken))
     text = "\n".join(map(str, broken))
     assert "docs/synthetic.md:3: path `pipeline/stages/no_such_file.py`" in text
-    assert "has no attribute NoSuchTuner" in text
+    assert "has no attribute NoSuchWatch" in text
 
 
 def test_what_the_checker_counts_as_a_path():
-    assert check_path("pipeline/stages/tuner.py", "") is None
-    assert check_path("stages/tuner.py", "") is None  # a tail of a tracked path
+    assert check_path("pipeline/stages/watch.py", "") is None
+    assert check_path("stages/watch.py", "") is None  # a tail of a tracked path
     assert check_path("pipeline/context.py", "") is not None
     assert check_path("~/.cache/torchrec-pipeline/", "") is None
     assert check_path("results/", "docs", link=True) is None

@@ -249,48 +249,14 @@ def _groups(rank: int, pipe_name: str) -> dict:
     return out
 
 
-def _auto(rank: int, pipe_name: str) -> dict:
-    """The "auto" schedule switches between all four while it tunes, keeps one, re-checks it; the
-    same on every rank."""
-    import torch.distributed as dist
-
-    from pipeline.stages.schedule import SCHEDULES
-    from pipeline.stages.tuner import Tuner
-    from rewrite.splits import kjt_all_to_alls
-    from tests import models
-
-    def pgs(model):
-        return [a2a._pg for a2a in kjt_all_to_alls(model)]
-
-    ref, ref_opt, model, pipe = _pair(
-        pipe_name,
-        input_dist_schedule="auto",
-        tuner=Tuner(warmup=1, block=2, rounds=1, settle=1, visit=0, recheck_after=2),
-    )
-    data = models.batches(KIND, 3 * N, rank, seed=12)
-    expected = models.plain_loop(ref, ref_opt, data)
-    ran: list[str] = []
-    got = models.run_to_end(pipe, iter(data), schedules=ran)
-    seen = set(ran)
-    return {
-        "seen": sorted(seen),
-        "choice": pipe.tuner.choice,
-        "medians": pipe.tuner.medians_ms,
-        "decisions": len(pipe.tuner.decisions),
-        "tuning_steps": pipe.tuner.tuning_steps,
-        "on_own_group": all(pg is not dist.group.WORLD for pg in pgs(model)),
-        "own_expected": SCHEDULES[pipe.input_dist_schedule].own_group,
-        "equal": len(got) == 3 * N and models.bitwise_equal(expected, got),
-        "params": models.bitwise_equal(ref.state_dict(), model.state_dict()),
-    }
-
-
-def _adaptive(rank: int, pipe_name: str, verdict: str) -> dict:
+def _adaptive(rank: int, pipe_name: str, verdict: str, schedule: str | None = None) -> dict:
     """The default schedule's watch, made to try early at once on a tiny model: every rank moves
     at the same step, and back ("back") or not ("kept"), bit for bit across both switches. Its
     clock counts its own calls, so that both ranks see equal steps: a ratio of 1 after the switch
-    ("back"), or, under "kept", a reference that any step after the switch beats."""
+    ("back"), or, under "kept", a reference that any step after the switch beats. `schedule`: the
+    `input_dist_schedule` given beside the watch ("auto", the default's deprecated name; "late")."""
     import itertools
+    import warnings
 
     import torch.distributed as dist
 
@@ -310,7 +276,11 @@ def _adaptive(rank: int, pipe_name: str, verdict: str) -> dict:
         window=3, verify=3, warmup=0, settle=0, threshold=0.0001,
         margin=0.5, sure=0.0, clock=lambda: float(next(counter)),
     )  # fmt: skip
-    ref, ref_opt, model, pipe = _pair(pipe_name, input_dist=InputDistOptions(watch=watch))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ref, ref_opt, model, pipe = _pair(
+            pipe_name, input_dist=InputDistOptions(watch=watch), input_dist_schedule=schedule
+        )
     steps = 3 * N
     data = models.batches(KIND, steps, rank, seed=13)
     expected = models.plain_loop(ref, ref_opt, data)
@@ -321,6 +291,12 @@ def _adaptive(rank: int, pipe_name: str, verdict: str) -> dict:
         "ran": ran,
         "phase": watch.phase.value,
         "text": repr(pipe.tuner),
+        "tuner": type(pipe.tuner).__name__ if pipe.tuner is not watch else "the watch given",
+        "deprecated": [
+            str(w.message)
+            for w in caught
+            if issubclass(w.category, DeprecationWarning) and "input_dist_schedule" in str(w.message)
+        ],
         "notes": [n for n in report.notes if n.startswith("input_dist schedule")],
         "pipelined": report.pipelined and not report.not_pipelined,
         "on_own_group": all(pg is not dist.group.WORLD for pg in (a._pg for a in kjt_all_to_alls(model))),
@@ -349,7 +325,6 @@ SCENARIOS = {
     "no_execute_all": _no_execute_all,
     "labels": _labels,
     "groups": _groups,
-    "auto": _auto,
     "adaptive": _adaptive,
     "streams": _streams,
     "reset": _reset,
@@ -518,21 +493,6 @@ def test_input_all_to_alls_get_their_own_group(pool, pipe_name):
             assert r2["equal"] and r2["params"]
 
 
-@pytest.mark.parametrize("pipe_name", PIPELINES[1:])
-def test_auto_schedule_tries_all_and_ranks_agree(pool, pipe_name):
-    ranks = _each(pool, "auto", pipe_name)
-    for auto in ranks:
-        assert auto["seen"] == ["early", "early-shared", "late", "late-own"]
-        assert set(auto["medians"]) == set(auto["seen"])
-        # 24 steps: tuning (1 + 1 round x 4 blocks x 2 = 9 steps), decision at step 10, a re-check
-        # of 2 rounds x 2 blocks x 2 from step 12, decision at 20, the next re-check from step 24
-        assert auto["decisions"] == 2 and auto["tuning_steps"] == 9 + 8 + 1
-        assert auto["on_own_group"] == auto["own_expected"]
-        assert auto["equal"] and auto["params"]
-    assert len({r["choice"] for r in ranks}) == 1
-    assert ranks[0]["medians"] == ranks[1]["medians"]  # summed over ranks
-
-
 @pytest.mark.parametrize("verdict", ["kept", "back"])
 @pytest.mark.parametrize("pipe_name", PIPELINES[1:])
 def test_default_schedule_moves_on_every_rank_at_once_and_stays_bit_for_bit(pool, pipe_name, verdict):
@@ -550,12 +510,31 @@ def test_default_schedule_moves_on_every_rank_at_once_and_stays_bit_for_bit(pool
         assert len(r["notes"]) == 2, r["notes"]  # the report says both decisions
 
 
+@pytest.mark.parametrize("pipe_name", PIPELINES[1:])
+def test_auto_runs_the_default_watch_under_a_deprecated_name(pool, pipe_name):
+    for r in _each(pool, "adaptive", pipe_name, "kept", "auto"):
+        said = r["deprecated"]
+        assert len(said) == 1 and '"auto" is a deprecated name' in said[0], said
+        assert r["tuner"] == "the watch given", f"pipe.tuner is {r['tuner']}, not the default's watch"
+        assert r["ran"][0] == "late" and r["ran"][-1] == "early" and r["phase"] == "kept", r["ran"]
+        assert r["equal"] and r["params"], "not bit for bit under 'auto'"
+
+
+@pytest.mark.parametrize("pipe_name", PIPELINES[1:])
+def test_twin_a_pinned_schedule_has_no_watch(pool, pipe_name):
+    # the same watch given beside a pinned schedule: not used, pipe.tuner is None, nothing moves
+    for r in _each(pool, "adaptive", pipe_name, "kept", "late"):
+        assert r["tuner"] == "NoneType" and not r["deprecated"], r
+        assert set(r["ran"]) == {"late"} and not r["on_own_group"], r["ran"]
+        assert r["equal"] and r["params"]
+
+
 def test_input_dist_schedule_rejects_unknown_values():
     import torch
 
     import pipeline
 
-    with pytest.raises(ValueError, match="one of adaptive, auto, early, late"):
+    with pytest.raises(ValueError, match="one of adaptive, early, late"):
         pipeline.TrainPipelineSparseDist(
             torch.nn.Linear(1, 1), None, torch.device("cpu"), input_dist_schedule="x"
         )

@@ -251,6 +251,56 @@ def test_the_prediction_table_names_the_winner():
     assert all(math.isfinite(s.step_ms) and s.step_ms > 0 for s in prediction.steps)
 
 
+# -- which schedule to pin (benchmarks.predictor.pin) ----------------------------------------------
+
+
+def _says(**figures: float) -> dict[str, float]:
+    """A prediction: the figures given, the rest of the four schedules much slower."""
+    return {"early": 50.0, "late": 50.0, "early-shared": 50.0, "late-own": 50.0, **figures}
+
+
+def test_a_schedule_predicted_fastest_beyond_the_noise_is_pinned():
+    from benchmarks.predictor.pin import pin_rule
+
+    pin = pin_rule(_says(early=40.0, late=44.0))
+    assert pin.schedule == "early", pin
+    assert str(pin).startswith(
+        "input_dist_schedule='early': early predicted fastest, 10% ahead of the next, late"
+    )
+    assert pin_rule(_says(late=40.0)).schedule == "late", (
+        "torchrec's order is pinned where it is surely fastest"
+    )
+
+
+@pytest.mark.parametrize(
+    "predicted",
+    [_says(early=40.0, late=41.0), None, {"early": 40.0}, _says(early=math.nan), _says(late=0.0)],
+    ids=["within-the-noise", "none", "missing", "nan", "zero"],
+)
+def test_where_the_prediction_cannot_tell_or_is_not_usable_the_default_is_kept(predicted):
+    from benchmarks.predictor.pin import pin_rule
+
+    pin = pin_rule(predicted)
+    assert pin.schedule == "adaptive", pin
+    if predicted and all(v > 0 for v in predicted.values()) and len(predicted) == 4:
+        assert "early, late predicted within the noise (5%)" in pin.reason, pin.reason
+
+
+def test_the_ranks_pin_from_their_averaged_predictions():
+    from benchmarks.predictor.pin import agreed_pin, pin_rule
+
+    ranks = [_says(early=40.0, late=46.0), _says(early=46.0, late=40.0)]  # each rank alone: opposite pins
+    assert {pin_rule(r).schedule for r in ranks} == {"early", "late"}, "the twin: unagreed, they differ"
+
+    def summed(_mine: list[float]) -> list[float]:  # an all_reduce: every rank's figures, summed
+        others = [[r[s] for s in ("early", "late", "early-shared", "late-own")] + [1.0] for r in ranks]
+        return [sum(column) for column in zip(*others, strict=True)]
+
+    pins = [agreed_pin(r, agree=summed) for r in ranks]
+    assert pins[0] == pins[1] and pins[0].schedule == "adaptive", pins  # 43 ms each: within the noise
+    assert pins[0].predicted_ms["early"] == pytest.approx(43.0)
+
+
 # -- the dense timing leaves the model as it was ----------------------------------------------------
 
 

@@ -1,6 +1,6 @@
 """The prediction tool (`benchmarks.predictor`) on 2 gloo ranks: what it reads of a sharded model and its
-batch, the link it probes, and the "auto" tuner starting from a prior the caller made with it, on every
-rank alike (each scenario its own test). The pipeline itself never predicts.
+batch, the link it probes, and the schedule it says to pin (`input_dist_schedule=...`), the same on
+every rank (each scenario its own test). The pipeline itself never predicts.
 
 The machine's costs are measured once into a cache of this module (`$TORCHREC_PIPELINE_CACHE` set by
 each scenario), so the first scenario takes some 15 s more."""
@@ -62,52 +62,35 @@ def test_predict_reads_the_model_and_probes_the_link(pool, cache):
         assert "winner:" in r["table"], f"rank {rank}: no winner line in\n{r['table']}"
 
 
-def _auto(rank: int, world_size: int, cache: str, pipe_name: str, with_prior: bool = True) -> dict:
+def _pin(rank: int, world_size: int, cache: str, pipe_name: str) -> dict:
     _cache(cache)
     import torch
 
     import pipeline
-    from benchmarks.predictor.prior import schedule_prior
+    from benchmarks.predictor.pin import schedule_to_pin
     from tests import models
 
     model, opt = models.build("dlrm", "table_wise")
     kind = {"TrainPipelineFusedSparseDist": "fused"}.get(pipe_name, "sparse-dist")
-    prior = schedule_prior(model, models.batches("dlrm", 1, rank)[0], pipeline=kind) if with_prior else None
-    pipe = getattr(pipeline, pipe_name)(
-        model, opt, torch.device("cpu"), input_dist_schedule="auto", tuner=pipeline.Tuner(prior=prior)
-    )
+    pin = schedule_to_pin(model, models.batches("dlrm", 1, rank)[0], pipeline=kind)  # a collective call
+    pipe = getattr(pipeline, pipe_name)(model, opt, torch.device("cpu"), input_dist_schedule=pin.schedule)
     schedules = []
     it = iter(models.batches("dlrm", STEPS + 4, rank))
     for _ in range(STEPS):
         pipe.progress(it)
         schedules.append(pipe.input_dist_schedule)
-    tuner = pipe.tuner
-    return {
-        "predicted": tuner.predicted_ms,
-        "first": schedules[0],
-        "schedules": schedules,
-        "state": tuner.state_dict(),
-        "tuning": tuner.tuning,
-        "reason": tuner.reason,
-    }
+    return {"pin": pin, "schedules": schedules, "watch": pipe.tuner is not None}
 
 
 @pytest.mark.parametrize("pipe_name", ["TrainPipelineSparseDist", "TrainPipelineFusedSparseDist"])
-def test_auto_starts_from_the_prediction_on_every_rank_alike(pool, cache, pipe_name):
-    ranks = pool.run(_auto, cache, pipe_name, timeout=TIMEOUT)
-    first, second = ranks
-    assert set(first["predicted"]) == {"early", "late", "early-shared", "late-own"}, first["predicted"]
-    assert first["predicted"] == second["predicted"], "the ranks averaged their predictions"
+def test_every_rank_pins_the_same_schedule_from_the_prediction(pool, cache, pipe_name):
+    first, second = pool.run(_pin, cache, pipe_name, timeout=TIMEOUT)
+    pin = first["pin"]
+    assert set(pin.predicted_ms) == {"early", "late", "early-shared", "late-own"}, pin
+    assert pin == second["pin"], "the ranks averaged their predictions, and pin alike"
     assert first["schedules"] == second["schedules"], "every step under the same schedule on both ranks"
-    best = min(first["predicted"], key=first["predicted"].get)
-    assert first["first"] == best, f"the first step runs the predicted best, {best}"
-    if not first["tuning"]:  # decided by the model, or by trials among the close ones
-        assert first["state"]["predicted_ms"] == first["predicted"], "the checkpoint keeps the prediction"
-        assert "predicted" in first["reason"], first["reason"]
-
-
-def test_a_tuner_without_a_prior_measures_every_schedule(pool, cache):
-    # the negative twin: no prediction, the first steps run torchrec's order and all four are tried
-    for rank, r in enumerate(pool.run(_auto, cache, "TrainPipelineSparseDist", False, timeout=TIMEOUT)):
-        assert r["predicted"] == {} and r["first"] == "late", f"rank {rank}: {r['predicted']}, {r['first']}"
-        assert set(r["schedules"]) == {"early", "late", "early-shared", "late-own"}, f"rank {rank}"
+    assert str(pin).startswith(f"input_dist_schedule={pin.schedule!r}: "), str(pin)
+    if pin.schedule == "adaptive":  # the prediction could not tell: the default's watch decides
+        assert first["watch"] and "within the noise" in pin.reason, pin
+    else:  # pinned: no watch, the pinned schedule from the first step to the last
+        assert not first["watch"] and set(first["schedules"]) == {pin.schedule}, first["schedules"]

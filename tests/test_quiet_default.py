@@ -101,7 +101,7 @@ def _has_env(pid: int, entry: str) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("pipe", "schedule"), [("sparse-dist", "adaptive"), ("prefetch", "auto")])
+@pytest.mark.parametrize(("pipe", "schedule"), [("sparse-dist", "adaptive"), ("prefetch", "early")])
 def test_a_job_under_torchrun_starts_no_process_and_writes_nothing_unasked(tmp_path, pipe, schedule):
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir()

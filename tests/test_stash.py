@@ -76,7 +76,7 @@ def _emb_stash_case(
     model, opt = _build(kind, sharding, stash=tables)
     after_lookups, site, before = EMB_POINTS[kind]
     args = () if name == "TrainPipelineSparseDist" else (site,)
-    # "late": no tuner, whose prediction runs forwards of its own (which lend nothing)
+    # "late": torchrec's order from the first step to the last (no watch that may switch)
     pipe = getattr(pipeline, name)(
         model, opt, torch.device("cpu"), *args, input_dist_schedule="late", **options
     )

@@ -15,7 +15,7 @@ in flight, and the winner. The pieces, one concept a module:
 - `costs.py`: each stage's duration on the busiest rank;
 - `simulate.py`: a small discrete-event simulation of tasks on lanes sharing cores and the link;
 - `programs.py`: each class's step as tasks (from the stage table of `pipeline.stages`);
-- `prior.py`: the prediction the "auto" input_dist tuner starts from.
+- `pin.py`: which input_dist schedule to pin (`input_dist_schedule=...`), agreed across ranks.
 
 Assumptions at large world sizes (docs/benchmarks.md, "Predicting a pipeline's step", has them all):
 each rank sends its batch's ids for a table to the rank(s) holding it, so with tables spread evenly

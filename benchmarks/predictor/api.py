@@ -81,7 +81,7 @@ class Prediction:
         return min((s for s in self.steps if s.pipeline == pipeline), key=lambda s: s.step_ms)
 
     def schedule_ms(self, pipeline: str) -> dict[str, float]:
-        """`pipeline`'s predicted step per schedule, in ms (what the "auto" tuner starts from)."""
+        """`pipeline`'s predicted step per schedule, in ms (what `benchmarks.predictor.pin` pins from)."""
         return {s.schedule: s.step_ms for s in self.steps if s.pipeline == pipeline and s.schedule}
 
     def __str__(self) -> str:

@@ -83,8 +83,9 @@ class Checkpoints:
         optimizer: the dense optimizer (the embeddings' fused one is `model.fused_optimizer`).
         plan: the sharding plan's description, saved and compared at resume.
         log: where kill events are logged (`--loss-log`), or None.
-        tuner: the pipeline's input_dist `Tuner` ("auto"), or None: its decision is saved, and a
-            resumed run takes it instead of tuning again.
+        watch: the pipeline's schedule watch (`pipe.tuner` under the default schedule), or None:
+            its decision is saved, and a resumed run takes it (once every rank holds it) instead of
+            watching again.
     """
 
     def __init__(
@@ -95,7 +96,7 @@ class Checkpoints:
         optimizer: torch.optim.Optimizer,
         plan: str,
         log: LossLog | None = None,
-        tuner: Any = None,
+        watch: Any = None,
     ) -> None:
         assert config.checkpoint_dir is not None
         self.directory = Path(config.checkpoint_dir)
@@ -107,7 +108,7 @@ class Checkpoints:
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
         self._kill = KillPlan.parse(config.inject_kill) if config.inject_kill else None
         self._log = log
-        self._tuner = tuner
+        self._watch = watch
         self._saved_at = -1
         self._group = dist.new_group(backend="gloo") if config.checkpoint_async else None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
@@ -150,8 +151,9 @@ class Checkpoints:
         if rng is not None:
             torch.set_rng_state(rng)
         saved = json.loads(state["progress"])
-        if self._tuner is not None:  # empty if saved while it tuned; absent in older checkpoints
-            self._tuner.load_state_dict(saved.get("tuner", {}))
+        if self._watch is not None:  # absent in older checkpoints; the removed tuner's has no phase
+            state = saved.get("tuner", {})
+            self._watch.load_state_dict(state if "phase" in state else {})
         return Position(step=saved["step"], epoch=saved["epoch"], batch=saved["batch"], path=str(path))
 
     def _check_fits(self, path: Path) -> None:
@@ -242,7 +244,7 @@ class Checkpoints:
         values = (position.step, position.epoch, position.batch, self._world, self._plan, self._tiered)
         # One JSON string: DCP flattens a dict of plain values differently when saving and loading.
         progress = dict(zip(_PROGRESS_KEYS, values, strict=True))
-        progress["tuner"] = self._tuner.state_dict() if self._tuner is not None else {}
+        progress["tuner"] = self._watch.state_dict() if self._watch is not None else {}  # as `pipe.tuner`
         state["progress"] = json.dumps(progress)
         rng_key = f"rng/rank{self._rank}"
         if keys is None or rng_key in keys:  # at resume onto more ranks, the new ones have none

@@ -19,7 +19,7 @@ __all__ = [
 ]
 
 PIPELINES = ("none", "base", "sparse-dist", "prefetch")
-SCHEDULES = ("adaptive", "late", "early", "early-shared", "late-own", "auto")
+SCHEDULES = ("adaptive", "late", "early", "early-shared", "late-own")
 PREFETCH_AHEAD = ("auto", "true", "false")
 NUM_DENSE = 13
 NUM_SPARSE = 26
@@ -49,7 +49,7 @@ class TrainConfig:
     """With `sparse-dist` or `prefetch`: when the next batch's input all-to-alls run (the pipeline's
     `input_dist_schedule`): `adaptive` (the library's default: torchrec's order, moving to `early`
     where the steps wait for the input all-to-all and that pays), `late` (torchrec's order, pinned),
-    `early`, `early-shared`, `late-own`, or `auto` (trials of real steps choose; bit for bit)."""
+    `early`, `early-shared` or `late-own`."""
     prefetch_ahead: str = "auto"
     """With `prefetch`: the pipeline's `prefetch_ahead`: `auto` (the library's default: on CPU
     inline until its watch sees that ahead pays), `true` (the prefetch of batch i+1 during backward

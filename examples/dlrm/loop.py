@@ -83,7 +83,7 @@ def train(
         total_steps=per_epoch * config.epochs if per_epoch else None,
     )
     reporter.write(f"dlrm: {world_size} rank(s) on {device.type}, {sharded.plan}")
-    resume = _resume(config, sharded, tuner=getattr(unwrap(runner), "tuner", None), rank=rank)
+    resume = _resume(config, sharded, watch=getattr(unwrap(runner), "tuner", None), rank=rank)
     start, saves = resume.start, resume.saves
     if start.path is not None:
         reporter.write(f"dlrm: resumed from {start.path} (step {start.step})")
@@ -134,14 +134,14 @@ class _Resume:
     log: LossLog | None
 
 
-def _resume(config: TrainConfig, sharded: ShardedDLRM, *, tuner: Any, rank: int) -> _Resume:
-    """Load the newest checkpoint (with `checkpoint_dir`), and the tuner's decision saved with it;
-    a collective."""
+def _resume(config: TrainConfig, sharded: ShardedDLRM, *, watch: Any, rank: int) -> _Resume:
+    """Load the newest checkpoint (with `checkpoint_dir`), and the schedule watch's decision saved
+    with it; a collective."""
     log = LossLog(config.loss_log, rank=rank) if config.loss_log else None
     if config.checkpoint_dir is None:
         return _Resume(Position(), None, log)
     saves = Checkpoints(
-        config, model=sharded.model, optimizer=sharded.optimizer, plan=sharded.plan, log=log, tuner=tuner
+        config, model=sharded.model, optimizer=sharded.optimizer, plan=sharded.plan, log=log, watch=watch
     )
     if log is not None:
         log.event("built", 0)  # model sharded, checkpoint not yet read

@@ -124,30 +124,23 @@ def unwrap(runner: Runner) -> Any:
 
 
 def describe_pipeline(runner: Runner) -> dict[str, str]:
-    """What the pipeline behind `runner` chose, for the summary: `input_dist_schedule` (under "auto",
-    with the tuner's state: still tuning and for how many steps, or what it kept and why; under the
-    default, "adaptive", what its watch saw and did) and
-    `rewrite` (which sharded modules are pipelined). Empty for the plain loop."""
+    """What the pipeline behind `runner` chose, for the summary: `input_dist_schedule` (under the
+    default, "adaptive", what its watch saw and did) and `rewrite` (which sharded modules are
+    pipelined). Empty for the plain loop."""
     pipe = unwrap(runner)
     found: dict[str, str] = {}
     schedule = getattr(pipe, "input_dist_schedule", None)
     if schedule is not None:
-        tuner = getattr(pipe, "tuner", None)
-        if tuner is None:
+        watch = pipe.tuner  # the default's schedule watch, or None where the schedule is pinned
+        if watch is None:
             found["input_dist_schedule"] = f"{schedule} (fixed)"
-        elif hasattr(tuner, "share"):  # the default's schedule watch
-            found["input_dist_schedule"] = f"{schedule} (adaptive: {tuner.reason or 'watching'})"
-            if tuner.reason is None and tuner.share is not None:
-                found["input_dist_schedule"] = (
-                    f"{schedule} (adaptive: watching; the host blocked on the input all-to-alls "
-                    f"{tuner.share:.0%} of the step on this rank)"
-                )
-        elif tuner.tuning:
+        elif watch.reason is None and watch.share is not None:
             found["input_dist_schedule"] = (
-                f"{schedule} (auto, still tuning: decides within {tuner.steps_left} more steps)"
+                f"{schedule} (adaptive: watching; the host blocked on the input all-to-alls "
+                f"{watch.share:.0%} of the step on this rank)"
             )
         else:
-            found["input_dist_schedule"] = f"{schedule} (auto, {tuner.reason})"
+            found["input_dist_schedule"] = f"{schedule} (adaptive: {watch.reason or 'watching'})"
     report = getattr(pipe, "rewrite_report", None)
     if report is not None:
         done = [f"{m.fqn} ({m.method}: {m.path})" for m in report.modules if m.pipelined]

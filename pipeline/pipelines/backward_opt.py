@@ -27,7 +27,6 @@ from pipeline.ranks import Lane
 from pipeline.stages.backward_step import StepInBackward, StepPlacement
 from pipeline.stages.context import BatchContext, TrainPipelineContext
 from pipeline.stages.streams import Streams
-from pipeline.stages.tuner import Tuner
 from rewrite import unwrap_model
 
 __all__ = ["TrainPipelineSparseDistBwdOpt"]
@@ -81,7 +80,6 @@ class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist):
         arg_paths: dict[str, Any] | None = None,
         input_dist: InputDistOptions | None = None,
         input_dist_schedule: str | None = None,
-        tuner: Tuner | None = None,
         narrow_ids: bool | None = None,
         streams: Streams | None = None,
         ranks: RankOptions | None = None,

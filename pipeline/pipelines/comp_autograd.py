@@ -18,7 +18,6 @@ from pipeline.config import InputDistOptions, RankOptions, RewriteOptions
 from pipeline.pipelines.pt2 import DYNAMO_SETTINGS
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.stages.streams import Streams
-from pipeline.stages.tuner import Tuner
 
 __all__ = ["COMPILED_AUTOGRAD_DEFAULTS", "TrainPipelineSparseDistCompAutograd"]
 
@@ -73,7 +72,6 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
         arg_paths: dict[str, Any] | None = None,
         input_dist: InputDistOptions | None = None,
         input_dist_schedule: str | None = None,
-        tuner: Tuner | None = None,
         narrow_ids: bool | None = None,
         streams: Streams | None = None,
         ranks: RankOptions | None = None,

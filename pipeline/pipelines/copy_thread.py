@@ -20,7 +20,6 @@ from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
 from pipeline.stages.context import BatchContext, TrainPipelineContext
 from pipeline.stages.streams import Streams
-from pipeline.stages.tuner import Tuner
 
 __all__ = ["TrainPipelineSparseDistT"]
 
@@ -55,7 +54,6 @@ class TrainPipelineSparseDistT(TrainPipelineSparseDist):
         arg_paths: dict[str, Any] | None = None,
         input_dist: InputDistOptions | None = None,
         input_dist_schedule: str | None = None,
-        tuner: Tuner | None = None,
         narrow_ids: bool | None = None,
         streams: Streams | None = None,
         ranks: RankOptions | None = None,

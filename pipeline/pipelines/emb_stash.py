@@ -25,7 +25,6 @@ from pipeline.ranks import Lane
 from pipeline.stages.context import BatchContext, TrainPipelineContext
 from pipeline.stages.embedding_stash import EmbeddingStash
 from pipeline.stages.streams import Streams
-from pipeline.stages.tuner import Tuner
 from rewrite import unwrap_model
 
 __all__ = ["TrainPipelineSparseDistEmbStash", "hook_embedding_stash"]
@@ -97,7 +96,6 @@ class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist):
         arg_paths: dict[str, Any] | None = None,
         input_dist: InputDistOptions | None = None,
         input_dist_schedule: str | None = None,
-        tuner: Tuner | None = None,
         narrow_ids: bool | None = None,
         streams: Streams | None = None,
         ranks: RankOptions | None = None,

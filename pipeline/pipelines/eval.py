@@ -19,20 +19,13 @@ from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
 from pipeline.stages.streams import Streams
 
-__all__ = ["EvalPipelineSparseDist", "fixed_schedule"]
+__all__ = ["EvalPipelineSparseDist", "eval_schedule"]
 
 
-def fixed_schedule(input_dist: InputDistOptions | None, schedule: str | None, owner: str) -> InputDistOptions:
-    """The input_dist options of an eval pipeline: "early-shared" unless given; "auto" is refused.
-
-    Raises:
-        ValueError: the schedule is "auto" (the tuner times training steps).
-    """
+def eval_schedule(input_dist: InputDistOptions | None, schedule: str | None) -> InputDistOptions:
+    """The input_dist options of an eval pipeline: "early-shared" unless given."""
     default = InputDistOptions(schedule="early-shared")
-    options = resolve(input_dist or default, InputDistOptions, schedule=schedule)
-    if options.schedule == "auto":
-        raise ValueError(f'{owner} takes a fixed input_dist_schedule; "auto" tunes training')
-    return options
+    return resolve(input_dist or default, InputDistOptions, schedule=schedule)
 
 
 class EvalPipelineSparseDist(TrainPipelineSparseDist):
@@ -44,8 +37,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
     and `progress()` returns `output` of a `(loss, output)` pair, or any other return value as it is.
 
     Args (torchrec's, in its order, then ours, keyword-only): as in `TrainPipelineSparseDist`
-    (`optimizer` is not used); no `tuner`: `input_dist_schedule` is "early-shared" by default, and
-    "auto" is refused, since the tuner times training steps.
+    (`optimizer` is not used); `input_dist_schedule` is "early-shared" by default.
     """
 
     def __init__(
@@ -78,7 +70,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
     ) -> None:
         self._build(
             locals(),
-            input_dist=fixed_schedule(input_dist, input_dist_schedule, "EvalPipelineSparseDist"),
+            input_dist=eval_schedule(input_dist, input_dist_schedule),
             lookahead=0,
         )
 

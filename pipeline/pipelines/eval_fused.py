@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from pipeline.config import InputDistOptions, RankOptions, RewriteOptions
-from pipeline.pipelines.eval import fixed_schedule
+from pipeline.pipelines.eval import eval_schedule
 from pipeline.pipelines.fused import LOOKUP_STREAMS, TrainPipelineFusedSparseDist
 from pipeline.ranks import Lane
 from pipeline.stages.context import LookupBatchContext
@@ -78,7 +78,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
             raise ValueError(f"emb_lookup_stream must be one of {LOOKUP_STREAMS}; got {emb_lookup_stream!r}")
         self._build(
             locals(),
-            input_dist=fixed_schedule(input_dist, input_dist_schedule, "EvalPipelineFusedSparseDist"),
+            input_dist=eval_schedule(input_dist, input_dist_schedule),
             forward="lookup",
             batch_context=LookupBatchContext,
         )

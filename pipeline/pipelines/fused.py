@@ -21,7 +21,6 @@ from pipeline.ranks import Lane
 from pipeline.stages.context import LookupBatchContext
 from pipeline.stages.lookup import LookupStage
 from pipeline.stages.streams import Streams
-from pipeline.stages.tuner import Tuner
 
 __all__ = ["LOOKUP_STREAMS", "TrainPipelineFusedSparseDist"]
 
@@ -65,7 +64,6 @@ class TrainPipelineFusedSparseDist(FusedMethods, TrainPipelineSparseDist):
         arg_paths: dict[str, Any] | None = None,
         input_dist: InputDistOptions | None = None,
         input_dist_schedule: str | None = None,
-        tuner: Tuner | None = None,
         narrow_ids: bool | None = None,
         streams: Streams | None = None,
         ranks: RankOptions | None = None,

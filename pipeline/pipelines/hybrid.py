@@ -20,7 +20,6 @@ from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane, LaneState
 from pipeline.stages.context import BatchContext, TrainPipelineContext
 from pipeline.stages.streams import Streams
-from pipeline.stages.tuner import Tuner
 
 __all__ = ["TrainEvalHybridPipelineBase"]
 
@@ -40,7 +39,8 @@ class TrainEvalHybridPipelineBase(TrainPipelineSparseDist):
 
     Args (torchrec's, in its order, then ours, keyword-only): as in `TrainPipelineSparseDist`;
     under `execute_all_batches=False` a training iterator's last two batches are dropped (as by
-    SparseDist), an eval pass runs every batch (as torchrec's); "auto" tunes on training steps only.
+    SparseDist), an eval pass runs every batch (as torchrec's); the default schedule watches
+    training steps only.
     """
 
     def __init__(
@@ -66,7 +66,6 @@ class TrainEvalHybridPipelineBase(TrainPipelineSparseDist):
         arg_paths: dict[str, Any] | None = None,
         input_dist: InputDistOptions | None = None,
         input_dist_schedule: str | None = None,
-        tuner: Tuner | None = None,
         narrow_ids: bool | None = None,
         streams: Streams | None = None,
         ranks: RankOptions | None = None,

@@ -25,7 +25,6 @@ from pipeline.stages.context import BatchContext
 from pipeline.stages.input_dist import InputDist
 from pipeline.stages.memory import MemoryFlags
 from pipeline.stages.streams import Streams
-from pipeline.stages.tuner import Tuner
 from pipeline.stages.watch import ScheduleWatch
 from rewrite import RewriteReport
 
@@ -43,16 +42,16 @@ class InputDistCore(SparseDistMethods, PipelineCore):
 
     @property
     def input_dist_schedule(self) -> str:
-        """The input_dist schedule in use, a name from `pipeline.stages.schedule.SCHEDULES` (under "auto",
-        changes while tuning and may change at a re-check)."""
+        """The input_dist schedule in use, a name from `pipeline.stages.schedule.SCHEDULES` (under the
+        default, "adaptive", it may change once or twice: `tuner`)."""
         return self._input_dist.schedule
 
     @property
-    def tuner(self) -> Tuner | ScheduleWatch | None:
-        """Under "auto", the tuner: `choice`, `reason`, `medians_ms` and `decisions` once it has
-        decided. Under the default ("adaptive"), the schedule watch: `print(pipe.tuner)` says what
-        it observed, at which step, what it kept and why. None where the schedule is pinned."""
-        return self._input_dist.tuner or self._input_dist.watch
+    def tuner(self) -> ScheduleWatch | None:
+        """Under the default ("adaptive"), the schedule watch: `print(pipe.tuner)` says what it
+        observed, at which step, what it kept and why (`choice`, `reason`, `decisions`). None where
+        the schedule is pinned."""
+        return self._input_dist.watch
 
     @property
     def rewrite_report(self) -> RewriteReport | None:
@@ -156,7 +155,6 @@ class InputDistCore(SparseDistMethods, PipelineCore):
         enable_inplace_copy_batch: bool = False,
         input_dist: InputDistOptions | None = None,
         input_dist_schedule: str | None = None,
-        tuner: Tuner | None = None,
         narrow_ids: bool | None = None,
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
@@ -198,7 +196,7 @@ class InputDistCore(SparseDistMethods, PipelineCore):
             strict=strict,
             pipeline_postproc=pipeline_postproc,
             schedule=resolve(
-                input_dist, InputDistOptions, schedule=input_dist_schedule, tuner=tuner, narrow_ids=narrow_ids
+                input_dist, InputDistOptions, schedule=input_dist_schedule, narrow_ids=narrow_ids
             ),
             memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
             forward=forward,

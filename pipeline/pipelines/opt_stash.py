@@ -22,7 +22,6 @@ from pipeline.ranks import Lane
 from pipeline.stages.context import BatchContext, TrainPipelineContext
 from pipeline.stages.stash import Stash, tensors_in
 from pipeline.stages.streams import Streams
-from pipeline.stages.tuner import Tuner
 from rewrite import unwrap_model
 
 __all__ = ["TrainPipelineSparseDistOptStash"]
@@ -73,7 +72,6 @@ class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist):
         arg_paths: dict[str, Any] | None = None,
         input_dist: InputDistOptions | None = None,
         input_dist_schedule: str | None = None,
-        tuner: Tuner | None = None,
         narrow_ids: bool | None = None,
         streams: Streams | None = None,
         ranks: RankOptions | None = None,

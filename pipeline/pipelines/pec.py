@@ -22,7 +22,6 @@ from pipeline.ranks import Lane
 from pipeline.stages.context import LookupBatchContext
 from pipeline.stages.lookup import LookupStage
 from pipeline.stages.streams import Streams
-from pipeline.stages.tuner import Tuner
 
 try:
     from torchrec.distributed.pec_embedding import ShardedPECEmbeddingCollection
@@ -65,7 +64,6 @@ class TrainPipelinePEC(TrainPipelineSparseDist):
         arg_paths: dict[str, Any] | None = None,
         input_dist: InputDistOptions | None = None,
         input_dist_schedule: str | None = None,
-        tuner: Tuner | None = None,
         narrow_ids: bool | None = None,
         streams: Streams | None = None,
         ranks: RankOptions | None = None,

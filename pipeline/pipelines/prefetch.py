@@ -20,7 +20,6 @@ from pipeline.stages.prefetch import PrefetchStage, prefetch_does_work
 from pipeline.stages.prefetch_watch import PrefetchWatch
 from pipeline.stages.streams import Streams
 from pipeline.stages.thread_streams import streams_for
-from pipeline.stages.tuner import Tuner
 from rewrite import outermost_sharded, unwrap_model
 
 __all__ = ["PrefetchTrainPipelineSparseDist"]
@@ -59,7 +58,6 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
         arg_paths: dict[str, Any] | None = None,
         input_dist: InputDistOptions | None = None,
         input_dist_schedule: str | None = None,
-        tuner: Tuner | None = None,
         narrow_ids: bool | None = None,
         streams: Streams | None = None,
         ranks: RankOptions | None = None,

@@ -21,7 +21,6 @@ from pipeline.stages.embedding_stash import EmbeddingStash
 from pipeline.stages.prefetch import PrefetchStage
 from pipeline.stages.streams import Streams
 from pipeline.stages.thread_streams import streams_for
-from pipeline.stages.tuner import Tuner
 
 __all__ = ["TrainPipelinePrefetchEMS"]
 
@@ -61,7 +60,6 @@ class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash):
         arg_paths: dict[str, Any] | None = None,
         input_dist: InputDistOptions | None = None,
         input_dist_schedule: str | None = None,
-        tuner: Tuner | None = None,
         narrow_ids: bool | None = None,
         streams: Streams | None = None,
         ranks: RankOptions | None = None,

@@ -19,7 +19,6 @@ from pipeline.pipelines.input_dist_core import InputDistCore
 from pipeline.ranks import Lane
 from pipeline.stages.context import BatchContext, TrainPipelineContext
 from pipeline.stages.streams import Streams
-from pipeline.stages.tuner import Tuner
 
 __all__ = ["TrainPipelineSparseDist"]
 
@@ -50,8 +49,8 @@ class TrainPipelineSparseDist(InputDistCore):
     Keyword-only, ours:
         strict: fail on the first batch if a sharded module cannot be pipelined.
         rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
-        input_dist_schedule, tuner, narrow_ids: the fields of `InputDistOptions` (`input_dist` may
-            give them).
+        input_dist_schedule, narrow_ids: the fields of `InputDistOptions` (`input_dist` may give
+            them).
         streams: the streams to run on; None: CUDA streams on a GPU, none on CPU.
         on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
             peer_timeout: the fields of `RankOptions` (`ranks` may give them).
@@ -81,7 +80,6 @@ class TrainPipelineSparseDist(InputDistCore):
         arg_paths: dict[str, Any] | None = None,
         input_dist: InputDistOptions | None = None,
         input_dist_schedule: str | None = None,
-        tuner: Tuner | None = None,
         narrow_ids: bool | None = None,
         streams: Streams | None = None,
         ranks: RankOptions | None = None,

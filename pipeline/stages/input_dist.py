@@ -1,6 +1,6 @@
 """`InputDist`: starts and waits the input all-to-alls of the pipelined sharded modules.
 
-Its life: `attach` rewrites the model's sharded modules on the first batch (`rewrite.rewrite_model`);
+Its life: `attach` rewrites the model's sharded modules on the first batch (`Attachment`);
 `start` launches each module's splits all-to-all for one batch (`input_dist::start`); `wait_splits`
 waits for them and launches the values all-to-alls (`input_dist::splits`); the hijacked forwards take
 the values through the batch's context (`input_dist::wait`); `detach` restores the model. From the
@@ -19,37 +19,20 @@ from torch import nn
 from pipeline.config import InputDistOptions, RewriteOptions
 from pipeline.ranks import Lane, Ranks
 from pipeline.ranks.riding import Admission
+from pipeline.stages.attachment import Attachment
 from pipeline.stages.context import BatchContext
 from pipeline.stages.groups import InputDistGroups
 from pipeline.stages.labels import run_stage
-from pipeline.stages.memory import MemoryFlags, free_early_where_safe, release_features, release_sent_inputs
+from pipeline.stages.memory import MemoryFlags, release_features, release_sent_inputs
 from pipeline.stages.narrow import NarrowIds, originals
-from pipeline.stages.not_pipelined import warn_not_pipelined
 from pipeline.stages.schedule import SCHEDULES
 from pipeline.stages.streams import Streams
-from pipeline.stages.tuner import Tuner
-from pipeline.stages.tuner_text import ONE_RANK, schedule_words
 from pipeline.stages.watch import ScheduleWatch
-from rewrite import (
-    CallSite,
-    ContextSlot,
-    PipelinedModule,
-    Rewrite,
-    RewriteReport,
-    fuse_splits_requests,
-    one_by_one,
-    rewrite_model,
-)
+from pipeline.stages.watch_text import NOT_ON_NCCL, ONE_RANK, WATCH_ADVICE
+from rewrite import CallSite, ContextSlot, PipelinedModule, Rewrite, RewriteReport
+from rewrite.splits import fuse_splits_requests, one_by_one
 
 __all__ = ["InputDist"]
-
-WATCH_ADVICE = "Give every rank the same ScheduleWatch and PrefetchWatch settings (or none)."
-
-NOT_ON_NCCL = (
-    "the watch's figure (the host's time blocked on the input all-to-alls) has not been measured on "
-    "NCCL, where a wait blocks a stream rather than the host; pin input_dist_schedule='early' to try "
-    "the other order"
-)
 
 
 class InputDist:
@@ -61,7 +44,7 @@ class InputDist:
         rewrite: how the sharded modules' inputs are found (`RewriteOptions`).
         strict: fail on the first batch if a sharded module cannot be pipelined.
         pipeline_postproc: run parameter-free modules that transform the batch ahead.
-        schedule: the input_dist schedule and its tuner, and whether ids are narrowed
+        schedule: the input_dist schedule and its watch, and whether ids are narrowed
             (`InputDistOptions`).
         memory: torchrec's memory flags (`MemoryFlags`).
         forward: which hijacked forward the sharded modules get: "input_dist" (they wait for the
@@ -88,24 +71,25 @@ class InputDist:
         ranks: Ranks | None = None,
         carry: bool = False,
     ) -> None:
-        self._model, self._streams, self._options = model, streams, rewrite
-        self._memory = memory or MemoryFlags()
-        self._strict, self._pipeline_postproc = strict, pipeline_postproc
-        self._forward = forward
+        self._streams, self._memory = streams, memory or MemoryFlags()
         self.slot = ContextSlot()
         """Holds the context of the batch whose forward runs (the hijacked forwards read it)."""
-        self.rewrite: Rewrite | None = None
-        self.tuner = (schedule.tuner or Tuner()) if schedule.schedule == "auto" else None
+        self._attached = Attachment(
+            model,
+            self.slot,
+            options=rewrite,
+            strict=strict,
+            pipeline_postproc=pipeline_postproc,
+            forward=forward,
+            free_early=self._memory.free_features_storage_early,
+        )
         self.watch = (schedule.watch or ScheduleWatch()) if schedule.schedule == "adaptive" else None
         """Under the default ("adaptive"): the watch that may move to "early" (`pipeline.stages.watch`)."""
-        self.schedule = "late" if schedule.schedule in ("auto", "adaptive") else schedule.schedule
-        """The schedule in use (under "auto", changes while tuning and may change at a re-check;
-        under "adaptive", may change once or twice: `ScheduleWatch`)."""
+        self.schedule = "late" if schedule.schedule == "adaptive" else schedule.schedule
+        """The schedule in use (under "adaptive", may change once or twice: `ScheduleWatch`)."""
         self._one_rank = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
         """One rank: the input all-to-alls move nothing between ranks, so the splits are not fused
         into an all-to-all of their own and every schedule does the same work."""
-        if self._one_rank and self.tuner is not None:
-            self.tuner.settle("late", f"kept {schedule_words('late')}: {ONE_RANK}")
         self.freed_bytes = 0
         """Bytes released by the memory flags so far."""
         self._ranks = ranks
@@ -116,34 +100,32 @@ class InputDist:
             elif dist.get_backend() == "nccl":
                 self.watch.pin(NOT_ON_NCCL)
         self._admission = Admission(ranks, carry, watch=self.watch)
+        """Whether each batch is trained, by its vote or by what rides on its splits (it pins the
+        watch where nothing rides)."""
         self._narrow = NarrowIds(schedule.narrow_ids, self._note, one_rank=self._one_rank)
         """Which call sites' KJTs go through the all-to-all as int32 (`pipeline.stages.narrow`)."""
         self._others: list[Any] = []
         """Other stages' watches (`add_watch`)."""
-        """Whether each batch is trained, by its vote or by what rides on its splits (it pins the
-        watch where nothing rides)."""
         self._groups = InputDistGroups(ranks.new_group if ranks is not None else dist.new_group, self._note)
-        self._undo: list[Callable[[], None]] = []
-        self._warned: set[str] = set()
-        """The sharded modules warned about as not pipelined (once each, not at a re-attach)."""
-        self._settled = False
-        """The complete rewrite was checked across ranks (`_settle`)."""
-        self._free_early = False
-        """`free_features_storage_early` applies (every call site's input is a path in the batch)."""
+
+    @property
+    def rewrite(self) -> Rewrite | None:
+        """The rewrite of the sharded modules, from the first batch until `detach`."""
+        return self._attached.rewrite
 
     @property
     def report(self) -> RewriteReport | None:
-        return self.rewrite.report if self.rewrite is not None else None
+        return self._attached.report
 
     @property
     def modules(self) -> list[PipelinedModule]:
         """The pipelined sharded modules (none before the first batch)."""
-        return self.rewrite.modules if self.rewrite is not None else []
+        return self._attached.modules
 
     @property
     def sites(self) -> list[CallSite]:
         """Every call of a pipelined sharded module in one forward (none before the first batch)."""
-        return self.rewrite.sites if self.rewrite is not None else []
+        return self._attached.sites
 
     @property
     def early_splits(self) -> bool:
@@ -151,19 +133,13 @@ class InputDist:
         return SCHEDULES[self.schedule].early_splits
 
     def choose_schedule(self, training: bool) -> None:
-        """At the start of a step: under "auto", let the tuner pick this training step's schedule;
-        under "adaptive", the watch (an eval step is not timed)."""
+        """At the start of a step: under "adaptive", let the watch pick this training step's
+        schedule (an eval step is not timed)."""
         if self.watch is not None:
             if training:
                 self.schedule = self.watch.step()
             else:
                 self.watch.interrupt()
-        if self.tuner is None:
-            return
-        if training:
-            self.schedule = self.tuner.next_schedule()
-        else:
-            self.tuner.interrupt()
 
     def _note(self, text: str) -> None:
         if self.report is not None:
@@ -180,14 +156,8 @@ class InputDist:
 
     def use_forward(self, forward: str) -> None:
         """Change which hijacked forward the sharded modules get (see the class), before the first
-        batch rewrote them.
-
-        Raises:
-            RuntimeError: the modules are rewritten already.
-        """
-        if self.rewrite is not None:
-            raise RuntimeError("the sharded modules are rewritten already; detach() first")
-        self._forward = forward
+        batch rewrote them (`Attachment.use_forward`, which raises after)."""
+        self._attached.use_forward(forward)
 
     def step_ended(self) -> None:
         """A step ended: the watches stop its clock (the time until the next step is not a step's)."""
@@ -196,69 +166,35 @@ class InputDist:
                 watch.step_ended()
 
     def interrupt(self) -> None:
-        """The step ended abnormally (the pipeline reset): no tuner or watch times across it."""
-        if self.tuner is not None:
-            self.tuner.interrupt()
+        """The step ended abnormally (the pipeline reset): no watch times across it."""
         for watch in (self.watch, *self._others):
             if watch is not None:
                 watch.interrupt()
 
     def attach(self, batch: Any) -> Rewrite:
-        """Rewrite the model's sharded modules, once, with `batch` as the sample. The rewrite may
-        wait for the first forward to be recorded (`recording`) before anything is pipelined."""
-        if self.rewrite is None:
-            if self.tuner is not None:  # one small collective, at the same batch on every rank
-                self.tuner.start_from_prior()
-            options = self._options
-            self.rewrite = rewrite_model(
-                self._model,
-                batch,
-                slot=self.slot,
-                prefetch=self._forward == "prefetch",
-                lookup=self._forward == "lookup",
-                method=options.method,
-                paths=options.arg_paths,
-                pipeline_postproc=self._pipeline_postproc,
-                strict=self._strict,
-                record=True,
-            )
-            self._settled = False
-        return self.rewrite
+        """Rewrite the model's sharded modules, once, with `batch` as the sample (`Attachment`)."""
+        return self._attached.attach(batch)
 
     def recording(self, ctx: BatchContext) -> Any:
         """While the rewrite waits for a recorded forward: the context manager to run the forward of
-        `ctx`'s batch in (unpipelined, the plain loop's numbers; it completes the rewrite). None
-        otherwise: the forward is pipelined, and its calls are to be checked after it."""
-        rewrite = self.attach(ctx.batch)
-        return rewrite.record(ctx.batch) if rewrite.needs_recording else None
+        `ctx`'s batch in (`Attachment.recording`); None otherwise."""
+        return self._attached.recording(ctx.batch)
 
-    def _settle(self, rewrite: Rewrite) -> None:
-        """Once the rewrite is complete: warn about each module not pipelined (once per module); every
-        rank must have found the same call sites; `free_features_storage_early` applies only where
-        forward never reads the features."""
-        self._settled = True
-        warn_not_pipelined(rewrite.report, self._warned, pipeline_postproc=self._pipeline_postproc)
+    def _agree(self, rewrite: Rewrite) -> None:
+        """Once the rewrite is complete (`Attachment.settle`): which call sites narrow their ids; every
+        rank must have found the same call sites, and its live watches have the same settings."""
         self._narrow.settle(rewrite.sites)
         if self._ranks is not None:
             self._ranks.agree_on("call sites of the sharded modules", rewrite.signature())
             live = [w.settings() for w in (self.watch, *self._others) if w is not None and w.publishing]
             if live:  # the watches decide from the words alike only with the same settings
                 self._ranks.agree_on("watch settings", "\n".join(live), advice=WATCH_ADVICE)
-        undo = free_early_where_safe(rewrite) if self._memory.free_features_storage_early else None
-        self._free_early = undo is not None
-        if undo is not None:
-            self._undo.append(undo)
 
     def detach(self) -> None:
         """Restore every original forward and process group; the next `start` re-attaches."""
         self._groups.restore()
         self._admission.forget()
-        while self._undo:
-            self._undo.pop()()
-        if self.rewrite is not None:
-            self.rewrite.restore()
-            self.rewrite = None
-        self._settled = self._free_early = False
+        self._attached.detach()
         self.slot.current = None
 
     def start(self, ctx: BatchContext) -> None:
@@ -275,8 +211,8 @@ class InputDist:
         rewrite = self.attach(ctx.batch)
         if rewrite.needs_recording:
             return
-        if not self._settled:
-            self._settle(rewrite)
+        if not self._attached.settled:
+            self._attached.settle(rewrite, self._agree)
         fused = not self._one_rank and rewrite.fuse_splits()
         if fused and (why := self._admission.check([pm.module for pm in rewrite.modules])) is not None:
             rewrite.report.notes.append(why)
@@ -294,7 +230,7 @@ class InputDist:
                 requests[site.key] = site.module.input_dist(module_ctx, *args, **kwargs)
             for result in ctx.postproc_results.values():
                 streams.produced(result)
-            if self._free_early:  # every module has its own permuted copy
+            if self._attached.free_early:  # every module has its own permuted copy
                 self.freed_bytes += release_features(ctx.module_contexts.values(), originals(narrowed))
             if fused:
                 carrier = self._admission.carrier(ctx)

@@ -45,8 +45,6 @@ class PrefetchStage:
         """Under "auto" on CPU: the watch that may run the stage ahead."""
         if self.watch is not None:
             input_dist.add_watch(self.watch)
-            if input_dist.tuner is not None:  # "auto": no switch of this stage while it compares
-                self.watch.partner = input_dist.tuner
         self._working: set[str] | None = None
         """FQNs of the modules whose `prefetch()` moves data (known at the first submission)."""
         streams.set_prefetch_on_worker(self.ahead)

@@ -91,7 +91,7 @@ class StepWatch(StepTimes):
         self.warmup, self.sure = warmup, sure
         """The settings (see Args), read by the words."""
         self.partner: Any = None
-        """Another choice made from the same steps (the other watch, or the schedule tuner):
+        """Another choice made from the same steps (the other watch):
         while it verifies (`tuning`), this one does not move."""
         self.mode = self.modes[0]
         """The mode in use."""

@@ -1,14 +1,14 @@
-"""The watches' words, in one place (as `pipeline.stages.tuner_text` is the tuner's): what each saw
-when it moved, its verdict, and what printing it shows, for the schedule watch (`print(pipe.tuner)`)
-and Prefetch's (`print(pipe.prefetch_watch)`). The watches stay numbers only.
+"""The watches' words, in one place: what each saw when it moved, its verdict, and what printing it
+shows, for the schedule watch (`print(pipe.tuner)`) and Prefetch's (`print(pipe.prefetch_watch)`),
+and how a schedule is named (`schedule_words`). The watches stay numbers only.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pipeline.stages.schedule import SCHEDULES
 from pipeline.stages.step_watch import WatchPhase
-from pipeline.stages.tuner_text import schedule_words
 
 if TYPE_CHECKING:
     from pipeline.stages.prefetch_watch import PrefetchWatch
@@ -16,17 +16,42 @@ if TYPE_CHECKING:
     from pipeline.stages.watch import ScheduleWatch
 
 __all__ = [
+    "NOT_ON_NCCL",
+    "ONE_RANK",
+    "WATCH_ADVICE",
     "pinned",
     "prefetch_pinned",
     "prefetch_repr",
     "prefetch_switched",
     "prefetch_verdict",
+    "schedule_words",
     "switched",
     "verdict",
     "watch_repr",
 ]
 
 _BEFORE = "the steps before (the faster half's median)"
+
+ONE_RANK = "one rank: the input all-to-alls move nothing, so every schedule does the same work"
+"""Why a one-rank pipeline keeps torchrec's order without watching."""
+NOT_ON_NCCL = (
+    "the watch's figure (the host's time blocked on the input all-to-alls) has not been measured on "
+    "NCCL, where a wait blocks a stream rather than the host; pin input_dist_schedule='early' to try "
+    "the other order"
+)
+"""Why the schedule watch keeps torchrec's order on NCCL."""
+WATCH_ADVICE = "Give every rank the same ScheduleWatch and PrefetchWatch settings (or none)."
+"""What to do where the ranks' live watches have different settings."""
+
+
+def schedule_words(name: str) -> str:
+    """`name` and what it does, e.g. "early (splits before forward, own process group)"."""
+    if name == "late":
+        return "late (torchrec's order)"
+    schedule = SCHEDULES[name]
+    when = "before" if schedule.early_splits else "after"
+    group = "own process group" if schedule.own_group else "torchrec's process group"
+    return f"{name} (splits {when} forward, {group})"
 
 
 def _shares(w: StepWatch) -> str:
