@@ -202,18 +202,20 @@ def test_state_dict_keeps_the_decision_and_a_restarted_job_does_not_try_again():
     assert midway.phase is WatchPhase.WATCHING
 
 
+def _ten_ms_step(watch: ScheduleWatch, clock: FakeClock) -> None:
+    watch.step()
+    clock.now += 0.010
+    watch.step_ended()
+
+
 def test_an_eval_step_is_not_timed():
     clock = FakeClock()
     watch = ScheduleWatch(clock=clock, warmup=0, window=3)
     for _ in range(3):
-        watch.step()
-        clock.now += 0.010
-        watch.step_ended()
+        _ten_ms_step(watch, clock)
     watch.interrupt()  # an eval step of 10 s between
     clock.now += 10
-    watch.step()
-    clock.now += 0.010
-    watch.step_ended()
+    _ten_ms_step(watch, clock)
     watch.step()
     assert watch.share == 0.0 and max(s for s, _ in watch._samples) < 1
 
@@ -224,9 +226,7 @@ def test_the_time_between_two_steps_is_not_a_step():
     clock = FakeClock()
     watch = ScheduleWatch(clock=clock, warmup=0, window=3)
     for i in range(6):
-        watch.step()
-        clock.now += 0.010
-        watch.step_ended()
+        _ten_ms_step(watch, clock)
         clock.now += 5.0 if i == 2 else 0.0  # a checkpoint saved between steps 3 and 4
     assert max(s for s, _ in watch._samples) == pytest.approx(0.010)
 
