@@ -1,7 +1,8 @@
 """`python -m benchmarks step-path`: what a reader must follow to understand one steady training step,
 ours against torchrec's: the files and functions of the pipeline package that one `progress()` call
-enters (2 gloo ranks, the tests' table-wise DLRM, the same step of the same data), counted with
-`sys.setprofile` over our `pipeline/` and `rewrite/` and over torchrec's `train_pipeline/`.
+enters (2 gloo ranks, a benchmark config's model and batches, `demo` by default, the same step of
+the same data), counted with `sys.setprofile` over our `pipeline/` and `rewrite/` and over
+torchrec's `train_pipeline/`.
 
 `--schedule late` pins torchrec's order (the path of a default whose watch has decided: no clock
 runs); `adaptive` is the default while it still watches.
@@ -24,7 +25,9 @@ __all__ = ["step_path"]
 _ROOT = Path(__file__).resolve().parent.parent
 
 
-def _rank(rank: int, port: int, impl: str, cls: str, steps: int, schedule: str, queue: Any) -> None:
+def _rank(
+    rank: int, port: int, impl: str, cls: str, config: str, steps: int, schedule: str, queue: Any
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     sys.path.insert(0, str(_ROOT))
     import torch
@@ -32,9 +35,12 @@ def _rank(rank: int, port: int, impl: str, cls: str, steps: int, schedule: str, 
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    from tests import models
+    from benchmarks.configs import get_config
+    from benchmarks.models import build_model, make_batches
 
-    model, opt = models.build("dlrm", "table_wise")
+    bench = get_config(config)
+    built = build_model(bench, device=torch.device("cpu"))
+    model, opt = built.model, built.optimizer
     if impl == "ours":
         import pipeline as package
 
@@ -45,7 +51,7 @@ def _rank(rank: int, port: int, impl: str, cls: str, steps: int, schedule: str, 
 
         roots = (os.path.dirname(package.__file__) + os.sep,)
         pipe = getattr(package, cls)(model, opt, torch.device("cpu"))
-    it = iter(models.batches("dlrm", steps + 10, rank))
+    it = iter(make_batches(bench, count=steps + 10, rank=rank))
     for _ in range(steps):
         pipe.progress(it)
     funcs: set[tuple[str, str]] = set()
@@ -64,13 +70,14 @@ def _rank(rank: int, port: int, impl: str, cls: str, steps: int, schedule: str, 
     dist.destroy_process_group()
 
 
-def _count(impl: str, cls: str, steps: int, schedule: str) -> tuple[list[str], int]:
+def _count(impl: str, cls: str, config: str, steps: int, schedule: str) -> tuple[list[str], int]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ranks = [ctx.Process(target=_rank, args=(r, port, impl, cls, steps, schedule, queue)) for r in range(2)]
+    args = (port, impl, cls, config, steps, schedule, queue)
+    ranks = [ctx.Process(target=_rank, args=(r, *args)) for r in range(2)]
     for p in ranks:
         p.start()
     try:
@@ -83,19 +90,20 @@ def _count(impl: str, cls: str, steps: int, schedule: str) -> tuple[list[str], i
 
 
 def step_path(
-    *, cls: str, steps: int, schedules: list[str], command: str, json: str | None, md: str | None
+    *, cls: str, config: str, steps: int, schedules: list[str], command: str, json: str | None, md: str | None
 ) -> int:
-    result: dict[str, Any] = {"command": command, "class": cls, "step": steps + 1, "runs": {}}
+    result: dict[str, Any] = {"command": command, "class": cls, "config": config, "step": steps + 1}
+    result["runs"] = {}
     rows = []
     for impl, schedule in [*(("ours", s) for s in schedules), ("torchrec", "torchrec's")]:
-        files, funcs = _count(impl, cls, steps, schedule)
+        files, funcs = _count(impl, cls, config, steps, schedule)
         result["runs"][f"{impl} {schedule}"] = {"files": files, "functions": funcs}
         rows.append([impl, schedule, len(files), funcs])
     columns = ["pipeline", "schedule", "files", "functions"]
     print(text_table(columns, rows))
     for name, run in result["runs"].items():
         print(f"{name}:", *run["files"], sep="\n  ")
-    lines = [*stamp(command), "", f"{cls}, step {steps + 1}, 2 gloo ranks, the tests' table-wise DLRM.", ""]
+    lines = [*stamp(command), "", f"{cls}, step {steps + 1}, 2 gloo ranks, the `{config}` config.", ""]
     lines += markdown_table(columns, rows)
     for name, run in result["runs"].items():
         lines += ["", f"{name}: " + ", ".join(f"`{f}`" for f in run["files"])]

@@ -190,6 +190,32 @@ def test_a_decided_watch_reads_no_clock():
     assert watch.choice == "late" and "one rank" in watch.reason
 
 
+@pytest.mark.parametrize("verdict", ["kept", "back", "pinned"])
+def test_once_decided_neither_a_steps_start_nor_its_end_reads_the_clock(verdict):
+    """A watch that timed steps, then decided: no clock is read at either end of a step after the
+    step that applied the decision."""
+    clock, reads = FakeClock(), [0]
+
+    def counted() -> float:
+        reads[0] += 1
+        return clock()
+
+    cost = _link_bound if verdict == "kept" else (lambda r, s, step: (0.100, 0.060))
+    watches, _ = simulate(20 if verdict == "pinned" else 80, cost, ranks=1)
+    watch = watches[0]
+    if verdict == "pinned":
+        watch.pin("a test")
+    assert watch.phase.value == verdict, watch
+    watch.clock = counted
+    watch.step()  # applies a pending mode
+    watch.step_ended()
+    before = reads[0]
+    for _ in range(5):
+        watch.step()
+        watch.step_ended()
+    assert reads[0] == before, f"{reads[0] - before} clock reads after the decision"
+
+
 def test_state_dict_keeps_the_decision_and_a_restarted_job_does_not_try_again():
     watches, _ = simulate(60, _link_bound)
     state = watches[0].state_dict()

@@ -40,9 +40,9 @@ class InputDistGroups:
     alongside them. Each group is made like the one it copies (`made_like`: its backend, timeout and
     options), when the schedule first moves the all-to-alls (all ranks reach `place` at the same
     batch: the schedule changes at a step every rank decides alike), and said in `note`. When the
-    schedule moves them back, the group is destroyed at the next batch's start, once the last batch
-    started on it has been through forward (an undo by `detach` keeps it: batches in flight may
-    still use it).
+    schedule moves them back, the group is destroyed at the third batch start after that, once the
+    batches started on it have been through forward (an undo by `detach` keeps it: batches in
+    flight may still use it).
 
     Only groups spanning every rank get their own: creating a copy of a subgroup would need every
     rank to know every other rank's subgroups. Subgroups keep sharing.
@@ -62,27 +62,26 @@ class InputDistGroups:
         self._made: list[tuple[dist.ProcessGroup, dist.ProcessGroup]] = []
         self._undo: Callable[[], None] | None = None
         """Moves the all-to-alls back, while they are on their own groups (`place`)."""
-        self._retiring = 0
-        """Starts left before the groups moved back from are destroyed (`place`)."""
-        self.places = 0
-        """Batches placed so far (what the notes name a batch by)."""
+        self._retire_at: int | None = None
+        """The batch at whose start the groups moved back from are destroyed (`place`)."""
+        self._batch = 0
+        """The batch being placed (what the notes name)."""
 
-    def place(self, own: bool, modules: list[Any]) -> None:
-        """At a batch's start: the pipelined `modules`' input all-to-alls on their own groups
+    def place(self, own: bool, modules: list[Any], batch: int) -> None:
+        """At the start of `batch`: the pipelined `modules`' input all-to-alls on their own groups
         (`own`) or on torchrec's."""
-        self.places += 1
+        self._batch = batch
         if own and self._undo is None:
-            self._retiring = 0
+            self._retire_at = None
             self._undo = self.install([pm.module for pm in modules])
         elif not own and self._undo is not None:
             self.restore()
             # Batches started on them may be in flight (one to three, by class): destroyed at the
             # third start from now, after they have all been through forward.
-            self._retiring = 4
-        elif not own and self._retiring:
-            self._retiring -= 1
-            if self._retiring == 1:
-                self._destroy()
+            self._retire_at = batch + 3
+        elif not own and self._retire_at is not None and batch >= self._retire_at:
+            self._retire_at = None
+            self._destroy()
 
     def restore(self) -> None:
         """The input all-to-alls back on torchrec's groups (their own groups are kept)."""
@@ -101,7 +100,7 @@ class InputDistGroups:
         own = self._new_group(**made, group_desc="pipeline_input_dist")
         self._made.append((pg, own))
         self._say(
-            f"input_dist, batch {self.places}: made a {made['backend']} process group of its own for the "
+            f"input_dist, batch {self._batch}: made a {made['backend']} process group of its own for the "
             f"input all-to-alls (timeout {made['timeout']}, as the job's); on NCCL, a second "
             "communicator and its buffers on every GPU"
         )
@@ -112,7 +111,7 @@ class InputDistGroups:
         for _, own in made:
             dist.destroy_process_group(own)
         if made:
-            self._say(f"input_dist, batch {self.places}: destroyed the input all-to-alls' own process group")
+            self._say(f"input_dist, batch {self._batch}: destroyed the input all-to-alls' own process group")
 
     def _say(self, text: str) -> None:
         if self.note is not None:

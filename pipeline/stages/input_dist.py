@@ -203,7 +203,7 @@ class InputDist:
         if ctx.started:
             return
         if self._admission.without_batch(ctx):  # zero splits where the others send theirs
-            self._groups.place(SCHEDULES[self.schedule].own_group, self.rewrite.modules)
+            self._groups.place(SCHEDULES[self.schedule].own_group, self.rewrite.modules, ctx.index)
             ctx.splits_requests, ctx.started = self._admission.status_only(ctx, self._groups.current), True
             return
         ctx.wait_copy()  # the device batch, if its copy was dispatched on a worker
@@ -217,7 +217,7 @@ class InputDist:
         if fused and (why := self._admission.check([pm.module for pm in rewrite.modules])) is not None:
             rewrite.report.notes.append(why)
         if fused:  # on their own groups or on torchrec's, as the schedule says
-            self._groups.place(SCHEDULES[self.schedule].own_group, rewrite.modules)
+            self._groups.place(SCHEDULES[self.schedule].own_group, rewrite.modules, ctx.index)
 
         with run_stage(streams, "input_dist::start", ctx.index, streams.data_dist):
             streams.handoff(ctx.batch, streams.memcpy, ctx)

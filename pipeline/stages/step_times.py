@@ -116,7 +116,7 @@ class StepTimes:
         """This rank's median verified step over `reference` (once `verified`)."""
         return statistics.median(self._after) / self.reference
 
-    def medians_ms(self, modes: tuple[str, str]) -> dict[str, float]:
+    def _medians_ms(self, modes: tuple[str, str]) -> dict[str, float]:
         """This rank's median step before and after the switch, in ms, by mode (empty before the
         verification window is full)."""
         if not self.verified:

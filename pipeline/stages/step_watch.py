@@ -128,7 +128,7 @@ class StepWatch(StepTimes):
     def step(self) -> str:
         """At the start of each training step: the mode to run it in."""
         self.steps += 1
-        if self.phase in FINAL:  # the hot path once decided: no clock
+        if self.phase in FINAL:  # the hot path once decided: no clock (`_final` stopped it)
             if self._pending is not None:
                 self.mode, self._pending, self._published = self._pending, None, 0
             return self.mode
@@ -185,6 +185,7 @@ class StepWatch(StepTimes):
     def pin(self, reason: str) -> None:
         """Keep the start mode without watching (`reason` says why)."""
         self.mode, self.phase, self._pending = self.modes[0], WatchPhase.PINNED, None
+        self._forget_step()
         self._decide(self._pinned_text(reason))
 
     def no_ride(self, reason: str) -> None:
@@ -212,14 +213,12 @@ class StepWatch(StepTimes):
     @property
     def medians_ms(self) -> dict[str, float]:
         """This rank's median step before and after the switch, in ms (empty before a verdict)."""
-        return StepTimes.medians_ms(self, self.modes)
+        return self._medians_ms(self.modes)
 
     @property
     def tuning_steps_by_schedule(self) -> dict[str, int]:
         """Steps run in the other mode only to verify it (none where it was kept)."""
-        if self.phase is WatchPhase.BACK:
-            return {self.modes[1]: self.settle + self.verify + 1}
-        return {}
+        return {self.modes[1]: self.settle + self.verify + 1} if self.phase is WatchPhase.BACK else {}
 
     def state_dict(self) -> dict[str, Any]:
         """The decision and the world size it was taken at, to save with a checkpoint: a job that
@@ -252,6 +251,7 @@ class StepWatch(StepTimes):
         self.phase = WatchPhase(saved.phase)
         self._pending = saved.mode if saved.mode != self.mode else None
         self.decisions = list(saved.decisions)
+        self._forget_step()
 
     def _agree_restored(self, observations: list[int]) -> None:
         """Taken where every rank's word shows this rank's loaded decision, else dropped: every rank
@@ -290,6 +290,7 @@ class StepWatch(StepTimes):
             self.phase = WatchPhase.KEPT
         else:
             self._pending, self.phase = self.modes[0], WatchPhase.BACK
+        self._forget_step()  # decided: this step's end reads no clock either
         self._decide(self._verdict_text(unsure, kept=kept))
 
     def _decide(self, text: str) -> None:
