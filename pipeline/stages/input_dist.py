@@ -178,7 +178,9 @@ class InputDist:
     def recording(self, ctx: BatchContext) -> Any:
         """While the rewrite waits for a recorded forward: the context manager to run the forward of
         `ctx`'s batch in (`Attachment.recording`); None otherwise."""
-        return self._attached.recording(ctx.batch)
+        rewrite = self._attached.rewrite  # the steady step: pipelined, nothing to record
+        steady = rewrite is not None and not rewrite.needs_recording
+        return None if steady else self._attached.recording(ctx.batch)
 
     def _agree(self, rewrite: Rewrite) -> None:
         """Once the rewrite is complete (`Attachment.settle`): which call sites narrow their ids; every
@@ -207,8 +209,8 @@ class InputDist:
             ctx.splits_requests, ctx.started = self._admission.status_only(ctx, self._groups.current), True
             return
         ctx.wait_copy()  # the device batch, if its copy was dispatched on a worker
-        streams = self._streams
-        rewrite = self.attach(ctx.batch)
+        streams, rewrite = self._streams, self._attached.rewrite
+        rewrite = rewrite if rewrite is not None else self.attach(ctx.batch)
         if rewrite.needs_recording:
             return
         if not self._attached.settled:
