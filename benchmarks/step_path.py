@@ -64,13 +64,14 @@ def _rank(
     pipe.progress(it)
     sys.setprofile(None)
     if rank == 0:
-        files = sorted({os.path.relpath(f, roots[0].rsplit(os.sep, 2)[0]) for f, _ in funcs})
-        queue.put((files, len(funcs)))
+        base = roots[0].rsplit(os.sep, 2)[0]
+        queue.put(sorted(f"{os.path.relpath(f, base)}:{name}" for f, name in funcs))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _count(impl: str, cls: str, config: str, steps: int, schedule: str) -> tuple[list[str], int]:
+def _count(impl: str, cls: str, config: str, steps: int, schedule: str) -> list[str]:
+    """`file:function` for every function of the package that the counted step entered."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with socket.socket() as s:
@@ -90,19 +91,28 @@ def _count(impl: str, cls: str, config: str, steps: int, schedule: str) -> tuple
 
 
 def step_path(
-    *, cls: str, config: str, steps: int, schedules: list[str], command: str, json: str | None, md: str | None
+    *,
+    cls: str,
+    config: str,
+    steps: int,
+    schedules: list[str],
+    functions: bool,
+    command: str,
+    json: str | None,
+    md: str | None,
 ) -> int:
     result: dict[str, Any] = {"command": command, "class": cls, "config": config, "step": steps + 1}
     result["runs"] = {}
     rows = []
     for impl, schedule in [*(("ours", s) for s in schedules), ("torchrec", "torchrec's")]:
-        files, funcs = _count(impl, cls, config, steps, schedule)
-        result["runs"][f"{impl} {schedule}"] = {"files": files, "functions": funcs}
-        rows.append([impl, schedule, len(files), funcs])
+        entered = _count(impl, cls, config, steps, schedule)
+        files = sorted({name.split(":")[0] for name in entered})
+        result["runs"][f"{impl} {schedule}"] = {"files": files, "functions": len(entered), "entered": entered}
+        rows.append([impl, schedule, len(files), len(entered)])
     columns = ["pipeline", "schedule", "files", "functions"]
     print(text_table(columns, rows))
     for name, run in result["runs"].items():
-        print(f"{name}:", *run["files"], sep="\n  ")
+        print(f"{name}:", *run["entered" if functions else "files"], sep="\n  ")
     lines = [*stamp(command), "", f"{cls}, step {steps + 1}, 2 gloo ranks, the `{config}` config.", ""]
     lines += markdown_table(columns, rows)
     for name, run in result["runs"].items():
