@@ -260,7 +260,8 @@ _NOTES = [
     "all-to-alls under torchrec's order (the ranks' mean when it moved to early, else rank 0's last 8 "
     "steps). total s: the timed steps' total; total vs reference: over the reference's, paired.",
     "input a2a KiB: what one batch hands to the input (KJT values) all-to-alls on rank 0, its own share "
-    "included, counted in the warm-up steps (ours narrows the ids to int32 unless +wide).",
+    "included, counted in the warm-up steps (ours sends int32 ids where a module gets enough ids a "
+    "batch; always with +narrow, never with +wide).",
 ]
 
 

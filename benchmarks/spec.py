@@ -40,10 +40,12 @@ FLAGS: dict[str, dict[str, bool]] = {
     "ahead": {"prefetch_ahead": True},
     "inline": {"prefetch_ahead": False},
     "wide": {"narrow_ids": False},
+    "narrow": {"narrow_ids": True},
 }
 """`+FLAG`: constructor options of our pipelines (the ranks' checks off, together or one at a time,
 torchrec's memory flags,
-Prefetch's stage forced ahead or inline instead of its watch, ids sent as made instead of as int32)."""
+Prefetch's stage forced ahead or inline instead of its watch, ids sent as made or as int32 wherever
+the tables allow, instead of the default's choice by size)."""
 _SCHEDULED = ("ours-sparse-dist", "ours-prefetch", "ours-fused-sparse-dist", "ours-semi-sync", "ours-eval")
 """Our classes that take `input_dist_schedule`."""
 CPU_UNSUPPORTED = ("torchrec-prefetch", "torchrec-fused-sparse-dist", "torchrec-semi-sync")

@@ -157,11 +157,13 @@ class InputDistOptions:
     """Under "adaptive", the `pipeline.ScheduleWatch` to use (its window, threshold, margin);
     None: `ScheduleWatch()` (its constants and their measurements: docs/reference.md, "The default
     schedule")."""
-    narrow_ids: bool = True
+    narrow_ids: bool | None = None
     """Send the ids (and int64 lengths) of a sharded module's KeyedJaggedTensor through the input
     all-to-all as int32 where every table of the module has fewer than 2^31 rows: half the bytes,
     the same rows (the lookup widens them), the batch untouched; an id outside int32 is never
-    wrapped to a valid row (`pipeline.stages.narrow`). False sends what the dataloader made."""
+    wrapped to a valid row (`pipeline.stages.narrow`). None (the default): only where the ranks send
+    at least `NARROW_FROM` ids a batch to the module (below, the cost of the cast outweighs what it
+    saves); True: wherever the tables allow; False sends what the dataloader made."""
 
     def __post_init__(self) -> None:
         if self.schedule == "auto":
@@ -173,7 +175,7 @@ class InputDistOptions:
             )
             self.schedule = "adaptive"
         _one_of("input_dist_schedule", self.schedule, SCHEDULE_NAMES)
-        _one_of("narrow_ids", self.narrow_ids, (True, False))
+        _one_of("narrow_ids", self.narrow_ids, (None, True, False))
 
 
 @dataclass(kw_only=True, slots=True)

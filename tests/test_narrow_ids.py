@@ -83,7 +83,7 @@ def _unchanged(before: list, batches: list) -> bool:
     )
 
 
-def _train(build, batches, *, narrow: bool, **options) -> dict:
+def _train(build, batches, *, narrow: bool | None, **options) -> dict:
     """One SparseDist run to the end with narrowing on or off: outputs, state, what went on the
     wire, the report's notes, whether the batches are as made."""
     import pipeline
@@ -211,6 +211,66 @@ def test_a_data_parallel_module_sends_nothing_and_is_left_as_made(pools):
             assert run["outputs"] and run["params"], f"{at}: not the plain loop's numbers"
             assert run["wire"]["count"] == 0, f"{at}: a KJT all-to-all ran: {run['wire']}"
         assert any("data-parallel" in n for n in r[True]["notes"]), r[True]["notes"]
+
+
+# -- the default: narrowed where the ranks send enough ids ------------------------------------------
+
+
+def _default_case(rank: int, world_size: int, narrow_from: int) -> dict:
+    from unittest import mock
+
+    from tests import models
+
+    expected, ref_state = models.reference("dlrm", "table_wise", STEPS, rank)
+    build, batches = lambda: models.build("dlrm", "table_wise"), lambda: models.batches("dlrm", STEPS, rank)
+    with mock.patch("pipeline.stages.narrow.NARROW_FROM", narrow_from):
+        run = _train(build, batches, narrow=None)
+    equal = models.bitwise_equal(expected, run["outputs"]) and models.bitwise_equal(ref_state, run["state"])
+    return {
+        "equal": equal,
+        "dtypes": run["wire"]["dtypes"],
+        "notes": run["notes"],
+    }
+
+
+@pytest.mark.timeout(pytest_timeout(TIMEOUT))
+@pytest.mark.slow
+def test_the_default_narrows_only_where_the_ranks_send_enough_ids(pools):
+    """At the default, the same model is narrowed with a threshold below its batches' ids and sent
+    as made above it, the report saying why; both give the plain loop's numbers."""
+    for narrow_from, dtypes in ((1, ["torch.int32"]), (10**9, ["torch.int64"])):
+        for rank, r in enumerate(pools(2).run(_default_case, narrow_from, timeout=TIMEOUT)):
+            at = f"NARROW_FROM={narrow_from}, rank {rank}"
+            assert r["equal"], f"{at}: not the plain loop's numbers"
+            assert r["dtypes"] == dtypes, f"{at}: sent {r['dtypes']}"
+            said = [n for n in r["notes"] if "ids a rank a batch, below" in n]
+            assert bool(said) == (narrow_from > 1), f"{at}: {r['notes']}"
+
+
+def test_the_default_decides_on_every_ranks_count_not_its_own(monkeypatch):
+    """Two simulated ranks whose first batches straddle the threshold: deciding on the exchanged
+    counts, both narrow (their mean is above it); the twin, each deciding on its own count, splits
+    them, which on real ranks would send int32 against int64."""
+    from types import SimpleNamespace
+
+    from pipeline.stages import narrow
+
+    monkeypatch.setattr(narrow, "decide", lambda module: None)
+    monkeypatch.setattr(narrow, "NARROW_FROM", 100)
+    site = SimpleNamespace(key="ebc", module=None)
+    samples = [[(site, [_kjt([1] * 40, [20, 20])], {})], [(site, [_kjt([1] * 200, [100, 100])], {})]]
+    counts = [[40], [200]]
+
+    def sites(gather) -> list[frozenset]:
+        decided = []
+        for sample in samples:
+            ids = narrow.NarrowIds(None, lambda text: None)
+            ids.settle([site], lambda sample=sample: sample, gather)
+            decided.append(ids.sites)
+        return decided
+
+    assert sites(lambda mine: counts) == [{"ebc"}, {"ebc"}]
+    assert sites(lambda mine: [mine]) == [frozenset(), {"ebc"}], "the twin: each rank on its own count"
 
 
 # -- an id outside int32 ---------------------------------------------------------------------------
@@ -409,7 +469,7 @@ def test_narrow_ids_flat_and_in_the_options_object_mean_the_same():
     from pipeline.config import InputDistOptions
     from tests.test_torchrec_parity import _Echo
 
-    assert InputDistOptions().narrow_ids is True
+    assert InputDistOptions().narrow_ids is None  # the default: where the batches are large enough
     with pytest.raises(ValueError, match="narrow_ids must be one of"):
         InputDistOptions(narrow_ids="yes")
 
@@ -420,6 +480,7 @@ def test_narrow_ids_flat_and_in_the_options_object_mean_the_same():
         )
         return pipe._input_dist._narrow._enabled
 
-    assert options() is True
+    assert options() is None
+    assert options(narrow_ids=True) is options(input_dist=InputDistOptions(narrow_ids=True)) is True
     assert options(narrow_ids=False) is options(input_dist=InputDistOptions(narrow_ids=False)) is False
     assert options(input_dist=InputDistOptions(narrow_ids=False), narrow_ids=True) is True

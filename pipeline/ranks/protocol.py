@@ -211,6 +211,11 @@ class Ranks:
             with contextlib.suppress(Exception):
                 vote.wait()
 
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order (a blocking exchange, once, where every rank reaches it
+        by construction; on the ranks' own group, which does not wait for a peer that failed)."""
+        return self._votes.gather(obj)
+
     def agree_on(self, what: str, text: str, advice: str | None = None) -> None:
         """Check that every rank has the same `text` (once, before a collective that depends on it).
         `advice`: what to do where they differ (by default, about the sharded modules' calls).

@@ -66,6 +66,9 @@ class InputDistGroups:
         """The batch at whose start the groups moved back from are destroyed (`place`)."""
         self._batch = 0
         """The batch being placed (what the notes name)."""
+        self.at_rest: bool | None = False
+        """`place(own)` with this `own` has nothing to do (None: a retirement is due); the caller
+        may skip the call."""
 
     def place(self, own: bool, modules: list[Any], batch: int) -> None:
         """At the start of `batch`: the pipelined `modules`' input all-to-alls on their own groups
@@ -74,6 +77,7 @@ class InputDistGroups:
         if own and self._undo is None:
             self._retire_at = None
             self._undo = self.install([pm.module for pm in modules])
+            self.at_rest = True
         elif not own and self._undo is not None:
             self.restore()
             # Batches started on them may be in flight (one to three, by class): destroyed at the
@@ -82,12 +86,15 @@ class InputDistGroups:
         elif not own and self._retire_at is not None and batch >= self._retire_at:
             self._retire_at = None
             self._destroy()
+        if not own:
+            self.at_rest = False if self._retire_at is None else None
 
     def restore(self) -> None:
         """The input all-to-alls back on torchrec's groups (their own groups are kept)."""
         if self._undo is not None:
             self._undo()
             self._undo = None
+            self.at_rest = False if self._retire_at is None else None
 
     def own_group(self, pg: dist.ProcessGroup) -> dist.ProcessGroup:
         """The group reserved for all-to-alls originally on `pg` (`pg` itself for subgroups)."""

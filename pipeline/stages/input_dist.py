@@ -24,7 +24,7 @@ from pipeline.stages.context import BatchContext
 from pipeline.stages.groups import InputDistGroups
 from pipeline.stages.labels import run_stage
 from pipeline.stages.memory import MemoryFlags, release_features, release_sent_inputs
-from pipeline.stages.narrow import NarrowIds, originals
+from pipeline.stages.narrow import NarrowIds, every_rank, originals
 from pipeline.stages.schedule import SCHEDULES
 from pipeline.stages.streams import Streams
 from pipeline.stages.watch import ScheduleWatch
@@ -44,8 +44,7 @@ class InputDist:
         rewrite: how the sharded modules' inputs are found (`RewriteOptions`).
         strict: fail on the first batch if a sharded module cannot be pipelined.
         pipeline_postproc: run parameter-free modules that transform the batch ahead.
-        schedule: the input_dist schedule and its watch, and whether ids are narrowed
-            (`InputDistOptions`).
+        schedule: the input_dist schedule, its watch, and whether ids are narrowed (`InputDistOptions`).
         memory: torchrec's memory flags (`MemoryFlags`).
         forward: which hijacked forward the sharded modules get: "input_dist" (they wait for the
             values all-to-all), "prefetch" (they take the prefetch stage's output) or "lookup"
@@ -147,7 +146,7 @@ class InputDist:
 
     def add_watch(self, watch: Any) -> None:
         """Let another stage's watch (`pipeline.stages.prefetch_watch`) publish its figures in the
-        ranks' words, its decisions noted in the rewrite report."""
+        ranks' words (its decisions are noted in the report)."""
         watch.note = self._note
         self._others.append(watch)
         if self._one_rank:
@@ -161,15 +160,13 @@ class InputDist:
 
     def step_ended(self) -> None:
         """A step ended: the watches stop its clock (the time until the next step is not a step's)."""
-        for watch in (self.watch, *self._others):
-            if watch is not None:
-                watch.step_ended()
+        for watch in filter(None, (self.watch, *self._others)):
+            watch.step_ended()
 
     def interrupt(self) -> None:
         """The step ended abnormally (the pipeline reset): no watch times across it."""
-        for watch in (self.watch, *self._others):
-            if watch is not None:
-                watch.interrupt()
+        for watch in filter(None, (self.watch, *self._others)):
+            watch.interrupt()
 
     def attach(self, batch: Any) -> Rewrite:
         """Rewrite the model's sharded modules, once, with `batch` as the sample (`Attachment`)."""
@@ -182,15 +179,17 @@ class InputDist:
         steady = rewrite is not None and not rewrite.needs_recording
         return None if steady else self._attached.recording(ctx.batch)
 
-    def _agree(self, rewrite: Rewrite) -> None:
-        """Once the rewrite is complete (`Attachment.settle`): which call sites narrow their ids; every
-        rank must have found the same call sites, and its live watches have the same settings."""
-        self._narrow.settle(rewrite.sites)
+    def _agree(self, rewrite: Rewrite, ctx: BatchContext) -> None:
+        """Once the rewrite is complete (`Attachment.settle`), at `ctx`'s batch: every rank must have
+        found the same call sites, and its live watches have the same settings; then which call
+        sites narrow their ids, decided alike on every rank (`NarrowIds.settle`)."""
         if self._ranks is not None:
             self._ranks.agree_on("call sites of the sharded modules", rewrite.signature())
             live = [w.settings() for w in (self.watch, *self._others) if w is not None and w.publishing]
             if live:  # the watches decide from the words alike only with the same settings
                 self._ranks.agree_on("watch settings", "\n".join(live), advice=WATCH_ADVICE)
+        sample = lambda: rewrite.site_inputs(ctx.batch, ctx.postproc_results)  # noqa: E731
+        self._narrow.settle(rewrite.sites, sample, self._ranks.gather if self._ranks else every_rank)
 
     def detach(self) -> None:
         """Restore every original forward and process group; the next `start` re-attaches."""
@@ -204,8 +203,9 @@ class InputDist:
         the rewrite waits for a recorded forward: the batch is started by a later `fill`)."""
         if ctx.started:
             return
+        own = SCHEDULES[self.schedule].own_group  # their own groups, or torchrec's
         if self._admission.without_batch(ctx):  # zero splits where the others send theirs
-            self._groups.place(SCHEDULES[self.schedule].own_group, self.rewrite.modules, ctx.index)
+            self._groups.place(own, self.rewrite.modules, ctx.index)
             ctx.splits_requests, ctx.started = self._admission.status_only(ctx, self._groups.current), True
             return
         ctx.wait_copy()  # the device batch, if its copy was dispatched on a worker
@@ -214,20 +214,21 @@ class InputDist:
         if rewrite.needs_recording:
             return
         if not self._attached.settled:
-            self._attached.settle(rewrite, self._agree)
+            self._attached.settle(rewrite, lambda r: self._agree(r, ctx))
         fused = not self._one_rank and rewrite.fuse_splits()
         if fused and (why := self._admission.check([pm.module for pm in rewrite.modules])) is not None:
             rewrite.report.notes.append(why)
-        if fused:  # on their own groups or on torchrec's, as the schedule says
-            self._groups.place(SCHEDULES[self.schedule].own_group, rewrite.modules, ctx.index)
+        if fused and own is not self._groups.at_rest:  # else nothing to move or retire
+            self._groups.place(own, rewrite.modules, ctx.index)
 
         with run_stage(streams, "input_dist::start", ctx.index, streams.data_dist):
             streams.handoff(ctx.batch, streams.memcpy, ctx)
             streams.consumed(ctx.batch)
-            requests, narrowed = {}, {}
+            requests, narrowed, narrow = {}, {}, self._narrow.sites
             for site, args, kwargs in rewrite.site_inputs(ctx.batch, ctx.postproc_results):
                 args, kwargs = site.module.preprocess_input(args, kwargs)
-                args, kwargs = self._narrow.inputs(site, args, kwargs, narrowed, ctx.index)
+                if site.key in narrow:
+                    args, kwargs = self._narrow.inputs(site, args, kwargs, narrowed, ctx.index)
                 module_ctx = ctx.module_contexts[site.key] = site.module.create_context()
                 requests[site.key] = site.module.input_dist(module_ctx, *args, **kwargs)
             for result in ctx.postproc_results.values():

@@ -14,14 +14,18 @@ save). The lookup widens what it receives (torchrec's batched kernels call
 otherwise; the feature processors call `offsets().long()`), so the rows, sums and gradients are the
 ones the int64 ids give: the numerics cannot change.
 
-When: decided once per call site, at the first pipelined batch, from the module alone (`decide`),
-so every rank decides alike: an all-to-all's receiver allocates what it receives in the dtype it
-sends itself, so every rank must send the same dtype, whatever its batch holds. Nothing is narrowed
-at one rank, where the all-to-all moves nothing between ranks to save. Not narrowed (with
-the reason in the rewrite report): a module of another kind (sequence collections return the lengths
-and ids they were sent to the model; managed-collision modules remap raw ids), a table with 2^31
-rows or more or a virtual one (its block sizes and ids need int64), a kernel that does not say that
-it widens (`widens_ids`).
+When: decided once per call site, at the first pipelined batch, so every rank decides alike: an
+all-to-all's receiver allocates what it receives in the dtype it sends itself, so every rank must send
+the same dtype, whatever its batch holds. A site may be narrowed where its module allows it
+(`decide`). By default (`narrow_ids=None`) it is narrowed only where the ranks send enough ids a batch
+for the saving to outweigh the cost (`NARROW_FROM`): the ranks exchange the first batch's count of
+ids per site, so each decides on the same list. `narrow_ids=True` narrows every site its module
+allows, whatever the size; False none. Nothing is narrowed at one rank, where the all-to-all moves
+nothing between ranks to save. Not narrowed (with the reason in the rewrite report): a module of
+another kind (sequence collections return the lengths and ids they were sent to the model;
+managed-collision modules remap raw ids), a table with 2^31 rows or more or a virtual one (its block
+sizes and ids need int64), a kernel that does not say that it widens (`widens_ids`), and under the
+default, a site below `NARROW_FROM`.
 
 The check, per batch and per KJT (`narrow_kjt`, on the data_dist stream, before the splits
 all-to-all): one pass for the ids' minimum and maximum (`torch.aminmax`; on a GPU, one
@@ -39,11 +43,12 @@ zeroed lookup of fbgemm's default bounds check reads another shard's row 0.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbedding, BaseBatchedEmbeddingBag
 from torchrec.distributed.embedding_kernel import BaseEmbedding
@@ -53,10 +58,27 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from pipeline.ranks.kjt_check import table_configs
 
-__all__ = ["INT32_ROWS", "NarrowIds", "Narrowed", "decide", "narrow_kjt", "originals"]
+__all__ = [
+    "INT32_ROWS",
+    "NARROW_FROM",
+    "NarrowIds",
+    "Narrowed",
+    "decide",
+    "every_rank",
+    "narrow_kjt",
+    "originals",
+]
 
 INT32_ROWS = 2**31
 """Tables below this many rows have every valid id in int32."""
+NARROW_FROM = 65536
+"""Under the default, a call site is narrowed where the ranks' mean count of ids in its input, in the
+first pipelined batch, is at least this (512 KiB of int64 ids). Narrowing saves 4 bytes an id on the
+wire (at 1 Gbit, 32 ns an id) and costs its passes plus a fixed cost a batch (about 0.3 ms of host
+time on a 2-rank CPU job, whatever the size: 4-12 % of the step of the small benchmark configs, over
+loopback, docs/results/narrow-loopback.md). Below this size the fixed cost is as large as the saving
+on a fast link; above it, narrowing was no slower over loopback and up to 0.66 of the wide step over
+1 Gbit (docs/results/narrow-1gbit-run1.md)."""
 _LOW, _HIGH = -(2**31), 2**31 - 1
 _INTEGERS = {torch.int32, torch.int64}
 _MODULES = (ShardedEmbeddingBagCollection, ShardedFeatureProcessedEmbeddingBagCollection)
@@ -135,23 +157,30 @@ class NarrowIds:
     pipelined batch) and, per batch, their inputs narrowed (`inputs`).
 
     Args:
-        enabled: `InputDistOptions.narrow_ids`.
+        enabled: `InputDistOptions.narrow_ids` (None: where the batches are large enough).
         note: adds one sentence to the rewrite report.
         one_rank: the world is one rank: the all-to-alls move nothing between ranks, so narrowing
             would only cost its passes; nothing is narrowed.
     """
 
-    def __init__(self, enabled: bool, note: Callable[[str], None], *, one_rank: bool = False) -> None:
+    def __init__(self, enabled: bool | None, note: Callable[[str], None], *, one_rank: bool = False) -> None:
         self._enabled, self._note, self._one_rank = enabled, note, one_rank
-        self._sites: set[str] = set()
-        """The keys of the call sites whose inputs are narrowed."""
+        self.sites: frozenset[str] = frozenset()
+        """The keys of the call sites whose inputs are narrowed (`settle`)."""
         self._saturated: set[str] = set()
         """The call sites for which a saturated batch was noted (once each)."""
 
-    def settle(self, sites: list[Any]) -> None:
-        """Decide for each call site (`rewrite.CallSite`) and say so in the report."""
-        self._sites.clear()
-        if not self._enabled:
+    def settle(
+        self,
+        sites: list[Any],
+        sample: Callable[[], Iterable[tuple[Any, list[Any], dict[str, Any]]]],
+        gather: Callable[[Any], list[Any]],
+    ) -> None:
+        """Decide for each call site (`rewrite.CallSite`) and say so in the report. Under the default,
+        `sample()` gives each site's inputs in the first pipelined batch, and `gather` every rank's
+        counts of their ids (every rank calls it here, once, whenever some site may be narrowed)."""
+        self.sites = frozenset()
+        if self._enabled is False:
             self._note("ids are not narrowed (narrow_ids=False): the input all-to-all sends them as made")
             return
         if self._one_rank:
@@ -159,13 +188,25 @@ class NarrowIds:
             return
         refused: dict[str, str] = {}
         for site in sites:
-            why = decide(site.module)
-            if why is None:
-                self._sites.add(site.key)
-            else:
+            if (why := decide(site.module)) is not None:
                 refused[site.key] = why
-        if self._sites:
-            keys = ", ".join(sorted(self._sites))
+        allowed = sorted({site.key for site in sites} - refused.keys())
+        if self._enabled is None and allowed:
+            counts = dict.fromkeys(allowed, 0)
+            for site, args, kwargs in sample():
+                if site.key in counts:
+                    counts[site.key] += _ids_in([*args, *kwargs.values()])
+            every = gather([counts[key] for key in allowed])
+            for i, key in enumerate(allowed):
+                mean = sum(rank[i] for rank in every) / len(every)
+                if mean < NARROW_FROM:
+                    refused[key] = (
+                        f"about {mean:,.0f} ids a rank a batch, below {NARROW_FROM:,}: too few for the "
+                        "saving to outweigh the cost (narrow_ids=True narrows them all the same)"
+                    )
+        self.sites = frozenset(allowed) - refused.keys()
+        if self.sites:
+            keys = ", ".join(sorted(self.sites))
             self._note(f"ids and lengths are sent as int32 (every table below 2^31 rows) for {keys}")
         for key, why in refused.items():
             self._note(f"ids are sent as made for {key}: {why}")
@@ -175,9 +216,7 @@ class NarrowIds:
     ) -> tuple[list[Any], dict[str, Any]]:
         """`site`'s input_dist arguments with every KJT narrowed, if the site is. `done` is the
         batch's: each KJT is narrowed once when several call sites share it, and `originals` reads
-        it back; `batch` names the batch in a note."""
-        if site.key not in self._sites:
-            return args, kwargs
+        it back; `batch` names the batch in a note. The caller calls it only for `sites`."""
 
         def one(value: Any) -> Any:
             if not isinstance(value, KeyedJaggedTensor):
@@ -194,6 +233,18 @@ class NarrowIds:
             return narrowed.kjt
 
         return [one(a) for a in args], {name: one(v) for name, v in kwargs.items()}
+
+
+def every_rank(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, where the pipeline has no ranks' protocol to exchange it
+    (`SparseDataDistUtil`): an all-gather on the default group."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _ids_in(values: list[Any]) -> int:
+    return sum(v.values().numel() for v in values if isinstance(v, KeyedJaggedTensor))
 
 
 def originals(done: dict[int, Any]) -> dict[int, KeyedJaggedTensor]:
