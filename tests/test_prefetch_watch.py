@@ -58,8 +58,11 @@ def test_a_step_that_blocks_in_the_prefetch_stage_runs_it_ahead_where_that_pays(
     watches, ran = simulate(60, _disk_bound)
     for watch, modes in zip(watches, ran, strict=True):
         assert watch.phase is WatchPhase.KEPT and watch.mode == "ahead", watch
-        assert modes[:25] == ["inline"] * 25 and modes.count("inline") == 25 and modes[-1] == "ahead"
+        # 8 warm-up steps, a window of 8, and the first figure decides: every rank's share (40 %) is
+        # twice the threshold
+        assert modes[:17] == ["inline"] * 17 and modes.count("inline") == 17 and modes[-1] == "ahead"
         assert watch.shares == pytest.approx([0.4, 0.4]) and watch.ratios == pytest.approx([0.65, 0.65])
+        assert watch.decisions[1][0] == 17 + 2 + 10 + 1  # a clear gain: verified over 10 steps
     text = repr(watches[0])
     assert "trying it ahead" in text and "prefetch runs ahead on its worker thread" in text
     assert watches[0].reason.startswith("prefetch runs ahead")
@@ -69,8 +72,38 @@ def test_where_ahead_does_not_pay_it_goes_back_inline_once():
     watches, ran = simulate(200, lambda r, m, s: (0.100, 0.040) if m == "inline" else (0.104, 0.0))
     for watch, modes in zip(watches, ran, strict=True):
         assert watch.phase is WatchPhase.BACK and watch.mode == "inline"
-        assert modes.count("ahead") == 2 + 20 + 1 and modes[-100:] == ["inline"] * 100
+        # settle, 10 verified steps (none shorter than before: clear), the step that reads the verdict
+        assert modes.count("ahead") == 2 + 10 + 1 and modes[-100:] == ["inline"] * 100
     assert "inline again" in watches[0].reason and "no second try" in watches[0].reason
+
+
+def test_a_share_clear_on_one_rank_only_waits_for_a_steady_run_of_figures():
+    """The first figure decides only where every rank's share is twice the threshold: at 40 % and
+    30 % (mean 35 %, over the threshold), the ranks wait for 9 figures in a row, as at any share."""
+    _, ran = simulate(
+        60, lambda r, m, s: (0.100, 0.040 if r == 0 else 0.030) if m == "inline" else (0.065, 0.0)
+    )
+    assert all(modes.count("inline") == 25 for modes in ran), [m.count("inline") for m in ran]
+
+
+def test_a_mixed_verification_takes_every_step_a_clear_one_half():
+    """Ahead steps alternating 60 and 98 ms against 100 ms before: not every step clearly faster,
+    so the verdict waits for all 20 steps (and keeps ahead); its twin, where every step is 60 ms,
+    is decided after 10. Without the quick verdict (QUICK at 20), the clear case takes 20 too."""
+    from unittest import mock
+
+    def mixed(r, mode, step):
+        return (0.100, 0.040) if mode == "inline" else ((0.060 if step % 2 else 0.098), 0.0)
+
+    def clear(r, mode, step):
+        return (0.100, 0.040) if mode == "inline" else (0.060, 0.0)
+
+    verdict = {
+        name: simulate(80, cost)[0][0].decisions[1][0] for name, cost in (("mixed", mixed), ("clear", clear))
+    }
+    assert verdict == {"mixed": 17 + 2 + 20 + 1, "clear": 17 + 2 + 10 + 1}
+    with mock.patch("pipeline.stages.step_times.QUICK", 20):
+        assert simulate(80, clear)[0][0].decisions[1][0] == 17 + 2 + 20 + 1
 
 
 def test_a_gain_on_one_rank_only_is_not_kept():

@@ -10,7 +10,10 @@ import statistics
 from collections import deque
 from collections.abc import Callable
 
-__all__ = ["StepTimes"]
+__all__ = ["QUICK", "StepTimes"]
+
+QUICK = 10
+"""The fewest verified steps a clear verdict is taken on (`StepTimes.verified`)."""
 
 
 class StepTimes:
@@ -18,12 +21,14 @@ class StepTimes:
 
     Args:
         window: steps per observation of the share (the median is taken over them).
-        verify: steps timed in the new mode before the verdict, compared with as many steps before.
+        verify: steps timed in the new mode before the verdict, compared with as many steps before
+            (half as many where those are clear: `verified`).
+        margin: the gain that makes the steps after clearly faster (0.05: 5 %).
         clock: seconds, monotonic (tests inject a fake one).
     """
 
-    def __init__(self, *, window: int, verify: int, clock: Callable[[], float]) -> None:
-        self.window, self.verify = window, verify
+    def __init__(self, *, window: int, verify: int, margin: float, clock: Callable[[], float]) -> None:
+        self.window, self.verify, self.margin = window, verify, margin
         self.clock = clock
         """Seconds, monotonic: what every time this watch sees is read from."""
         self._last: float | None = None
@@ -100,8 +105,16 @@ class StepTimes:
 
     @property
     def verified(self) -> bool:
-        """The verification window after the switch is full."""
-        return bool(self._before) and len(self._after) >= self.verify
+        """The verification window after the switch is full, or its first half is clear and holds
+        `QUICK` steps or more: every step of it shorter than `reference` by `margin` or more, or none
+        shorter than `reference` (by chance alone, either once in 2^10 or less)."""
+        after = self._after
+        if not self._before or len(after) < min(self.verify, max(QUICK, self.verify // 2)):
+            return False
+        if len(after) >= self.verify:
+            return True
+        reference = self.reference
+        return all(a < reference * (1 - self.margin) for a in after) or all(a >= reference for a in after)
 
     @property
     def faster_steps(self) -> float:

@@ -4,10 +4,12 @@ default input_dist schedule (`pipeline.stages.watch`) and Prefetch's ahead-or-in
 
 1. Watching, in the start mode: each rank publishes the median share of its last `window` steps
    that the other mode could hide (`_parts`); once the ranks' mean has reached `threshold` for
-   `window + 1` figures in a row, every rank moves to the other mode at its next step.
-2. Trying: after `settle` untimed steps, each rank publishes its median over `verify` steps against
-   the faster half of as many steps before (`StepTimes.reference`). Kept where every rank's ratio
-   is at most `1 - margin` and `sure` of its steps are shorter; else every rank goes back, once.
+   `window + 1` figures in a row (or for one, where every rank's is twice `threshold`), every rank
+   moves to the other mode at its next step.
+2. Trying: after `settle` untimed steps, each rank publishes its median over `verify` steps (half
+   as many where they are clear: `StepTimes.verified`) against the faster half of as many steps
+   before (`StepTimes.reference`). Kept where every rank's ratio is at most `1 - margin` and
+   `sure` of its steps are shorter; else every rank goes back, once.
 3. Kept, back or pinned: no clock runs any more.
 
 A step is timed from `step` to `step_ended`: the time between two `progress()` calls is not a
@@ -86,8 +88,8 @@ class StepWatch(StepTimes):
             raise ValueError(f"bad watch settings: window {window}, threshold {threshold}, margin {margin}")
         if not 0 <= sure <= 1:
             raise ValueError(f"bad watch settings: sure {sure}")
-        super().__init__(window=window, verify=verify, clock=clock)
-        self.threshold, self.settle, self.margin = threshold, settle, margin
+        super().__init__(window=window, verify=verify, margin=margin, clock=clock)
+        self.threshold, self.settle = threshold, settle
         self.warmup, self.sure = warmup, sure
         """The settings (see Args), read by the words."""
         self.partner: Any = None
@@ -177,7 +179,7 @@ class StepWatch(StepTimes):
                 return
             share = statistics.fmean(values)
             self._high = self._high + 1 if share >= self.threshold else 0
-            if self._high > self.window:
+            if self._high > self.window or (self._high and min(values) >= 2 * self.threshold):
                 self._switch(values, share)
         elif self.phase is WatchPhase.TRYING:
             self._verdict(values)
@@ -218,7 +220,7 @@ class StepWatch(StepTimes):
     @property
     def tuning_steps_by_schedule(self) -> dict[str, int]:
         """Steps run in the other mode only to verify it (none where it was kept)."""
-        return {self.modes[1]: self.settle + self.verify + 1} if self.phase is WatchPhase.BACK else {}
+        return {self.modes[1]: self.settle + len(self._after) + 1} if self.phase is WatchPhase.BACK else {}
 
     def state_dict(self) -> dict[str, Any]:
         """The decision and the world size it was taken at, to save with a checkpoint: a job that

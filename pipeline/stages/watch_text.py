@@ -83,7 +83,7 @@ def _described(w: StepWatch, head: str, watched: str, unit: str, trying: str) ->
         )
     lines = [head] + [f"  step {step}: {line}" for step, line in w.decisions]
     if w.phase is WatchPhase.TRYING:
-        lines.append(f"  verifying over {w.settle} + {w.verify} steps {trying}")
+        lines.append(f"  verifying over {_verified(w)} {trying}")
     return "\n".join(lines)
 
 
@@ -102,11 +102,21 @@ def switched(w: ScheduleWatch, share: float, waits: float, idle: float) -> str:
         f"the host blocked on the input all-to-alls {share:.0%} of the step (median over "
         f"{w.window} steps, mean over {len(w.shares)} ranks: {_shares(w)}; this rank "
         f"{waits:.0%} in their waits and {idle:.0%} off the CPU in backward; at least "
-        f"{w.threshold:.0%} for {w.window + 1} batches in a row): trying "
-        f"{schedule_words('early')} from the next step, its "
+        f"{_held(w)}): trying {schedule_words('early')} from the next step, its "
         "all-to-alls on a process group of their own ('pipeline_input_dist', created then; on "
-        f"NCCL one more communicator); it is verified over {w.settle} + {w.verify} steps"
+        f"NCCL one more communicator); it is verified over {_verified(w)}"
     )
+
+
+def _held(w: StepWatch) -> str:
+    """How the share held before the switch."""
+    if min(w.shares) >= 2 * w.threshold:
+        return f"at least {2 * w.threshold:.0%} on every rank: clear at the first figure"
+    return f"at least {w.threshold:.0%} for {w.window + 1} figures in a row"
+
+
+def _verified(w: StepWatch) -> str:
+    return f"{w.settle} + {w.verify} steps (half as many where the steps after are clear)"
 
 
 def verdict(w: ScheduleWatch, unsure: list[bool], *, kept: bool) -> str:
@@ -143,9 +153,8 @@ def prefetch_switched(w: PrefetchWatch, share: float) -> str:
     return (
         f"the training thread blocked in the prefetch stage {share:.0%} of the step inline "
         f"(median over {w.window} steps, mean over {len(w.shares)} rank(s): {_shares(w)}; "
-        f"observed from step {w.ready_at}, once the caches were full; at least "
-        f"{w.threshold:.0%} for {w.window + 1} figures in a row): trying it ahead on its "
-        f"worker thread from the next step, verified over {w.settle} + {w.verify} steps"
+        f"observed from step {w.ready_at}, once the caches were full; {_held(w)}): trying it ahead "
+        f"on its worker thread from the next step, verified over {_verified(w)}"
     )
 
 
