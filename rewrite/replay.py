@@ -2,10 +2,10 @@
 
 Everything that does not change once the rewrite settles is decided once, when a module is pipelined
 (`Replay.pipeline`): which call sites there are, and how each reads its arguments. An argument that
-is a chain of attribute reads from the batch compiles to one `operator.attrgetter`; a constant or a
-path with item steps reads through its program alone; any other program (a method call, a
-construction, a postproc, a user's function) is built with the batch's postprocs and a per-batch
-cache, so that a value several call sites share is computed once (`rewrite.arginfo`).
+is a path from the batch, or a constant, is read by its program's `ArgInfo.read` (a chain of
+attribute reads is one `operator.attrgetter`); any other program (a method call, a construction, a
+postproc, a user's function) is built with the batch's postprocs and a per-batch cache, so that a
+value several call sites share is computed once (`rewrite.arginfo`).
 
 torchrec's KJTAllToAll issues its splits all-to-all as soon as it is called. Replacing its forward by
 `_SplitsOnly` makes it return the metadata instead (a `KJTSplitsAllToAllMeta`), so that the pipeline
@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from operator import attrgetter
 from typing import Any
 
 import torch
@@ -32,7 +31,7 @@ from torchrec.distributed.dist_data import KJTAllToAll
 from torchrec.distributed.embedding_sharding import FusedKJTListSplitsAwaitable, KJTSplitsAllToAllMeta
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from rewrite.arginfo import ArgInfo, Attr, CallArgs, PostprocCall
+from rewrite.arginfo import CallArgs, PostprocCall
 from rewrite.sites import CallSite, PipelinedModule
 
 __all__ = [
@@ -45,17 +44,7 @@ __all__ = [
 ]
 
 Reader = Callable[[Any], Any]
-"""An argument's value as a function of the batch alone."""
-
-
-def _reader(info: ArgInfo) -> Reader | None:
-    """`info` as a function of the batch, when it is a path from the batch (or a constant); None when
-    it needs the batch's postprocs or its per-batch cache."""
-    if info.source is not None or not info.is_path:
-        return None
-    if info.steps and all(isinstance(s, Attr) and "." not in s.name for s in info.steps):
-        return attrgetter(".".join(s.name for s in info.steps))
-    return info.resolve
+"""An argument's value as a function of the batch alone (`ArgInfo.read`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,13 +58,14 @@ class _SiteReader:
 
     @classmethod
     def of(cls, site: CallSite) -> _SiteReader:
-        if not isinstance(site.args, CallArgs):  # a user's function
+        """Paths from the batch and constants are read by their programs' `read`; other programs
+        (and a user's function) need the batch's postprocs and cache."""
+        call = site.args
+        if not isinstance(call, CallArgs) or not all(
+            a.source is None and a.is_path for a in (*call.args, *call.kwargs.values())
+        ):
             return cls(site, None)
-        args = tuple(_reader(a) for a in site.args.args)
-        kwargs = tuple((name, _reader(a)) for name, a in site.args.kwargs.items())
-        if None in args or any(r is None for _, r in kwargs):
-            return cls(site, None)
-        return cls(site, args, kwargs)
+        return cls(site, tuple(a.read for a in call.args), tuple((k, a.read) for k, a in call.kwargs.items()))
 
 
 @dataclass(kw_only=True, slots=True)
