@@ -104,7 +104,7 @@ class Replay:
                 args, kwargs = reader.site.args.build(batch, postproc, cache)
             else:
                 args = [read(batch) for read in reader.args]
-                kwargs = {name: read(batch) for name, read in reader.kwargs}
+                kwargs = {name: read(batch) for name, read in reader.kwargs} if reader.kwargs else {}
             yield reader.site, args, kwargs
 
     def run_postproc(self, call: PostprocCall, batch: Any, results: dict[str, Any]) -> Any:
