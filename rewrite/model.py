@@ -135,7 +135,7 @@ class Rewrite(Replay):
                 CallSite(key=site_key(fqn, i), fqn=fqn, index=i, module=module, args=s.args)
                 for i, s in enumerate(finding.sites)
             )
-            self.pipeline(PipelinedModule(fqn=fqn, module=module, args=sites[0].args, sites=sites))
+            self.add(PipelinedModule(fqn=fqn, module=module, args=sites[0].args, sites=sites))
             slot.expect(fqn, tuple(s.key for s in sites))
             self._hijack(module, found.forward_type(fqn, module, slot))
             for call in (c for s in sites for c in s.args.postprocs()):

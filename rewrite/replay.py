@@ -1,7 +1,7 @@
 """The per-batch half of a rewrite: each call site's inputs read from a batch, and the fused splits.
 
 Everything that does not change once the rewrite settles is decided once, when a module is pipelined
-(`Replay.pipeline`): which call sites there are, and how each reads its arguments. An argument that
+(`Replay.add`): which call sites there are, and how each reads its arguments. An argument that
 is a path from the batch, or a constant, is read by its program's `ArgInfo.read` (a chain of
 attribute reads is one `operator.attrgetter`); any other program (a method call, a construction, a
 postproc, a user's function) is built with the batch's postprocs and a per-batch cache, so that a
@@ -85,7 +85,7 @@ class Replay:
     _readers: list[_SiteReader] = field(default_factory=list)
     _undo_fuse: Callable[[], None] | None = None
 
-    def pipeline(self, module: PipelinedModule) -> None:
+    def add(self, module: PipelinedModule) -> None:
         """Add `module` and its call sites; decide, once, how each site reads its inputs."""
         self.modules.append(module)
         self.sites.extend(module.sites)
