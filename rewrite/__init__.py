@@ -36,16 +36,16 @@ from rewrite.model import Rewrite, rewrite_model
 from rewrite.ops import CONSTRUCTORS, METHODS
 from rewrite.paths import parse_path
 from rewrite.record import record_calls
-from rewrite.report import ModuleReport, RewriteError, RewriteReport, SiteReport
-from rewrite.sharded import outermost_sharded, unwrap_model
-from rewrite.sites import CallSite, ExplicitInput, PipelinedModule, SiteInput
-from rewrite.splits import (
+from rewrite.replay import (
     fuse_splits_requests,
     input_dists_ready,
     install_fused_splits,
     kjt_all_to_alls,
     one_by_one,
 )
+from rewrite.report import ModuleReport, RewriteError, RewriteReport, SiteReport
+from rewrite.sharded import outermost_sharded, unwrap_model
+from rewrite.sites import CallSite, ExplicitInput, PipelinedModule, SiteInput
 from rewrite.trace import Tracer, trace_call_sites
 
 __all__ = [

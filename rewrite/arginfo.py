@@ -15,7 +15,10 @@ trace and the recording share between the sites that use the same value).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from operator import attrgetter
 from typing import Any, ClassVar
 
 from rewrite.ops import CONSTRUCTORS, METHODS, own_receiver
@@ -48,9 +51,7 @@ class Attr:
     def apply(self, value: Any) -> Any:
         return getattr(value, self.name)
 
-    def process(self, value: Any) -> Any:
-        """torchrec's name for `apply` (its `ArgInfoStep.process`)."""
-        return self.apply(value)
+    process = apply  # torchrec's name (its `ArgInfoStep.process`)
 
     def __str__(self) -> str:
         return f".{self.name}"
@@ -66,9 +67,7 @@ class Item:
     def apply(self, value: Any) -> Any:
         return own_receiver(value)[self.key]
 
-    def process(self, value: Any) -> Any:
-        """torchrec's name for `apply` (its `ArgInfoStep.process`)."""
-        return self.apply(value)
+    process = apply  # torchrec's name (its `ArgInfoStep.process`)
 
     def __str__(self) -> str:
         return f"[{self.key!r}]"
@@ -84,9 +83,7 @@ class Const:
     def apply(self, value: Any) -> Any:
         return self.value
 
-    def process(self, value: Any) -> Any:
-        """torchrec's name for `apply` (its `ArgInfoStep.process`)."""
-        return self.apply(value)
+    process = apply  # torchrec's name (its `ArgInfoStep.process`)
 
     def __str__(self) -> str:
         return f"<const {self.value!r}>"
@@ -167,11 +164,8 @@ class Build:
 
 @dataclass(frozen=True, slots=True)
 class Pack:
-    """A list, tuple (or namedtuple) or dict built anew for each batch from ArgInfos.
-
-    `[batch.a, batch.b]`, `{"x": batch.sparse, "n": 1}`: each item is an ArgInfo, so items may be
-    constants, postproc outputs or Packs themselves (nested collections).
-    """
+    """A list, tuple (or namedtuple) or dict of ArgInfos built anew for each batch: `[batch.a,
+    batch.b]`, `{"x": batch.sparse, "n": 1}`; items may be constants, postproc outputs or Packs."""
 
     kind: type
     """list, tuple, a namedtuple class, or dict."""
@@ -211,11 +205,18 @@ class ArgInfo:
     source: PostprocCall | Pack | Build | ArgInfo | None = None
     """When set, the steps start from this value instead of the batch: a postproc module's
     output, a collection, a construction, or a shared sub-program."""
+    read: Callable[[Any], Any] = field(init=False, repr=False, compare=False)
+    """`resolve(batch)`, made once: attribute reads from the batch are one `operator.attrgetter`."""
+
+    def __post_init__(self) -> None:
+        names = [s.name for s in self.steps if isinstance(s, Attr) and "." not in s.name]
+        chain = self.source is None and len(names) == len(self.steps) > 0
+        read = attrgetter(".".join(names)) if chain else partial(_run, self.steps, self.source)
+        object.__setattr__(self, "read", read)  # a function of the steps, not of self: no cycle
 
     @property
     def cached(self) -> bool:
-        """Whether replay with a cache computes this program once per batch (it ends in a method
-        call or a construction)."""
+        """Replay with a cache computes it once per batch: it ends in a method call or a construction."""
         last = self.steps[-1] if self.steps else self.source
         return last is not None and last.cached
 
@@ -229,9 +230,7 @@ class ArgInfo:
     def then(self, step: Step) -> ArgInfo:
         """This program followed by `step`. A program computed once per batch becomes the source of
         the new one, so that every program continuing from it shares its value."""
-        if self.cached:
-            return ArgInfo((step,), source=self)
-        return ArgInfo((*self.steps, step), self.source)
+        return ArgInfo((step,), source=self) if self.cached else ArgInfo((*self.steps, step), self.source)
 
     def resolve(self, batch: Any, postproc: Any = None, cache: dict | None = None) -> Any:
         """The argument's value for `batch`.
@@ -244,21 +243,13 @@ class ArgInfo:
                 are computed once per batch and shared (None: computed at every use).
         """
         if cache is None or not self.cached:
-            return self._evaluate(batch, postproc, cache)
+            return _run(self.steps, self.source, batch, postproc, cache)
         hit = cache.get(id(self))
         if hit is None:  # keeping the program in the entry keeps its id from being reused
-            hit = cache[id(self)] = (self, self._evaluate(batch, postproc, cache))
+            hit = cache[id(self)] = (self, _run(self.steps, self.source, batch, postproc, cache))
         return hit[1]
 
-    def build(self, batch: Any, postproc: Any = None, cache: dict | None = None) -> Any:
-        """`resolve`, as the source of another program."""
-        return self.resolve(batch, postproc, cache)
-
-    def _evaluate(self, batch: Any, postproc: Any, cache: dict | None) -> Any:
-        value = batch if self.source is None else self.source.build(batch, postproc, cache)
-        for step in self.steps:
-            value = step.apply(value)
-        return value
+    build = resolve  # as the source of another program
 
     def postprocs(self) -> list[PostprocCall]:
         """Every postproc call this argument depends on, innermost first."""
@@ -271,6 +262,13 @@ class ArgInfo:
         else:
             head = "batch" if self.source is None else str(self.source)
         return head + "".join(str(s) for s in steps)
+
+
+def _run(steps: tuple[Step, ...], source: Any, batch: Any, postproc: Any = None, cache: Any = None) -> Any:
+    value = batch if source is None else source.build(batch, postproc, cache)
+    for step in steps:
+        value = step.apply(value)
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,5 +294,4 @@ class CallArgs:
         return [call for info in (*self.args, *self.kwargs.values()) for call in info.postprocs()]
 
     def __str__(self) -> str:
-        parts = [str(a) for a in self.args] + [f"{k}={a}" for k, a in self.kwargs.items()]
-        return ", ".join(parts)
+        return ", ".join([str(a) for a in self.args] + [f"{k}={a}" for k, a in self.kwargs.items()])

@@ -102,12 +102,18 @@ class ContextSlot:
         """Module `fqn` is no longer pipelined (`Rewrite.restore`)."""
         self._total -= len(self._keys.pop(fqn, ()))
 
-    def site_key(self, fqn: str, what: str = "The input") -> str:
-        """The key of this call of module `fqn` in the current forward; counts the call.
+    def take(self, fqn: str, take: str, what: str) -> Any:
+        """What the current context prepared for this call of module `fqn`: counts the call, and
+        hands over what its `take` method (`take_input_dist`, `take_prefetched`, `take_lookup`)
+        returns under this call's site key.
 
         Raises:
+            NotPreparedError: no context is current, or it has nothing under the key.
             CallCountError: `fqn` was already called once per call site in this forward.
         """
+        ctx = self._current
+        if ctx is None:
+            raise _not_prepared(fqn, what)
         keys = self._keys[fqn]
         index = self._calls.get(fqn, 0)
         if index >= len(keys):
@@ -121,7 +127,10 @@ class ContextSlot:
             )
         self._calls[fqn] = index + 1
         self._taken += 1
-        return keys[index]
+        prepared = getattr(ctx, take)(keys[index])
+        if prepared is None:
+            raise _not_prepared(keys[index], what)
+        return prepared
 
     def check_calls(self) -> None:
         """Check that the last forward called every pipelined module once per call site.
@@ -166,18 +175,8 @@ class _HijackedForward:
         self.module = module
         self.slot = slot
 
-    def _prepared(self, take: str, what: str) -> Any:
-        ctx = self.slot.current
-        if ctx is None:
-            raise _not_prepared(self.fqn, what)
-        key = self.slot.site_key(self.fqn, what)
-        prepared = getattr(ctx, take)(key)
-        if prepared is None:
-            raise _not_prepared(key, what)
-        return prepared
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module_ctx, dist_input = self._prepared(self._take, self._what)
+        module_ctx, dist_input = self.slot.take(self.fqn, self._take, self._what)
         return self.module.compute_and_output_dist(module_ctx, dist_input)
 
     def __repr__(self) -> str:
@@ -202,7 +201,7 @@ class LookupPipelinedForward(_HijackedForward):
     """Returns the lookup (`compute_and_output_dist`) the pipeline already ran for this batch."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._prepared("take_lookup", "The embedding lookup")
+        return self.slot.take(self.fqn, "take_lookup", "The embedding lookup")
 
 
 class PostprocForward(_HijackedForward):

@@ -11,9 +11,10 @@ can tell (`record=True`), the Rewrite waits for the first batch's forward in `Re
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from torch import nn
@@ -29,10 +30,10 @@ from rewrite.forwards import (
     site_key,
 )
 from rewrite.record import record_calls
+from rewrite.replay import Replay
 from rewrite.report import RewriteReport
 from rewrite.sharded import outermost_sharded, unwrap_model
 from rewrite.sites import CallSite, PipelinedModule
-from rewrite.splits import input_dists_ready, install_fused_splits
 
 __all__ = ["Method", "Rewrite", "rewrite_model"]
 
@@ -52,50 +53,23 @@ class _Findings:
 
 
 @dataclass(kw_only=True, slots=True)
-class Rewrite:
-    """The result of `rewrite_model`: what was pipelined, and the means to undo it."""
+class Rewrite(Replay):
+    """The result of `rewrite_model`: what was pipelined, and the means to undo it. What it does
+    for each batch (`site_inputs`, `fuse_splits`) is its `Replay`."""
 
     report: RewriteReport
-    modules: list[PipelinedModule]
-    """The pipelined modules (empty while `needs_recording`)."""
-    postprocs: dict[str, nn.Module]
+    postprocs: dict[str, nn.Module] = field(default_factory=dict)
     """Postproc modules run ahead with input_dist, by FQN."""
     _named: dict[str, nn.Module] = field(default_factory=dict)
     _slot: ContextSlot | None = None
     _pending: _Findings | None = None
     _saved: list[tuple[nn.Module, Any, bool]] = field(default_factory=list)
-    _undo_fuse: Callable[[], None] | None = None
-
-    @property
-    def sites(self) -> list[CallSite]:
-        """Every call site of every pipelined module: what input_dist runs for, once per batch."""
-        return [site for m in self.modules for site in m.sites]
 
     def signature(self) -> str:
         """Each pipelined call site's key and program, one a line. Every rank must have the same
         before the first input_dist: a forward whose calls depend on the data can record
         differently on different ranks, and the input all-to-alls would then not match."""
         return "\n".join(f"{site.key}: {site.args}" for site in self.sites)
-
-    @property
-    def needs_recording(self) -> bool:
-        """The first forward must run in `record` before anything is pipelined."""
-        return self._pending is not None
-
-    def site_inputs(
-        self, batch: Any, postproc_results: dict[str, Any]
-    ) -> Iterator[tuple[CallSite, list, dict]]:
-        """Each call site with its `(args, kwargs)` for `batch`, as forward will pass them: postprocs
-        run once per batch into `postproc_results` (keyed by FQN), and a program that several call
-        sites share is computed once."""
-        cache: dict = {}
-
-        def postproc(call: Any, b: Any) -> Any:
-            return self.run_postproc(call, b, postproc_results)
-
-        for site in self.sites:
-            args, kwargs = site.args.build(batch, postproc, cache)
-            yield site, args, kwargs
 
     @contextmanager
     def record(self, batch: Any) -> Iterator[None]:
@@ -118,23 +92,13 @@ class Rewrite:
             return
         with record_calls(pending.root, batch, pending.sharded) as recording:
             yield
-        cache: dict = {}
-        notes = complete(pending.findings, recording, batch, lambda c, b: self.run_postproc(c, b, cache))
+        notes = complete(pending.findings, recording, batch, partial(self.run_postproc, results={}))
         self._finish(pending, notes)
-
-    def fuse_splits(self) -> bool:
-        """Fuse the splits all-to-alls once every input dist exists; True when fused."""
-        modules = [m.module for m in self.modules]
-        if self._undo_fuse is None and input_dists_ready(modules):
-            self._undo_fuse = install_fused_splits(modules)
-        return self._undo_fuse is not None
 
     def restore(self) -> None:
         """Put back every original forward and remove everything the rewrite added."""
-        self._pending = None
-        if self._undo_fuse is not None:
-            self._undo_fuse()
-            self._undo_fuse = None
+        self._pending, self.needs_recording = None, False
+        self.unfuse_splits()
         for module, previous, was_pipelined in reversed(self._saved):
             if previous is _MISSING:
                 vars(module).pop("forward", None)
@@ -147,20 +111,6 @@ class Rewrite:
             for m in self.modules:
                 self._slot.forget(m.fqn)
 
-    def run_postproc(self, call: Any, batch: Any, cache: dict[str, Any]) -> Any:
-        """Run postproc `call` on `batch` with its original forward, once per batch (`cache`)."""
-        if call.fqn not in cache:
-            args, kwargs = call.args.build(batch, lambda c, b: self.run_postproc(c, b, cache))
-            original = self._original_forward(self._named[call.fqn])
-            cache[call.fqn] = original(*args, **kwargs)
-        return cache[call.fqn]
-
-    def _original_forward(self, module: nn.Module) -> Callable[..., Any]:
-        for saved, previous, _ in self._saved:
-            if saved is module:
-                return type(module).forward.__get__(module) if previous is _MISSING else previous
-        return module.forward
-
     def _hijack(self, module: nn.Module, forward: Any) -> None:
         self._saved.append(
             (module, vars(module).get("forward", _MISSING), getattr(module, "is_pipelined", False))
@@ -172,7 +122,7 @@ class Rewrite:
     def _finish(self, found: _Findings, notes: list[str]) -> None:
         """The final report (keeping the notes written on the pending one), the strict check, then
         every found module's forward hijacked."""
-        self._pending = None
+        self._pending, self.needs_recording = None, False
         self.report = report_of(found.findings, found.trace_error, [*self.report.notes, *notes])
         if found.strict:
             self.report.check_strict()
@@ -185,7 +135,7 @@ class Rewrite:
                 CallSite(key=site_key(fqn, i), fqn=fqn, index=i, module=module, args=s.args)
                 for i, s in enumerate(finding.sites)
             )
-            self.modules.append(PipelinedModule(fqn=fqn, module=module, args=sites[0].args, sites=sites))
+            self.add(PipelinedModule(fqn=fqn, module=module, args=sites[0].args, sites=sites))
             slot.expect(fqn, tuple(s.key for s in sites))
             self._hijack(module, found.forward_type(fqn, module, slot))
             for call in (c for s in sites for c in s.args.postprocs()):
@@ -251,8 +201,19 @@ def rewrite_model(
         pipeline_postproc=pipeline_postproc,
         record=record,
     )
+    named = dict(root.named_modules())
+    postprocs = {
+        call.fqn
+        for finding in findings.values()
+        for site in finding.sites
+        if site.args is not None
+        for call in site.args.postprocs()
+    }
     rewrite = Rewrite(
-        report=RewriteReport(), modules=[], postprocs={}, _named=dict(root.named_modules()), _slot=slot
+        report=RewriteReport(),
+        postproc_forwards={fqn: named[fqn].forward for fqn in postprocs},  # before any is hijacked
+        _named=named,
+        _slot=slot,
     )
     forward_type = (
         LookupPipelinedForward if lookup else PrefetchPipelinedForward if prefetch else PipelinedForward
@@ -266,7 +227,7 @@ def rewrite_model(
         strict=strict,
     )
     if any(f.pending for f in findings.values()):
-        rewrite._pending = found
+        rewrite._pending, rewrite.needs_recording = found, True
         rewrite.report = report_of(findings, trace_error, [])
         if strict:  # what no recording can change fails now
             RewriteReport(

@@ -217,7 +217,7 @@ def _groups(rank: int, pipe_name: str) -> dict:
     """The input all-to-alls move to their own group on the second batch, and back on detach."""
     import torch.distributed as dist
 
-    from rewrite.splits import kjt_all_to_alls
+    from rewrite.replay import kjt_all_to_alls
     from tests import models
 
     def pgs(model):
@@ -261,7 +261,7 @@ def _adaptive(rank: int, pipe_name: str, verdict: str, schedule: str | None = No
     import torch.distributed as dist
 
     from pipeline import InputDistOptions, ScheduleWatch
-    from rewrite.splits import kjt_all_to_alls
+    from rewrite.replay import kjt_all_to_alls
     from tests import models
 
     counter = itertools.count()

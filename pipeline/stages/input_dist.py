@@ -30,7 +30,7 @@ from pipeline.stages.streams import Streams
 from pipeline.stages.watch import ScheduleWatch
 from pipeline.stages.watch_text import NOT_ON_NCCL, ONE_RANK, WATCH_ADVICE
 from rewrite import CallSite, ContextSlot, PipelinedModule, Rewrite, RewriteReport
-from rewrite.splits import fuse_splits_requests, one_by_one
+from rewrite.replay import fuse_splits_requests, one_by_one
 
 __all__ = ["InputDist"]
 
