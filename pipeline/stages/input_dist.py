@@ -215,7 +215,7 @@ class InputDist:
             return
         if not self._attached.settled:
             self._attached.settle(rewrite, lambda r: self._agree(r, ctx))
-        fused = not self._one_rank and rewrite.fuse_splits()
+        fused = not self._one_rank and (rewrite.fused or rewrite.fuse_splits())
         if fused and (why := self._admission.check([pm.module for pm in rewrite.modules])) is not None:
             rewrite.report.notes.append(why)
         if fused and own is not self._groups.at_rest:  # else nothing to move or retire
