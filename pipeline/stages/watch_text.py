@@ -10,10 +10,8 @@ from typing import TYPE_CHECKING
 from pipeline.stages.schedule import SCHEDULES
 from pipeline.stages.step_watch import WatchPhase
 
-if TYPE_CHECKING:
-    from pipeline.stages.prefetch_watch import PrefetchWatch
+if TYPE_CHECKING:  # the subclasses (`ScheduleWatch`, `PrefetchWatch`) import this module
     from pipeline.stages.step_watch import StepWatch
-    from pipeline.stages.watch import ScheduleWatch
 
 __all__ = [
     "NOT_ON_NCCL",
@@ -95,7 +93,7 @@ def pinned(reason: str) -> str:
     return f"kept {schedule_words('late')}: {reason}"
 
 
-def switched(w: ScheduleWatch, share: float, waits: float, idle: float) -> str:
+def switched(w: StepWatch, share: float, waits: float, idle: float) -> str:
     """The move to early: the ranks' shares that triggered it, this rank's parts, what the switch
     creates and how long it is verified."""
     return (
@@ -119,7 +117,7 @@ def _verified(w: StepWatch) -> str:
     return f"{w.settle} + {w.verify} steps (half as many where the steps after are clear)"
 
 
-def verdict(w: ScheduleWatch, unsure: list[bool], *, kept: bool) -> str:
+def verdict(w: StepWatch, unsure: list[bool], *, kept: bool) -> str:
     """Early kept, or torchrec's order again: every rank's ratio, and the rule it met or missed."""
     shown, rule = _ratios(w, unsure), _rule(w)
     if kept:
@@ -133,7 +131,7 @@ def verdict(w: ScheduleWatch, unsure: list[bool], *, kept: bool) -> str:
     )
 
 
-def watch_repr(w: ScheduleWatch) -> str:
+def watch_repr(w: StepWatch) -> str:
     """What `print(pipe.tuner)` shows under the default schedule."""
     head = f"input_dist schedule: adaptive, running {schedule_words(w.schedule)}"
     return _described(w, head, "the host blocks on the input all-to-alls", "batches", "under early")
@@ -147,7 +145,7 @@ def prefetch_pinned(reason: str) -> str:
     return f"prefetch runs inline: {reason}"
 
 
-def prefetch_switched(w: PrefetchWatch, share: float) -> str:
+def prefetch_switched(w: StepWatch, share: float) -> str:
     """The move ahead: the ranks' shares that triggered it, when it began to observe, how long it
     is verified."""
     return (
@@ -158,7 +156,7 @@ def prefetch_switched(w: PrefetchWatch, share: float) -> str:
     )
 
 
-def prefetch_verdict(w: PrefetchWatch, unsure: list[bool], *, kept: bool) -> str:
+def prefetch_verdict(w: StepWatch, unsure: list[bool], *, kept: bool) -> str:
     """Ahead kept, or inline again: every rank's ratio, and the rule it met or missed."""
     shown, rule = _ratios(w, unsure), _rule(w)
     if kept:
@@ -173,7 +171,7 @@ def prefetch_verdict(w: PrefetchWatch, unsure: list[bool], *, kept: bool) -> str
     )
 
 
-def prefetch_repr(w: PrefetchWatch) -> str:
+def prefetch_repr(w: StepWatch) -> str:
     """What `print(pipe.prefetch_watch)` shows."""
     head = f"prefetch: auto, running {w.mode}"
     if w.alone_reason is not None:
