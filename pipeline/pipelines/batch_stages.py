@@ -161,7 +161,7 @@ class BatchStages(SubclassPoints):
 
     def _wait_copied(self, batch: Any) -> None:
         """Make the copy stage's `batch` usable on the caller's stream (what `_wait_for_batch`
-        does by default)."""
+        does by default: Base's, Lite's; `TrainPipelineSparseDist._wait_for_batch` spells it out)."""
         streams = self._streams
         # held for the caller's stream on behalf of the head batch, released after its step
         streams.handoff(batch, streams.memcpy, self._ranks.lane.inflight[0])
