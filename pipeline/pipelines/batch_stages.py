@@ -23,9 +23,8 @@ from pipeline.ranks import Lane, Ranks
 from pipeline.stages.context import BatchContext
 from pipeline.stages.copy import to_device, to_device_in_place
 from pipeline.stages.input_dist import InputDist
-from pipeline.stages.labels import label, run_stage
 from pipeline.stages.loader_state import capture
-from pipeline.stages.streams import Streams
+from pipeline.stages.streams import Streams, label, run_stage
 
 __all__ = ["BatchStages", "SubclassPoints"]
 
