@@ -115,7 +115,7 @@ BOXES = {
             "streams.py  Streams / CudaStreams / ThreadStreams",
             "every hand-off: handoff, handoff_event, submit",
             "tests/streamcheck/  RecordingStreams (proves hand-offs on CPU)",
-            "labels.py + stages.py  pipeline::<stage>#<batch>",
+            "streams.py run_stage + stages.py  pipeline::<stage>#<batch>",
         ),
     ),
     "rewrite": (

@@ -59,9 +59,10 @@ from pipeline.ranks import (
 )
 from pipeline.stages.backward_step import StepPlacement
 from pipeline.stages.context import TrainPipelineContext
+from pipeline.stages.cuda_streams import CudaStreams
 from pipeline.stages.not_pipelined import NotPipelinedWarning
 from pipeline.stages.prefetch_watch import PrefetchWatch
-from pipeline.stages.streams import CudaStreams, Streams
+from pipeline.stages.streams import Streams
 from pipeline.stages.thread_streams import ThreadStreams
 from pipeline.stages.watch import ScheduleWatch
 from rewrite import NotPreparedError, RewriteError

@@ -17,7 +17,7 @@ import torch
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
-from pipeline.stages import labels
+from pipeline.stages import streams
 from pipeline.stages.prefetch import prefetch_does_work
 from pipeline.stages.streams import Streams
 from tests.harness import run_ranks
@@ -25,13 +25,13 @@ from tests.harness import run_ranks
 
 def test_stage_labels_only_while_a_profiler_records(monkeypatch):
     made: list[str] = []
-    real = labels.record_function
-    monkeypatch.setattr(labels, "record_function", lambda text: made.append(text) or real(text))
-    with labels.run_stage(Streams(), "forward", 3), labels.label("pipeline::x#3"):
+    real = streams.record_function
+    monkeypatch.setattr(streams, "record_function", lambda text: made.append(text) or real(text))
+    with streams.run_stage(Streams(), "forward", 3), streams.label("pipeline::x#3"):
         pass
     assert made == []  # no profiler: no record_function at all
     with profile() as prof:
-        with labels.run_stage(Streams(), "forward", 4), labels.label("pipeline::x#4"):
+        with streams.run_stage(Streams(), "forward", 4), streams.label("pipeline::x#4"):
             torch.ones(1).add_(1)
     assert made == ["pipeline::forward#4", "pipeline::x#4"]
     names = {e.name for e in prof.events()}
@@ -43,7 +43,7 @@ def test_stage_labels_under_a_profiler_of_every_thread():
     says no profiler is enabled: the labels must still be made."""
     config = _ExperimentalConfig(profile_all_threads=True)
     with profile(activities=[ProfilerActivity.CPU], experimental_config=config) as prof:
-        with labels.run_stage(Streams(), "forward", 5):
+        with streams.run_stage(Streams(), "forward", 5):
             torch.ones(1).add_(1)
     assert "pipeline::forward#5" in {e.name for e in prof.events()}
 

@@ -19,7 +19,7 @@ import torch
 
 from pipeline.compat.types import In
 from pipeline.stages.copy import to_device
-from pipeline.stages.labels import label
+from pipeline.stages.streams import label
 
 __all__ = ["DataLoadingThread"]
 

@@ -27,9 +27,8 @@ from pipeline.compat.backward_injection import InjectionSite, register_backward_
 from pipeline.ranks import Lane, Ranks
 from pipeline.stages.context import BatchContext
 from pipeline.stages.input_dist import InputDist
-from pipeline.stages.labels import label
 from pipeline.stages.lookup import LookupStage
-from pipeline.stages.streams import Streams
+from pipeline.stages.streams import Streams, label
 from rewrite import unwrap_model
 
 __all__ = ["Batches", "FusedMethods", "SemiSyncMethods", "SparseDistMethods"]

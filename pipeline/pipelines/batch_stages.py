@@ -1,31 +1,64 @@
 """`BatchStages`: the stages every pipeline class runs on a batch, whichever its step: the copy
 (fetch through the ranks' protocol, then the host-to-device copy on the memcpy stream), forward,
-backward, the replicas' sync and the optimizer step, each labelled (`pipeline.stages.labels`). The
-classes' steps call them by name; `PipelineCore` (core.py) owns the state they read.
+backward, the replicas' sync and the optimizer step, each labelled (`pipeline.stages.streams.run_stage`).
+The classes' steps call them by name; `PipelineCore` (core.py) owns the state they read.
+
+`SubclassPoints`: torchrec's protected methods that a user's subclass overrides and the stages call,
+with torchrec's names and signatures (`_next_batch` for every batch fetched, `_backward`,
+`_optimizer_step`; `_wait_for_batch`, with torchrec's two signatures, each class family defines).
+docs/reference.md, "Subclassing", says what an override must do.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from typing import Any
 
 import torch
 from torch import nn
 
-from pipeline.compat.hooks import SubclassPoints
 from pipeline.ranks import Lane, Ranks
 from pipeline.stages.context import BatchContext
 from pipeline.stages.copy import to_device, to_device_in_place
 from pipeline.stages.input_dist import InputDist
-from pipeline.stages.labels import label, run_stage
 from pipeline.stages.loader_state import capture
-from pipeline.stages.streams import Streams
+from pipeline.stages.streams import Streams, label, run_stage
 
-__all__ = ["BatchStages"]
+__all__ = ["BatchStages", "SubclassPoints"]
 
 _NOTHING = contextlib.nullcontext()
+
+
+class SubclassPoints:
+    """The default `_next_batch`, `_backward` and `_optimizer_step` (torchrec's behaviour)."""
+
+    _optimizer: Any
+
+    def _next_batch(self, dataloader_iter: Iterator[Any]) -> Any | None:
+        """The next batch of `dataloader_iter`, or None once it has ended.
+
+        Every batch the pipeline fetches comes from here. An override may skip batches (call
+        `super()._next_batch` again) or transform them; it must return None at the end, and only
+        there (None ends this rank's data; the ranks then agree on where the data ended).
+        """
+        return next(dataloader_iter, None)
+
+    def _backward(self, losses: torch.Tensor) -> None:
+        """Backward of the loss of the batch at the head (`losses`: what the model returned).
+
+        An override may scale or add to the loss; it must run backward once, since the optimizer
+        steps on the gradients it leaves.
+        """
+        # a scalar loss needs no sum (one kernel launch less), and the gradient is the same
+        loss = losses if isinstance(losses, torch.Tensor) and losses.dim() == 0 else torch.sum(losses)
+        loss.backward()
+
+    def _optimizer_step(self) -> None:
+        """Step the optimizer after backward. An override may clip gradients first, skip a step
+        or step a learning-rate scheduler too."""
+        self._optimizer.step()
 
 
 class BatchStages(SubclassPoints):
@@ -127,7 +160,7 @@ class BatchStages(SubclassPoints):
 
     def _wait_copied(self, batch: Any) -> None:
         """Make the copy stage's `batch` usable on the caller's stream (what `_wait_for_batch`
-        does by default)."""
+        does by default: Base's, Lite's; `TrainPipelineSparseDist._wait_for_batch` spells it out)."""
         streams = self._streams
         # held for the caller's stream on behalf of the head batch, released after its step
         streams.handoff(batch, streams.memcpy, self._ranks.lane.inflight[0])

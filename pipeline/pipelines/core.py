@@ -40,7 +40,8 @@ class PipelineCore(BatchStages, TrainPipeline):
     """The machinery every pipeline class shares (a torchrec `TrainPipeline`). A class built on it
     declares its constructor (torchrec's parameters, then ours, keyword-only), calls this one,
     composes its components, and implements `_fill` (what must be in flight before a step) and
-    `_step` (one step, calling torchrec's subclass points: `pipeline.compat.hooks`) in its own module.
+    `_step` (one step, calling torchrec's subclass points: `SubclassPoints`, batch_stages.py) in its
+    own module.
 
     Args:
         model: the model the pipeline runs.

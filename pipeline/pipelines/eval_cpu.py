@@ -25,9 +25,8 @@ from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
 from pipeline.stages.context import HostLookupBatchContext
 from pipeline.stages.copy import to_device, to_device_in_place
-from pipeline.stages.labels import run_stage
 from pipeline.stages.lookup import LookupStage
-from pipeline.stages.streams import Streams
+from pipeline.stages.streams import Streams, run_stage
 from pipeline.stages.thread_streams import streams_for
 
 __all__ = ["EvalPipelineCPUSparse"]

@@ -3,7 +3,7 @@ from it (Fused, SemiSync, Prefetch, Eval, Lite, PEC, the stash pipelines, ...): 
 their machinery (`_build`), their `InputDist` component and its public face, `rewrite_report`,
 `input_dist_schedule`, `tuner`, `released_bytes`, `detach()`/`attach()`. Each class declares its
 constructor, passes its arguments on to `_build`, adds what differs and writes its step in its own
-module, calling its `InputDist` by name.
+module, calling its `InputDist` by name (`TrainPipelineSparseDist`'s step: sparse_dist.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from pipeline.compat.arguments import refuse_jit
 from pipeline.compat.methods import SparseDistMethods
 from pipeline.config import InputDistOptions, RankOptions, RewriteOptions, fields_in, resolve
 from pipeline.pipelines.core import PipelineCore
-from pipeline.ranks import Lane
 from pipeline.stages.context import BatchContext
 from pipeline.stages.input_dist import InputDist
 from pipeline.stages.memory import MemoryFlags
@@ -89,36 +88,6 @@ class InputDistCore(SparseDistMethods, PipelineCore):
         """
         if model is not None and model is not self._model:
             raise ValueError("attach(model) takes the pipeline's own model; build a new pipeline for another")
-
-    def _wait_for_batch(self) -> None:
-        """Make the head batch (`self.batches[0]`), copied to the device on the memcpy stream,
-        usable on the caller's: torchrec's subclass point, with its signature on this family;
-        each step calls it before forward."""
-        self._wait_copied(self._ranks.lane.inflight[0].batch)
-
-    def _sparse_dist_step(self, lane: Lane, *, copy_after_forward: bool) -> Any:
-        """TrainPipelineSparseDist's step (also Prefetch's when no module has prefetch work): the
-        copy of batch i+2 (after forward of i if `copy_after_forward`) and the input_dist of i+1
-        overlap forward, backward and optimizer of i."""
-        ctx = lane.inflight[0]
-        input_dist = self._input_dist
-        input_dist.choose_schedule(self._model.training)
-        input_dist.release_inputs(ctx)
-        if not copy_after_forward and len(lane.inflight) < 3:
-            self._enqueue(lane)
-        nxt = input_dist.start_next(lane)
-        self._wait_for_batch()
-        losses, output = self._forward(ctx, train=True, input_dist=input_dist)
-        if copy_after_forward and len(lane.inflight) < 3:
-            self._enqueue(lane)  # after forward: on a GPU the copy does not compete with lookups
-        if nxt is not None:
-            input_dist.wait_splits(nxt)  # a no-op after early splits
-        if losses is not None:
-            self._backward_stage(ctx, losses)
-            self._sync_replicas(ctx)
-            self._optimizer_stage(ctx)
-        lane.inflight.popleft()
-        return output
 
     def _build(self, arguments: dict[str, Any], /, **fixed: Any) -> None:
         """The one construction of every class of the family: each constructor passes its own

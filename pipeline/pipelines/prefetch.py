@@ -127,7 +127,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
 
     def _step(self, lane: Lane) -> Any:
         if not self._with_stage:
-            return self._sparse_dist_step(lane, copy_after_forward=False)
+            return super()._step(lane)  # TrainPipelineSparseDist's (no enqueue_batch_after_forward here)
         ctx = lane.inflight[0]
         input_dist, prefetch = self._input_dist, self._prefetch
         input_dist.choose_schedule(self._model.training)

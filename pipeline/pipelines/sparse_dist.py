@@ -97,4 +97,34 @@ class TrainPipelineSparseDist(InputDistCore):
         self._input_dist.fill(lane, self._enqueue)
 
     def _step(self, lane: Lane) -> Any:
-        return self._sparse_dist_step(lane, copy_after_forward=self._enqueue_batch_after_forward)
+        """The copy of batch i+2 (after forward of i under `enqueue_batch_after_forward`) and the
+        input_dist of i+1 overlap forward, backward and optimizer of i. Prefetch runs it too when no
+        module has prefetch work."""
+        ctx, input_dist = lane.inflight[0], self._input_dist
+        copy_late = self._enqueue_batch_after_forward
+        input_dist.choose_schedule(self._model.training)
+        input_dist.release_inputs(ctx)
+        if not copy_late and len(lane.inflight) < 3:
+            self._enqueue(lane)
+        nxt = input_dist.start_next(lane)
+        self._wait_for_batch()
+        losses, output = self._forward(ctx, train=True, input_dist=input_dist)
+        if copy_late and len(lane.inflight) < 3:
+            self._enqueue(lane)  # after forward: on a GPU the copy does not compete with lookups
+        if nxt is not None:
+            input_dist.wait_splits(nxt)  # a no-op after early splits
+        if losses is not None:
+            self._backward_stage(ctx, losses)
+            self._sync_replicas(ctx)
+            self._optimizer_stage(ctx)
+        lane.inflight.popleft()
+        return output
+
+    def _wait_for_batch(self) -> None:
+        """Make the head batch (`self.batches[0]`), copied to the device on the memcpy stream,
+        usable on the caller's: torchrec's subclass point, with its signature on this family;
+        each step calls it before forward."""
+        head, streams = self._ranks.lane.inflight[0], self._streams
+        # held for the caller's stream on behalf of the head batch, released after its step
+        streams.handoff(head.batch, streams.memcpy, head)
+        streams.consumed(head.batch)

@@ -17,8 +17,8 @@ from typing import Any
 
 from pipeline.compat.types import TrainPipeline
 from pipeline.ranks.failure import StopIterationInStepError
-from pipeline.stages.labels import label
-from pipeline.stages.streams import CudaStreams, Streams
+from pipeline.stages.cuda_streams import CudaStreams
+from pipeline.stages.streams import Streams, label
 from pipeline.stages.thread_streams import ThreadStreams
 
 __all__ = ["PipelineStage", "StagedTrainPipeline", "device_stream", "util_streams"]

@@ -15,8 +15,7 @@ from typing import Any
 from torchrec.distributed.types import LazyNoWait
 
 from pipeline.ranks.lane import Ticket
-from pipeline.stages.labels import label
-from pipeline.stages.streams import Streams
+from pipeline.stages.streams import Streams, label
 
 __all__ = [
     "BatchContext",

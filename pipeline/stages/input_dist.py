@@ -22,11 +22,10 @@ from pipeline.ranks.riding import Admission
 from pipeline.stages.attachment import Attachment
 from pipeline.stages.context import BatchContext
 from pipeline.stages.groups import InputDistGroups
-from pipeline.stages.labels import run_stage
 from pipeline.stages.memory import MemoryFlags, release_features, release_sent_inputs
 from pipeline.stages.narrow import NarrowIds, every_rank, originals
 from pipeline.stages.schedule import SCHEDULES
-from pipeline.stages.streams import Streams
+from pipeline.stages.streams import Streams, run_stage
 from pipeline.stages.watch import ScheduleWatch
 from pipeline.stages.watch_text import NOT_ON_NCCL, ONE_RANK, WATCH_ADVICE
 from rewrite import CallSite, ContextSlot, PipelinedModule, Rewrite, RewriteReport

@@ -21,8 +21,7 @@ from torch import nn
 
 from pipeline.stages.context import BatchContext, LookupBatchContext
 from pipeline.stages.input_dist import InputDist
-from pipeline.stages.labels import run_stage
-from pipeline.stages.streams import Streams
+from pipeline.stages.streams import Streams, run_stage
 
 __all__ = ["LookupStage"]
 

@@ -10,9 +10,8 @@ import torch
 
 from pipeline.stages.context import PrefetchBatchContext
 from pipeline.stages.input_dist import InputDist
-from pipeline.stages.labels import label, run_stage
 from pipeline.stages.prefetch_watch import PrefetchWatch
-from pipeline.stages.streams import Streams
+from pipeline.stages.streams import Streams, label, run_stage
 
 __all__ = ["PrefetchStage", "prefetch_does_work"]
 

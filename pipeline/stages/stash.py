@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-from pipeline.stages.labels import label
-from pipeline.stages.streams import Streams
+from pipeline.stages.streams import Streams, label
 
 __all__ = ["Stash", "tensors_in"]
 

@@ -6,34 +6,45 @@ the prefetch on `prefetch`, and forward/backward/optimizer on whatever stream th
 user's code around `progress()`). Every object made on one stream and used on another goes through
 `Streams.handoff`; `release` and `returned` end what it holds (the contract: their docstrings).
 
-Implementations: `Streams` (CPU: no-ops), `CudaStreams`, `thread_streams.ThreadStreams` (CPU, the
-prefetch stream a worker thread) and the test double `tests.streamcheck.RecordingStreams`. `CudaStreams`
-and the double share `OrderedStreams`, where the hand-off is written once. Nobody asks which it has.
+Implementations: `Streams` (CPU: no-ops), `cuda_streams.CudaStreams`, `thread_streams.ThreadStreams`
+(CPU, the prefetch stream a worker thread) and the test double `tests.streamcheck.RecordingStreams`.
+`CudaStreams` and the double share `OrderedStreams`, where the hand-off is written once. Nobody asks
+which it has.
 
 `record_stream` remains (`Streams.record`) under `handoff="record-stream"`, for what `returned`
 gives the caller, for a storage freed while a side stream still copies it (`free_after`), and inside
 torchrec's and fbgemm's APIs: a collective's awaitable records its result on the stream that waits
 for it (`torchrec.distributed.comm_ops.Request`), a UVM-caching table's `prefetch(...,
 forward_stream)` its cache locations on the forward stream.
+
+Stages run under profiler labels (`run_stage`, `label`), paid for only while a profiler records: a
+stage (copy, input_dist::start, ..., optimizer: the names `timeline.trace.STAGES` reads) runs under
+`record_function("pipeline::<stage>#<batch index>")`, e.g. `pipeline::forward#12`, which the
+timeline tool reads. A `record_function` costs 8-15 us of host time even with no profiler running,
+so labels are made only while one records (a check of ~0.1 us). torch 2.13's `_profiler_enabled()`
+says False under a profiler made with `profile_all_threads=True` (the timeline's), so the
+Python-side flag that every torch.profiler sets is read too.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from contextlib import nullcontext
 from typing import Any
 
-import torch
+from torch._C._autograd import _profiler_enabled
+from torch.autograd import profiler as autograd_profiler
+from torch.profiler import record_function
 
 from pipeline.stages.keepalive import KeepAlive
 
 __all__ = [
     "HANDOFFS",
-    "CudaStreams",
     "OrderedStreams",
     "Streams",
+    "label",
+    "run_stage",
 ]
 
 HANDOFFS = ("keep-alive", "record-stream")
@@ -49,7 +60,7 @@ class Streams:
     prefetch: Any = None
     inert: bool = True
     """`use()` and `stage_started()` do nothing (no streams, no checking): a stage needs no
-    bookkeeping while no profiler records (`pipeline.stages.labels.run_stage`)."""
+    bookkeeping while no profiler records (`run_stage`)."""
 
     def current(self) -> Any:
         """The stream the caller is running on now (forward/backward/optimizer run there)."""
@@ -220,58 +231,50 @@ class OrderedStreams(Streams):
         return self.keep_alive.size
 
 
-class CudaStreams(OrderedStreams):
-    """Side streams on a CUDA device; copy and communication at high priority.
-
-    Args:
-        device: the CUDA device.
-        prefetch: make a prefetch stream.
-        data_dist: make a data_dist stream; without, input_dist runs on the caller's stream (no
-            memory pool of another stream).
-        handoff: one of `HANDOFFS` ("record-stream" is there to compare the two in-flight memories).
-    """
-
-    def __init__(
-        self,
-        device: torch.device,
-        *,
-        prefetch: bool = True,
-        data_dist: bool = True,
-        handoff: str = "keep-alive",
-    ) -> None:
-        super().__init__(torch.cuda.Event, handoff=handoff)
-        high = torch.cuda.Stream.priority_range()[1]  # lowest number is the highest priority
-        self.device = device
-        self.memcpy = torch.cuda.Stream(device=device, priority=high)
-        # without: input_dist runs on the caller's stream (no memory pool of another stream)
-        self.data_dist = torch.cuda.Stream(device=device, priority=high) if data_dist else None
-        self.prefetch = torch.cuda.Stream(device=device) if prefetch else None
-
-    def current(self) -> Any:
-        return torch.cuda.current_stream(self.device)
-
-    def use(self, stream: Any):
-        return torch.cuda.stream(stream) if stream is not None else nullcontext()
-
-    def record(self, obj: Any, stream: Any) -> None:
-        _record_stream(obj, stream)
-
-    def free_after(self, tensor: Any, stream: Any) -> None:
-        _record_stream(tensor, stream)
+_NO_LABEL = nullcontext()
 
 
-def _record_stream(obj: Any, stream: Any) -> None:
-    if isinstance(obj, torch.Tensor):
-        if obj.is_cuda:
-            obj.record_stream(stream)
-    elif hasattr(obj, "record_stream"):
-        obj.record_stream(stream)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _record_stream(v, stream)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _record_stream(v, stream)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            _record_stream(getattr(obj, f.name), stream)
+def _recording() -> bool:
+    """Whether a profiler records (either flag: see the module's docstring)."""
+    return _profiler_enabled() or autograd_profiler._is_profiler_enabled
+
+
+def label(text: str) -> Any:
+    """A context manager labelling the enclosed work `text` while a profiler records (else a no-op)."""
+    return record_function(text) if _recording() else _NO_LABEL
+
+
+def run_stage(streams: Streams, name: str, index: int, stream: Any = None) -> Any:
+    """A context manager running the enclosed work as stage `name` of batch `index` on `stream`
+    (None: the current one). With inert streams and no profiler recording, a shared no-op: a step's
+    stages then cost one call each on the hot path."""
+    if streams.inert and not _recording():
+        return _NO_LABEL
+    return _Stage(streams, name, index, stream)
+
+
+class _Stage:
+    """A stage with work to do on entry: a label, a stream, a checking hook. A class, not a
+    generator: entering it costs one small object, no generator frame."""
+
+    __slots__ = ("_index", "_label", "_name", "_stream", "_streams", "_use")
+
+    def __init__(self, streams: Streams, name: str, index: int, stream: Any = None) -> None:
+        self._streams, self._name, self._index, self._stream = streams, name, index, stream
+        self._label: Any = None
+        self._use: Any = None
+
+    def __enter__(self) -> None:
+        if _recording():
+            self._label = record_function(f"pipeline::{self._name}#{self._index}")
+            self._label.__enter__()
+        self._use = self._streams.use(self._stream)
+        self._use.__enter__()
+        self._streams.stage_started(self._name)
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._use.__exit__(*exc)
+        finally:
+            if self._label is not None:
+                self._label.__exit__(*exc)

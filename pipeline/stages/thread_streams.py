@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from pipeline.stages.streams import CudaStreams, Streams
+from pipeline.stages.cuda_streams import CudaStreams
+from pipeline.stages.streams import Streams
 
 __all__ = ["ThreadStreams", "all_threads_profiled", "profiling_all_threads", "streams_for"]
 
