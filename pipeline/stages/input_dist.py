@@ -286,7 +286,7 @@ class InputDist:
         if nxt is None or not self._admission.admit(lane, nxt):
             return None
         self.start(nxt)
-        if self.early_splits and not self.wait_splits(nxt):
+        if SCHEDULES[self.schedule].early_splits and not self.wait_splits(nxt):
             return None
         return nxt
 
