@@ -25,8 +25,7 @@ import torch.distributed as dist
 
 from pipeline.config import RankOptions
 from pipeline.ranks.failure import FailureSignal, PeerFailedError, is_comm_error
-from pipeline.ranks.keys import KeyCheck
-from pipeline.ranks.kjt_check import KJTCheck
+from pipeline.ranks.kjt_check import KeyCheck, KJTCheck
 from pipeline.ranks.lane import Lane, LaneState, Ticket
 from pipeline.ranks.status import (
     BatchKeysError,
