@@ -16,11 +16,11 @@ from torch import nn
 
 from pipeline.compat.hooks import SubclassPoints
 from pipeline.ranks import Lane, Ranks
+from pipeline.ranks.protocol import capture
 from pipeline.stages.context import BatchContext
 from pipeline.stages.copy import to_device, to_device_in_place
 from pipeline.stages.input_dist import InputDist
 from pipeline.stages.labels import label, run_stage
-from pipeline.stages.loader_state import capture
 from pipeline.stages.streams import Streams
 
 __all__ = ["BatchStages"]

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pipeline.ranks.word import RESTORED
+from pipeline.ranks.rows import RESTORED
 
 __all__ = ["SavedDecision", "world_size"]
 

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from pipeline.ranks.word import RESTORED, observed
+from pipeline.ranks.rows import RESTORED, observed
 from pipeline.stages.saved_decision import SavedDecision, world_size
 from pipeline.stages.step_times import StepTimes
 
