@@ -12,13 +12,11 @@ peers stop within seconds (`pipeline.ranks.failure`). A rank whose dataloader is
 adding placeholders (no batch) until the end is agreed, so every rank holds as many batches in
 flight and issues the same collectives in order.
 
-A checkpoint needs no drain: a pipeline fetches ahead of the batch it trains, so a stateful
-dataloader's own `state_dict()` taken between two `progress()` calls is ahead of the model. Where
-the iterator has a `state_dict()` (torchdata's `StatefulDataLoader`, or any `StatefulIterator`),
-the pipeline captures it right before each fetch (`capture`) and keeps it on the batch's context;
-`resume_state` returns the one from before the oldest batch still in flight. The pipelines change
-no parameter or optimizer state ahead of the step that trains a batch (docs/pipeline.md,
-"Checkpointing").
+A checkpoint needs no drain: a dataloader's own `state_dict()` is ahead of the model, by the
+batches in flight, so the pipeline captures it right before each fetch (`capture`, where the
+iterator is a `StatefulIterator`, e.g. torchdata's `StatefulDataLoader`) and keeps it on the
+batch's context; `resume_state` returns the one from before the oldest batch still in flight
+(docs/pipeline.md, "Checkpointing").
 """
 
 from __future__ import annotations
@@ -181,7 +179,8 @@ class Ranks:
         return self.conclude(lane, ctx, counts)
 
     def conclude(self, lane: Lane, ctx: Any, counts: dict[Status, int]) -> bool:
-        """`admit` once every rank's status is known (`counts`: how many ranks have each)."""
+        """`admit` once every rank's status is known (`counts`: how many ranks have each; a batch
+        whose status rode and every rank has is admitted by `Admission.conclude` alone)."""
         ticket: Ticket = ctx.ticket
         world = sum(counts.values())
         if counts.get(Status.HAVE, 0) == world:
