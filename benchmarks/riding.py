@@ -52,7 +52,7 @@ def _one(world: int, watching: bool, batches: int) -> float:
     from pipeline.ranks import Status
     from pipeline.ranks.lane import Ticket
     from pipeline.ranks.riding import Admission
-    from pipeline.ranks.word import observed, pack, tagged
+    from pipeline.ranks.rows import observed, pack, tagged
     from pipeline.stages.context import BatchContext
     from pipeline.stages.watch import ScheduleWatch
 

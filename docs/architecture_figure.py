@@ -73,7 +73,7 @@ BOXES = {
             "admit before the first collective",
             "after_world_collective: THE rule",
             "fail: failure.py, PeerFailedError",
-            "votes.py flags.py keys.py lane.py",
+            "votes.py flags.py kjt_check.py lane.py",
         ),
     ),
     "input_dist": (

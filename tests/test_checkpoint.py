@@ -146,7 +146,7 @@ def test_checkpoint_without_drain_resumes_bit_for_bit(no_drain, pipe_name, shard
 
 
 def test_dataloader_state_without_state_dict_says_to_drain():
-    from pipeline.stages.loader_state import resume_state
+    from pipeline.ranks.protocol import resume_state
 
     with pytest.raises(TypeError, match=r"pipe\.drain\(iterator\)"):
         resume_state(iter([1, 2]), [])

@@ -117,12 +117,12 @@ def test_options_are_keyword_only_slots():
 def test_lane_states():
     ranks = Ranks(RankOptions())
     lane = ranks.open_lane(iter([1, 2]))
-    assert lane.state is LaneState.OPEN and lane.fetching
+    assert lane.state is LaneState.OPEN
     assert ranks.fetch(lane)[0] == 1 and ranks.fetch(lane)[0] == 2
     assert ranks.fetch(lane) is None  # one process: an exhausted rank adds no placeholder
-    assert lane.state is LaneState.EXHAUSTED and lane.fetching and lane.fetched == 2
+    assert lane.state is LaneState.EXHAUSTED and lane.fetched == 2
     lane.drain()
-    assert lane.state is LaneState.DRAINING and not lane.fetching and ranks.fetch(lane) is None
+    assert lane.state is LaneState.DRAINING and ranks.fetch(lane) is None  # a draining lane fetches nothing
     ended = Lane(iter([]), state=LaneState.ENDED)
     ended.drain()
     assert ended.state is LaneState.ENDED

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.ranks.riding import Admission
-from pipeline.ranks.word import figure_of, observed, tagged
+from pipeline.ranks.rows import figure_of, observed, tagged
 from pipeline.stages.prefetch_watch import PrefetchWatch
 from pipeline.stages.step_watch import WatchPhase
 

@@ -15,8 +15,7 @@ from torchrec.distributed.sharding.tw_sharding import TwSparseFeaturesDist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from pipeline.ranks import rows as rows_module
-from pipeline.ranks.rows import StatusOnly, StatusSplits, riding_fits, splits_shape
-from pipeline.ranks.word import pack, unpack
+from pipeline.ranks.rows import StatusOnly, StatusSplits, pack, riding_fits, splits_shape, unpack
 
 WORLD = 2
 

@@ -1,5 +1,5 @@
 """The default schedule's watch (pipeline.stages.watch) and the word its figures ride in
-(pipeline.ranks.word), with fake clocks and simulated ranks: when it tries "early", when it keeps
+(pipeline.ranks.rows), with fake clocks and simulated ranks: when it tries "early", when it keeps
 it, when it goes back, and that every rank decides alike from the words they all read."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.ranks import RidingMismatchError, Status
 from pipeline.ranks.riding import _read
-from pipeline.ranks.word import TAG, observed, pack, unpack
+from pipeline.ranks.rows import TAG, observed, pack, unpack
 from pipeline.stages.watch import ScheduleWatch, WatchPhase
 
 

@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from pipeline.ranks import Lane, Ranks
+from pipeline.ranks.protocol import capture
 from pipeline.stages.context import BatchContext
 from pipeline.stages.copy import to_device, to_device_in_place
 from pipeline.stages.input_dist import InputDist
-from pipeline.stages.loader_state import capture
 from pipeline.stages.streams import Streams, label, run_stage
 
 __all__ = ["BatchStages", "SubclassPoints"]

@@ -24,8 +24,8 @@ from pipeline.compat.types import TrainPipeline
 from pipeline.config import RankOptions
 from pipeline.pipelines.batch_stages import BatchStages
 from pipeline.ranks import AgreedError, Lane, LaneState, Ranks, StopIterationInStepError
+from pipeline.ranks.protocol import resume_state
 from pipeline.stages.context import BatchContext
-from pipeline.stages.loader_state import resume_state
 from pipeline.stages.streams import Streams
 from pipeline.stages.thread_streams import streams_for
 

@@ -1,10 +1,12 @@
 """The ranks' protocol: how every rank learns, before a batch enters a collective, whether every
 other rank has it (uneven data, wrong keys) and whether a peer failed.
 
-`Ranks` (`protocol.py`) is its one owner, and `Admission` (`riding.py`) decides for the batches of
-an input_dist whether each is trained, by its vote or by its status riding on its splits all-to-all
-(`rows.py`, `word.py`). The other pieces are one concept a module: `status.py` (the statuses and the
-errors raised on every rank), `votes.py`, `keys.py`, `kjt_check.py`, `failure.py` and `lane.py`.
+`Ranks` (`protocol.py`, beside the dataloader's state captured before each fetch) is its one owner;
+it fetches each batch and checks its KeyedJaggedTensors (`kjt_check.py`: keys and well-formedness).
+`Admission` (`riding.py`) decides for the batches of an input_dist whether each is trained, by its
+vote or by its status riding on its splits all-to-all (`rows.py`: the word and the row that carries
+it). The other pieces are one concept a module: `status.py` (the statuses and the errors raised on
+every rank), `votes.py`, `failure.py` and `lane.py`.
 """
 
 from pipeline.ranks.failure import (
@@ -14,8 +16,7 @@ from pipeline.ranks.failure import (
     is_comm_error,
     rank_and_world,
 )
-from pipeline.ranks.keys import KeyCheck
-from pipeline.ranks.kjt_check import KJTCheck
+from pipeline.ranks.kjt_check import KeyCheck, KJTCheck
 from pipeline.ranks.lane import Lane, LaneState, Ticket
 from pipeline.ranks.protocol import Ranks
 from pipeline.ranks.status import (

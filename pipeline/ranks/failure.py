@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -146,6 +147,37 @@ class FailureSignal:
 
     def next_generation(self) -> None:
         self._generation += 1
+
+    def fail(self, error: BaseException, reset: Callable[[], None]) -> None:
+        """This rank raised `error` inside `progress()`: `reset()` its batches in flight and make
+        sure no peer is left waiting in a collective for it (announce, wait `grace` for the others,
+        destroy the process groups unless every rank failed at the same step).
+
+        Raises:
+            PeerFailedError: the error came from a peer's failure (a collective broken by it).
+        """
+        if not self.distributed:
+            reset()
+            return
+        if is_comm_error(error):
+            peers = self.peer_failures()
+            try:
+                reset()
+            finally:
+                self.abort()
+            cause = "; ".join(peers) or "no rank recorded an error: a peer was probably killed or exited"
+            raise PeerFailedError(
+                f"rank {self.rank} stopped because a peer failed ({cause}). This rank's process "
+                "groups were destroyed; restart the job."
+            ) from error
+        self.announce(error)
+        every_rank_failed = self.all_failed()
+        self.next_generation()
+        try:
+            reset()
+        finally:
+            if not every_rank_failed:  # a peer may be waiting in a collective for this rank
+                self.abort()
 
     @staticmethod
     def abort() -> None:

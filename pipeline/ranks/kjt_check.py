@@ -1,12 +1,20 @@
-"""The KeyedJaggedTensor check: each batch's KJTs are well formed, before they enter a collective.
+"""The per-batch checks of a batch's KeyedJaggedTensors at fetch, before they enter a collective.
 
-torchrec validates the first batch a sharded module sees and no other; a later batch whose lengths
-do not add up to its values, with a negative length, or with an id past its table's last row fails
-deep inside input_dist or the lookup kernel, on one rank, while the others wait for it. Here every
-batch is checked at fetch with a few reductions over its tensors (no Python loop; microseconds on
-the host, a synchronization each for a batch already on a GPU), and a bad one gets the status
-`MALFORMED`: every rank stops before it with the same `MalformedBatchError` naming the batch, the
-key and the problem (the loops below run only then).
+`KeyCheck`: each batch's KJT keys against the first batch's. torchrec's input_dist builds its
+feature order from the keys of the first batch it sees and does not look at them again, so a later
+batch with a feature renamed, missing or added would be embedded under the wrong tables without a
+word. A batch that fails the check gets the status `BAD_KEYS`, and every rank stops before it with
+the same `BatchKeysError`.
+
+`KJTCheck`: each batch's KJTs are well formed. torchrec validates the first batch a sharded module
+sees and no other; a later batch whose lengths do not add up to its values, with a negative length,
+or with an id past its table's last row fails deep inside input_dist or the lookup kernel, on one
+rank, while the others wait for it. Here every batch is checked with a few reductions over its
+tensors (no Python loop; microseconds on the host, a synchronization each for a batch already on a
+GPU), and a bad one gets the status `MALFORMED`: every rank stops before it with the same
+`MalformedBatchError` naming the batch, the key and the problem (the loops below run only then).
+
+Both look each KJT up at the first batch's paths (`kjt_at`): a walk of the whole batch costs ~60 us.
 """
 
 from __future__ import annotations
@@ -18,10 +26,9 @@ import torch
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from pipeline.ranks.keys import kjt_at
 from rewrite import find_kjts
 
-__all__ = ["KJTCheck", "Table", "table_configs", "tables_of"]
+__all__ = ["KJTCheck", "KeyCheck", "Table", "kjt_at", "table_configs", "tables_of"]
 
 _NO_LIMIT = torch.iinfo(torch.int64).max
 
@@ -96,18 +103,14 @@ class KJTCheck:
     def check(self, batch: Any) -> str | None:
         """None if every KeyedJaggedTensor of `batch` is well formed; else what is wrong with the
         first bad one (its path, key and problem)."""
-        if self._tables is None:
-            self._tables = tables_of(self._model) if self._model is not None else {}
-        for path, kjt in self._kjts(batch):
-            problem = self.check_kjt(kjt)
-            if problem is not None:
-                return f"the KeyedJaggedTensor at {path or 'the batch'}, {problem}"
-        return None
-
-    def _kjts(self, batch: Any) -> list[tuple[str, KeyedJaggedTensor]]:
         if self._paths is None:
+            self._tables = tables_of(self._model) if self._model is not None else {}
             self._paths = [(str(path), path) for path, _ in find_kjts(batch)]
-        return [(text, kjt) for text, path in self._paths if (kjt := kjt_at(batch, path)) is not None]
+        for text, path in self._paths:
+            kjt = kjt_at(batch, path)
+            if kjt is not None and (problem := self.check_kjt(kjt)) is not None:
+                return f"the KeyedJaggedTensor at {text or 'the batch'}, {problem}"
+        return None
 
     def check_kjt(self, kjt: KeyedJaggedTensor) -> str | None:
         """None if `kjt` is well formed; else its bad key and what is wrong."""
@@ -127,16 +130,25 @@ class KJTCheck:
         weights = kjt.weights_or_none()
         if weights is not None and weights.numel() != n:
             return f"keys {keys}: {weights.numel()} weights for {n} values"
-        return self._range_problem(keys, values, lengths, strides) if n else None
-
-    def _range_problem(
-        self, keys: list[str], values: torch.Tensor, lengths: torch.Tensor, strides: list[int]
-    ) -> str | None:
-        limits, uniform = self._limits_of(keys)
+        if not n:
+            return None
+        limits, uniform = self._limits.get(tuple(keys)) or self._limits_of(keys)
         if uniform is not None:  # every key's table has the same rows: one pass over the values
             low, high = torch.aminmax(values)
             if int(low) >= 0 and int(high) < uniform:
                 return None
+        return self._range_problem(keys, values, lengths, strides, limits, uniform)
+
+    def _range_problem(
+        self,
+        keys: list[str],
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        strides: list[int],
+        limits: torch.Tensor,
+        uniform: int | None,
+    ) -> str | None:
+        if uniform is not None:
             per_value = torch.full_like(values, uniform, dtype=torch.int64)
         else:
             per_key = _per_key(lengths, strides)
@@ -152,13 +164,55 @@ class KJTCheck:
 
     def _limits_of(self, keys: list[str]) -> tuple[torch.Tensor, int | None]:
         """Per key, the rows of its table (no limit for a key with no table); the common value if
-        every key has a table of the same rows."""
-        cached = self._limits.get(tuple(keys))
-        if cached is None:
-            rows = [self._tables[k].rows if self._tables and k in self._tables else _NO_LIMIT for k in keys]
-            uniform = rows[0] if rows and len(set(rows)) == 1 and rows[0] != _NO_LIMIT else None
-            cached = self._limits[tuple(keys)] = (torch.tensor(rows, dtype=torch.int64), uniform)
+        every key has a table of the same rows (kept per key list)."""
+        rows = [self._tables[k].rows if self._tables and k in self._tables else _NO_LIMIT for k in keys]
+        uniform = rows[0] if rows and len(set(rows)) == 1 and rows[0] != _NO_LIMIT else None
+        cached = self._limits[tuple(keys)] = (torch.tensor(rows, dtype=torch.int64), uniform)
         return cached
+
+
+class KeyCheck:
+    """Compares each batch's KeyedJaggedTensor keys, per path in the batch, with the first batch's.
+
+    Walking the whole batch for KeyedJaggedTensors costs ~60 us on a busy core, most of the check;
+    so later batches are first looked up at the first batch's paths (a few us), and walked only if
+    one differs, for the error's details. A KeyedJaggedTensor at a path the first batch did not
+    have is not looked for: the model reads none there.
+    """
+
+    def __init__(self) -> None:
+        self.expected: list[tuple[str, list[str]]] | None = None
+        self._paths: list[tuple[Any, list[str]]] = []
+
+    @staticmethod
+    def keys_of(batch: Any) -> list[tuple[str, list[str]]]:
+        return [(str(path), list(kjt.keys())) for path, kjt in find_kjts(batch)]
+
+    def check(self, batch: Any) -> list[tuple[str, list[str]]] | None:
+        """None if `batch` has the expected keys (or is the first); else the keys it has."""
+        if self.expected is None:
+            self._paths = [(path, list(kjt.keys())) for path, kjt in find_kjts(batch)]
+            self.expected = [(str(path), keys) for path, keys in self._paths]
+            return None
+        for path, keys in self._paths:
+            kjt = kjt_at(batch, path)
+            if kjt is None or kjt.keys() != keys:
+                break  # walk the whole batch, for the error's details
+        else:
+            if self._paths:  # a first batch without any: every batch is walked
+                return None
+        found = self.keys_of(batch)
+        return None if found == self.expected else found
+
+
+def kjt_at(batch: Any, path: Any) -> KeyedJaggedTensor | None:
+    """The KeyedJaggedTensor at `path` (an ArgInfo of the first batch) in `batch`; None if this
+    batch has none there (another shape: the key check reports it)."""
+    try:
+        found = path.read(batch)
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return None
+    return found if isinstance(found, KeyedJaggedTensor) else None
 
 
 def _per_key(lengths: torch.Tensor, strides: list[int]) -> list[int]:

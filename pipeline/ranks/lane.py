@@ -70,11 +70,6 @@ class Lane:
     steps: int = 0
     """Batches of this iterator run so far."""
 
-    @property
-    def fetching(self) -> bool:
-        """Whether the next enqueue takes a batch (or, once exhausted, a placeholder)."""
-        return self.state is LaneState.OPEN or self.state is LaneState.EXHAUSTED
-
     def drain(self) -> None:
         """Fetch nothing more; what is in flight still runs."""
         if self.state is not LaneState.ENDED:

@@ -11,22 +11,27 @@ malformed KeyedJaggedTensor stops every rank with the same error, and a rank tha
 peers stop within seconds (`pipeline.ranks.failure`). A rank whose dataloader is exhausted keeps
 adding placeholders (no batch) until the end is agreed, so every rank holds as many batches in
 flight and issues the same collectives in order.
+
+A checkpoint needs no drain: a dataloader's own `state_dict()` is ahead of the model, by the
+batches in flight, so the pipeline captures it right before each fetch (`capture`, where the
+iterator is a `StatefulIterator`, e.g. torchdata's `StatefulDataLoader`) and keeps it on the
+batch's context; `resume_state` returns the one from before the oldest batch still in flight
+(docs/pipeline.md, "Checkpointing").
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from pipeline.config import RankOptions
-from pipeline.ranks.failure import FailureSignal, PeerFailedError, is_comm_error
-from pipeline.ranks.keys import KeyCheck
-from pipeline.ranks.kjt_check import KJTCheck
+from pipeline.ranks.failure import FailureSignal
+from pipeline.ranks.kjt_check import KeyCheck, KJTCheck
 from pipeline.ranks.lane import Lane, LaneState, Ticket
 from pipeline.ranks.status import (
     BatchKeysError,
@@ -41,7 +46,7 @@ from pipeline.ranks.status import (
 )
 from pipeline.ranks.votes import Vote, Votes
 
-__all__ = ["Ranks"]
+__all__ = ["Ranks", "StatefulIterator", "capture", "resume_state"]
 
 _PIPELINE_IDS = itertools.count()
 """Numbers pipelines in construction order, the same on every rank (names the store keys)."""
@@ -75,8 +80,8 @@ class Ranks:
         """Ranks agree on every batch (else a rank's own status is all it knows)."""
         self._pipeline_id = next(_PIPELINE_IDS)  # the same on every rank: pipelines are built in step
         self._failure = FailureSignal(grace=options.failure_grace, scope=f"p{self._pipeline_id}/")
-        self._lane: Lane | None = None
-        """The lane whose step runs now (`enter`)."""
+        self.lane: Lane | None = None
+        """The lane whose step runs now (the last `enter`), None before the first."""
         self.untrained_batches: list[Any] = []
         """Batches this rank fetched but did not train because another rank's data ended first."""
         self._pending: list[Vote] = []
@@ -118,8 +123,6 @@ class Ranks:
             `(batch, ticket)`, with batch None for a placeholder (this rank's data ended, the
             others' may not have); None when nothing is to be added.
         """
-        if not lane.fetching:
-            return None
         batch, status = None, Status.EXHAUSTED
         if lane.state is LaneState.OPEN:
             try:
@@ -130,6 +133,8 @@ class Ranks:
                 lane.state = LaneState.EXHAUSTED
             else:
                 status = Status.HAVE
+        elif lane.state is not LaneState.EXHAUSTED:  # draining or ended: nothing is fetched
+            return None
         if status == Status.EXHAUSTED and not self.voting:
             return None
         ticket = Ticket(position=lane.fetched, status=status)
@@ -174,7 +179,8 @@ class Ranks:
         return self.conclude(lane, ctx, counts)
 
     def conclude(self, lane: Lane, ctx: Any, counts: dict[Status, int]) -> bool:
-        """`admit` once every rank's status is known (`counts`: how many ranks have each)."""
+        """`admit` once every rank's status is known (`counts`: how many ranks have each; a batch
+        whose status rode and every rank has is admitted by `Admission.conclude` alone)."""
         ticket: Ticket = ctx.ticket
         world = sum(counts.values())
         if counts.get(Status.HAVE, 0) == world:
@@ -238,43 +244,59 @@ class Ranks:
 
     def enter(self, lane: Lane) -> None:
         """A step of `lane` starts (its batches are the ones the step's stages work on)."""
-        self._lane = lane
-
-    @property
-    def lane(self) -> Lane | None:
-        """The lane whose step runs now (the last `enter`), None before the first."""
-        return self._lane
+        self.lane = lane
 
     def fail(self, error: BaseException, reset: Callable[[], None]) -> None:
         """This rank raised inside `progress()`: `reset()` the batches in flight and, across ranks,
-        make sure no peer is left waiting (`abort_on_error`).
+        make sure no peer is left waiting (`abort_on_error`: `FailureSignal.fail`).
 
         Raises:
             PeerFailedError: the error came from a peer's failure (a collective broken by it).
         """
-        signal = self._failure
-        if not (self._options.abort_on_error and signal.distributed):
+        if self._options.abort_on_error:
+            self._failure.fail(error, reset)
+        else:
             reset()
-            return
-        if is_comm_error(error):
-            peers = signal.peer_failures()
-            try:
-                reset()
-            finally:
-                signal.abort()
-            cause = "; ".join(peers) or "no rank recorded an error: a peer was probably killed or exited"
-            raise PeerFailedError(
-                f"rank {signal.rank} stopped because a peer failed ({cause}). This rank's process "
-                "groups were destroyed; restart the job."
-            ) from error
-        signal.announce(error)
-        every_rank_failed = signal.all_failed()
-        signal.next_generation()
-        try:
-            reset()
-        finally:
-            if not every_rank_failed:  # a peer may be waiting in a collective for this rank
-                signal.abort()
+
+
+class StatefulIterator(Protocol):
+    """An iterator whose `state_dict()` says where its next item comes from.
+
+    `state_dict()` must return a snapshot (later `next()` calls must not change it): the pipeline
+    keeps one per batch in flight.
+    """
+
+    def __next__(self) -> Any: ...
+
+    def state_dict(self) -> Any: ...
+
+
+def capture(iterator: Iterator[Any]) -> Any:
+    """The state of `iterator` before its next item is fetched; None if it keeps no state."""
+    state_dict = getattr(iterator, "state_dict", None)
+    return state_dict() if state_dict is not None else None
+
+
+def resume_state(iterator: Iterator[Any], inflight: Iterable[Any]) -> Any:
+    """The state to restore `iterator` to so that it yields the oldest untrained batch next.
+
+    Args:
+        iterator: the dataloader iterator given to `progress()`.
+        inflight: the contexts of its batches in flight, oldest first (each with `loader_state`).
+
+    Raises:
+        TypeError: `iterator` has no `state_dict()`: call `pipe.drain(iterator)` before saving
+            instead, then save the iterator's position by your own means.
+    """
+    if getattr(iterator, "state_dict", None) is None:
+        raise TypeError(
+            f"{type(iterator).__name__} has no state_dict(), so the pipeline cannot say where its "
+            "oldest untrained batch came from: use a stateful dataloader (torchdata's "
+            "StatefulDataLoader) or call pipe.drain(iterator) on every rank before saving"
+        )
+    for ctx in inflight:
+        return ctx.loader_state  # the oldest: fetched after every batch that has been trained
+    return iterator.state_dict()
 
 
 def _next_or_none(iterator: Any) -> Any:

@@ -2,15 +2,16 @@
 riding on its fused splits all-to-all instead of a vote.
 
 Once the sharded modules' splits all-to-alls are fused, a batch's first collective is that one
-all-to-all, which every rank issues anyway: each rank adds its word (`pipeline.ranks.word`: its
-status, its row count and one watch's figure) as one more row (`pipeline.ranks.rows`), and
-the splits wait reads every rank's word before any values move. A rank without the batch (its data
-ended, or the batch is rejected) sends zero splits of the shape the others send, recorded from an
-earlier batch, with its word (`StatusOnly`). Every receiver checks each word's tag and row
-count against its own: a mismatch (ranks sending different numbers of splits rows) raises
-`RidingMismatchError` on every rank, naming the ranks, never a misread status. The first batch of
-every dataloader iterator is still voted on (`Ranks.fetch`), as is any batch fetched before the
-splits are fused; a pipeline that admits batches itself never lets statuses ride.
+all-to-all, which every rank issues anyway: each rank adds its word (its status, its row count and
+one watch's figure) as one more row (`pipeline.ranks.rows`), and the splits wait reads every rank's
+word before any values move. A rank without the batch (its data ended, or the batch is rejected)
+sends zero splits of the shape the others send, recorded from an earlier batch, with its word
+(`StatusOnly`). Every receiver checks each word's tag and row count against its own: a mismatch
+(ranks sending different numbers of splits rows) raises `RidingMismatchError` on every rank, naming
+the ranks, never a misread status. Once every watch has decided, a batch every rank has costs one
+comparison of the words, in C. The first batch of every dataloader iterator is still voted on
+(`Ranks.fetch`), as is any batch fetched before the splits are fused; a pipeline that admits
+batches itself never lets statuses ride.
 """
 
 from __future__ import annotations
@@ -20,12 +21,23 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pipeline.ranks.protocol import Ranks
-from pipeline.ranks.rows import StatusOnly, StatusSplits, riding_fits, settle_splits, splits_shape
+from pipeline.ranks.rows import (
+    TAG,
+    StatusOnly,
+    StatusSplits,
+    figure_of,
+    pack,
+    riding_fits,
+    settle_splits,
+    splits_shape,
+    tagged,
+    unpack,
+    validating,
+)
 from pipeline.ranks.status import RidingMismatchError, Status
-from pipeline.ranks.word import TAG, figure_of, pack, tagged, unpack
 
 if TYPE_CHECKING:
+    from pipeline.ranks.protocol import Ranks
     from pipeline.stages.context import BatchContext
 
 __all__ = ["NO_FULL_GROUP", "NO_RIDE", "Admission"]
@@ -47,8 +59,9 @@ NO_FULL_GROUP = (
 class Admission:
     """The one owner of whether a batch of an `InputDist` is trained, whichever way its status
     arrives: by a vote before its first collective (`admit`, through `Ranks.admit`), or riding on
-    its splits all-to-all (`admit` lets it start, `conclude` decides at the splits wait). Both end
-    in `Ranks.conclude`, which raises the same error on every rank or drops the batch everywhere.
+    its splits all-to-all (`admit` lets it start, `conclude` decides at the splits wait). Where a
+    rank lacks the batch, both end in `Ranks.conclude`, which raises the same error on every rank
+    or drops the batch everywhere.
 
     Args:
         ranks: the pipeline's ranks' protocol (None: no agreement, nothing rides, every batch runs).
@@ -58,7 +71,7 @@ class Admission:
 
     def __init__(self, ranks: Ranks | None, enabled: bool, *, watch: Any = None) -> None:
         self._ranks = ranks
-        self.enabled = enabled and ranks is not None and ranks.voting and not _validating()
+        self.enabled = enabled and ranks is not None and ranks.voting and not validating()
         self._watches: list[Any] = []
         """The watches (`pipeline.stages.step_watch`) whose figures ride in the words, taking turns
         where more than one publishes (at most two)."""
@@ -66,8 +79,8 @@ class Admission:
         """Words packed so far (whose turn it is)."""
         if watch is not None:
             self.add_watch(watch)
-        self._checked = False
-        """Whether statuses can ride on the fused splits was decided (`check`)."""
+        self.checked = False
+        """Whether statuses can ride on the fused splits was decided (`check`: once is enough)."""
         self._shape: list[tuple[Any, int, Any, bool]] | None = None
         """What the last fused splits all-to-all sent (`splits_shape`): while known, statuses ride."""
         self.refused = 0
@@ -77,9 +90,9 @@ class Admission:
         """At every fused start, deciding once: whether statuses can ride on these modules' splits
         (`riding_fits`); where they cannot, every batch is voted on from then on, the watch keeps
         torchrec's order, and the reason is returned (for the rewrite report)."""
-        if self._checked or not self.enabled:
+        if self.checked or not self.enabled:
             return None
-        self._checked = True
+        self.checked = True
         why = riding_fits(modules)
         if why is None:
             return None
@@ -95,8 +108,9 @@ class Admission:
         shape is learnt), or None when statuses do not ride."""
         if not self.enabled:
             return None
-        status, figure = ctx.ticket.status, self._figure()
-        return functools.partial(StatusSplits, word=lambda rows: pack(status, rows, figure))
+        figure = self._figure() if self._watches else 0
+        word = functools.partial(pack, ctx.ticket.status, observation=figure)  # called with its row count
+        return functools.partial(StatusSplits, word=word)
 
     def add_watch(self, watch: Any) -> None:
         """Let `watch`'s figures ride (where nothing rides, it is told so: `no_ride`)."""
@@ -183,19 +197,22 @@ class Admission:
                 watch.received(mine)
 
     def conclude(self, ctx: BatchContext) -> bool:
-        """At the splits wait: where `ctx`'s status rode, read every rank's and let the ranks'
-        protocol decide (`Ranks.conclude`: it may raise on every rank). False: some rank lacks
-        the batch, which left the lane with the batches after it."""
+        """At the splits wait: where `ctx`'s status rode, read every rank's. Where every rank sent
+        the plain HAVE word the batch is admitted; otherwise the ranks' protocol decides
+        (`Ranks.conclude`: it may raise on every rank). False: some rank lacks the batch, which
+        left the lane with the batches after it."""
         if not (ctx.status_rides and ctx.splits_requests):
             return True
         ctx.status_rides = False
-        carrier = next((r for _, r in ctx.splits_requests if getattr(r, "carries", False)), None)
-        if carrier is None:
+        for _, carrier in ctx.splits_requests:
+            if getattr(carrier, "carries", False):
+                break
+        else:
             raise RuntimeError("a batch whose status rides has no status row among its splits all-to-alls")
         words = carrier.words()
-        plain = pack(Status.HAVE, carrier.rows)
-        if words and words.count(plain) == len(words):  # the steady case, in C: no rank's word to read
-            return self._ranks.conclude(self._ranks.lane, ctx, {Status.HAVE: len(words)})
+        if words and words.count(pack(Status.HAVE, carrier.rows)) == len(words):
+            ctx.ticket.admitted = True  # the steady case, in C: every rank has it, no word to unpack
+            return True
         statuses, figures = _read(words, carrier.rows, ctx.index)
         self._hand_out(figures)
         counts = Counter(statuses)
@@ -230,13 +247,3 @@ def _read(words: list[int], rows: int, index: int) -> tuple[list[Status], list[i
             "agreement=False where every rank is known to have the same batches."
         )
     return [Status(f.status) for f in fields], [f.observation for f in fields]
-
-
-def _validating() -> bool:
-    """torchrec can tag each splits all-to-all to check that the ranks' collectives match; a rank
-    without a batch could not send the tag, so statuses do not ride then."""
-    try:
-        from torchrec.distributed.collective_utils import validate_collectives_enabled
-    except ImportError:  # an older torchrec: no tags
-        return False
-    return validate_collectives_enabled()

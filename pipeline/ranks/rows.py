@@ -1,53 +1,128 @@
-"""The status row on the fused splits all-to-all: how a rank's word (`pipeline.ranks.word`) rides
-on the collective every rank issues for a batch anyway, and how a rank without the batch sends the
-same shape.
+"""The status row: each rank's word for a batch, sent as one more row of the batch's fused splits
+all-to-all, which every rank issues anyway (`Admission`, `pipeline.ranks.riding`, decides from them).
 
-`StatusSplits` is torchrec's fused splits awaitable (`FusedKJTListSplitsAwaitable`) with one row
-more, built through `rewrite.fuse_splits_requests(carrier=...)`; `StatusOnly` is what a rank without
-the batch sends in its place, in the shape recorded from an earlier batch (`splits_shape`). Both
-edit or mirror torchrec's private fields (`_awaitables`, `_lengths`, `_splits_awaitable`), so
-`riding_fits` checks, before statuses ride, that the installed torchrec has them and that every
-input dist is one this code knows to issue nothing but its splits and values all-to-alls.
+The word (31 bits, so that torchrec's optional int32 check of the splits passes it):
+
+    bits 0-1    status (`Status`, 0..3)
+    bits 2-7    TAG
+    bits 8-17   the sender's status row index (its splits rows before the status row), mod 1,024
+    bits 18-30  observation: bits 18-29 the figure (0 none, else round(1,000 x value) + 1, at
+                most 4,093; 4,094 and 4,095: a decision loaded from a checkpoint, `RESTORED`),
+                bit 30 which watch it belongs to (0 or 1)
+
+The tag and the row count let the receiver tell a status row from a split; the observation is one
+figure of the job's own steps (`pipeline.stages.step_watch`: the schedule watch's or the prefetch
+watch's, taking turns), so that the ranks agree on what the steps show without a collective of
+their own.
+
+`StatusSplits` is torchrec's fused splits awaitable (`FusedKJTListSplitsAwaitable`) with the word
+after the splits, built through `rewrite.fuse_splits_requests(carrier=...)`; a rank without the
+batch sends `StatusOnly` in its place: zero splits in the shape recorded from an earlier batch
+(`splits_shape`), and its word. Both edit or mirror torchrec's private fields (`_awaitables`,
+`_lengths`, `_splits_awaitable`), so `riding_fits` checks, before statuses ride, that the installed
+torchrec has them and that every input dist is one this code knows to issue nothing but its splits
+and values all-to-alls.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torchrec.distributed.dist_data import KJTAllToAll, SplitsAllToAllAwaitable
 from torchrec.distributed.embedding_sharding import FusedKJTListSplitsAwaitable, KJTSplitsAllToAllMeta
+from torchrec.distributed.types import NoWait
 
-__all__ = ["StatusOnly", "StatusSplits", "riding_fits", "settle_splits", "splits_shape"]
+from pipeline.ranks.status import Status
+
+__all__ = [
+    "RESTORED",
+    "TAG",
+    "StatusOnly",
+    "StatusSplits",
+    "Word",
+    "figure_of",
+    "observed",
+    "pack",
+    "riding_fits",
+    "settle_splits",
+    "splits_shape",
+    "tagged",
+    "unpack",
+    "validating",
+]
+
+TAG = 0b101101
+"""Marks a status word. A split (a count of ids or a batch size) read by mistake in its place
+matches it and the row count by chance once in 65,536."""
+_ROWS = 1 << 10
+_FIGURE_BITS = 12
+_OBSERVED_MAX = (1 << _FIGURE_BITS) - 1
+RESTORED = (_OBSERVED_MAX - 1, _OBSERVED_MAX)
+"""The figure of a watch holding a decision loaded from a checkpoint, per mode (its start mode, the
+other): no observation reaches them."""
 
 
-class _Rows:
-    """A splits all-to-all whose row `status_row` is every rank's word: `wait()` gives every row
-    (once waited, kept: the words are read before the splits)."""
+@dataclass(frozen=True, slots=True)
+class Word:
+    """One rank's word for one batch, unpacked."""
 
-    def __init__(self, inner: Any, status_row: int) -> None:
-        self._inner, self._status_row, self._rows = inner, status_row, None
+    status: int
+    tag: int
+    rows: int
+    """The sender's status row index, mod 1,024."""
+    observation: int
+    """Which watch (`figure_of`) and its figure: 0: none; else round(1,000 x value) + 1."""
 
-    def wait(self) -> list[list[int]]:
-        if self._rows is None:
-            self._rows = self._inner.wait()
-        return self._rows
+
+def observed(value: float | None) -> int:
+    """`value` (a fraction or a ratio, >= 0) as the word's observation field; None: none."""
+    return 0 if value is None else min(RESTORED[0] - 1, 1 + max(0, round(value * 1000)))
+
+
+def tagged(which: int, figure: int) -> int:
+    """The observation field carrying watch `which`'s (0 or 1) `figure` (`observed()`)."""
+    return which << _FIGURE_BITS | figure if figure else 0
+
+
+def figure_of(observation: int) -> tuple[int, int]:
+    """(which watch, its figure) of an observation field (figure 0: none)."""
+    return observation >> _FIGURE_BITS, observation & _OBSERVED_MAX
+
+
+def pack(status: Status | int, rows: int, observation: int = 0) -> int:
+    """The word of `status` sent with `rows` splits rows before it (`observation`: `tagged()`)."""
+    return int(status) | TAG << 2 | (rows % _ROWS) << 8 | observation << 18
+
+
+def unpack(word: int) -> Word:
+    """The fields of a received word (check `tag` and `rows` before trusting the rest)."""
+    return Word(status=word & 3, tag=(word >> 2) & 0x3F, rows=(word >> 8) % _ROWS, observation=word >> 18)
+
+
+class _StatusRow:
+    """A splits all-to-all with a status row after its `rows` splits rows."""
+
+    rows: int
+    _splits_awaitable: Any
 
     def words(self) -> list[int]:
-        """Per rank, what it sent at this rank's status row (a word if the ranks sent alike)."""
-        rows = self.wait()
-        if self._status_row >= len(rows):
-            return []  # fewer rows than this rank sent: the receiver reports the mismatch
-        return rows[self._status_row]
+        """Per rank, what it sent at this rank's status row (a word if the ranks sent alike). The
+        splits are waited once: torchrec's own wait then reads the same rows."""
+        received = self._splits_awaitable.wait()
+        self._splits_awaitable = NoWait(received)
+        return received[self.rows] if self.rows < len(received) else []  # too few: the receiver reports it
 
 
-class StatusSplits(FusedKJTListSplitsAwaitable):
-    """torchrec's fused splits all-to-all with one row more: this rank's word for the batch
-    (`word(rows)`, from the number of splits rows before it), which every rank receives (`words()`,
-    one per rank) before the values all-to-alls, which `wait()` starts, are issued. The row rides on
-    the last module's splits while the all-to-all is built and is left out when the splits are read.
+class StatusSplits(_StatusRow, FusedKJTListSplitsAwaitable):
+    """torchrec's fused splits all-to-all (built by `rewrite.fuse_splits_requests(carrier=...)`) with
+    one row more: this rank's word for the batch (`word(rows)`, from the number of splits rows before
+    it), which every rank receives (`words()`) before the values all-to-alls, which `wait()` starts,
+    are issued. The row rides on the last module's splits while the all-to-all is built and is left
+    out when the splits are read.
 
     Raises:
         RuntimeError: torchrec's fused awaitable is not of the shape this class edits (a torchrec
@@ -55,45 +130,58 @@ class StatusSplits(FusedKJTListSplitsAwaitable):
     """
 
     def __init__(self, requests: list[Any], contexts: list[Any], pg: Any, word: Callable[[int], int]) -> None:
-        metas = [a for r in requests for a in r.awaitables if isinstance(a, KJTSplitsAllToAllMeta)]
-        last = metas[-1]
-        self.rows = sum(len(m.splits_tensors) for m in metas)
+        rows, last, at, position = 0, None, 0, 0
+        for request in requests:  # the last module's splits, at `at` in torchrec's flat list
+            for awaitable in request.awaitables:
+                if isinstance(awaitable, KJTSplitsAllToAllMeta):
+                    rows, last, at = rows + len(awaitable.splits_tensors), awaitable, position
+                position += 1
+        self.rows = rows
         """The splits rows this rank sends before its word (its word's row index)."""
-        last.splits_tensors.append(_row(pg.size(), word(self.rows), last.device))
+        status_row = torch.full((pg.size(),), word(rows), dtype=torch.int64, device=last.device)
+        last.splits_tensors.append(status_row)
         try:
             super().__init__(requests=requests, contexts=contexts, pg=pg)
         finally:
             last.splits_tensors.pop()
-        index = max(i for i, a in enumerate(self._awaitables) if a is last)
-        self._lengths[index] -= 1
-        if sum(self._lengths) != self.rows:
-            raise RuntimeError(
-                f"torchrec's fused splits awaitable counts {sum(self._lengths)} rows, not {self.rows}"
-            )
-        self._splits_awaitable = _Rows(self._splits_awaitable, self.rows)
+        if self._awaitables[at] is not last or sum(self._lengths) != rows + 1:
+            raise RuntimeError(f"torchrec's fused splits awaitable does not count {rows} rows and a word")
+        self._lengths[at] -= 1
         self.carries = True
 
-    def words(self) -> list[int]:
-        return self._splits_awaitable.words()
 
-
-class StatusOnly:
+class StatusOnly(_StatusRow):
     """What a rank without the batch sends where the others send their fused splits: `rows` rows
     of zero splits (the shape the others send) and, where the others send `StatusSplits`, its
     word."""
 
     def __init__(self, pg: Any, rows: int, word: int | None, device: torch.device) -> None:
-        tensors = [_row(pg.size(), 0, device) for _ in range(rows)]
-        tensors += [] if word is None else [_row(pg.size(), word, device)]
+        world = pg.size()
+        tensors = [torch.zeros(world, dtype=torch.int64, device=device) for _ in range(rows)]
+        if word is not None:
+            tensors.append(torch.full((world,), word, dtype=torch.int64, device=device))
         self.rows = rows
-        self._splits_awaitable = _Rows(SplitsAllToAllAwaitable(tensors, pg), rows)
+        self._splits_awaitable = SplitsAllToAllAwaitable(tensors, pg)
         self.carries = word is not None
-
-    def words(self) -> list[int]:
-        return self._splits_awaitable.words()
 
     def wait(self) -> list[Any]:
         raise RuntimeError("a rank that sent only its status has no batch to distribute")
+
+
+def splits_shape(fused: list[tuple[list[str], Any]]) -> list[tuple[Any, int, torch.device, bool]] | None:
+    """What one batch's `fuse_splits_requests(..., carrier=...)` sends, so that a rank without a batch
+    can send the same: per group, its process group, the number of splits rows, their device, and
+    whether the status rides there. None if no group spans every rank (the status cannot ride)."""
+    shape, rides = [], False
+    for _, awaitable in fused:
+        for meta in getattr(awaitable, "_awaitables", ()):
+            if isinstance(meta, KJTSplitsAllToAllMeta):  # the group's first: its group and device
+                if meta.pg is not None:
+                    carries = isinstance(awaitable, StatusSplits)
+                    shape.append((meta.pg, sum(awaitable._lengths), meta.device, carries))
+                    rides = rides or carries
+                break
+    return shape if rides else None
 
 
 def settle_splits(fused: list[tuple[list[str], Any]]) -> None:
@@ -103,23 +191,6 @@ def settle_splits(fused: list[tuple[list[str], Any]]) -> None:
     for _, awaitable in fused:
         if getattr(awaitable, "_splits_awaitable", None) is not None:
             awaitable._splits_awaitable.wait()
-
-
-def _row(world: int, value: int, device: torch.device) -> torch.Tensor:
-    return torch.full((world,), value, dtype=torch.int64, device=device)
-
-
-def splits_shape(fused: list[tuple[list[str], Any]]) -> list[tuple[Any, int, torch.device, bool]] | None:
-    """What one batch's `fuse_splits_requests(..., carrier=...)` sends, so that a rank without a batch
-    can send the same: per group, its process group, the number of splits rows, their device, and
-    whether the status rides there. None if no group spans every rank (the status cannot ride)."""
-    shape = []
-    for _, awaitable in fused:
-        metas = [a for a in getattr(awaitable, "_awaitables", []) if isinstance(a, KJTSplitsAllToAllMeta)]
-        if metas and metas[0].pg is not None:
-            carries = isinstance(awaitable, StatusSplits)
-            shape.append((metas[0].pg, sum(awaitable._lengths), metas[0].device, carries))
-    return shape if any(carries for *_, carries in shape) else None
 
 
 _FIELDS_USED = {
@@ -160,3 +231,13 @@ def riding_fits(modules: list[nn.Module]) -> str | None:
                 if absent:
                     return f"torchrec's KJTAllToAll has no {', '.join(absent)}"
     return None
+
+
+def validating() -> bool:
+    """torchrec can tag each splits all-to-all to check that the ranks' collectives match; a rank
+    without a batch could not send the tag, so statuses do not ride then."""
+    try:
+        from torchrec.distributed.collective_utils import validate_collectives_enabled
+    except ImportError:  # an older torchrec: no tags
+        return False
+    return validate_collectives_enabled()

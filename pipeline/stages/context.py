@@ -56,7 +56,7 @@ class BatchContext:
     batch, its vote, whether every rank admitted it; read before the batch's first collective."""
     loader_state: Any = None
     """Written at fetch: the dataloader's `state_dict()` from before this batch was fetched (None
-    without one); read by `dataloader_state()` (`pipeline.stages.loader_state`)."""
+    without one); read by `dataloader_state()` (`pipeline.ranks.protocol`)."""
     wait_clock: Any = None
     """Written by input_dist start while the default schedule watches (`pipeline.stages.watch`):
     the clock that the splits wait and `take_input_dist` report their blocking to; None: no clock."""

@@ -215,8 +215,9 @@ class InputDist:
         if not self._attached.settled:
             self._attached.settle(rewrite, lambda r: self._agree(r, ctx))
         fused = not self._one_rank and (rewrite.fused or rewrite.fuse_splits())
-        if fused and (why := self._admission.check([pm.module for pm in rewrite.modules])) is not None:
-            rewrite.report.notes.append(why)
+        if fused and not self._admission.checked:  # whether statuses can ride, decided once
+            why = self._admission.check([pm.module for pm in rewrite.modules])
+            rewrite.report.notes += [why] if why else []
         if fused and own is not self._groups.at_rest:  # else nothing to move or retire
             self._groups.place(own, rewrite.modules, ctx.index)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pipeline.ranks.word import RESTORED
+from pipeline.ranks.rows import RESTORED
 
 __all__ = ["SavedDecision", "world_size"]
 
@@ -30,7 +30,7 @@ class SavedDecision:
     world_size: int | None
     """The world size it was taken at (None: a state saved before it was recorded)."""
     code: int
-    """The figure a watch holding it publishes (`pipeline.ranks.word.RESTORED`, by mode)."""
+    """The figure a watch holding it publishes (`pipeline.ranks.rows.RESTORED`, by mode)."""
 
     @classmethod
     def parse(

@@ -13,7 +13,7 @@ default input_dist schedule (`pipeline.stages.watch`) and Prefetch's ahead-or-in
 3. Kept, back or pinned: no clock runs any more.
 
 A step is timed from `step` to `step_ended`: the time between two `progress()` calls is not a
-step's. The figures ride in the ranks' status words (`pipeline.ranks.word`), so every rank decides
+step's. The figures ride in the ranks' status words (`pipeline.ranks.rows`), so every rank decides
 from the same figures at the same step; the settings are agreed once (`settings`), and a decision
 loaded from a checkpoint takes effect only once every rank's word shows it (`load_state_dict`). A
 watch with no ranks to agree with decides from its own figure (`alone`).
@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from pipeline.ranks.word import RESTORED, observed
+from pipeline.ranks.rows import RESTORED, observed
 from pipeline.stages.saved_decision import SavedDecision, world_size
 from pipeline.stages.step_times import StepTimes
 
@@ -161,7 +161,7 @@ class StepWatch(StepTimes):
         return (self.phase not in FINAL or self._restored is not None) and not self.alone
 
     def observation(self) -> int:
-        """This rank's figure for the batch started now (`pipeline.ranks.word.observed`; 0: none yet)."""
+        """This rank's figure for the batch started now (`pipeline.ranks.rows.observed`; 0: none yet)."""
         return self._published
 
     def received(self, observations: list[int]) -> None:
