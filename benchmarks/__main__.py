@@ -183,7 +183,12 @@ def _step_path(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cls", default="TrainPipelineSparseDist", help="the class, by torchrec's name")
     p.add_argument("--config", default="demo", help="the benchmark config's model and batches (default demo)")
     p.add_argument("--steps", type=int, default=40, help="steps before the one counted (default 40)")
-    p.add_argument("--schedules", nargs="+", default=["late", "adaptive"], help="ours, one count each")
+    p.add_argument(
+        "--schedules",
+        nargs="+",
+        default=["late", "decided", "adaptive"],
+        help="ours, one count each: late, decided (the default, its watch decided), adaptive",
+    )
     p.add_argument("--functions", action="store_true", help="print each function entered, not each file")
     p.add_argument("--json", default="out/bench/step_path.json", help="'' for none")
     p.add_argument("--md", default="out/bench/step_path.md", help="'' for none")

@@ -4,8 +4,9 @@ enters (2 gloo ranks, a benchmark config's model and batches, `demo` by default,
 the same data), counted with `sys.setprofile` over our `pipeline/` and `rewrite/` and over
 torchrec's `train_pipeline/`.
 
-`--schedule late` pins torchrec's order (the path of a default whose watch has decided: no clock
-runs); `adaptive` is the default while it still watches.
+`--schedules`: `late` pins torchrec's order (no watch); `decided` is the default whose watch has
+decided (pinned before the first step: the state a verdict leaves, no clock runs); `adaptive` is the
+default while it still watches (on `demo` it watches for good: the share stays under the threshold).
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ def _rank(
         import pipeline as package
 
         roots = tuple(str(_ROOT / d) + os.sep for d in ("pipeline", "rewrite"))
-        pipe = getattr(package, cls)(model, opt, torch.device("cpu"), input_dist_schedule=schedule)
+        given = "adaptive" if schedule == "decided" else schedule
+        pipe = getattr(package, cls)(model, opt, torch.device("cpu"), input_dist_schedule=given)
+        if schedule == "decided":
+            pipe.tuner.pin("decided before the count")
     else:
         from torchrec.distributed import train_pipeline as package
 

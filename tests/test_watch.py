@@ -354,3 +354,43 @@ def test_where_no_splits_group_spans_every_rank_the_watches_are_pinned(monkeypat
     admission.learn([])
     assert watch.phase is WatchPhase.PINNED and watch.active_clock is None
     assert "spans every rank" in watch.reason and not admission.enabled
+
+
+def test_a_settled_watch_is_not_called_by_the_steps_but_still_counts_them(monkeypatch):
+    """Once decided and applied (pinned here: one process), the step calls none of the watch's
+    `step`, `step_ended` or `interrupt`, and the watch still counts the training steps; a loaded
+    state wakes it (its next `step` runs). The twin: with `settled` never set, every step calls it."""
+    import torch
+
+    import pipeline
+    from pipeline.stages.step_watch import StepWatch
+    from tests.test_torchrec_parity import _Echo, _Numbered
+
+    def run(settles: bool) -> tuple[int, int, object]:
+        calls = {"step": 0, "step_ended": 0}
+        for name in calls:
+            original = getattr(StepWatch, name)
+
+            def counted(self, _original=original, _name=name):
+                calls[_name] += 1
+                result = _original(self)
+                if not settles:
+                    self.settled = False
+                return result
+
+            monkeypatch.setattr(StepWatch, name, counted)
+        model = _Echo()
+        pipe = pipeline.TrainPipelineSparseDist(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu")
+        )
+        it = iter([_Numbered(i) for i in range(12)])
+        for _ in range(10):
+            pipe.progress(it)
+        return calls["step"], calls["step_ended"], pipe
+
+    steps, ended, pipe = run(settles=True)
+    assert pipe.tuner.settled and pipe.tuner.phase is WatchPhase.PINNED
+    assert (steps, ended) == (1, 0) and pipe.tuner.steps == 10  # the first step settles it
+    pipe.tuner.load_state_dict(pipe.tuner.state_dict())
+    assert not pipe.tuner.settled
+    assert run(settles=False)[:2] == (10, 10)

@@ -239,7 +239,7 @@ class PipelineCore(BatchStages, TrainPipeline):
         lane = self._lanes.get(id(dataloader_iter))
         if lane is None or lane.iterator is not dataloader_iter:
             lane = self._lanes[id(dataloader_iter)] = self._ranks.open_lane(dataloader_iter)
-        self._ranks.enter(lane)
+        self._ranks.lane = lane  # the lane whose batches this step's stages work on
         return lane
 
     def _look_ahead(self, lane: Lane) -> bool:

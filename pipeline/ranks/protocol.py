@@ -242,10 +242,6 @@ class Ranks:
                 f"the ranks found different {what}, so their collectives would not match:\n{shown}\n{advice}"
             )
 
-    def enter(self, lane: Lane) -> None:
-        """A step of `lane` starts (its batches are the ones the step's stages work on)."""
-        self.lane = lane
-
     def fail(self, error: BaseException, reset: Callable[[], None]) -> None:
         """This rank raised inside `progress()`: `reset()` the batches in flight and, across ranks,
         make sure no peer is left waiting (`abort_on_error`: `FailureSignal.fail`).

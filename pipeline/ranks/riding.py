@@ -108,7 +108,11 @@ class Admission:
         shape is learnt), or None when statuses do not ride."""
         if not self.enabled:
             return None
-        figure = self._figure() if self._watches else 0
+        figure = 0
+        for watch in self._watches:  # a settled watch publishes nothing: no figure to pick
+            if not watch.settled:
+                figure = self._figure()
+                break
         word = functools.partial(pack, ctx.ticket.status, observation=figure)  # called with its row count
         return functools.partial(StatusSplits, word=word)
 

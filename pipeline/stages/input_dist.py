@@ -1,11 +1,11 @@
 """`InputDist`: starts and waits the input all-to-alls of the pipelined sharded modules.
 
-Its life: `attach` rewrites the model's sharded modules on the first batch (`Attachment`);
-`start` launches each module's splits all-to-all for one batch (`input_dist::start`); `wait_splits`
-waits for them and launches the values all-to-alls (`input_dist::splits`); the hijacked forwards take
-the values through the batch's context (`input_dist::wait`); `detach` restores the model. From the
-second batch on, the splits all-to-alls of all modules on one process group are fused into one
-collective. The schedule (`pipeline.stages.schedule`) says when the splits are waited, on which group.
+Its life: `attach` rewrites the sharded modules on the first batch (`Attachment`); `start` launches
+each module's splits all-to-all for a batch (`input_dist::start`, fused into one collective per group
+from the second batch on); `wait_splits` waits for them and launches the values all-to-alls
+(`input_dist::splits`); the hijacked forwards take the values through the batch's context
+(`input_dist::wait`); `detach` restores the model. The schedule (`pipeline.stages.schedule`) says
+when the splits are waited, on which group.
 """
 
 from __future__ import annotations
@@ -45,14 +45,12 @@ class InputDist:
         pipeline_postproc: run parameter-free modules that transform the batch ahead.
         schedule: the input_dist schedule, its watch, and whether ids are narrowed (`InputDistOptions`).
         memory: torchrec's memory flags (`MemoryFlags`).
-        forward: which hijacked forward the sharded modules get: "input_dist" (they wait for the
-            values all-to-all), "prefetch" (they take the prefetch stage's output) or "lookup"
-            (they take the lookup stage's output).
+        forward: which hijacked forward the sharded modules get: "input_dist" (wait for the values
+            all-to-all), "prefetch" or "lookup" (take that stage's output).
         carry: a batch's status may ride on its fused splits all-to-all instead of a vote of its own
             (only for pipelines that admit every batch through `fill` and `start_next`).
-        ranks: the pipeline's ranks' protocol: it admits each batch before its input_dist starts,
-            creates the all-to-alls' own groups (`Ranks.new_group`, which does not wait for a peer
-            that failed). None (`SparseDataDistUtil`): no admission, groups by `dist.new_group`.
+        ranks: the ranks' protocol: it admits each batch before its input_dist starts and creates
+            the own groups (`Ranks.new_group`). None (`SparseDataDistUtil`): neither.
     """
 
     def __init__(
@@ -133,19 +131,21 @@ class InputDist:
     def choose_schedule(self, training: bool) -> None:
         """At the start of a step: under "adaptive", let the watch pick this training step's
         schedule (an eval step is not timed)."""
-        if self.watch is not None:
+        watch = self.watch
+        if watch is not None and watch.settled:  # decided for good: it only counts the step
+            watch.steps += training
+        elif watch is not None:
             if training:
-                self.schedule = self.watch.step()
+                self.schedule = watch.step()
             else:
-                self.watch.interrupt()
+                watch.interrupt()
 
     def _note(self, text: str) -> None:
         if self.report is not None:
             self.report.notes.append(text)
 
     def add_watch(self, watch: Any) -> None:
-        """Let another stage's watch (`pipeline.stages.prefetch_watch`) publish its figures in the
-        ranks' words (its decisions are noted in the report)."""
+        """Let another stage's watch (`pipeline.stages.prefetch_watch`) publish in the ranks' words."""
         watch.note = self._note
         self._others.append(watch)
         if self._one_rank:
@@ -153,27 +153,27 @@ class InputDist:
         self._admission.add_watch(watch)
 
     def use_forward(self, forward: str) -> None:
-        """Change which hijacked forward the sharded modules get (see the class), before the first
-        batch rewrote them (`Attachment.use_forward`, which raises after)."""
+        """Change which hijacked forward the sharded modules get, before the first batch (see the class)."""
         self._attached.use_forward(forward)
 
     def step_ended(self) -> None:
         """A step ended: the watches stop its clock (the time until the next step is not a step's)."""
         for watch in filter(None, (self.watch, *self._others)):
-            watch.step_ended()
+            if not watch.settled:
+                watch.step_ended()
 
     def interrupt(self) -> None:
         """The step ended abnormally (the pipeline reset): no watch times across it."""
         for watch in filter(None, (self.watch, *self._others)):
-            watch.interrupt()
+            if not watch.settled:
+                watch.interrupt()
 
     def attach(self, batch: Any) -> Rewrite:
         """Rewrite the model's sharded modules, once, with `batch` as the sample (`Attachment`)."""
         return self._attached.attach(batch)
 
     def recording(self, ctx: BatchContext) -> Any:
-        """While the rewrite waits for a recorded forward: the context manager to run the forward of
-        `ctx`'s batch in (`Attachment.recording`); None otherwise."""
+        """The context manager to run `ctx`'s forward in while the rewrite waits for a recorded one."""
         rewrite = self._attached.rewrite  # the steady step: pipelined, nothing to record
         steady = rewrite is not None and not rewrite.needs_recording
         return None if steady else self._attached.recording(ctx.batch)
@@ -207,7 +207,8 @@ class InputDist:
             self._groups.place(own, self.rewrite.modules, ctx.index)
             ctx.splits_requests, ctx.started = self._admission.status_only(ctx, self._groups.current), True
             return
-        ctx.wait_copy()  # the device batch, if its copy was dispatched on a worker
+        if ctx.copy_job is not None:  # the device batch, its copy dispatched on a worker
+            ctx.wait_copy()
         streams, rewrite = self._streams, self._attached.rewrite
         rewrite = rewrite if rewrite is not None else self.attach(ctx.batch)
         if rewrite.needs_recording:
@@ -242,7 +243,7 @@ class InputDist:
             else:
                 ctx.splits_requests = one_by_one(requests)
         ctx.started = True
-        if self.watch is not None:
+        if self.watch is not None and not self.watch.settled:
             ctx.wait_clock = self.watch.active_clock
 
     def wait_splits(self, ctx: BatchContext) -> bool:

@@ -34,8 +34,7 @@ from pipeline.stages.step_times import StepTimes
 __all__ = ["StepWatch", "WatchPhase"]
 
 UNSURE = 2.0
-"""Added to a rank's published ratio where too few of its steps after the switch were shorter than
-its reference (a published ratio itself is capped just under 2)."""
+"""Added to a rank's published ratio (capped under 2) where too few of its steps were faster."""
 _RATIO_CAP = 1.99
 
 
@@ -93,10 +92,8 @@ class StepWatch(StepTimes):
         self.warmup, self.sure = warmup, sure
         """The settings (see Args), read by the words."""
         self.partner: Any = None
-        """Another choice made from the same steps (the other watch):
-        while it verifies (`tuning`), this one does not move."""
-        self.mode = self.modes[0]
-        """The mode in use."""
+        """The other watch of the same steps: while it verifies (`tuning`), this one does not move."""
+        self.mode = self.modes[0]  # the mode in use
         self.phase, self.alone = WatchPhase.WATCHING, False
         """No ranks to agree with: each figure is decided on as soon as it is published."""
         self._high = 0
@@ -105,11 +102,14 @@ class StepWatch(StepTimes):
         """A decision loaded from a checkpoint, until every rank's word shows it (`load_state_dict`)."""
         self._pending: str | None = None
         self._published = self.steps = 0
-        """Training steps begun (`step` calls)."""
+        """Training steps begun (`step` calls, and the pipeline's count while `settled`)."""
+        self.settled = False
+        """Decided and applied: `step` would only count the step, so until `load_state_dict` the
+        pipeline counts it and calls none of `step`, `step_ended`, `interrupt`."""
         self.decisions: list[tuple[int, str]] = []
         """(step, what was seen and done), in order."""
         self.shares: list[float] = []
-        """The ranks' published shares at the switch (one per rank), empty before it."""
+        """The ranks' published shares at the switch, empty before it."""
         self.ratios: list[float] = []
         """The ranks' step ratios after/before the switch, at the verdict."""
         self.note: Callable[[str], None] | None = None
@@ -130,9 +130,10 @@ class StepWatch(StepTimes):
     def step(self) -> str:
         """At the start of each training step: the mode to run it in."""
         self.steps += 1
-        if self.phase in FINAL:  # the hot path once decided: no clock (`_final` stopped it)
+        if self.phase in FINAL:  # once decided: no clock (`_forget_step` stopped it)
             if self._pending is not None:
                 self.mode, self._pending, self._published = self._pending, None, 0
+            self.settled = self._restored is None
             return self.mode
         step_s, parts = self._timed(), self._parts()
         if step_s is not None and self.steps > self.warmup + 1 and self._observing():
@@ -150,8 +151,7 @@ class StepWatch(StepTimes):
         self._parts()
 
     def settings(self) -> str:
-        """The settings, in one line: the ranks check that theirs are alike before the first figure
-        rides (settings that differ would decide differently on the same words)."""
+        """The settings, in one line, which the ranks check are alike before the first figure rides."""
         names = ("window", "verify", "warmup", "threshold", "settle", "margin", "sure")
         return f"{type(self).__name__}(" + ", ".join(f"{n}={getattr(self, n)}" for n in names) + ")"
 
@@ -199,7 +199,7 @@ class StepWatch(StepTimes):
 
     @property
     def choice(self) -> str | None:
-        """The mode kept, once the watch has ended (None while it watches or tries)."""
+        """The mode kept once the watch has ended (None while it watches or tries)."""
         return self.mode if self.phase in FINAL else None
 
     @property
@@ -224,22 +224,22 @@ class StepWatch(StepTimes):
 
     def state_dict(self) -> dict[str, Any]:
         """The decision and the world size it was taken at, to save with a checkpoint: a job that
-        loads it does not try again. While watching or trying, the state says so, and a restarted
-        job watches from the start."""
+        loads it does not try again (a state saved while watching or trying: it watches afresh)."""
         return {"phase": self.phase.value, "mode": self.mode, "decisions": list(self.decisions),
                 "world_size": world_size()}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take a saved decision: with ranks, once every rank's word shows it (at the same step on
-        every rank; where any differs, every rank drops it and watches afresh); alone, at the next
-        step. A state saved while watching, at another world size, or for the other mode where
-        nothing rides leaves the watch as it is (`SavedDecision.refused` says why).
+        """Take a saved decision: with ranks, once every rank's word shows it (where any differs,
+        every rank drops it and watches afresh); alone, at the next step. A state saved while
+        watching, at another world size, or for the other mode where nothing rides leaves the watch
+        as it is (`SavedDecision.refused` says why).
 
         Raises:
             ValueError: the state names a mode this watch does not have.
         """
         saved = SavedDecision.parse(state, self.modes, tuple(p.value for p in FINAL))
         pinned = self.mode if self.phase is WatchPhase.PINNED else None
+        self.settled = False
         if saved is None:
             return
         if (why := saved.refused(world_size(), pinned_to=pinned)) is not None:
@@ -256,8 +256,7 @@ class StepWatch(StepTimes):
         self._forget_step()
 
     def _agree_restored(self, observations: list[int]) -> None:
-        """Taken where every rank's word shows this rank's loaded decision, else dropped: every rank
-        reads the same words, so all take it, or none does."""
+        """Taken where every rank's word shows this rank's loaded decision (so by all), else dropped."""
         saved, self._restored = self._restored, None
         if saved is not None and saved.held_by_all(observations):
             self._take(saved)
