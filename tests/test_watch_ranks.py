@@ -50,8 +50,8 @@ def _watched(rank: int, world_size: int, shares: tuple[float, ...]) -> dict:
     ("shares", "moves"),
     [
         ((0.9, 0.9, 0.0), True),  # mean 0.6: every rank moves, the one that waits least too
-        ((0.9, 0.9, 0.0, 0.0), False),  # mean 0.45: no rank moves, the two that wait most neither
-        ((0.0, 0.0, 0.9, 0.9), False),
+        ((0.7, 0.7, 0.0, 0.0), False),  # mean 0.35: no rank moves, the two that wait most neither
+        ((0.0, 0.0, 0.7, 0.7), False),
         ((0.6, 0.6, 0.6, 0.3), True),  # mean 0.525
     ],
 )

@@ -28,14 +28,16 @@ class ScheduleWatch(StepWatch):
     """Chooses the input_dist schedule from the job's own steps: "late" (torchrec's order) until
     the host blocks on the input all-to-alls for `threshold` of the step, steadily; then "early",
     kept only where it is verified faster (`pipeline.stages.step_watch.StepWatch`, whose Args these
-    are: window 8, verify 20, warmup 8, threshold 0.5, settle 2, margin 0.05, sure 0.75).
+    are: window 8, verify 20, warmup 8, threshold 0.4, settle 2, margin 0.05, sure 0.75). The
+    threshold comes from the corrected figure over 1 Gbit (docs/results/default-1gbit-run4.md):
+    early paid 25 % at a share of 0.48, 6 % at 0.36, and lost 9 % at 0.26.
     """
 
     modes: ClassVar[tuple[str, str]] = ("late", "early")
     label: ClassVar[str] = "input_dist schedule"
 
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(**settings)
+    def __init__(self, *, threshold: float = 0.4, **settings: Any) -> None:
+        super().__init__(threshold=threshold, **settings)
         self.waits = WaitClock(self.clock)
         """Where the input_dist waits are timed (None-ed by `active_clock` once the watch ends)."""
 
