@@ -80,6 +80,7 @@ def test_a_step_that_waits_on_its_input_moves_to_early_and_keeps_it_where_it_pay
     text = repr(watches[0])
     assert "step 25" in text and "trying early" in text and "kept early" in text and "60%" in text
     assert "pipeline_input_dist" in watches[0].decisions[0][1]  # the process group it creates
+    assert "backward; at least 40% for 9 figures in a row)" in watches[0].decisions[0][1]
 
 
 def test_where_early_does_not_pay_it_goes_back_once_and_never_tries_again():

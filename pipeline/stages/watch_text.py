@@ -99,7 +99,7 @@ def switched(w: StepWatch, share: float, waits: float, idle: float) -> str:
     return (
         f"the host blocked on the input all-to-alls {share:.0%} of the step (median over "
         f"{w.window} steps, mean over {len(w.shares)} ranks: {_shares(w)}; this rank "
-        f"{waits:.0%} in their waits and {idle:.0%} off the CPU in backward; at least "
+        f"{waits:.0%} in their waits and {idle:.0%} off the CPU in backward; "
         f"{_held(w)}): trying {schedule_words('early')} from the next step, its "
         "all-to-alls on a process group of their own ('pipeline_input_dist', created then; on "
         f"NCCL one more communicator); it is verified over {_verified(w)}"
