@@ -254,13 +254,14 @@ def _copy_docs(tmp_path: Path) -> Path:
 
 def _a_quoted_figure() -> tuple[str, str, str]:
     """(doc text, a `median [lowest, highest]` figure it quotes, the results file holding it once):
-    the first such figure of docs/benchmarks.md whose three numbers appear once in that file."""
+    the first such figure of docs/benchmarks.md whose three numbers appear once in that file and in
+    no other file its paragraph cites."""
     text = (ROOT / "docs" / "benchmarks.md").read_text()
     for _, block, cited in citing_blocks(text):
         for m in _SPREAD.finditer(_CODE.sub(" ", block)):
+            counts = {name: (ROOT / "docs" / name).read_text().count(m.group(0)) for name in cited}
             for name in cited:
-                held = (ROOT / "docs" / name).read_text()
-                if held.count(m.group(0).rstrip("x")) == 1 and "x" not in m.group(0):
+                if counts[name] == 1 == sum(counts.values()) and "x" not in m.group(0):
                     return text, m.group(0), name
     raise AssertionError("docs/benchmarks.md quotes no figure to alter")
 
