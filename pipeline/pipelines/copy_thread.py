@@ -69,28 +69,9 @@ class TrainPipelineSparseDistT(TrainPipelineSparseDist):
         self._copy_worker: ThreadPoolExecutor | None = None
         """The copy's thread, started at the first copy off the host (never on CPU)."""
 
-    def _step(self, lane: Lane) -> Any:
-        ctx, input_dist = lane.inflight[0], self._input_dist
-        input_dist.choose_schedule(self._model.training)
-        input_dist.release_inputs(ctx)
-        if len(lane.inflight) < 3:
-            self._enqueue_on_worker(lane)  # the copy of i+2, dispatched on the worker
-        if len(lane.inflight) > 1:
-            lane.inflight[1].wait_copy()  # batch i+1, copied on the worker during step i-1
-        nxt = input_dist.start_next(lane)
-        self._wait_for_batch()
-        losses, output = self._forward(ctx, train=True, input_dist=input_dist)
-        if nxt is not None:
-            input_dist.wait_splits(nxt)  # a no-op after early splits
-        if losses is not None:
-            self._backward_stage(ctx, losses)
-            self._sync_replicas(ctx)
-            self._optimizer_stage(ctx)
-        lane.inflight.popleft()
-        return output
-
-    def _enqueue_on_worker(self, lane: Lane) -> bool:
-        """`_enqueue`, with a copy off the host dispatched on the worker thread."""
+    def _enqueue_next(self, lane: Lane) -> bool:
+        """`_enqueue`, with a copy off the host dispatched on the worker thread (SparseDist's step
+        copies batch i+2 with it; `InputDist.start` waits for the copy)."""
         if self._copy_worker is None and not self._on_host:
             self._copy_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline-copy")
         ctx = self._fetch_and_copy(lane, in_place=self._inplace_copy, worker=self._copy_worker)

@@ -93,6 +93,9 @@ class TrainPipelineSparseDist(InputDistCore):
     ) -> None:
         self._build(locals())
 
+    _enqueue_next = InputDistCore._enqueue
+    """How the step copies batch i+2 (a subclass may dispatch it elsewhere: `TrainPipelineSparseDistT`)."""
+
     def _fill(self, lane: Lane) -> None:
         self._input_dist.fill(lane, self._enqueue)
 
@@ -105,12 +108,12 @@ class TrainPipelineSparseDist(InputDistCore):
         input_dist.choose_schedule(self._model.training)
         input_dist.release_inputs(ctx)
         if not copy_late and len(lane.inflight) < 3:
-            self._enqueue(lane)
-        nxt = input_dist.start_next(lane)
+            self._enqueue_next(lane)
+        nxt = input_dist.start_next(lane)  # waits for its copy where it was dispatched on a worker
         self._wait_for_batch()
         losses, output = self._forward(ctx, train=True, input_dist=input_dist)
         if copy_late and len(lane.inflight) < 3:
-            self._enqueue(lane)  # after forward: on a GPU the copy does not compete with lookups
+            self._enqueue_next(lane)  # after forward: on a GPU the copy does not compete with lookups
         if nxt is not None:
             input_dist.wait_splits(nxt)  # a no-op after early splits
         if losses is not None:
