@@ -128,7 +128,7 @@ BOXES = {
             "rewrite/  (imports nothing of pipeline/)",
             "rewrite_model -> Rewrite (ArgInfo: explicit, trace, direct)",
             "hijacked forwards read a ForwardContext from a ContextSlot",
-            "replay.py: per-batch site inputs; KJTAllToAll returns splits metadata (fusing)",
+            "replay.py: per-batch site inputs, the fused splits all-to-all",
         ),
     ),
 }
