@@ -63,6 +63,7 @@ def test_a_step_that_blocks_in_the_prefetch_stage_runs_it_ahead_where_that_pays(
         assert modes[:17] == ["inline"] * 17 and modes.count("inline") == 17 and modes[-1] == "ahead"
         assert watch.shares == pytest.approx([0.4, 0.4]) and watch.ratios == pytest.approx([0.65, 0.65])
         assert watch.decisions[1][0] == 17 + 2 + 10 + 1  # a clear gain: verified over 10 steps
+        assert "at least 40% on every rank: clear at the first figure" in watch.decisions[0][1]
     text = repr(watches[0])
     assert "trying it ahead" in text and "prefetch runs ahead on its worker thread" in text
     assert watches[0].reason.startswith("prefetch runs ahead")

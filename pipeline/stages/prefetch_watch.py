@@ -58,8 +58,8 @@ class PrefetchWatch(StepWatch):
         if self.phase not in FINAL and not self.alone:
             self.alone, self.alone_reason = True, reason
 
-    def _switched_text(self, share: float) -> str:
-        return text.prefetch_switched(self, share)
+    def _switched_text(self, share: float, clear: bool) -> str:
+        return text.prefetch_switched(self, share, clear=clear)
 
     def _verdict_text(self, unsure: list[bool], *, kept: bool) -> str:
         return text.prefetch_verdict(self, unsure, kept=kept)

@@ -117,7 +117,7 @@ class StepWatch(StepTimes):
 
     # -- what a subclass provides: its parts of a step (seconds the other mode could hide since
     # the last call; reset), whether steps are observed yet, and (not here) the words of its
-    # decisions: `_switched_text(share)`, `_verdict_text(unsure, kept=)`, `_pinned_text(reason)` --
+    # decisions: `_switched_text(share, clear)`, `_verdict_text(unsure, kept=)`, `_pinned_text(reason)`
 
     def _parts(self) -> tuple[float, ...]:
         return ()
@@ -281,7 +281,7 @@ class StepWatch(StepTimes):
         self._pending, self.phase = self.modes[1], WatchPhase.TRYING
         # the step that decides runs on in the start mode: its time is not the new mode's
         self._start_verifying(self.settle + 1)
-        self._decide(self._switched_text(share))
+        self._decide(self._switched_text(share, self._high <= self.window))  # before a full run: clear
 
     def _verdict(self, published: list[float]) -> None:
         unsure = [v >= UNSURE for v in published]

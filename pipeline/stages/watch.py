@@ -74,9 +74,9 @@ class ScheduleWatch(StepWatch):
     def __repr__(self) -> str:
         return text.watch_repr(self)
 
-    def _switched_text(self, share: float) -> str:
+    def _switched_text(self, share: float, clear: bool) -> str:
         waits, idle = self.parts or (0.0, 0.0)
-        return text.switched(self, share, waits, idle)
+        return text.switched(self, share, waits, idle, clear=clear)
 
     def _verdict_text(self, unsure: list[bool], *, kept: bool) -> str:
         return text.verdict(self, unsure, kept=kept)

@@ -93,22 +93,22 @@ def pinned(reason: str) -> str:
     return f"kept {schedule_words('late')}: {reason}"
 
 
-def switched(w: StepWatch, share: float, waits: float, idle: float) -> str:
+def switched(w: StepWatch, share: float, waits: float, idle: float, *, clear: bool) -> str:
     """The move to early: the ranks' shares that triggered it, this rank's parts, what the switch
-    creates and how long it is verified."""
+    creates and how long it is verified (`clear`: the switch came at the first figure)."""
     return (
         f"the host blocked on the input all-to-alls {share:.0%} of the step (median over "
         f"{w.window} steps, mean over {len(w.shares)} ranks: {_shares(w)}; this rank "
         f"{waits:.0%} in their waits and {idle:.0%} off the CPU in backward; "
-        f"{_held(w)}): trying {schedule_words('early')} from the next step, its "
+        f"{_held(w, clear)}): trying {schedule_words('early')} from the next step, its "
         "all-to-alls on a process group of their own ('pipeline_input_dist', created then; on "
         f"NCCL one more communicator); it is verified over {_verified(w)}"
     )
 
 
-def _held(w: StepWatch) -> str:
-    """How the share held before the switch."""
-    if min(w.shares) >= 2 * w.threshold:
+def _held(w: StepWatch, clear: bool) -> str:
+    """How the share held before the switch (`clear`: every rank's was twice the threshold at once)."""
+    if clear:
         return f"at least {2 * w.threshold:.0%} on every rank: clear at the first figure"
     return f"at least {w.threshold:.0%} for {w.window + 1} figures in a row"
 
@@ -145,13 +145,13 @@ def prefetch_pinned(reason: str) -> str:
     return f"prefetch runs inline: {reason}"
 
 
-def prefetch_switched(w: StepWatch, share: float) -> str:
+def prefetch_switched(w: StepWatch, share: float, *, clear: bool) -> str:
     """The move ahead: the ranks' shares that triggered it, when it began to observe, how long it
     is verified."""
     return (
         f"the training thread blocked in the prefetch stage {share:.0%} of the step inline "
         f"(median over {w.window} steps, mean over {len(w.shares)} rank(s): {_shares(w)}; "
-        f"observed from step {w.ready_at}, once the caches were full; {_held(w)}): trying it ahead "
+        f"observed from step {w.ready_at}, once the caches were full; {_held(w, clear)}): trying it ahead "
         f"on its worker thread from the next step, verified over {_verified(w)}"
     )
 
