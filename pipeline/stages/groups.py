@@ -77,7 +77,6 @@ class InputDistGroups:
         if own and self._undo is None:
             self._retire_at = None
             self._undo = self.install([pm.module for pm in modules])
-            self.at_rest = True
         elif not own and self._undo is not None:
             self.restore()
             # Batches started on them may be in flight (one to three, by class): destroyed at the
@@ -86,15 +85,18 @@ class InputDistGroups:
         elif not own and self._retire_at is not None and batch >= self._retire_at:
             self._retire_at = None
             self._destroy()
-        if not own:
-            self.at_rest = False if self._retire_at is None else None
+        self._rest()
 
     def restore(self) -> None:
         """The input all-to-alls back on torchrec's groups (their own groups are kept)."""
         if self._undo is not None:
             self._undo()
             self._undo = None
-            self.at_rest = False if self._retire_at is None else None
+            self._rest()
+
+    def _rest(self) -> None:
+        """`at_rest` from the state: on their own groups, on torchrec's, or a retirement due."""
+        self.at_rest = True if self._undo is not None else (False if self._retire_at is None else None)
 
     def own_group(self, pg: dist.ProcessGroup) -> dist.ProcessGroup:
         """The group reserved for all-to-alls originally on `pg` (`pg` itself for subgroups)."""
