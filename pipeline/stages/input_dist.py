@@ -11,6 +11,7 @@ when the splits are waited, on which group.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch.distributed as dist
@@ -179,15 +180,14 @@ class InputDist:
         return None if steady else self._attached.recording(ctx.batch)
 
     def _agree(self, rewrite: Rewrite, ctx: BatchContext) -> None:
-        """Once the rewrite is complete (`Attachment.settle`), at `ctx`'s batch: every rank must have
-        found the same call sites, and its live watches have the same settings; then which call
-        sites narrow their ids, decided alike on every rank (`NarrowIds.settle`)."""
+        """Once the rewrite is complete, at `ctx`'s batch: every rank must have found the same call
+        sites and have the same live watches' settings; then which sites narrow (`NarrowIds.settle`)."""
         if self._ranks is not None:
             self._ranks.agree_on("call sites of the sharded modules", rewrite.signature())
             live = [w.settings() for w in (self.watch, *self._others) if w is not None and w.publishing]
             if live:  # the watches decide from the words alike only with the same settings
                 self._ranks.agree_on("watch settings", "\n".join(live), advice=WATCH_ADVICE)
-        sample = lambda: rewrite.site_inputs(ctx.batch, ctx.postproc_results)  # noqa: E731
+        sample = partial(rewrite.site_inputs, ctx.batch, ctx.postproc_results)
         self._narrow.settle(rewrite.sites, sample, self._ranks.gather if self._ranks else every_rank)
 
     def detach(self) -> None:
