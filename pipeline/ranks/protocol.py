@@ -81,7 +81,7 @@ class Ranks:
         self._pipeline_id = next(_PIPELINE_IDS)  # the same on every rank: pipelines are built in step
         self._failure = FailureSignal(grace=options.failure_grace, scope=f"p{self._pipeline_id}/")
         self.lane: Lane | None = None
-        """The lane whose step runs now (the last `enter`), None before the first."""
+        """The lane whose step runs now (set by `PipelineCore._enter` at each step), None before the first."""
         self.untrained_batches: list[Any] = []
         """Batches this rank fetched but did not train because another rank's data ended first."""
         self._pending: list[Vote] = []
