@@ -86,16 +86,21 @@ def _unchanged(before: list, batches: list) -> bool:
 def _train(build, batches, *, narrow: bool | None, **options) -> dict:
     """One SparseDist run to the end with narrowing on or off: outputs, state, what went on the
     wire, the report's notes, whether the batches are as made."""
+    from unittest import mock
+
     import pipeline
+    from pipeline.stages import narrow as narrowing
     from tests import models
 
     model, opt = build()
     data = batches()
     before = _snapshot(data)
-    with _WireSpy() as spy:
+    passes = mock.patch.object(narrowing, "_to_int32", side_effect=narrowing._to_int32)
+    with _WireSpy() as spy, passes as own_pass:
         pipe = pipeline.TrainPipelineSparseDist(model, opt, torch.device("cpu"), narrow_ids=narrow, **options)
         outputs = models.run_to_end(pipe, iter(data))
     return {
+        "own_passes": own_pass.call_count,
         "outputs": outputs,
         "state": models.flat_tensors(model.state_dict()),
         "wire": spy.summary(),
@@ -112,7 +117,7 @@ def _compare(expected: list, ref_state: list, runs: dict) -> dict:
             "outputs": models.bitwise_equal(expected, run["outputs"]),
             "params": models.bitwise_equal(ref_state, run["state"]),
             "count": len(run["outputs"]),
-            **{k: run[k] for k in ("wire", "notes", "unchanged")},
+            **{k: run[k] for k in ("wire", "notes", "unchanged", "own_passes")},
         }
         for narrow, run in runs.items()
     }
@@ -145,10 +150,13 @@ def _user_case(rank: int, world_size: int, pattern: str) -> dict:
     return _compare(expected, models.flat_tensors(ref.state_dict()), runs)
 
 
-def _assert_narrowed(results: list, where: str, *, recorded: bool = False, steps: int = STEPS) -> None:
+def _assert_narrowed(
+    results: list, where: str, *, recorded: bool = False, steps: int = STEPS, checked: bool = False
+) -> None:
     """Both runs of each rank give the plain loop's numbers and leave the batches as made; with
     narrowing every KJT all-to-all sent int32 (but the recorded first batch's, which the model's
-    own forward sends: `recorded`), half the bytes of the same all-to-all without it."""
+    own forward sends: `recorded`), half the bytes of the same all-to-all without it. `checked`:
+    each module takes a KJT of the batch itself, so the narrowing makes no pass of its own."""
     for rank, r in enumerate(results):
         for narrow, run in r.items():
             at = f"{where}, narrow_ids={narrow}, rank {rank}"
@@ -169,6 +177,8 @@ def _assert_narrowed(results: list, where: str, *, recorded: bool = False, steps
         assert halves == [(label, n) for label, _, n in off[head:]], f"{where}, rank {rank}: {on} vs {off}"
         assert any("sent as int32" in n for n in r[True]["notes"]), r[True]["notes"]
         assert any("narrow_ids=False" in n for n in r[False]["notes"]), r[False]["notes"]
+        if checked:  # the batch's own KJTs, passed by the malformed-batch check: its pass serves
+            assert r[True]["own_passes"] == 0, f"{where}, rank {rank}: {r[True]['own_passes']} own passes"
 
 
 MODEL_CASES = [
@@ -188,7 +198,7 @@ MODEL_CASES = [
 @pytest.mark.slow
 def test_narrowed_ids_give_the_plain_loops_numbers_and_half_the_bytes(pools, world, kind, sharding):
     results = pools(world).run(_model_case, kind, sharding, timeout=TIMEOUT)
-    _assert_narrowed(results, f"{kind} {sharding} at {world} ranks")
+    _assert_narrowed(results, f"{kind} {sharding} at {world} ranks", checked=True)
 
 
 USER_CASES = [(2, "split"), (2, "built"), (2, "shared"), (2, "recorded"), (3, "shared")]
@@ -379,12 +389,12 @@ def test_a_table_of_2_31_rows_leaves_its_modules_ids_as_made(pools):
 # -- one process ---------------------------------------------------------------------------------
 
 
-def _kjt(values, lengths, **kwargs):
+def _kjt(values, lengths, *, f: bool = False, **kwargs):
+    """Keys a and b; with `f`, f0 and f1 (the features of `test_malformed._ebc`'s tables)."""
     from torchrec import KeyedJaggedTensor
 
-    return KeyedJaggedTensor(
-        keys=["a", "b"], values=torch.tensor(values), lengths=torch.tensor(lengths), **kwargs
-    )
+    keys = ["f0", "f1"] if f else ["a", "b"]
+    return KeyedJaggedTensor(keys=keys, values=torch.tensor(values), lengths=torch.tensor(lengths), **kwargs)
 
 
 def test_narrow_kjt_copies_ids_and_lengths_as_int32_and_keeps_the_rest():
@@ -412,6 +422,49 @@ def test_narrow_kjt_keeps_a_variable_batch_per_key():
     copy = narrow_kjt(kjt).kjt
     assert copy.variable_stride_per_key() and copy.stride_per_key_per_rank() == [[1], [2]]
     assert copy.inverse_indices() is inverse and copy.values().dtype == torch.int32
+
+
+def test_a_kjt_the_check_passed_is_cast_without_a_pass_of_its_own(monkeypatch):
+    from pipeline.ranks import KJTCheck
+    from pipeline.stages import narrow
+    from tests.test_malformed import _ebc
+
+    check = KJTCheck(_ebc("", [40, 40]))
+    check.check({})  # the tables are read at the first batch
+    good, bad = _kjt([5, 0, 7, 39], [1, 2, 1, 0], f=True), _kjt([5, 0, 7, 40], [1, 2, 1, 0], f=True)
+    assert check.check_kjt(good) is None and check.check_kjt(bad) is not None
+    proven = check.in_int32
+    assert good.values() in proven and good.lengths() in proven
+    assert bad.values() not in proven and good.values().clone() not in proven  # by identity
+    calls = []
+    monkeypatch.setattr(narrow, "_to_int32", lambda t: calls.append(t) or (t.to(torch.int32), False))
+    copy = narrow.narrow_kjt(good, proven).kjt
+    assert calls == [] and copy.values().tolist() == [5, 0, 7, 39] and copy.values().dtype == torch.int32
+    narrow.narrow_kjt(bad, proven)
+    assert len(calls) == 2, "a KJT the check did not pass is narrowed with its own pass"
+
+
+def test_the_checks_proof_is_not_given_where_a_table_could_hold_larger_ids():
+    import gc
+
+    from torchrec import KeyedJaggedTensor
+
+    from pipeline.ranks import KJTCheck
+    from tests.test_malformed import _ebc
+
+    check = KJTCheck(_ebc("", [40, 2**31 + 1]))
+    check.check({})
+    big = _kjt([5, 0, 7, 39], [1, 2, 1, 0], f=True)
+    assert check.check_kjt(big) is None and big.values() not in check.in_int32
+    without_table = KeyedJaggedTensor(keys=["f0", "f9"], values=big.values(), lengths=big.lengths())
+    assert check.check_kjt(without_table) is None and big.values() not in check.in_int32
+    small = KJTCheck(_ebc("", [40, 40]))
+    small.check({})
+    kjt = KeyedJaggedTensor(keys=["f0", "f1"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+    assert small.check_kjt(kjt) is None and kjt.values() in small.in_int32
+    del kjt
+    gc.collect()
+    assert not small.in_int32._refs, "a dead tensor's proof was kept (its id may be reused)"
 
 
 @pytest.mark.parametrize("wrap", [False, True], ids=["checked", "twin-plain-cast"])

@@ -97,9 +97,9 @@ class InputDist:
             elif dist.get_backend() == "nccl":
                 self.watch.pin(NOT_ON_NCCL)
         self._admission = Admission(ranks, carry, watch=self.watch)
-        """Whether each batch is trained, by its vote or by what rides on its splits (it pins the
-        watch where nothing rides)."""
-        self._narrow = NarrowIds(schedule.narrow_ids, self._note, one_rank=self._one_rank)
+        """Whether each batch is trained: by its vote, or what rides on its splits (else pins the watch)."""
+        checked = ranks.kjts.in_int32 if ranks is not None and ranks.kjts is not None else None
+        self._narrow = NarrowIds(schedule.narrow_ids, self._note, one_rank=self._one_rank, proven=checked)
         """Which call sites' KJTs go through the all-to-all as int32 (`pipeline.stages.narrow`)."""
         self._others: list[Any] = []
         """Other stages' watches (`add_watch`)."""

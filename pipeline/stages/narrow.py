@@ -30,7 +30,9 @@ default, a site below `NARROW_FROM`.
 The check, per batch and per KJT (`narrow_kjt`, on the data_dist stream, before the splits
 all-to-all): one pass for the ids' minimum and maximum (`torch.aminmax`; on a GPU, one
 synchronization, as torchrec's input_dist already has for the splits), one for the lengths' (a
-hundredth of the ids), then one pass each for the casts. Ids and lengths in [0, 2^31) are cast
+hundredth of the ids), then one pass each for the casts. Where the malformed-batch check
+(`check_kjts`, on by default) passed the same tensors against tables below 2^31 rows, its pass
+stands for the first two (`KJTCheck.in_int32`): only the casts remain. Ids and lengths in [0, 2^31) are cast
 exactly. An id outside that range is outside every table (each has fewer than 2^31 rows), and a
 plain cast would wrap it (2^32 + 3 to row 3); it is saturated instead (to -2^31 or 2^31 - 1, one more
 pass, only then), so it stays outside every table: the malformed-batch check (`check_kjts`, which
@@ -43,7 +45,7 @@ zeroed lookup of fbgemm's default bounds check reads another shard's row 0.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,14 +120,14 @@ class Narrowed:
     """Some id or length was outside int32 and was saturated (a bad id or length)."""
 
 
-def narrow_kjt(kjt: KeyedJaggedTensor) -> Narrowed:
+def narrow_kjt(kjt: KeyedJaggedTensor, proven: Container[torch.Tensor] | None = None) -> Narrowed:
     """`kjt`'s ids and lengths as int32 (module docstring: the check and its cost); `kjt` itself
-    is not changed."""
+    is not changed. A tensor in `proven` is known to lie in [0, 2^31) and is cast without a check."""
     values, lengths = kjt.values(), kjt.lengths()
     if {values.dtype, lengths.dtype} - _INTEGERS or values.dtype == lengths.dtype == torch.int32:
         return Narrowed(kjt)
-    values, bad_values = _to_int32(values)
-    lengths, bad_lengths = _to_int32(lengths)
+    values, bad_values = _cast(values, proven)
+    lengths, bad_lengths = _cast(lengths, proven)
     vbe = kjt.variable_stride_per_key()
     copy = KeyedJaggedTensor(
         keys=kjt.keys(),
@@ -139,6 +141,12 @@ def narrow_kjt(kjt: KeyedJaggedTensor) -> Narrowed:
         inverse_indices=kjt.inverse_indices_or_none(),
     )
     return Narrowed(copy, bad_values or bad_lengths)
+
+
+def _cast(tensor: torch.Tensor, proven: Container[torch.Tensor] | None) -> tuple[torch.Tensor, bool]:
+    if proven is not None and tensor in proven:
+        return tensor.to(torch.int32), False
+    return _to_int32(tensor)
 
 
 def _to_int32(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -161,10 +169,18 @@ class NarrowIds:
         note: adds one sentence to the rewrite report.
         one_rank: the world is one rank: the all-to-alls move nothing between ranks, so narrowing
             would only cost its passes; nothing is narrowed.
+        proven: the tensors the malformed-batch check proved in [0, 2^31) (`KJTCheck.in_int32`).
     """
 
-    def __init__(self, enabled: bool | None, note: Callable[[str], None], *, one_rank: bool = False) -> None:
-        self._enabled, self._note, self._one_rank = enabled, note, one_rank
+    def __init__(
+        self,
+        enabled: bool | None,
+        note: Callable[[str], None],
+        *,
+        one_rank: bool = False,
+        proven: Container[torch.Tensor] | None = None,
+    ) -> None:
+        self._enabled, self._note, self._one_rank, self._proven = enabled, note, one_rank, proven
         self.sites: frozenset[str] = frozenset()
         """The keys of the call sites whose inputs are narrowed (`settle`)."""
         self._saturated: set[str] = set()
@@ -222,7 +238,7 @@ class NarrowIds:
             if not isinstance(value, KeyedJaggedTensor):
                 return value
             if id(value) not in done:  # the original is kept there too: its id stays its own
-                done[id(value)] = (value, narrow_kjt(value))
+                done[id(value)] = (value, narrow_kjt(value, self._proven))
             narrowed = done[id(value)][1]
             if narrowed.saturated and site.key not in self._saturated:
                 self._saturated.add(site.key)
