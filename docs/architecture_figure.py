@@ -20,9 +20,9 @@ BOXES = {
         1.6,
         "#dbe9f6",
         (
-            "pipeline classes, one module each: write their own step",
-            "base.py  sparse_dist.py  prefetch_sparse_dist.py (+ PrefetchStage)  fused_sparse_dist.py",
-            "semi_sync.py  eval_sparse_dist.py  staged.py (StagedTrainPipeline, SparseDataDistUtil)",
+            "pipelines/: the classes a user constructs, one family a module, each with its own step",
+            "base.py  sparse_dist.py  prefetch.py  fused.py  semi_sync.py  eval.py  staged.py",
+            "sparse_data_dist.py (SparseDataDistUtil)  pec.py  pt2.py  gradient_accumulation.py ...",
         ),
     ),
     "compat": (
@@ -32,33 +32,33 @@ BOXES = {
         1.4,
         "#f6e7db",
         (
-            "compat.py",
-            "torchrec 1.8 signatures",
-            "-> options.py (PipelineOptions)",
+            "compat/: only for torchrec",
+            "types.py  methods.py",
+            "data_loading.py  arguments.py",
         ),
     ),
-    "lanes": (
+    "core": (
         4.3,
         5.7,
         4.6,
         1.4,
         "#dbe9f6",
         (
-            "lane_pipeline.py  LanePipeline",
-            "progress / drain / reset, lanes,",
+            "core.py  PipelineCore: lanes,",
+            "progress / drain / reset; batch_stages.py:",
             "copy, forward, backward, optimizer",
         ),
     ),
-    "idp": (
+    "idcore": (
         9.3,
         5.7,
         4.4,
         1.4,
         "#dbe9f6",
         (
-            "input_dist_pipeline.py",
-            "InputDistPipeline: rewrite_report,",
-            "detach, attach, input_dist_schedule",
+            "input_dist_core.py  InputDistCore",
+            "the SparseDist family's base: _build,",
+            "rewrite_report, detach, the schedule",
         ),
     ),
     "ranks": (
@@ -69,11 +69,11 @@ BOXES = {
         "#e3f2da",
         (
             "ranks/  (Ranks in protocol.py)",
-            "fetch -> Ticket (Status, vote or flag)",
-            "admit before the first collective",
-            "after_world_collective: THE rule",
-            "fail: failure.py, PeerFailedError",
-            "votes.py flags.py kjt_check.py lane.py",
+            "fetch -> Ticket (Status); loader state",
+            "riding.py  Admission: by vote or ride",
+            "rows.py  the word and its status row",
+            "kjt_check.py  keys, well-formed KJTs",
+            "votes.py failure.py lane.py status.py",
         ),
     ),
     "input_dist": (
@@ -83,11 +83,11 @@ BOXES = {
         2.3,
         "#dbe9f6",
         (
-            "input_dist.py  InputDist",
-            "attach / start / wait_splits / fill /",
-            "start_next / finish_next / retire_head;",
-            "release_inputs; InputDistGroups",
-            "schedule.py, watch.py: schedules, the watch",
+            "stages/input_dist.py  InputDist",
+            "attach / start / wait_splits / fill",
+            "attachment.py groups.py schedule.py",
+            "step_watch.py watch.py step_times.py",
+            "narrow.py: int32 ids on the wire",
             "memory.py: torchrec's memory flags",
         ),
     ),
@@ -98,11 +98,11 @@ BOXES = {
         2.3,
         "#dbe9f6",
         (
+            "stages/prefetch.py  PrefetchStage",
+            "prefetch_watch.py (ahead or inline)",
             "lookup.py  LookupStage",
-            "(Fused, SemiSync)",
             "",
             "context.py  per-batch contexts",
-            "(written by / read by each field)",
         ),
     ),
     "streams": (
@@ -112,10 +112,10 @@ BOXES = {
         2.0,
         "#f2f2f2",
         (
-            "streams.py  Streams / CudaStreams / ThreadStreams",
-            "every hand-off: handoff, handoff_event, submit",
+            "stages/streams.py  Streams: every hand-off (handoff, consumed,",
+            "produced) and the stages' labels: run_stage, pipeline::<stage>#<batch>",
+            "cuda_streams.py  CudaStreams    thread_streams.py  ThreadStreams",
             "tests/streamcheck/  RecordingStreams (proves hand-offs on CPU)",
-            "streams.py run_stage + stages.py  pipeline::<stage>#<batch>",
         ),
     ),
     "rewrite": (
@@ -126,21 +126,23 @@ BOXES = {
         "#fbe3e3",
         (
             "rewrite/  (imports nothing of pipeline/)",
-            "rewrite_model -> Rewrite (ArgInfo: explicit, trace, direct)",
-            "hijacked forwards read a ForwardContext from a ContextSlot",
-            "replay.py: per-batch site inputs, the fused splits all-to-all",
+            "rewrite_model -> Rewrite; each ArgInfo found",
+            "explicit, traced, direct or recorded (find.py)",
+            "forwards.py: hijacked forwards, ContextSlot",
+            "replay.py: per-batch inputs, fused splits",
         ),
     ),
 }
 
 ARROWS = [
     # (from, to, label): points on the boxes' edges
+    ((2.1, 7.6), (2.1, 7.15), "torchrec's methods"),
     ((6.6, 7.6), (6.6, 7.15), "shared stages"),
-    ((11.5, 7.6), (11.5, 7.15), ""),
-    ((3.9, 6.4), (4.3, 6.4), "options"),
+    ((11.5, 7.6), (11.5, 7.15), "the SparseDist family"),
     ((5.2, 5.7), (4.0, 5.25), "fetch, admit, fail"),
     ((10.2, 5.7), (8.6, 5.25), "owns an InputDist"),
     ((12.6, 5.7), (12.6, 5.25), "prefetch, lookup"),
+    ((5.3, 4.05), (4.9, 4.05), ""),
     ((9.3, 4.05), (9.7, 4.05), ""),
     ((8.4, 2.9), (8.9, 2.35), "attach, detach"),
     ((11.7, 2.9), (11.7, 2.35), "contexts feed forwards"),
