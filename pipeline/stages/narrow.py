@@ -78,9 +78,10 @@ NARROW_FROM = 65536
 first pipelined batch, is at least this (512 KiB of int64 ids). Narrowing saves 4 bytes an id on the
 wire (at 1 Gbit, 32 ns an id) and costs its passes plus a fixed cost a batch (about 0.3 ms of host
 time on a 2-rank CPU job, whatever the size: 4-12 % of the step of the small benchmark configs, over
-loopback, docs/results/narrow-loopback.md). Below this size the fixed cost is as large as the saving
-on a fast link; above it, narrowing was no slower over loopback and up to 0.66 of the wide step over
-1 Gbit (docs/results/narrow-1gbit-run1.md)."""
+loopback, docs/results/narrow-loopback.md; 9 % on `tiny` in docs/results/narrow-loopback-3.md).
+Below this size the fixed cost is as large as the saving on a fast link; above it, the wide step
+took 1.06-1.11 of the narrowed one over loopback (narrow-loopback-3.md) and up to 1.52 over 1 Gbit
+(docs/results/narrow-1gbit-run1.md)."""
 _LOW, _HIGH = -(2**31), 2**31 - 1
 _INTEGERS = {torch.int32, torch.int64}
 _MODULES = (ShardedEmbeddingBagCollection, ShardedFeatureProcessedEmbeddingBagCollection)
