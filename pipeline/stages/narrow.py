@@ -32,12 +32,12 @@ all-to-all): one pass for the ids' minimum and maximum (`torch.aminmax`; on a GP
 synchronization, as torchrec's input_dist already has for the splits), one for the lengths' (a
 hundredth of the ids), then one pass each for the casts. Where the malformed-batch check
 (`check_kjts`, on by default) passed the same tensors against tables below 2^31 rows, its pass
-stands for the first two (`KJTCheck.in_int32`): only the casts remain. Ids and lengths in [0, 2^31) are cast
-exactly. An id outside that range is outside every table (each has fewer than 2^31 rows), and a
-plain cast would wrap it (2^32 + 3 to row 3); it is saturated instead (to -2^31 or 2^31 - 1, one more
-pass, only then), so it stays outside every table: the malformed-batch check (`check_kjts`, which
-runs before input_dist and stops every rank) or fbgemm's bounds check still sees a bad id, and a
-note in the rewrite report says which call site and batch. Sending that batch unnarrowed is not an
+stands for the first two (`KJTCheck.in_int32`): only the casts remain. Ids and lengths in
+[0, 2^31) are cast exactly. An id outside that range is outside every table (each has fewer than
+2^31 rows), and a plain cast would wrap it (2^32 + 3 to row 3); it is saturated instead (to -2^31
+or 2^31 - 1, one more pass, only then), so it stays outside every table: the malformed-batch check
+(`check_kjts`, which runs before input_dist and stops every rank) or fbgemm's bounds check still
+sees a bad id, and a note in the rewrite report says which call site and batch. Sending that batch unnarrowed is not an
 option: the other ranks send int32. One difference remains, only without `check_kjts`: row-wise may
 bucketize a saturated id to another rank than the original id (out of range on both), so the
 zeroed lookup of fbgemm's default bounds check reads another shard's row 0.
