@@ -37,10 +37,10 @@ stands for the first two (`KJTCheck.in_int32`): only the casts remain. Ids and l
 2^31 rows), and a plain cast would wrap it (2^32 + 3 to row 3); it is saturated instead (to -2^31
 or 2^31 - 1, one more pass, only then), so it stays outside every table: the malformed-batch check
 (`check_kjts`, which runs before input_dist and stops every rank) or fbgemm's bounds check still
-sees a bad id, and a note in the rewrite report says which call site and batch. Sending that batch unnarrowed is not an
-option: the other ranks send int32. One difference remains, only without `check_kjts`: row-wise may
-bucketize a saturated id to another rank than the original id (out of range on both), so the
-zeroed lookup of fbgemm's default bounds check reads another shard's row 0.
+sees a bad id, and a note in the rewrite report says which call site and batch. Sending that batch
+unnarrowed is not an option: the other ranks send int32. One difference remains, only without
+`check_kjts`: row-wise may bucketize a saturated id to another rank than the original id (out of
+range on both), so the zeroed lookup of fbgemm's default bounds check reads another shard's row 0.
 """
 
 from __future__ import annotations
@@ -73,15 +73,17 @@ __all__ = [
 
 INT32_ROWS = 2**31
 """Tables below this many rows have every valid id in int32."""
-NARROW_FROM = 65536
+NARROW_FROM = 16384
 """Under the default, a call site is narrowed where the ranks' mean count of ids in its input, in the
-first pipelined batch, is at least this (512 KiB of int64 ids). Narrowing saves 4 bytes an id on the
-wire (at 1 Gbit, 32 ns an id) and costs its passes plus a fixed cost a batch (about 0.3 ms of host
-time on a 2-rank CPU job, whatever the size: 4-12 % of the step of the small benchmark configs, over
-loopback, docs/results/narrow-loopback.md; 9 % on `tiny` in docs/results/narrow-loopback-3.md).
-Below this size the fixed cost is as large as the saving on a fast link; above it, the wide step
-took 1.06-1.11 of the narrowed one over loopback (narrow-loopback-3.md) and up to 1.52 over 1 Gbit
-(docs/results/narrow-1gbit-run1.md)."""
+first pipelined batch, is at least this (128 KiB of int64 ids). Narrowing saves 4 bytes an id on the
+wire (at 1 Gbit, 32 ns an id; at 100 Mbit, 320 ns) and costs two casts and a fixed cost a batch.
+Measured on 2 CPU ranks: every config of at least 18,000 ids a batch took at most the wide step
+narrowed, over loopback as over a link (narrowed / wide, medians: 0.87-1.01 over loopback on three
+configs of 18-41 thousand ids, docs/results/narrow-small-loopback.md; 0.94 and 0.95 over 1 Gbit,
+narrow-small-1gbit.md; 0.58 and 0.69 over 100 Mbit, narrow-100mbit.md; the wide step 1.06-1.11 of
+the narrowed one over loopback at 200 thousand ids and more, narrow-loopback-3.md). The configs it
+cost on are below: `tiny` (under 1,000 ids, 1.09 of the wide step over loopback, narrow-loopback-3.md)
+and `demo` (about 5,000: 2 % over 1 Gbit, narrow-1gbit-run1.md)."""
 _LOW, _HIGH = -(2**31), 2**31 - 1
 _INTEGERS = {torch.int32, torch.int64}
 _MODULES = (ShardedEmbeddingBagCollection, ShardedFeatureProcessedEmbeddingBagCollection)
