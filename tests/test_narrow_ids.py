@@ -257,6 +257,27 @@ def test_the_default_narrows_only_where_the_ranks_send_enough_ids(pools):
             assert bool(said) == (narrow_from > 1), f"{at}: {r['notes']}"
 
 
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.timeout(pytest_timeout(TIMEOUT))
+@pytest.mark.slow
+def test_ranks_whose_counts_straddle_the_threshold_send_alike(pools, world):
+    """At 3 and 4 ranks, a threshold between the ranks' own counts of ids in the first batch: each
+    rank alone would decide apart (int32 against int64 on one all-to-all); on the exchanged counts
+    every rank narrows where their mean reaches it and none does where it falls short."""
+    from tests import models
+
+    counts = [
+        models.batches("dlrm", STEPS, rank)[0].sparse_features.values().numel() for rank in range(world)
+    ]
+    mean = sum(counts) / world
+    for narrow_from, dtypes in ((mean, ["torch.int32"]), (mean + 0.01, ["torch.int64"])):
+        assert min(counts) < narrow_from <= max(counts), f"no straddle: {counts}, {narrow_from}"
+        for rank, r in enumerate(pools(world).run(_default_case, narrow_from, timeout=TIMEOUT)):
+            at = f"{world} ranks, counts {counts}, NARROW_FROM={narrow_from}, rank {rank}"
+            assert r["equal"], f"{at}: not the plain loop's numbers"
+            assert r["dtypes"] == dtypes, f"{at}: sent {r['dtypes']}"
+
+
 def test_the_default_decides_on_every_ranks_count_not_its_own(monkeypatch):
     """Two simulated ranks whose first batches straddle the threshold: deciding on the exchanged
     counts, both narrow (their mean is above it); the twin, each deciding on its own count, splits
