@@ -485,7 +485,7 @@ def test_the_checks_proof_is_not_given_where_a_table_could_hold_larger_ids():
     assert small.check_kjt(kjt) is None and kjt.values() in small.in_int32
     del kjt
     gc.collect()
-    assert not small.in_int32._refs, "a dead tensor's proof was kept (its id may be reused)"
+    assert not small.in_int32._tensors, "a dead tensor's proof was kept (its id may be reused)"
 
 
 @pytest.mark.parametrize("wrap", [False, True], ids=["checked", "twin-plain-cast"])

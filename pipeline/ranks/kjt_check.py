@@ -46,20 +46,14 @@ class InRange:
     """
 
     def __init__(self) -> None:
-        self._refs: dict[int, weakref.ref] = {}
+        self._tensors: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        """By id; an entry goes when its tensor dies (before its id can be reused)."""
 
     def add(self, tensor: torch.Tensor) -> None:
-        key = id(tensor)
-
-        def drop(ref: weakref.ref, key: int = key, refs: dict[int, weakref.ref] = self._refs) -> None:
-            if refs.get(key) is ref:  # the tensor died: its id may be reused
-                del refs[key]
-
-        self._refs[key] = weakref.ref(tensor, drop)
+        self._tensors[id(tensor)] = tensor
 
     def __contains__(self, tensor: torch.Tensor) -> bool:
-        ref = self._refs.get(id(tensor))
-        return ref is not None and ref() is tensor
+        return self._tensors.get(id(tensor)) is tensor
 
 
 @dataclass(frozen=True, slots=True)
