@@ -253,7 +253,7 @@ def _adaptive(rank: int, pipe_name: str, verdict: str, schedule: str | None = No
     """The default schedule's watch, made to try early at once on a tiny model: every rank moves
     at the same step, and back ("back") or not ("kept"), bit for bit across both switches. Its
     clock counts its own calls, so that both ranks see equal steps: a ratio of 1 after the switch
-    ("back"), or, under "kept", a reference that any step after the switch beats. `schedule`: the
+    ("back"), or, under "kept", a ratio that any verdict keeps. `schedule`: the
     `input_dist_schedule` given beside the watch ("auto", the default's deprecated name; "late")."""
     import itertools
     import warnings
@@ -268,9 +268,8 @@ def _adaptive(rank: int, pipe_name: str, verdict: str, schedule: str | None = No
     kept = verdict == "kept"
 
     class Watch(ScheduleWatch):
-        @property
-        def reference(self) -> float:  # "kept": every step after the switch reads as faster
-            return 1e9 if kept else ScheduleWatch.reference.fget(self)
+        def ratio(self, sure: float) -> float:  # "kept": every step after the switch reads as faster
+            return 1e-3 if kept else ScheduleWatch.ratio(self, sure)
 
     watch = Watch(
         window=3, verify=3, warmup=0, settle=0, threshold=0.0001,

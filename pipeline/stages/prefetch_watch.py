@@ -22,7 +22,7 @@ __all__ = ["PrefetchWatch"]
 class PrefetchWatch(StepWatch):
     """Whether the prefetch stage runs "inline" (from the start) or "ahead" (once verified faster).
     The Args are `StepWatch`'s; the defaults: window 8, verify 20, warmup 8, threshold 0.2, settle 2,
-    margin 0.05, sure 0.75.
+    margin 0.05, sure 0.5.
     """
 
     modes: ClassVar[tuple[str, str]] = ("inline", "ahead")
@@ -61,8 +61,8 @@ class PrefetchWatch(StepWatch):
     def _switched_text(self, share: float, clear: bool) -> str:
         return text.prefetch_switched(self, share, clear=clear)
 
-    def _verdict_text(self, unsure: list[bool], *, kept: bool) -> str:
-        return text.prefetch_verdict(self, unsure, kept=kept)
+    def _verdict_text(self, *, kept: bool) -> str:
+        return text.prefetch_verdict(self, kept=kept)
 
     def _pinned_text(self, reason: str) -> str:
         return text.prefetch_pinned(reason)

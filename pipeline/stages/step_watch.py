@@ -6,10 +6,11 @@ default input_dist schedule (`pipeline.stages.watch`) and Prefetch's ahead-or-in
    that the other mode could hide (`_parts`); once the ranks' mean has reached `threshold` for
    `window + 1` figures in a row (or for one, where every rank's is twice `threshold`), every rank
    moves to the other mode at its next step.
-2. Trying: after `settle` untimed steps, each rank publishes its median over `verify` steps (half
-   as many where they are clear: `StepTimes.verified`) against the faster half of as many steps
-   before (`StepTimes.reference`). Kept where every rank's ratio is at most `1 - margin` and
-   `sure` of its steps are shorter; else every rank goes back, once.
+2. Trying: after `settle` untimed steps, each rank times `verify` steps (half as many where they
+   are clear: `StepTimes.verified`) and publishes its step ratio: the median ratio of every pair
+   of a step after and a step before the switch, the faster half of each side (`StepTimes.ratio`).
+   The ranks step in lockstep, so they measure one job's step: kept where the ranks' mean ratio
+   is at most `1 - margin` and no rank's is `1 + margin` or more; else every rank goes back, once.
 3. Kept, back or pinned: no clock runs any more.
 
 A step is timed from `step` to `step_ended`: the time between two `progress()` calls is not a
@@ -32,10 +33,6 @@ from pipeline.stages.saved_decision import SavedDecision, world_size
 from pipeline.stages.step_times import StepTimes
 
 __all__ = ["StepWatch", "WatchPhase"]
-
-UNSURE = 2.0
-"""Added to a rank's published ratio (capped under 2) where too few of its steps were faster."""
-_RATIO_CAP = 1.99
 
 
 class WatchPhase(enum.Enum):
@@ -60,9 +57,10 @@ class StepWatch(StepTimes):
         threshold: the ranks' mean share at which the other mode is tried, once it has held for
             `window + 1` figures in a row.
         settle: untimed steps after the switch.
-        margin: the gain every rank must see for the new mode to be kept (0.05: 5 % faster).
-        sure: and the share of the verified steps shorter than the median step before the switch,
-            on every rank (0.75 of 20: 15 steps; by chance alone, once in 50).
+        margin: the gain the job must see for the new mode to be kept (0.05: the ranks' mean step
+            ratio at most 0.95); a rank slower by as much vetoes it.
+        sure: the quantile of its pairwise step ratios a rank publishes (0.5: the median; 0.75: a
+            gain shown by three pairs in four).
         clock: seconds, monotonic (tests inject a fake one).
     """
 
@@ -80,7 +78,7 @@ class StepWatch(StepTimes):
         threshold: float = 0.5,
         settle: int = 2,
         margin: float = 0.05,
-        sure: float = 0.75,
+        sure: float = 0.5,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if min(window, verify) < 3 or min(warmup, settle) < 0 or not (0 < threshold < 1 and 0 <= margin < 1):
@@ -117,7 +115,7 @@ class StepWatch(StepTimes):
 
     # -- what a subclass provides: its parts of a step (seconds the other mode could hide since
     # the last call; reset), whether steps are observed yet, and (not here) the words of its
-    # decisions: `_switched_text(share, clear)`, `_verdict_text(unsure, kept=)`, `_pinned_text(reason)`
+    # decisions: `_switched_text(share, clear)`, `_verdict_text(kept=)`, `_pinned_text(reason)`
 
     def _parts(self) -> tuple[float, ...]:
         return ()
@@ -272,8 +270,7 @@ class StepWatch(StepTimes):
         if self.phase is WatchPhase.WATCHING:
             return observed(self._share())
         if self.phase is WatchPhase.TRYING and self.verified:
-            ratio = min(_RATIO_CAP, self.ratio())
-            return observed(ratio if self.faster_steps >= self.sure else ratio + UNSURE)
+            return observed(self.ratio(self.sure))
         return 0
 
     def _switch(self, shares: list[float], share: float) -> None:
@@ -283,16 +280,18 @@ class StepWatch(StepTimes):
         self._start_verifying(self.settle + 1)
         self._decide(self._switched_text(share, self._high <= self.window))  # before a full run: clear
 
-    def _verdict(self, published: list[float]) -> None:
-        unsure = [v >= UNSURE for v in published]
-        self.ratios = [v - UNSURE if u else v for v, u in zip(published, unsure, strict=True)]
-        kept = max(self.ratios) <= 1 - self.margin and not any(unsure)
+    def _verdict(self, ratios: list[float]) -> None:
+        # The ranks step in lockstep, so each rank's ratio measures the same job's step through its
+        # own clock: their mean is the job's, and a rank whose window was noisy does not undo a
+        # gain the others saw. A rank clearly slower after the switch (by `margin`) vetoes it.
+        self.ratios = ratios
+        kept = statistics.fmean(ratios) <= 1 - self.margin and max(ratios) < 1 + self.margin
         if kept:
             self.phase = WatchPhase.KEPT
         else:
             self._pending, self.phase = self.modes[0], WatchPhase.BACK
         self._forget_step()  # decided: this step's end reads no clock either
-        self._decide(self._verdict_text(unsure, kept=kept))
+        self._decide(self._verdict_text(kept=kept))
 
     def _decide(self, text: str) -> None:
         self.decisions.append((self.steps, text))

@@ -28,8 +28,6 @@ __all__ = [
     "watch_repr",
 ]
 
-_BEFORE = "the steps before (the faster half's median)"
-
 ONE_RANK = "one rank: the input all-to-alls move nothing, so every schedule does the same work"
 """Why a one-rank pipeline keeps torchrec's order without watching."""
 NOT_ON_NCCL = (
@@ -56,15 +54,18 @@ def _shares(w: StepWatch) -> str:
     return ", ".join(f"{v:.0%}" for v in w.shares)
 
 
-def _ratios(w: StepWatch, unsure: list[bool]) -> str:
-    return ", ".join(f"{r:.2f}{' (not sure)' if u else ''}" for r, u in zip(w.ratios, unsure, strict=True))
+def _ratios(w: StepWatch) -> str:
+    """The job's step ratio after/before the switch (the ranks' mean) and each rank's."""
+    mean = sum(w.ratios) / len(w.ratios)
+    return f"{mean:.2f} (ranks: {', '.join(f'{r:.2f}' for r in w.ratios)})"
 
 
 def _rule(w: StepWatch) -> str:
     """What a verdict needs, and how this rank's steps fared."""
     return (
-        f"at most {1 - w.margin:.2f}, and at least {w.sure:.0%} of the steps after shorter "
-        f"than the steps before, on every rank; this rank: {w.faster_steps:.0%}"
+        f"the ranks' mean at most {1 - w.margin:.2f} and none {1 + w.margin:.2f} or more; a rank's "
+        "ratio is the median over every pair of a step after and a step before, the faster half of "
+        f"each side; this rank's step after was shorter in {w.faster_steps:.0%} of the pairs"
     )
 
 
@@ -94,12 +95,12 @@ def pinned(reason: str) -> str:
 
 
 def switched(w: StepWatch, share: float, waits: float, idle: float, *, clear: bool) -> str:
-    """The move to early: the ranks' shares that triggered it, this rank's parts, what the switch
+    """The move to early: the ranks' blocked shares that triggered it, this rank's parts, what the switch
     creates and how long it is verified (`clear`: the switch came at the first figure)."""
     return (
-        f"the host blocked on the input all-to-alls {share:.0%} of the step (median over "
+        f"the training thread was blocked {share:.0%} of the step (median over "
         f"{w.window} steps, mean over {len(w.shares)} ranks: {_shares(w)}; this rank "
-        f"{waits:.0%} in their waits and {idle:.0%} off the CPU in backward; "
+        f"{waits:.0%} in the input all-to-alls' waits and {idle:.0%} off the CPU in backward; "
         f"{_held(w, clear)}): trying {schedule_words('early')} from the next step, its "
         "all-to-alls on a process group of their own ('pipeline_input_dist', created then; on "
         f"NCCL one more communicator); it is verified over {_verified(w)}"
@@ -117,24 +118,22 @@ def _verified(w: StepWatch) -> str:
     return f"{w.settle} + {w.verify} steps (half as many where the steps after are clear)"
 
 
-def verdict(w: StepWatch, unsure: list[bool], *, kept: bool) -> str:
-    """Early kept, or torchrec's order again: every rank's ratio, and the rule it met or missed."""
-    shown, rule = _ratios(w, unsure), _rule(w)
+def verdict(w: StepWatch, *, kept: bool) -> str:
+    """Early kept, or torchrec's order again: the job's ratio, every rank's, and the rule."""
+    shown, rule = _ratios(w), _rule(w)
     if kept:
-        return (
-            f"kept {schedule_words('early')}: the median step under it over {_BEFORE} was {shown} "
-            f"on the ranks ({rule})"
-        )
+        return f"kept {schedule_words('early')}: the step under it over the step before was {shown} ({rule})"
     return (
-        f"back to {schedule_words('late')} from the next step: the median step under early over {_BEFORE} "
-        f"was {shown} on the ranks (kept needs {rule}); no second try in this job"
+        f"back to {schedule_words('late')} from the next step: the step under early over the step before "
+        f"was {shown} (kept needs {rule}); no second try in this job"
     )
 
 
 def watch_repr(w: StepWatch) -> str:
     """What `print(pipe.tuner)` shows under the default schedule."""
     head = f"input_dist schedule: adaptive, running {schedule_words(w.schedule)}"
-    return _described(w, head, "the host blocks on the input all-to-alls", "batches", "under early")
+    watched = "the training thread is blocked (input all-to-alls' waits, off the CPU in backward)"
+    return _described(w, head, watched, "batches", "under early")
 
 
 # -- Prefetch's watch --------------------------------------------------------------------------
@@ -156,18 +155,17 @@ def prefetch_switched(w: StepWatch, share: float, *, clear: bool) -> str:
     )
 
 
-def prefetch_verdict(w: StepWatch, unsure: list[bool], *, kept: bool) -> str:
-    """Ahead kept, or inline again: every rank's ratio, and the rule it met or missed."""
-    shown, rule = _ratios(w, unsure), _rule(w)
+def prefetch_verdict(w: StepWatch, *, kept: bool) -> str:
+    """Ahead kept, or inline again: the job's ratio, every rank's, and the rule."""
+    shown, rule = _ratios(w), _rule(w)
     if kept:
         return (
-            f"prefetch runs ahead on its worker thread: the median step ahead over the steps "
-            f"inline before (the faster half's median) was {shown} on the rank(s) ({rule})"
+            "prefetch runs ahead on its worker thread: the step ahead over the step inline was "
+            f"{shown} ({rule})"
         )
     return (
-        f"prefetch runs inline again from the next step: the median step ahead over the steps inline "
-        f"before (the faster half's median) was {shown} on the rank(s) (kept needs {rule}); "
-        "no second try in this job"
+        f"prefetch runs inline again from the next step: the step ahead over the step inline was {shown} "
+        f"(kept needs {rule}); no second try in this job"
     )
 
 
