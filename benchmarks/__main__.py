@@ -68,6 +68,7 @@ def _run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link", metavar="RATE", help="emulate a link of this tc rate between 2 ranks (root)")
     p.add_argument("--trace-dir", help="write the profiled segments' chrome traces here")
     p.add_argument("--store-dir", default=_STORE, help="stores of the tables on disk ($BENCH_STORE_DIR)")
+    p.add_argument("--cpu-hog", type=int, metavar="CORE", help="a busy loop pinned to this core meanwhile")
 
 
 def _overhead(p: argparse.ArgumentParser) -> None:

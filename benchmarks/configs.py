@@ -155,6 +155,32 @@ _NET = BenchConfig(
     "of the input all-to-all",
 )  # fmt: skip
 _LIST.append(_NET)
+# Two network-bound shapes the default's constants were not chosen on (added to check its verdict
+# where nothing was tuned): more tables with fewer ids, and wider rows with a larger dense part.
+_LIST += [
+    BenchConfig(
+        name="unseen-ids60",
+        description="12 tables, ~60 ids a feature, dim 8, batch 768, small MLPs",
+        batch_size=768,
+        embedding_dim=8,
+        num_embeddings=20_000,
+        ids_per_feature=60,
+        num_tables=12,
+        dense_hidden=(64, 32),
+        over_hidden=(64,),
+    ),
+    BenchConfig(
+        name="unseen-wide",
+        description="20 tables, ~25 ids a feature, dim 32, batch 512, 256-wide MLPs",
+        batch_size=512,
+        embedding_dim=32,
+        num_embeddings=50_000,
+        ids_per_feature=25,
+        num_tables=20,
+        dense_hidden=(256, 128),
+        over_hidden=(256, 128),
+    ),
+]
 _BY_NAME = {c.name: c for c in _LIST}
 NETWORK_BOUND = ("net-ids120", "input-dist-heavy", "sweep-1g-ids100-dense", "sweep-1g-ids30")
 """The configs where the input all-to-all dominates over 1 Gbit; each has an `-int32` twin."""

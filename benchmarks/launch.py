@@ -10,6 +10,7 @@ starts inside its network namespace and gloo uses the veth; without one, the ran
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,13 +19,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from benchmarks.link import Link, signals_raise
 from benchmarks.spec import RunSpec
 
-__all__ = ["LaunchError", "launch"]
+__all__ = ["LaunchError", "cpu_hog", "launch"]
 
 _ROOT = Path(__file__).resolve().parent.parent
 _LINK_PORT = 29577  # a fresh namespace has every port free
@@ -62,6 +64,22 @@ def launch(
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
         return [json.loads(out.read_text()) for out in outs]
+
+
+@contextlib.contextmanager
+def cpu_hog(core: int | None) -> Iterator[str | None]:
+    """While the block runs, a busy loop pinned to `core` (None: nothing), so that the ranks share
+    the machine with a neighbour, as on a loaded or noisy VM. Yields what was started, in words."""
+    if core is None:
+        yield None
+        return
+    loop = f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"
+    hog = subprocess.Popen([sys.executable, "-c", loop], start_new_session=True)
+    try:
+        yield f"one busy-looping process pinned to core {core}"
+    finally:
+        os.killpg(hog.pid, signal.SIGKILL)
+        hog.wait()
 
 
 def _rank_env(rank: int, world_size: int, port: int, link: Link | None) -> dict[str, str]:

@@ -16,6 +16,7 @@ import gc
 import os
 import platform
 import re
+import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -178,6 +179,19 @@ def machine() -> str:
         except PackageNotFoundError:
             pass
     return f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}; {', '.join(versions)}"
+
+
+def commit() -> str:
+    """The commit the benchmark ran (its short hash), and whether the tree differed from it."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()  # fmt: skip
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                 capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return f"{head} ({'with uncommitted changes' if changed else 'clean tree'})"
 
 
 class InputBytes:

@@ -76,6 +76,10 @@ def header(meta: Mapping[str, Any]) -> list[str]:
         f"Command: `{meta['command']}`",
         f"Machine: {meta['machine']}" + ("" if busy is None else f"; CPUs {busy:.0%} busy before the start"),
     ]
+    if meta.get("commit"):
+        lines.append(f"Commit: {meta['commit']}; started {meta.get('started', 'at an unrecorded time')}")
+    if meta.get("cpu_hog"):
+        lines.append(f"Beside the ranks: {meta['cpu_hog']}")
     if "rounds" not in meta:  # nothing measured (a prediction, a replay)
         return lines
     return [
@@ -92,10 +96,10 @@ def stamp(command: str) -> list[str]:
     date (docs quote the file, so a reader sees where and when its figures came from)."""
     import datetime
 
-    from benchmarks.measure import machine
+    from benchmarks.measure import commit, machine
 
     today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return [f"Command: `{command}`  ", f"Machine: {machine()}  ", f"Date: {today}"]
+    return [f"Command: `{command}`  ", f"Machine: {machine()}  ", f"Commit: {commit()}  ", f"Date: {today}"]
 
 
 def cell(value: Any, spec: str) -> str | None:

@@ -18,9 +18,9 @@ from typing import Any
 
 from benchmarks.configs import RUN_CONFIGS, get_config
 from benchmarks.disk import read_cost_line
-from benchmarks.launch import launch
+from benchmarks.launch import cpu_hog, launch
 from benchmarks.link import emulated_link, parse_rate
-from benchmarks.measure import cpu_busy, machine
+from benchmarks.measure import commit, cpu_busy, machine
 from benchmarks.report import Paired, by_round, cell, over_rounds, paired, publish
 from benchmarks.spec import VARIANTS, RunSpec, reference
 
@@ -83,8 +83,11 @@ class Row:
     """What the watch did, round by round: when it observed, tried ahead and decided, and the ratios."""
 
 
-def run_benchmark(spec: RunSpec, *, world_size: int, link: str | None, timeout: float, command: str) -> dict:
-    """Run `spec` on `world_size` local ranks, behind an emulated `link` rate if given.
+def run_benchmark(
+    spec: RunSpec, *, world_size: int, link: str | None, timeout: float, command: str, hog: int | None = None
+) -> dict:
+    """Run `spec` on `world_size` local ranks, behind an emulated `link` rate if given, beside a busy
+    loop on core `hog` if given (`cpu_hog`).
 
     Returns:
         The JSON-ready result: `meta`, every merged run record (`runs`), the `summary` rows.
@@ -105,18 +108,20 @@ def run_benchmark(spec: RunSpec, *, world_size: int, link: str | None, timeout: 
             raise ValueError(f"--device cuda needs a GPU per rank: {world_size} ranks, "
                              f"{torch.cuda.device_count()} GPUs here; pass --world-size")  # fmt: skip
     started, busy = time.time(), cpu_busy()
-    if link is None:
-        per_rank = launch(spec, world_size=world_size, timeout=timeout)
-    else:
-        with emulated_link(link) as emulated:
-            per_rank = launch(spec, world_size=world_size, link=emulated, timeout=timeout)
+    with cpu_hog(hog) as neighbour:
+        if link is None:
+            per_rank = launch(spec, world_size=world_size, timeout=timeout)
+        else:
+            with emulated_link(link) as emulated:
+                per_rank = launch(spec, world_size=world_size, link=emulated, timeout=timeout)
     runs = merge_ranks(per_rank)
-    meta = {"command": command, "machine": machine(), "cpu_busy_before": round(busy, 3),
+    meta = {"command": command, "machine": machine(), "commit": commit(), "cpu_busy_before": round(busy, 3),
             "rounds": spec.rounds,
             "steps": spec.steps,
             "warmup": f"{spec.warmup} ({spec.auto_warmup} on a config where a variant measures first)",
             "where": f"{world_size} rank(s) over {link or 'loopback'}", "world_size": world_size,
-            "link": link, "spec": asdict(spec), "duration_s": round(time.time() - started, 1),
+            "link": link, "cpu_hog": neighbour, "spec": asdict(spec),
+            "duration_s": round(time.time() - started, 1),
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started))}  # fmt: skip
     rows = summarize(runs, world_size=world_size)
     return {"meta": meta, "runs": runs, "summary": [asdict(r) for r in rows]}
@@ -267,7 +272,7 @@ _NOTES = [
 
 def run(*, configs: list[str], variants: list[str], steps: int, warmup: int, auto_warmup: int, rounds: int,
         profile_steps: int, device: str, world_size: int, link: str | None, seed: int, timeout: float,
-        trace_dir: str | None, store_dir: str, json: str | None, md: str | None,
+        trace_dir: str | None, store_dir: str, json: str | None, md: str | None, cpu_hog: int | None,
         command: str) -> int:  # fmt: skip
     """The `run` subcommand: train, print the summary, write the JSON and the Markdown."""
     spec = RunSpec(configs=tuple(configs or RUN_CONFIGS), variants=tuple(variants or VARIANTS), steps=steps,
@@ -277,7 +282,9 @@ def run(*, configs: list[str], variants: list[str], steps: int, warmup: int, aut
     disk = read_cost_line(store_dir) if on_disk else None  # before the runs, on a quiet machine
     if disk:
         print(f"[bench] {disk}", flush=True)
-    result = run_benchmark(spec, world_size=world_size, link=link, timeout=timeout, command=command)
+    result = run_benchmark(
+        spec, world_size=world_size, link=link, timeout=timeout, command=command, hog=cpu_hog
+    )
     if disk:
         result["meta"]["disk"] = disk
     columns, cells, notes = table(result["summary"])
