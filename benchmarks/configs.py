@@ -8,7 +8,10 @@ adds there is its host overhead. The `tiered*` configs keep every table on disk 
 a cold store, a few % of the rows cached). The `sweep-*` configs are the sweep's 14 points, each with
 its link (`SWEEP_LINKS`). `net-ids120` (16 table-wise tables, ~120 ids a feature, batch 1,024, a
 small dense part) is the most network-bound; it and the other `NETWORK_BOUND` configs have `-int32`
-twins whose dataloader makes int32 ids and lengths (what narrowed ids send). Kept free of torch: the
+twins whose dataloader makes int32 ids and lengths (what narrowed ids send). `gpu-busy` and
+`gpu-uvm-big` are for one GPU: a plain step of 20 ms or more on an H100 (scripts/gpu/README.md has the
+arithmetic), and 26.6 GB
+of tables behind a UVM cache in a process held to 16 GiB of GPU memory. Kept free of torch: the
 launcher and the reports read it.
 """
 
@@ -17,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 __all__ = ["CONFIGS", "HEADS", "NETWORK_BOUND", "RUN_CONFIGS", "SWEEP_LINKS", "TIERED_CONFIGS", "BenchConfig",
-           "get_config", "sweep_points"]  # fmt: skip
+           "get_config", "sweep_points", "table_bytes"]  # fmt: skip
 
 HEADS = ("dlrm", "linear", "linear-split", "linear-built", "linear-shared")
 
@@ -61,6 +64,11 @@ class BenchConfig:
     uniform."""
     id_dtype: str = "int64"
     """What the dataloader makes: "int64" ids (and int32 lengths), or "int32" ids and lengths."""
+    gpu_memory_gib: float | None = None
+    """On CUDA, the most GPU memory the process may allocate through torch, in GiB
+    (`torch.cuda.set_per_process_memory_fraction`): the run is then that of a GPU this size, which
+    could not hold tables larger than it without a cache. The UVM-caching kernel's rows live in host
+    memory, outside the cap; its HBM cache is inside. None: the whole GPU. Ignored on CPU."""
 
     def __post_init__(self) -> None:
         for field in ("batch_size", "embedding_dim", "num_embeddings", "ids_per_feature", "num_tables"):
@@ -70,6 +78,8 @@ class BenchConfig:
             raise ValueError(f"{self.name}: id_dtype must be int64 or int32, got {self.id_dtype!r}")
         if self.head not in HEADS:
             raise ValueError(f"{self.name}: head must be one of {', '.join(HEADS)}, got {self.head!r}")
+        if self.gpu_memory_gib is not None and self.gpu_memory_gib <= 0:
+            raise ValueError(f"{self.name}: gpu_memory_gib must be positive, got {self.gpu_memory_gib}")
 
 
 _DEMO = BenchConfig(name="demo", description="the demo's DLRM: 1 id per feature, dim 16, 64-wide MLPs",
@@ -87,6 +97,24 @@ _GPU_LARGE = BenchConfig(
     batch_size=4096, embedding_dim=128, num_embeddings=500_000, ids_per_feature=10,
     dense_hidden=(1024, 512), over_hidden=(1024, 1024, 512),
 )  # fmt: skip
+# Two configs a GPU user recognises, where the GPU has work to hide (gpu-large's plain step was 5.6 ms
+# on an H100, host-bound). `gpu-busy`: 16,384 samples, 26 tables of 1M rows x 128 in HBM (26M rows,
+# 13.3 GB: fbgemm's fused kernel), ~10 ids a feature, MLPs 2048-1024 / 4096-2048-1024. Its plain step
+# cannot take under 23.5 ms on an H100 (the kernels of one stream add up): the MLPs
+# and the interaction are 1.45 TFLOP of fp32 a step (14.7M multiply-adds a sample forward, backward
+# twice that), 21.7 ms at the H100's 67 TFLOPS without tensor cores; the tables read 3.9M distinct
+# rows forward and read and write them again in the fused SGD, 6.0 GB, 1.8 ms at 3.35 TB/s.
+_GPU_BUSY = BenchConfig(
+    name="gpu-busy",
+    description="for a GPU: 16,384 samples of ~10 ids per feature, 26 tables of 1M rows x 128 in HBM, "
+    "MLPs 2048-1024 / 4096-2048-1024: a step of 20 ms or more on an H100",
+    batch_size=16_384,
+    embedding_dim=128,
+    num_embeddings=1_000_000,
+    ids_per_feature=10,
+    dense_hidden=(2048, 1024),
+    over_hidden=(4096, 2048, 1024),
+)
 _TINY = BenchConfig(name="tiny", description="4 tables of 1,000 rows x 8, batch 64, one linear layer: "
                    "nothing to hide", batch_size=64, embedding_dim=8, num_embeddings=1_000,
                    ids_per_feature=3, num_tables=4, num_dense=4, head="linear",
@@ -119,6 +147,22 @@ _LIST = [
     replace(_GPU_LARGE, name="gpu-uvm", num_embeddings=2_000_000, num_tables=8, cache_fraction=0.05,
             description="for a GPU: 8 tables of 2M rows in host memory (UVM caching), 5 % in HBM"),
 ]  # fmt: skip
+# `gpu-uvm-big`: gpu-large's shape on 26 tables of 2M rows (52M rows, 26.6 GB) in host memory behind
+# torchrec's UVM cache, 5 % of the rows in HBM (1.3 GB), in a process that may allocate 16 GiB of GPU
+# memory: the tables (24.8 GiB) could not be held there without the cache. Ids are uniform, so about
+# 95 % of a step's 1.06M ids miss and `prefetch()` brings ~0.5 GB of rows from host memory a step.
+_LIST += [
+    _GPU_BUSY,
+    replace(
+        _GPU_LARGE,
+        name="gpu-uvm-big",
+        num_embeddings=2_000_000,
+        cache_fraction=0.05,
+        gpu_memory_gib=16,
+        description="for a GPU: 26 tables of 2M rows x 128 (26.6 GB) in host memory behind a UVM cache "
+        "of 5 % in HBM, the process held to 16 GiB of GPU memory",
+    ),
+]
 
 # The sweep: from network-bound (100 Mbit) to compute-bound (loopback). 100 Mbit points keep the
 # bytes per step small. (name, link, samples, ids, dim, tables, bottom MLP, top MLP)
@@ -219,3 +263,8 @@ def sweep_points(points: list[str]) -> list[str]:
     if unknown:
         raise ValueError(f"not sweep points: {', '.join(unknown)}; choose from {', '.join(SWEEP_LINKS)}")
     return names
+
+
+def table_bytes(config: BenchConfig) -> int:
+    """Bytes of every table's rows (fp32)."""
+    return config.num_tables * config.num_embeddings * config.embedding_dim * 4

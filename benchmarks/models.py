@@ -33,7 +33,7 @@ from examples.dlrm.model import unsharded_dlrm
 from tiered import TIERED, TieredEmbeddingBagCollectionSharder, TieredOptions
 
 __all__ = ["BuiltModel", "Linear", "LinearBuilt", "LinearShared", "LinearSplit", "batch_nbytes",
-           "build_model", "make_batches"]  # fmt: skip
+           "build_model", "make_batches", "memory_fraction"]  # fmt: skip
 
 _LR = 0.05
 
@@ -118,8 +118,13 @@ def build_model(
 
     Tables on disk (`cache_fraction`, on CPU) go on the `tiered` kernel, table-wise round-robin over
     the ranks (torchrec's planner does not know that kernel), with cold stores created afresh in
-    `store_dir`. On CUDA the same configs use torchrec's UVM-caching kernel, filled by `prefetch()`.
+    `store_dir`. On CUDA the same configs use torchrec's UVM-caching kernel, filled by `prefetch()`,
+    and the process may allocate the config's `gpu_memory_gib` of the GPU (all of it if None: set at
+    every build, as one process may build configs with and without a cap).
     """
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(memory_fraction(config, total), device)
     torch.manual_seed(seed)
     tables = [
         EmbeddingBagConfig(name=f"t{i}", embedding_dim=config.embedding_dim,
@@ -163,6 +168,14 @@ def build_model(
     dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     optimizer = KeyedOptimizerWrapper(dense, lambda params: torch.optim.SGD(params, lr=_LR))
     return BuiltModel(model=dmp, optimizer=optimizer)
+
+
+def memory_fraction(config: BenchConfig, total_bytes: int) -> float:
+    """The share of a GPU of `total_bytes` that `config`'s process may allocate: `gpu_memory_gib` of
+    it, or all of it (None, or a cap at least the GPU's size)."""
+    if config.gpu_memory_gib is None:
+        return 1.0
+    return min(1.0, config.gpu_memory_gib * 2**30 / total_bytes)
 
 
 def _plan(model: nn.Module, config: BenchConfig, device: torch.device, sharder: Any) -> ShardingPlan:

@@ -3,11 +3,12 @@
 Started by `benchmarks.launch` as `python -m benchmarks.worker SPEC OUT` with the torchrun environment
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; GLOO_SOCKET_IFNAME under link emulation); writes this
 rank's records to OUT as JSON. One run of one variant: build the model (the same seed for every
-variant), reset the peak-memory tracker, the untimed warm-up steps, the timed steps (wall time of
-each, process CPU time of all), then a separate profiled segment (so the profiler's cost never reaches
-the step times), then the batches still in flight are drained. Configs with tables on disk create
-their stores afresh for every run, dropped from the page cache before the warm-up, and record the
-caches' counters over the timed steps (`tiered_stats()`).
+variant; its seconds, the tables' initialisation included, are the record's `build_s`), reset the
+peak-memory tracker, the untimed warm-up steps, the timed steps (wall time of each, process CPU time
+of all), then a separate profiled segment (so the profiler's cost never reaches the step times), then
+the batches still in flight are drained. Configs with tables on disk create their stores afresh for
+every run, dropped from the page cache before the warm-up, and record the caches' counters over the
+timed steps (`tiered_stats()`).
 """
 
 from __future__ import annotations
@@ -76,14 +77,16 @@ def run_rank(spec: RunSpec, rank: int) -> list[dict[str, Any]]:
                     record["predicted_ms"] = predicted
                 records.append(record)
                 if rank == 0:
-                    brief = (
-                        record.get("message") or f"{1e3 * statistics.median(record['step_times_s']):.1f} ms"
+                    brief = record.get("message") or (
+                        f"{1e3 * statistics.median(record['step_times_s']):.1f} ms, built in "
+                        f"{record['build_s']:.1f} s"
                     )
                     print(f"[bench] {name} round {round_index} {variant}: {brief}", flush=True)
     return records
 
 
 def _build(spec: RunSpec, config: BenchConfig, variant: str, device: torch.device) -> tuple[Any, Any]:
+    gc.collect()  # the models of the runs before freed first: their tables may be tens of GB (UVM rows)
     if variant == "compute-alone" and config.cache_fraction is not None:
         config = dataclasses.replace(config, cache_fraction=1.0)  # every row cached: no step reads the disk
     store = Path(spec.store_dir) / config.name
@@ -104,7 +107,11 @@ def _predict(spec: RunSpec, config: BenchConfig, device: torch.device, batch: An
 
 def _run_one(spec: RunSpec, config: BenchConfig, variant: str, batches: list, device: torch.device,
              captured: bound.Captured | None, round_index: int, rank: int) -> dict[str, Any]:  # fmt: skip
+    started = time.perf_counter()
     model, optimizer = _build(spec, config, variant, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the tables' initialisation is queued on the device
+    build_s = time.perf_counter() - started
     tiered = [m for m in model.modules() if isinstance(m, TieredShardedEmbeddingBagCollection)]
     for cache in (c for m in tiered for k in m.tiered_kernels() for c in k.caches):
         cache.store.drop_page_cache()  # cold: the run's first read of every row goes to the disk
@@ -135,7 +142,7 @@ def _run_one(spec: RunSpec, config: BenchConfig, variant: str, batches: list, de
         gc.collect()
         dist.barrier()
         return {"status": "unsupported", "message": message}
-    record.update(peak_bytes=peak(device) - baseline, baseline_bytes=baseline)
+    record.update(peak_bytes=peak(device) - baseline, baseline_bytes=baseline, build_s=build_s)
     pipe = runner.pipe
     record["schedule"] = getattr(pipe, "input_dist_schedule", None)
     if hasattr(pipe, "prefetch_ahead"):  # Prefetch: the mode its watch kept, and why

@@ -1,10 +1,12 @@
 """The CPU side of the GPU scripts (scripts/gpu/): the pins they stage, the fatbin pruning on a small
 synthetic ELF, the steps and arguments of run.sh and stage.sh, the device sequence's dry run and its budget
-against the README's, and the GPU cases, the sanitizer's and the memory script's code paths run on
-CPU (`tests/cuda_cases.py` on RecordingStreams)."""
+against the README's, the speed sequence's configs (their shapes, and each run through the benchmark's
+worker at a reduced size) and its `make demo`, and the GPU cases, the sanitizer's and the memory
+script's code paths run on CPU (`tests/cuda_cases.py` on RecordingStreams)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -200,25 +202,37 @@ def test_the_sequence_dry_run_refuses_a_missing_part_a_large_carry_and_an_overru
 
 
 def test_the_speed_sequence_dry_runs_every_call_on_cpu(tmp_path):
+    """The speed sequence's calls: the tests, gpu-busy, the hand-offs, `make demo` on one GPU, then
+    gpu-uvm-big, the slowest, last (cut first if the call runs late), each step at its budget and the
+    last at what the others left; the benchmarks compare our SparseDist and Prefetch with torchrec's
+    and the plain loop; 710 s of device time."""
     gpu = _staged(tmp_path)
     dry = _sh("run.sh", "speed-sequence", DRY="1", OUT=str(tmp_path), GPU_DIR=str(gpu))
     assert dry.returncode == 0, dry.stderr
     assert f'call 1 of 2, timeout_s 600, carry ["{gpu}/p1"] ' in dry.stdout, dry.stdout
     call_2 = f'call 2 of 2, timeout_s 600, carry ["{gpu}/p2", "{gpu}/whl"]'
     assert call_2 in dry.stdout, dry.stdout
-    assert "run.sh receive install probe tests speed handoffs example csan  (steps 570 s)" in dry.stdout
+    assert "run.sh receive install probe tests speed handoffs demo speed-uvm  (steps 570 s)" in dry.stdout
     handoffs = "--classes TrainPipelineBase TrainPipelineFusedSparseDist TrainPipelineSemiSync"
-    steps = ("tests/test_cuda.py --run-first [StagedTrainPipeline+prefetch-dlrm-table_wise]",
-             "benchmarks run --device cuda --world-size 1 --configs gpu-uvm", "--configs gpu-large",
-             f"memory.py --config gpu-large --steps 10 {handoffs}", "examples/dlrm/train.py --device cuda",
-             "csan.py --timeout 30")  # fmt: skip
+    steps = (
+        "tests/test_cuda.py --run-first [StagedTrainPipeline+prefetch-dlrm-table_wise]",
+        "benchmarks run --device cuda --world-size 1",
+        "--configs gpu-busy",
+        f"memory.py --config gpu-large --steps 10 {handoffs}",
+        "make -o setup demo DEMO_NPROC=1",
+        "--configs gpu-uvm-big",
+    )
     at = [dry.stdout.find(step) for step in steps]
     assert -1 not in at and at == sorted(at), f"not in this order: {steps}\n{dry.stdout}"
-    for step, seconds in (("tests", 120), ("speed", 200), ("handoffs", 45), ("example", 45), ("csan", 40)):
+    budgets = (("tests", 120), ("speed", 120), ("handoffs", 45), ("demo", 45), ("speed-uvm", 120))
+    for step, seconds in budgets:
         assert f"== {step} ({seconds} s)" in dry.stdout, f"{step} not given {seconds} s:\n{dry.stdout}"
+    assert "csan.py" not in dry.stdout.split(call_2)[1], "the sanitizer is the checks' sequence's"
     variants = ("plain", "ours-sparse-dist", "ours-prefetch", "torchrec-sparse-dist", "torchrec-prefetch")
-    assert all(v in _speed_command(dry.stdout) for v in variants), _speed_command(dry.stdout)
-    assert f"--json {tmp_path}/results/speed_gpu-uvm.json" in dry.stdout, "the JSON goes to the results"
+    for config in ("gpu-busy", "gpu-uvm-big"):
+        command = _speed_command(dry.stdout, config)
+        assert all(v in command for v in variants), command
+        assert f"--json {tmp_path}/results/speed_{config}.json" in dry.stdout, "the JSON goes to the results"
     assert "device time: start 60 s + steps + 30 s a call = 710 s of 780" in dry.stdout, dry.stdout
 
 
@@ -232,12 +246,12 @@ def test_a_sequence_over_13_minutes_or_a_step_cut_short_is_refused(tmp_path):
     at_781 = _sh("run.sh", "speed-sequence", **run, START_S="131")
     assert at_781.returncode == 1 and "781 s is over 13 minutes (780 s)" in at_781.stderr, at_781.stderr
     cut = _sh("run.sh", "speed-sequence", **run, CALL_S="300")  # each call's steps end by 300 s
-    assert cut.returncode == 1 and "speed would be cut to 60 of its 200 s" in cut.stderr, cut.stderr
+    assert cut.returncode == 1 and "speed would be cut to 60 of its 120 s" in cut.stderr, cut.stderr
 
 
-def _speed_command(dry: str) -> list[str]:
-    """The first benchmark command of the speed step in a dry run, from `python3` on."""
-    line = next(ln for ln in dry.splitlines() if "-m benchmarks run" in ln and "gpu-uvm" in ln)
+def _speed_command(dry: str, config: str) -> list[str]:
+    """The benchmark command of `config` in a dry run, from `python3` on."""
+    line = next(ln for ln in dry.splitlines() if "-m benchmarks run" in ln and f"--configs {config} " in ln)
     return line[line.index("python3 ") :].split()
 
 
@@ -249,21 +263,145 @@ def test_the_speed_steps_commands_are_the_scripts_own(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("checks that the commands stop at the missing GPU")
-    dry = _sh("run.sh", "speed", "example", DRY="1", OUT=str(tmp_path)).stdout
-    command = _speed_command(dry)
+    dry = _sh("run.sh", "speed", "speed-uvm", "example", DRY="1", OUT=str(tmp_path)).stdout
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     usage = subprocess.run([sys.executable, "-m", "benchmarks", "run", "--help"], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=60).stdout  # fmt: skip
-    for flag in (word for word in command if word.startswith("--")):
-        assert flag in usage, f"{flag} is not among `benchmarks run --help`'s options"
-    done = subprocess.run([sys.executable, *command[1:]], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
-    assert done.returncode == 2 and "--device cuda needs a GPU per rank" in done.stderr, done.stderr[-2000:]
+    for config in ("gpu-busy", "gpu-uvm-big"):
+        command = _speed_command(dry, config)
+        for flag in (word for word in command if word.startswith("--")):
+            assert flag in usage, f"{flag} is not among `benchmarks run --help`'s options"
+        done = subprocess.run(
+            [sys.executable, *command[1:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        )
+        stopped = done.returncode == 2 and "--device cuda needs a GPU per rank" in done.stderr
+        assert stopped, done.stderr[-2000:]
     line = next(ln for ln in dry.splitlines() if "examples/dlrm/train.py" in ln)
     argv = line[line.index("examples/") :].split()
     done = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert done.returncode == 2 and "--device cuda: no CUDA device" in done.stderr, done.stderr[-2000:]
+
+
+def _run_sh_words(name: str) -> list[str]:
+    """The words of run.sh's `NAME="..."` line (SPEED_VARIANTS, SPEED_BUSY, SPEED_UVM)."""
+    return re.search(rf'^{name}="([^"]+)"', (GPU / "run.sh").read_text(), re.M).group(1).split()
+
+
+def _speed_flags(name: str) -> dict[str, str]:
+    """A speed step's benchmark flags in run.sh (`--configs`, `--rounds`, ...), each with its value."""
+    words = _run_sh_words(name)
+    return dict(zip(words[::2], words[1::2], strict=True))
+
+
+def test_the_speed_configs_are_a_busy_gpu_and_tables_beyond_it():
+    """gpu-busy, the `speed` step's config, has the shape the README's arithmetic puts at 20 ms or more
+    a plain step on an H100 (batch 16,384, 26 tables, tens of millions of rows in HBM); gpu-uvm-big,
+    `speed-uvm`'s,
+    has tens of GB of rows behind a cache of a few %, more than the GPU memory its process may
+    allocate, and few enough for host memory. The README gives the floor; the twins below fail the
+    same checks."""
+    from benchmarks.configs import get_config, table_bytes
+    from benchmarks.models import memory_fraction
+
+    busy, big = (get_config(_speed_flags(name)["--configs"]) for name in ("SPEED_BUSY", "SPEED_UVM"))
+    assert (busy.name, big.name) == ("gpu-busy", "gpu-uvm-big")
+    assert busy.batch_size >= 16_384 and busy.num_tables == 26 and busy.cache_fraction is None, busy
+    assert busy.num_tables * busy.num_embeddings >= 20_000_000, "tens of millions of rows"
+    large = get_config("gpu-large")  # the twin: host-bound on an H100 (a 5.6 ms plain step)
+    assert large.batch_size < 16_384 and large.num_tables * large.num_embeddings < 20_000_000, large
+
+    rows, cap = table_bytes(big), big.gpu_memory_gib * 2**30
+    assert 20e9 <= rows <= 45e9, f"{rows / 1e9:.1f} GB: not tens of GB, or two models over 90 GB of host"
+    assert big.cache_fraction <= 0.1 and rows > cap, "a few % cached; rows the capped GPU could not hold"
+    assert big.cache_fraction * rows < cap / 4, "the cache, the batches and activations fit the cap"
+    h200 = 143_771 * 2**20
+    assert memory_fraction(big, h200) == pytest.approx(cap / h200)
+    assert memory_fraction(busy, h200) == 1.0 and memory_fraction(big, 8 * 2**30) == 1.0
+    with pytest.raises(ValueError, match="gpu_memory_gib must be positive"):
+        dataclasses.replace(big, gpu_memory_gib=0)
+
+
+def test_the_readmes_speed_budgets_count_the_runs_run_sh_makes():
+    """Each speed step's row in the README's budget table counts the builds (the worker's primers,
+    then every variant each round) and the steps of a run (warm-up, timed, drained) of run.sh's
+    flags: changing the rounds or steps fails here until the budget's arithmetic says so."""
+    from benchmarks import worker
+
+    rows = dict(re.findall(r"^\| `([\w-]+)` \| \d+ \| (.+) \|$", (GPU / "README.md").read_text(), re.M))
+    variants = len(_run_sh_words("SPEED_VARIANTS"))
+    for step, name in (("speed", "SPEED_BUSY"), ("speed-uvm", "SPEED_UVM")):
+        flags = _speed_flags(name)
+        builds = len(worker._PRIMERS) + variants * int(flags["--rounds"])
+        steps = int(flags["--warmup"]) + int(flags["--steps"]) + worker._TAIL
+        assert f"{builds} builds" in rows[step], f"README's {step}: not {builds} builds: {rows[step]}"
+        assert f"{steps} steps" in rows[step], f"README's {step}: not {steps} steps a run: {rows[step]}"
+
+
+def _reduced_run(rank: int, world_size: int, name: str, variants: tuple[str, ...], store_dir: str) -> list:
+    """`name`'s runs through the benchmark's worker as the speed step makes them (the primers, then
+    each variant once), at a reduced size: 2,000 rows a table and 4 samples a step, the rest of the
+    config as it is (tables, width, ids, MLPs, cache)."""
+    from benchmarks import worker
+    from benchmarks.configs import get_config
+    from benchmarks.spec import RunSpec
+
+    reduced = dataclasses.replace(get_config(name), num_embeddings=2_000, batch_size=4)
+    worker.get_config = lambda _: reduced  # this rank's module; restored below
+    try:
+        shape = {"steps": 2, "warmup": 1, "auto_warmup": 1, "rounds": 1, "profile_steps": 0}
+        spec = RunSpec(configs=(name,), variants=variants, store_dir=store_dir, **shape)
+        return worker.run_rank(spec, rank)
+    finally:
+        worker.get_config = get_config
+
+
+@pytest.mark.timeout(pytest_timeout(TIMEOUT))
+@pytest.mark.parametrize("name", ["SPEED_BUSY", "SPEED_UVM"])
+def test_the_speed_configs_build_and_train_at_a_reduced_size(one_rank, name, tmp_path):
+    """Each speed step's config, shrunk to 2,000 rows a table and 4 samples, builds and trains every
+    variant of the step on CPU through the benchmark's worker (the cached one on the `tiered` kernel,
+    CUDA's UVM cache being out of reach): the model, its batches and the loops hold before a GPU
+    sees them; torchrec's Prefetch, which needs CUDA, is recorded as such."""
+    from benchmarks.configs import get_config
+    from benchmarks.spec import CPU_UNSUPPORTED
+
+    config = _speed_flags(name)["--configs"]
+    variants = tuple(_run_sh_words("SPEED_VARIANTS"))
+    records = one_rank.run(_reduced_run, config, variants, str(tmp_path), timeout=TIMEOUT)[0]
+    assert [r["variant"] for r in records] == list(variants), records
+    for r in records:
+        if r["variant"] in CPU_UNSUPPORTED:
+            assert r["status"] == "unsupported", r
+            continue
+        assert r["status"] == "ok" and len(r["step_times_s"]) == 2 and r["build_s"] > 0, r
+        assert ("cache_hit_rate" in r) == (get_config(config).cache_fraction is not None), r
+
+
+def test_the_demo_step_is_make_demo_on_one_gpu(tmp_path):
+    """The demo step is `make demo DEMO_NPROC=1` but for `setup` (no network there) and BIN (the
+    staged stack's python); on an image without make, the target's own commands: the same layout
+    and torchrun arguments as `make -n` prints for it here."""
+    out = {"DRY": "1", "OUT": str(tmp_path)}
+    demo = f"{tmp_path}/results/demo"
+    dry = _sh("run.sh", "demo", **out)
+    made_here = f"make -o setup demo DEMO_NPROC=1 BIN=/tmp/demo-bin DEMO_OUT={demo}"
+    assert dry.returncode == 0 and made_here in dry.stdout, dry
+    no_make = _sh("run.sh", "demo", **out, MAKE="no-make-here")
+    assert no_make.returncode == 0 and "demo: no no-make-here here" in no_make.stdout, no_make
+    if not shutil.which("make"):
+        pytest.skip("needs make")
+    argv = ["make", "-n", *made_here.split()[1:]]
+    made = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+
+    def words(text: str, after: str, until: str) -> list[str]:
+        return text[text.index(after) + len(after) :].split(until)[0].replace('"', "").split()
+
+    layout, train = ("-m examples.dlrm.devices", ")"), ("OMP_NUM_THREADS=1 /tmp/demo-bin/torchrun", "\n+ ")
+    for after, until in (layout, train):
+        recipe = words(made.stdout, after, until)
+        assert recipe and words(no_make.stdout, after, until) == recipe, (made.stdout, no_make.stdout)
 
 
 def test_the_regressions_run_first(tmp_path):
@@ -289,7 +427,7 @@ def _budgets() -> dict:
     """run.sh's budgets: each step's (by name), START_S, CALL_S, COMMAND_S, DEVICE_S and the last
     call's steps of each sequence."""
     text = (GPU / "run.sh").read_text()
-    found: dict = {k: int(v) for k, v in re.findall(r"\bB_(\w+)=(\d+)", text)}
+    found: dict = {k.replace("_", "-"): int(v) for k, v in re.findall(r"\bB_(\w+)=(\d+)", text)}
     for name in ("START_S", "CALL_S", "DEVICE_S"):
         found[name] = int(re.search(rf"^{name}=\$\{{{name}:-(\d+)\}}", text, re.M).group(1))
     found["COMMAND_S"] = int(re.search(r"^COMMAND_S=(\d+)", text, re.M).group(1))

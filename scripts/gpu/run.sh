@@ -10,15 +10,19 @@
 #   tests     tests/test_cuda.py, the regressions of the last GPU run first: every class bit for bit
 #   csan      every class under PyTorch's CUDA sanitizer (scripts/gpu/csan.py)
 #   memory    peak memory in flight per class (scripts/gpu/memory.py, gpu-large)
-#   speed     python -m benchmarks run --device cuda: gpu-uvm, then gpu-large in what is left; plain,
-#             our and torchrec's SparseDist and Prefetch, paired rounds (a JSON per config)
+#   speed     python -m benchmarks run --device cuda on gpu-busy (a plain step of 20 ms or more on an
+#             H100): plain, our and torchrec's SparseDist and Prefetch, 3 paired rounds
+#   speed-uvm the same on gpu-uvm-big (26.6 GB of rows behind a UVM cache, 16 GiB of GPU memory), 2
+#             rounds (each build initialises the 26.6 GB)
 #   handoffs  memory.py --check on Base, Fused, SemiSync and SparseDist: keep-alive <= record_stream
+#   demo      `make demo DEMO_NPROC=1` as a user types it, less `setup` (the stack staged, no network)
 #   example   the DLRM example: 200 steps of --pipeline prefetch, then of the plain loop (--compare)
 #   sequence        with DRY=1, here: the device calls of the checks (tests, csan, memory) on CPU:
 #                   each call's carry and commands, every part and path checked, the budgets summed
-#   speed-sequence  with DRY=1, here: the same for the speed sequence (tests, speed, handoffs,
-#                   example, then csan in what is left of the call)
-# Off the sequences, each with its own limit: smoke (one CUDA test), bench, uvm, large (benchmarks).
+#   speed-sequence  with DRY=1, here: the same for the speed sequence (tests, speed, handoffs, demo,
+#                   then speed-uvm, the slowest, in what is left of the call)
+# Off the sequences: example (its budget); smoke (one CUDA test), bench, uvm, large (benchmarks), each
+# with its own limit.
 # WORLD=N runs the benchmarks and the example on N ranks; BENCH is the benchmark command.
 # DRY=1 prints the commands instead of running them. GPU_DIR=.gpu is where stage.sh's parts and
 # wheels were carried.
@@ -28,7 +32,7 @@ usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' 
 # The budgets, in seconds; scripts/gpu/README.md's table gives what each rests on, and
 # tests/test_gpu_scripts.py fails when the two differ or a sequence's sum passes 13 minutes.
 B_receive=20 B_install=60 B_probe=40 B_tests=120 B_csan=210 B_memory=75
-B_speed=200 B_handoffs=45 B_example=45
+B_speed=120 B_handoffs=45 B_demo=45 B_speed_uvm=240 B_example=45  # a step's dashes are _ here
 START_S=${START_S:-60}  # the machine's start, paid by the first call (30-40 s seen on an H200)
 CALL_S=${CALL_S:-30}    # each call: the upload of its carry, the files back, the wait for the next call
 COMMAND_S=600           # one command's limit (the calls' timeout_s)
@@ -38,16 +42,17 @@ DEVICE_S=${DEVICE_S:-780}  # 13 of the session's 15 minutes: 2 left to hand the 
 MAX_DEVICE_S=780           # and never more, whatever DEVICE_S says
 # The last call's steps of each sequence; each earlier call runs `receive`.
 CHECKS="receive install probe tests csan memory"                    # `sequence`
-SPEED="receive install probe tests speed handoffs example csan"     # `speed-sequence`
+SPEED="receive install probe tests speed handoffs demo speed-uvm"  # `speed-sequence`
 # tests/test_cuda.py's cases for what the last GPU run found (the Staged prefetch stage behind the
 # UVM cache; progress() dropping finished batches before the next copy, in Base, Fused, SemiSync).
 REGRESSIONS=("[StagedTrainPipeline+prefetch-dlrm-table_wise]" "[TrainPipelineBase-dlrm-table_wise]"
   "[TrainPipelineFusedSparseDist-dlrm-table_wise]" "[TrainPipelineSemiSync-dlrm-table_wise]")
-SPEED_CONFIGS="gpu-uvm gpu-large"  # the UVM cache first: where the last run saw ours win
 SPEED_VARIANTS="plain ours-sparse-dist ours-prefetch torchrec-sparse-dist torchrec-prefetch"
-SPEED_ROUNDS="--steps 80 --warmup 20 --auto-warmup 20 --rounds 3 --profile-steps 0"
+# Each config's steps and rounds (README.md's budget table says what their time rests on).
+SPEED_BUSY="--configs gpu-busy --steps 30 --warmup 10 --auto-warmup 10 --rounds 3 --profile-steps 0"
+SPEED_UVM="--configs gpu-uvm-big --steps 30 --warmup 10 --auto-warmup 10 --rounds 2 --profile-steps 0"
 HANDOFFS="TrainPipelineBase TrainPipelineFusedSparseDist TrainPipelineSemiSync TrainPipelineSparseDist"
-STEPS="receive install probe tests csan memory speed handoffs example sequence speed-sequence smoke bench uvm large"
+STEPS="receive install probe tests csan memory speed speed-uvm handoffs demo example sequence speed-sequence smoke bench uvm large"
 [ $# -gt 0 ] || usage 2 >&2
 for step in "$@"; do
   case " $STEPS -h --help " in *" $step "*) ;; *) echo "run.sh: unknown step '$step'; steps: $STEPS" >&2; exit 2 ;; esac
@@ -71,7 +76,7 @@ bound() { local b=$1; shift; do_ timeout -k 5 $((b - 5)) "$@"; }
 # of the steps before (the worst case), else the seconds since run.sh started.
 SPENT=0
 granted() {
-  local v=B_$1 spent=$SPENT
+  local v=B_${1//-/_} spent=$SPENT
   [ "${DRY:-0}" = 1 ] || spent=$((SECONDS - T0))
   local left=$((CALL_END - spent))
   echo $((${!v} < left ? ${!v} : left))
@@ -117,7 +122,7 @@ fail() { echo "sequence: $*" >&2; exit 1; }
 plan() {  # the seconds of one call's steps: each its budget, the last one at most what is left
   local used=0 i=0 step v b
   for step in "$@"; do
-    i=$((i + 1)) v=B_$step b=${!v}
+    i=$((i + 1)) v=B_${step//-/_} b=${!v}
     if [ $((used + b)) -gt "$CALL_END" ]; then
       [ "$i" = $# ] || fail "$step would be cut to $((CALL_END - used)) of its $b s by the call's $CALL_END s: only the last step may take what is left"
       b=$((CALL_END - used))
@@ -152,15 +157,10 @@ sequence() {  # DRY=1 only: the calls span machines' warm windows, no one comman
   [ "$total" -le "$DEVICE_S" ] || fail "$total s is over the $DEVICE_S s of device time"
   [ "$total" -le "$MAX_DEVICE_S" ] || fail "$total s is over 13 minutes ($MAX_DEVICE_S s) of device time"
 }
-speed() {  # one launch per config, each its own JSON; each gets what the ones before left of $1
-  local t0=$SECONDS config left
-  for config in $SPEED_CONFIGS; do
-    left=$(($1 - (SECONDS - t0)))
-    [ "${DRY:-0}" = 1 ] && [ "$config" != "${SPEED_CONFIGS%% *}" ] && echo "+ # $config: in what is left of $1 s"
-    [ "$left" -ge 30 ] || { echo "speed: $left s left of $1 s: $config not run"; continue; }
-    bound "$left" $BENCH --device cuda --world-size "${WORLD:-1}" --configs "$config" --variants $SPEED_VARIANTS \
-      $SPEED_ROUNDS --json "$R/speed_$config.json" --md "$R/speed_$config.md" 2>&1 | quiet | tee -a "$R/speed.log"
-  done
+speed() {  # seconds, then --configs C and the rest: one launch, C's JSON and Markdown
+  local b=$1 config=$3; shift
+  bound "$b" $BENCH --device cuda --world-size "${WORLD:-1}" --variants $SPEED_VARIANTS "$@" \
+    --json "$R/speed_$config.json" --md "$R/speed_$config.md" 2>&1 | quiet | tee -a "$R/speed.log"
 }
 bench() {  # name, seconds, configs...
   local name=$1 limit=$2; shift 2
@@ -168,6 +168,25 @@ bench() {  # name, seconds, configs...
     --variants plain ours-base ours-sparse-dist ours-prefetch torchrec-base torchrec-sparse-dist torchrec-prefetch \
     --steps 100 --warmup 30 --auto-warmup 80 --rounds 3 --profile-steps 0 \
     --json "$R/$name.json" --md "$R/$name.md" 2>&1 | quiet | tee "$R/$name.log"
+}
+demo() {  # `make demo DEMO_NPROC=1`, as a user on one GPU types it, but for -o setup (no network here: not
+  # `make setup`, the stack staged in /tmp/site) and BIN (python3 and torchrun of that stack); the summary
+  # into the results. An image without make runs the recipe's commands (the tests check they are its own).
+  local bin=/tmp/demo-bin make=${MAKE:-make}
+  if [ "${DRY:-0}" != 1 ]; then
+    mkdir -p "$bin" && printf '#!/bin/sh\nexec python3 "$@"\n' > "$bin/python" &&
+      printf '#!/bin/sh\nexec python3 -m torch.distributed.run "$@"\n' > "$bin/torchrun" &&
+      chmod +x "$bin/python" "$bin/torchrun" || return 1
+  fi
+  if command -v "$make" > /dev/null; then
+    bound "$1" "$make" -o setup demo DEMO_NPROC=1 BIN="$bin" DEMO_OUT="$R/demo" 2>&1 | quiet | tee "$R/demo.log"
+  else
+    echo "demo: no $make here: the demo target's commands" | tee "$R/demo.log"
+    bound "$1" bash -c "layout=\$($bin/python -m examples.dlrm.devices --nproc 1 --device auto) && set -- \$layout &&
+      OMP_NUM_THREADS=1 $bin/torchrun --standalone --nproc_per_node=\$1 examples/dlrm/train.py --device \$2 \
+      --pipeline prefetch --steps 300 --log-every 50 --eval-every 100 --compare plain \
+      --summary-json $R/demo/summary.json" 2>&1 | quiet | tee -a "$R/demo.log"
+  fi
 }
 example() {  # examples/dlrm/README.md's one-GPU command, then the plain loop on the same plan
   local launch=python3  # one rank: train.py makes a world of one itself
@@ -178,13 +197,13 @@ example() {  # examples/dlrm/README.md's one-GPU command, then the plain loop on
 }
 [ "${DRY:-0}" = 1 ] || echo "call at $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname): run.sh $*" >> "$R/steps.txt"
 for step in "$@"; do
-  b=
-  case " $CHECKS $SPEED " in *" $step "*)
+  b= v=B_${step//-/_}
+  if [ -n "${!v}" ]; then  # a step with a budget
     b=$(granted "$step")
     if [ "$b" -lt 10 ]; then
       echo "== $step: skipped, $b s left of the call" | tee -a "$R/steps.txt"; pack; continue
-    fi ;;
-  esac
+    fi
+  fi
   echo "== $step${b:+ ($b s)}"
   started=$SECONDS
   [ "${DRY:-0}" = 1 ] || echo "$step: started $(date -u +%H:%M:%S), budget ${b:--} s" >> "$R/steps.txt"
@@ -193,18 +212,21 @@ for step in "$@"; do
     install) install "$b" ;;
     probe) probe "$b" ;;
     sequence) sequence "$CHECKS" "tests/test_cuda.py tests/cuda_cases.py scripts/gpu/csan.py scripts/gpu/memory.py" ;;
-    speed-sequence) sequence "$SPEED" "tests/test_cuda.py tests/cuda_cases.py scripts/gpu/csan.py
-      scripts/gpu/memory.py benchmarks/__main__.py examples/dlrm/train.py" ;;
+    speed-sequence) sequence "$SPEED" "tests/test_cuda.py tests/cuda_cases.py scripts/gpu/memory.py
+      benchmarks/__main__.py Makefile examples/dlrm/devices.py examples/dlrm/train.py" ;;
     # Tests first: the rest comes after, so a step cut at its budget loses only its own later cases
-    # (each prints its line as it ends); the sanitizer, which takes what is left, comes last.
+    # (each prints its line as it ends); the step that takes what is left comes last (the sanitizer in
+    # `sequence`; in `speed-sequence` speed-uvm, the slowest: a late call cuts it first).
     tests) first=(); for part in "${REGRESSIONS[@]}"; do first+=(--run-first "$part"); done
            bound "$b" python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py "${first[@]}" \
              --junitxml "$R/test_cuda.xml" 2>&1 | quiet | tee "$R/test_cuda.log" ;;
     csan) bound "$b" python3 scripts/gpu/csan.py --timeout "$((b - 10))" 2>&1 | quiet | tee "$R/csan_full.log" | { grep -E "^CSAN|^\+ |fbgemm::|aten::|argument" || true; } | tee "$R/csan.log" ;;
     memory) bound "$b" python3 scripts/gpu/memory.py --config gpu-large --steps 10 --json "$R/memory.json" 2>&1 | quiet | tee "$R/memory.log" ;;
-    speed) speed "$b" ;;
+    speed) speed "$b" $SPEED_BUSY ;;
+    speed-uvm) speed "$b" $SPEED_UVM ;;
     handoffs) bound "$b" python3 scripts/gpu/memory.py --config gpu-large --steps 10 --classes $HANDOFFS --check \
                 --json "$R/handoffs.json" 2>&1 | quiet | tee "$R/handoffs.log" ;;
+    demo) demo "$b" ;;
     example) example "$b" ;;
     smoke) do_ timeout 120 python3 -m pytest -q -x -p no:cacheprovider "tests/test_cuda.py::test_hbm_kernel_bitwise_equal[TrainPipelineSparseDist-dlrm-table_wise]" 2>&1 | quiet | tee "$R/smoke.log" ;;
     bench) bench bench_cuda 540 demo input-dist-heavy compute-heavy ;;
