@@ -31,7 +31,7 @@ TESTS_1.8 := tests/test_compat.py tests/test_compat_names.py tests/test_torchrec
 	tests/test_pec.py tests/test_staged_stages.py tests/test_user_models.py tests/test_async_inplace_copy.py \
 	tests/test_upstream_fixes.py tests/test_ranks.py tests/test_malformed.py tests/test_agreement.py
 
-.PHONY: setup test test-quick test-1.8 lint demo time-fresh-clone demo-faults bench bench-overhead bench-tiered hit-rates bench-sweep bench-big bench-agreement predict figures timeline clean
+.PHONY: setup test test-quick test-1.8 lint demo time-fresh-clone demo-faults bench bench-overhead bench-tiered hit-rates bench-sweep bench-big bench-agreement figures timeline clean
 
 setup: $(STAMP)
 
@@ -165,13 +165,6 @@ bench-agreement: setup
 BIG_GB ?= 16
 bench-big: setup
 	$(BIN)/python -m benchmarks big-tables --total-gb $(BIG_GB) --store-dir $(BENCH_STORE_DIR)-big $(BIG_ARGS)
-
-# Each pipeline's predicted step (the cost model of benchmarks.predictor.predict) for benchmark configs over world
-# sizes and links: a table and out/predict/predict.png. Times nothing but the dense part;
-# PREDICT_ARGS=--validate measures the sweep points against it (a benchmark, docs/benchmarks.md).
-PREDICT_ARGS ?= --world-size 2 8 64 512 1024 --link 1gbit 10gbit
-predict: setup
-	$(BIN)/python -m benchmarks predict $(PREDICT_ARGS)
 
 # Every figure file in docs/results/ written again by the command its `Command:` line states, one at a
 # time (hours); those emulating a link need root and are skipped without

@@ -3,11 +3,11 @@ of its own (a module in its package, a variable, an argument) or that wants the 
 what it is:
 
     from torchrec_pipeline import TrainPipelineSparseDist
-    from torchrec_pipeline.config import RankOptions
+    from torchrec_pipeline.options import RankOptions
 
 Every name is the same object as in `pipeline` (`torchrec_pipeline.TrainPipelineSparseDist is
 pipeline.TrainPipelineSparseDist`), and every submodule of `pipeline` is importable under this
-name too, as the same module (`torchrec_pipeline.config is pipeline.config`). The library itself is
+name too, as the same module (`torchrec_pipeline.options is pipeline.options`). The library itself is
 still the top-level package `pipeline`: a top-level module of that name earlier on `sys.path` (a
 `pipeline.py` beside your script) hides it, and importing `torchrec_pipeline` then fails, saying so.
 """

@@ -6,8 +6,6 @@
     tiered      tables on disk at world size 1 and 2, Prefetch against its bound
     hit-rates   each cache policy's hit rate against Belady's optimum (offline, no I/O)
     big-tables  tables far larger than RAM, trained in one process; peak RSS
-    predict     each pipeline's predicted step over configs, world sizes, links; --validate: vs measured
-    calibrate   measure this machine's costs for the cost model into its cache (subprocesses)
     agreement   the ranks' per-batch vote at 2-16 local ranks, against a request to rank 0's store
     riding      the agreement's host work per batch where statuses ride, 8-1,024 simulated ranks
     step-path   the files and functions one steady step enters: ours against torchrec's
@@ -33,6 +31,7 @@ from typing import Any
 
 __all__ = ["main"]
 
+_AUTO_WARMUP = "untimed steps of every variant of a config where one measures first (default %(default)s)"
 _STORE = os.environ.get("BENCH_STORE_DIR") or os.path.join(tempfile.gettempdir(), "bench-tiered")
 
 
@@ -56,12 +55,7 @@ def _run(p: argparse.ArgumentParser) -> None:
     _common(p, steps=30, warmup=20, rounds=4, json="out/bench/results.json", md="out/bench/results.md")
     _names(p, "--configs", "configs (default: demo input-dist-heavy compute-heavy; benchmarks/configs.py)")
     _names(p, "--variants", "NAME[@SCHEDULE][+FLAG...] (benchmarks/spec.py; default: docs/benchmarks.md's 7)")
-    p.add_argument(
-        "--auto-warmup",
-        type=int,
-        default=250,
-        help="untimed steps of every variant of a config where one measures before it decides (default 250)",
-    )
+    p.add_argument("--auto-warmup", type=int, default=250, help=_AUTO_WARMUP)
     p.add_argument("--profile-steps", type=int, default=5, help="steps of the profiled segment; 0: none")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: nccl, one GPU per rank")
     p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
@@ -74,10 +68,12 @@ def _run(p: argparse.ArgumentParser) -> None:
 def _overhead(p: argparse.ArgumentParser) -> None:
     _common(p, steps=300, warmup=120, rounds=5, json="", md="")
     p.add_argument("--world-size", type=int, default=1, help="ranks (default 1)")
-    _names(p, "--variants", "loops besides plain (default ours and torchrec's Base and SparseDist, ours "
-           "Prefetch and FusedSparseDist); e.g. ours-base+nocheck")  # fmt: skip
-    _names(p, "--configs", "models (default tiny); tiny-split, tiny-built, tiny-shared: its forward written "
-           "the ways users write models, each compared with tiny")  # fmt: skip
+    loops = (
+        "loops besides plain (default ours and torchrec's Base and SparseDist, ours Prefetch and "
+        "FusedSparseDist); e.g. ours-base+nocheck"
+    )
+    _names(p, "--variants", loops)
+    _names(p, "--configs", "models (default tiny); tiny-split, -built, -shared: as users write them, vs tiny")
     p.add_argument("--cprofile", metavar="VARIANT", help="run this loop once under cProfile instead")
     p.add_argument("--top", type=int, default=30, help="cProfile rows shown (default 30)")
     p.add_argument("--sort", choices=("own", "cum"), default="own", help="cProfile rows by own or cumulative")
@@ -87,12 +83,7 @@ def _overhead(p: argparse.ArgumentParser) -> None:
 def _sweep(p: argparse.ArgumentParser) -> None:
     _common(p, steps=20, warmup=5, rounds=3, json="out/sweep/sweep.json", md="out/sweep/sweep.md")
     _names(p, "--points", "points (default all 14)")
-    p.add_argument(
-        "--auto-warmup",
-        type=int,
-        default=75,
-        help="untimed steps on a point where a variant measures before it decides (default 75)",
-    )
+    p.add_argument("--auto-warmup", type=int, default=75, help=_AUTO_WARMUP)
     p.add_argument("--png", default="out/sweep/sweep.png", help="the plot ('' for none)")
 
 
@@ -129,24 +120,6 @@ def _big_tables(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", help="after training, save a checkpoint here and load it back")
 
 
-def _predict(p: argparse.ArgumentParser) -> None:
-    _common(p, steps=20, warmup=10, rounds=2, json="out/predict/predict.json, --validate: validate.json",
-            md="out/predict/predict.md, --validate: validate.md")  # fmt: skip
-    p.set_defaults(json=None, md=None)  # chosen by the mode, in benchmarks.predict
-    p.add_argument("--config", nargs="+", default=["demo", "sweep-1g-ids100", "compute-heavy"],
-                   metavar="NAME", help="configs (default demo sweep-1g-ids100 compute-heavy)")  # fmt: skip
-    p.add_argument("--world-size", nargs="+", type=int, default=[2, 8, 64, 512, 1024], metavar="N")
-    p.add_argument("--link", nargs="+", default=["1gbit", "10gbit"], metavar="LINK",
-                   help="loopback, 1gbit or rate:latency (25gbit:10us); default 1gbit 10gbit")  # fmt: skip
-    p.add_argument("--cores-per-rank", type=float, help="cores of a rank (default: 2 ranks a host)")
-    p.add_argument("--refresh-costs", action="store_true", help="measure this machine's costs again (~15 s)")
-    p.add_argument("--plot", default="out/predict/predict.png", help="the plot ('' for none)")
-    p.add_argument("--validate", action="store_true", help="run sweep points and compare (a benchmark)")
-    _names(p, "--points", "points (default all 14)")
-    p.add_argument("--validate-world-size", nargs="+", type=int, default=[2, 1], metavar="N",
-                   help="1 (loopback) and/or 2 (each point's link, emulated: root); default 2 1")  # fmt: skip
-
-
 def _selfcheck(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="also write each check's outcome here")
 
@@ -158,11 +131,6 @@ def _function(module: str, name: str) -> Callable[..., int]:
         return getattr(importlib.import_module(f"benchmarks.{module}"), name)(**kwargs)
 
     return call
-
-
-def _calibrate(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--refresh", action="store_true", help="measure even if the cache has this machine")
-    p.add_argument("--path", help="the cache file (default: under $TORCHREC_PIPELINE_CACHE or ~/.cache)")
 
 
 def _agreement(p: argparse.ArgumentParser) -> None:
@@ -216,9 +184,7 @@ _SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callabl
     "tiered": (_tiered, _function("tiered", "tiered")),
     "hit-rates": (_hit_rates, _function("hit_rates", "hit_rates")),
     "big-tables": (_big_tables, _function("big_tables", "big_tables")),
-    "predict": (_predict, _function("predict", "predict")),
     "selfcheck": (_selfcheck, _function("selfcheck", "selfcheck")),
-    "calibrate": (_calibrate, _function("predictor.machine", "calibrate")),
     "agreement": (_agreement, _function("agreement", "agreement")),
     "riding": (_riding, _function("riding", "riding")),
     "step-path": (_step_path, _function("step_path", "step_path")),
@@ -229,10 +195,10 @@ _SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callabl
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    listing, raw = __doc__.split("\n\n")[1], argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=listing, formatter_class=raw)
     subs = parser.add_subparsers(dest="what", required=True, metavar="<what>")
-    helps = dict(line.split(None, 1) for line in __doc__.split("\n\n")[1].splitlines())
+    helps = dict(line.split(None, 1) for line in listing.splitlines())
     for name, (add_flags, _) in _SUBCOMMANDS.items():
         add_flags(subs.add_parser(name, help=helps[name], description=helps[name]))
     args = vars(parser.parse_args(argv))

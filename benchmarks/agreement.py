@@ -14,7 +14,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import tempfile
 import time
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from benchmarks.launch import free_port
 from benchmarks.report import markdown_table, stamp, text_table, write
 
 __all__ = ["agreement"]
@@ -34,17 +34,9 @@ def agreement(*, world_sizes: list[int], votes: int, command: str, json: str | N
     rows, result = [], {"command": command, "machine": platform.processor() or platform.machine(), "runs": {}}
     for world in world_sizes:
         per_rank = _measure(world, votes)
-        vote = statistics.median(r["vote_us"] for r in per_rank)
         result["runs"][world] = per_rank
-        rows.append(
-            [
-                world,
-                vote,
-                statistics.median(r["vote_p90_us"] for r in per_rank),
-                statistics.median(r["vote_cpu_us"] for r in per_rank),
-                statistics.median(r["store_us"] for r in per_rank),
-            ]
-        )
+        keys = ("vote_us", "vote_p90_us", "vote_cpu_us", "store_us")
+        rows.append([world, *(statistics.median(r[k] for r in per_rank) for k in keys)])
     columns = ["ranks", "vote us (median)", "vote us (p90)", "vote CPU us", "store request us (median)"]
     print(text_table(columns, [[f"{v:.0f}" if isinstance(v, float) else v for v in r] for r in rows]))
     lines = [*stamp(command), "", f"{votes} votes per world size, local ranks over loopback.", ""]
@@ -54,9 +46,7 @@ def agreement(*, world_sizes: list[int], votes: int, command: str, json: str | N
 
 
 def _measure(world: int, votes: int) -> list[dict[str, float]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="bench-agreement-") as tmp:
         mp.start_processes(_rank, args=(world, port, votes, tmp), nprocs=world, start_method="spawn")
         return [json.loads((Path(tmp) / f"{r}.json").read_text()) for r in range(world)]
@@ -67,7 +57,7 @@ def _rank(rank: int, world: int, port: int, votes: int, out: str) -> None:
     import torch.distributed as dist
 
     from pipeline.ranks import Status
-    from pipeline.ranks.votes import Votes
+    from pipeline.ranks.protocol import Votes
 
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)

@@ -16,6 +16,7 @@ import shutil
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,11 +39,6 @@ __all__ = ["big_tables"]
 _DENSE = 13
 
 
-def _rows_per_table(total_gb: float, tables: int, dim: int) -> int:
-    # Weights plus row-wise Adagrad's one float of state per row.
-    return int(total_gb * 2**30 / (tables * (dim + 1) * 4))
-
-
 def _batch(rows: int, tables: int, batch_size: int, ids: int, gen: torch.Generator) -> Batch:
     lengths = torch.full((tables * batch_size,), ids, dtype=torch.int32)
     values = torch.randint(0, rows, (tables * batch_size * ids,), generator=gen)
@@ -57,7 +53,7 @@ def _train(args: SimpleNamespace) -> int:
     """Create the stores, train, print the figures; 1 when peak RSS exceeds the limit."""
     store = Path(args.store_dir)
     store.mkdir(parents=True, exist_ok=True)
-    rows = _rows_per_table(args.total_gb, args.tables, args.dim)
+    rows = int(args.total_gb * 2**30 / (args.tables * (args.dim + 1) * 4))  # and Adagrad's float a row
     configs = [
         EmbeddingBagConfig(name=f"t{i}", embedding_dim=args.dim, num_embeddings=rows, feature_names=[f"f{i}"])
         for i in range(args.tables)
@@ -76,8 +72,7 @@ def _train(args: SimpleNamespace) -> int:
     model = DistributedModelParallel(dlrm, device=torch.device("cpu"), plan=plan, sharders=[sharder])
     created_s = time.perf_counter() - started
     on_disk = sum(p.stat().st_size for p in store.glob("*.rows"))
-    print(f"created {on_disk / 2**30:.2f} GiB in {created_s:.1f} s; peak RSS so far "
-          f"{peak_rss_bytes() / 2**20:.0f} MiB", flush=True)  # fmt: skip
+    print(f"created {on_disk / 2**30:.2f} GiB in {created_s:.1f} s; {_so_far()}", flush=True)
     dense = dict(in_backward_optimizer_filter(model.named_parameters()))
     optimizer = KeyedOptimizerWrapper(dense, lambda ps: torch.optim.Adagrad(ps, lr=0.05))
     gen = torch.Generator().manual_seed(0)
@@ -119,30 +114,30 @@ def _checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direct
     save_stores(tiered_kernels(model), directory / "stores")
     saved_s = time.perf_counter() - started
     size = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
-    print(f"checkpoint_save_seconds {saved_s:.1f}  ({size / 2**30:.2f} GiB; peak RSS so far "
-          f"{peak_rss_bytes() / 2**20:.0f} MiB)", flush=True)  # fmt: skip
+    print(f"checkpoint_save_seconds {saved_s:.1f}  ({size / 2**30:.2f} GiB; {_so_far()})", flush=True)
     started = time.perf_counter()
     state = model_state(model, optimizer, tiered=True)
     dcp.load(state, checkpoint_id=directory)
     model.load_state_dict(state["model"], strict=False)
     optimizer.load_state_dict(state["dense_optimizer"])
     load_stores(tiered_kernels(model), directory / "stores")
-    print(f"checkpoint_load_seconds {time.perf_counter() - started:.1f}  (peak RSS so far "
-          f"{peak_rss_bytes() / 2**20:.0f} MiB)", flush=True)  # fmt: skip
+    print(f"checkpoint_load_seconds {time.perf_counter() - started:.1f}  ({_so_far()})", flush=True)
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def big_tables(*, total_gb: float, store_dir: str, tables: int, dim: int, cache_rows: int, batch_size: int,
-               ids: int, steps: int, warmup: int, rss_limit_gb: float, keep: bool, checkpoint_dir: str | None,
-               command: str) -> int:  # fmt: skip
-    """The `big-tables` subcommand; exit status 1 when the peak RSS is over `rss_limit_gb`."""
-    args = SimpleNamespace(**{k: v for k, v in locals().items() if k != "command"})
-    where = Path(store_dir) if Path(store_dir).exists() else Path(store_dir).parent
-    needed = total_gb * (2 if checkpoint_dir else 1) * 1.05
-    if shutil.disk_usage(where).free < needed * 2**30:
-        raise ValueError(
-            f"{shutil.disk_usage(where).free / 2**30:.1f} GiB free in {where}, {needed:.1f} needed"
-        )
+def _so_far() -> str:
+    return f"peak RSS so far {peak_rss_bytes() / 2**20:.0f} MiB"
+
+
+def big_tables(*, command: str, **flags: Any) -> int:
+    """The `big-tables` subcommand (`flags`: its flags, by `dest`); exit status 1 when the peak RSS is
+    over `rss_limit_gb`."""
+    args = SimpleNamespace(**flags)
+    store = Path(args.store_dir)
+    where = store if store.exists() else store.parent
+    needed = args.total_gb * (2 if args.checkpoint_dir else 1) * 1.05
+    if (free := shutil.disk_usage(where).free / 2**30) < needed:
+        raise ValueError(f"{free:.1f} GiB free in {where}, {needed:.1f} needed")
     print(
         f"Command: `{command}`\nMachine: {machine()}; one process, one run: no rounds, no spread", flush=True
     )
@@ -154,6 +149,6 @@ def big_tables(*, total_gb: float, store_dir: str, tables: int, dim: int, cache_
         return _train(args)
     finally:
         dist.destroy_process_group()
-        if not keep:
-            for path in Path(store_dir).glob("*.rows"):
+        if not args.keep:
+            for path in store.glob("*.rows"):
                 path.unlink()

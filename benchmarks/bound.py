@@ -79,10 +79,13 @@ def capture(model: nn.Module, optimizer: Any, batches: list[Any], device: torch.
                 lookups = ebc.compute(ctx, dist_input)
                 pooled = ebc.output_dist(ctx, lookups).wait()
                 received[name] = _Received(
-                    ctx=ctx, dist_input=dist_input, lookup_shapes=[t.shape for t in lookups],
-                    out_shape=pooled.values().shape, keys=pooled.keys(),
+                    ctx=ctx,
+                    dist_input=dist_input,
+                    lookup_shapes=[t.shape for t in lookups],
+                    out_shape=pooled.values().shape,
+                    keys=pooled.keys(),
                     length_per_key=pooled.length_per_key(),
-                )  # fmt: skip
+                )
             out.batches.append(received)
     return out
 
@@ -116,8 +119,9 @@ def _replay(ebc: ShardedEmbeddingBagCollection, name: str, captured: Captured, p
         flat = torch.cat([t.reshape(-1) for t in ebc.compute(received.ctx, received.dist_input)])
         need = received.out_shape.numel()
         flat = flat[:need] if flat.numel() >= need else torch.cat([flat, flat.new_zeros(need - flat.numel())])
-        return KeyedTensor(keys=received.keys, length_per_key=received.length_per_key,
-                           values=flat.view(received.out_shape))  # fmt: skip
+        return KeyedTensor(
+            keys=received.keys, length_per_key=received.length_per_key, values=flat.view(received.out_shape)
+        )
 
     return forward
 

@@ -14,6 +14,7 @@ replaces it with the pinned stack's figures (`run` and its kin stamp the version
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shlex
@@ -62,20 +63,16 @@ def pinned_stack(makefile: Path = ROOT / "Makefile") -> dict[str, str]:
 
 def header(text: str) -> str:
     """A results file's lines before its first table or image."""
-    lines = []
-    for line in text.splitlines():
-        if line.startswith(("|", "![")):
-            break
-        lines.append(line)
-    return "\n".join(lines)
+    return "\n".join(itertools.takewhile(lambda line: not line.startswith(("|", "![")), text.splitlines()))
 
 
 def stack_of(text: str, pinned: dict[str, str]) -> str | None:
     """`pinned` when the header names every pinned version, `previous` when it has a `Stack: previous`
     line (and does not name the pinned stack); None when it says neither, or both."""
     head = header(text)
-    named = [re.search(rf"\b{re.escape(p)} {re.escape(v)}(?![\w.])", head) for p, v in pinned.items()]
-    names_pinned = all(named)
+    names_pinned = all(
+        re.search(rf"\b{re.escape(p)} {re.escape(v)}(?![\w.])", head) for p, v in pinned.items()
+    )
     marked = any(line.startswith(PREVIOUS) for line in head.splitlines())
     if names_pinned == marked:
         return None
@@ -99,8 +96,7 @@ def _option(argv: list[str], flag: str) -> str | None:
 
 
 def _needs_root(argv: list[str]) -> bool:
-    """Whether the command emulates a link: `--link RATE`, a sweep point on an emulated link, or
-    `predict --validate` at 2 ranks."""
+    """Whether the command emulates a link: `--link RATE`, or a sweep point on an emulated link."""
     from benchmarks.configs import SWEEP_LINKS, sweep_points
 
     if _option(argv, "--link") not in (None, "loopback"):
@@ -109,8 +105,6 @@ def _needs_root(argv: list[str]) -> bool:
         i = argv.index("--points") if "--points" in argv else None
         given = [] if i is None else [a for a in argv[i + 1 :] if not a.startswith("-")]
         return any(SWEEP_LINKS[n] for n in sweep_points(given))
-    if argv[3:4] == ["predict"] and "--validate" in argv:
-        return "--validate-world-size" not in argv or "2" in argv[argv.index("--validate-world-size") + 1 :]
     return False
 
 
@@ -119,20 +113,26 @@ def read_figure(path: Path, pinned: dict[str, str], *, root: Path = ROOT) -> Fig
     text = path.read_text()
     command = _command(text)
     if command is None:
-        raise PlanError(f"{path.name}: no `Command:` line: say the command that writes this file, or move "
-                        "the file out of the results folder")  # fmt: skip
+        raise PlanError(
+            f"{path.name}: no `Command:` line: say the command that writes this file, or move "
+            "the file out of the results folder"
+        )
     argv = shlex.split(command)
     if argv[:3] != ["python", "-m", "benchmarks"] or len(argv) < 4:
         raise PlanError(f"{path.name}: its command is not `python -m benchmarks <what> ...`: {command}")
     md = _option(argv, "--md")
     if md is None or (root / md).resolve() != path.resolve():
-        raise PlanError(f"{path.name}: its command writes its Markdown to {md or 'its default'}, not to "
-                        f"this file: add --md {os.path.relpath(path, root)}")  # fmt: skip
+        raise PlanError(
+            f"{path.name}: its command writes its Markdown to {md or 'its default'}, not to "
+            f"this file: add --md {os.path.relpath(path, root)}"
+        )
     stack = stack_of(text, pinned)
     if stack is None:
-        raise PlanError(f"{path.name}: its header must name the pinned stack ("
-                        + ", ".join(f"{p} {v}" for p, v in pinned.items())
-                        + f") or hold a line starting {PREVIOUS!r}, not neither or both")  # fmt: skip
+        named = ", ".join(f"{p} {v}" for p, v in pinned.items())
+        why = (
+            f"must name the pinned stack ({named}) or hold a line starting {PREVIOUS!r}, not neither or both"
+        )
+        raise PlanError(f"{path.name}: its header {why}")
     return Figure(path=path, command=command, stack=stack, needs_root=_needs_root(argv))
 
 
@@ -182,8 +182,7 @@ def figures(*, list_only: bool, only: list[str], results: str | None, command: s
             why = f"exit status {rc}" if rc != 0 else "the file was not rewritten"
             print(f"[figures] {f.path.name}: failed ({why})", file=sys.stderr, flush=True)
             failed.append(f.path.name)
-    done = len(todo) - len(failed) - len(skipped)
-    print(f"[figures] regenerated {done} of {len(todo)}"
-          + (f"; skipped, needing root: {', '.join(skipped)}" if skipped else "")
-          + (f"; failed: {', '.join(failed)}" if failed else ""))  # fmt: skip
+    tail = [f"; skipped, needing root: {', '.join(skipped)}"] if skipped else []
+    tail += [f"; failed: {', '.join(failed)}"] if failed else []
+    print(f"[figures] regenerated {len(todo) - len(failed) - len(skipped)} of {len(todo)}{''.join(tail)}")
     return 1 if failed else 0

@@ -52,12 +52,8 @@ def first_step(
     shown = [[r[0], *(f"{v:.0f}" for v in r[1:])] for r in rows]
     print(text_table(columns, shown))
     lines = [*stamp(command), "", f"{world_size} ranks, {rounds} rounds, a fresh torchrun job each.", ""]
-    write(
-        {"command": command, "runs": runs},
-        "\n".join(lines + markdown_table(columns, shown)) + "\n",
-        json_path=json,
-        md_path=md,
-    )
+    lines += markdown_table(columns, shown)
+    write({"command": command, "runs": runs}, "\n".join(lines) + "\n", json_path=json, md_path=md)
     return 0
 
 
@@ -109,27 +105,21 @@ def _rank(library: str, cls: str) -> None:
             pipe.progress(batches)
 
     dist.barrier()
-    started = time.perf_counter()
-    step()
-    first = time.perf_counter() - started
-    later = []
-    for _ in range(5):
+    times = []
+    for _ in range(6):  # the first step, then steps 2-6
         started = time.perf_counter()
         step()
-        later.append(time.perf_counter() - started)
+        times.append(time.perf_counter() - started)
     if library != "plain":  # run out the batches in flight: a group destroyed under an
         with contextlib.suppress(StopIteration):  # all-to-all in flight aborts the process
             while True:
                 step()
-    slowest = torch.tensor([first, statistics.median(later)], dtype=torch.float64)
+    slowest = torch.tensor([times[0], statistics.median(times[1:])], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     if rank == 0:
-        print(json_line(slowest.tolist()))
+        first, later = slowest.tolist()
+        print(json.dumps({"first_ms": 1e3 * first, "later_ms": 1e3 * later}))
     dist.destroy_process_group()
-
-
-def json_line(seconds: list[float]) -> str:
-    return json.dumps({"first_ms": 1e3 * seconds[0], "later_ms": 1e3 * seconds[1]})
 
 
 if __name__ == "__main__":

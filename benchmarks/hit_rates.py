@@ -109,8 +109,18 @@ def belady_hits(stream: list[np.ndarray], capacity: int, skip: int) -> tuple[int
     return hits, misses
 
 
-def hit_rates(*, config: str, batches: int, skip: int, tables: int, fractions: list[float], seed: int,
-              json: str | None, md: str | None, command: str) -> int:  # fmt: skip
+def hit_rates(
+    *,
+    config: str,
+    batches: int,
+    skip: int,
+    tables: int,
+    fractions: list[float],
+    seed: int,
+    json: str | None,
+    md: str | None,
+    command: str,
+) -> int:
     """The `hit-rates` subcommand: the hit rate of every policy and of Belady's MIN per cache size."""
     chosen = get_config(config)
     if not 0 <= skip < batches:
@@ -136,9 +146,9 @@ def hit_rates(*, config: str, batches: int, skip: int, tables: int, fractions: l
     notes = [f"hit rate on {config}: {len(streams)} tables, batches {skip}-{batches}, seed {seed}"]
     for f, column in result.items():
         value, name = max((v, n) for n, v in column.items() if n != "belady")
-        notes.append(f"{f} cached: the best policy, {name}, is at {value / column['belady']:.3f} of "
-                     f"Belady's ({column['belady'] - value:.3f} below)")  # fmt: skip
+        best = f"the best policy, {name}, is at {value / column['belady']:.3f} of Belady's"
+        notes.append(f"{f} cached: {best} ({column['belady'] - value:.3f} below)")
     columns = ["policy", *(f"{f} cached" for f in result)]
-    publish({"meta": meta, "config": config, "hit_rate": result}, meta, "Cache hit rates", columns, rows,
-            notes, json_path=json, md_path=md)  # fmt: skip
+    out = {"meta": meta, "config": config, "hit_rate": result}
+    publish(out, "Cache hit rates", columns, rows, notes, json_path=json, md_path=md)
     return 0

@@ -26,7 +26,7 @@ from typing import Any
 from benchmarks.link import Link, signals_raise
 from benchmarks.spec import RunSpec
 
-__all__ = ["LaunchError", "cpu_hog", "launch"]
+__all__ = ["LaunchError", "cpu_hog", "free_port", "launch"]
 
 _ROOT = Path(__file__).resolve().parent.parent
 _LINK_PORT = 29577  # a fresh namespace has every port free
@@ -49,7 +49,7 @@ def launch(
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(spec.to_json())
         outs = [Path(tmp) / f"rank{r}.json" for r in range(world_size)]
-        port = _LINK_PORT if link else _free_port()
+        port = _LINK_PORT if link else free_port()
         procs: list[subprocess.Popen] = []
         try:
             for rank in range(world_size):
@@ -85,10 +85,9 @@ def cpu_hog(core: int | None) -> Iterator[str | None]:
 def _rank_env(rank: int, world_size: int, port: int, link: Link | None) -> dict[str, str]:
     env = dict(os.environ)
     path = env.get("PYTHONPATH")
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-               LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1",
-               PYTHONPATH=f"{_ROOT}{os.pathsep}{path}" if path else str(_ROOT))  # fmt: skip
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_PORT=str(port))
+    env.update(LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
+    env.update(PYTHONUNBUFFERED="1", PYTHONPATH=f"{_ROOT}{os.pathsep}{path}" if path else str(_ROOT))
     env.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's start/stop banners, on every segment
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # "block allocated before profiling": expected
     return {**env, **(link.env(rank) if link else {})}
@@ -111,7 +110,8 @@ def _wait(procs: list[subprocess.Popen], *, timeout: float, grace: float) -> Non
         raise LaunchError(f"rank(s) {hung} still running after {timeout:.0f}s; killed")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on the loopback interface now (for a store or a rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

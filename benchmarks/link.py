@@ -24,9 +24,8 @@ __all__ = ["Link", "LinkUnavailable", "check_available", "emulated_link", "parse
 _PREFIX = "trbench"
 _SUBNET = "10.77.0"
 _STALE = re.compile(rf"^{_PREFIX}-(\d+)-\d+\b")
-_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12, "kibit": 2**10, "mibit": 2**20,
-          "gibit": 2**30, "tibit": 2**40, "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9,
-          "tbps": 8e12}  # fmt: skip
+_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12, "bps": 8, "kbps": 8e3, "mbps": 8e6}
+_UNITS |= {"gbps": 8e9, "tbps": 8e12, "kibit": 2**10, "mibit": 2**20, "gibit": 2**30, "tibit": 2**40}
 
 Runner = Callable[[Sequence[str]], str]
 

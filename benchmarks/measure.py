@@ -1,4 +1,5 @@
-"""What one run measures besides step times: peak memory, the profiled segment's figures, the machine.
+"""What one run measures besides step times: peak memory, the profiled segment's figures, the machine
+(and its disk: `read_cost`).
 
 Memory on CPU is the process's resident set: `reset_peak` releases what Python and malloc hold free
 (gc, `malloc_trim`), resets the kernel's high-water mark (`/proc/self/clear_refs` = 5) and returns
@@ -15,7 +16,9 @@ import ctypes
 import gc
 import os
 import platform
+import random
 import re
+import statistics
 import subprocess
 import time
 from collections import defaultdict
@@ -28,10 +31,22 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # imported where used: the launcher reads the machine without loading torch
     import torch
 
-__all__ = ["InputBytes", "ProfileSummary", "cpu_busy", "machine", "peak", "peak_rss_bytes", "reset_peak",
-           "summarize_profile", "tensor_peak_bytes"]  # fmt: skip
+__all__ = [
+    "InputBytes",
+    "ProfileSummary",
+    "cpu_busy",
+    "machine",
+    "peak",
+    "peak_rss_bytes",
+    "read_cost",
+    "read_cost_line",
+    "reset_peak",
+    "summarize_profile",
+    "tensor_peak_bytes",
+]
 
 _STATUS = Path("/proc/self/status")
+_PAGE = 4096
 # "pipeline::forward#12" and torchrec's "## forward 12 ##" both name stage "forward" of batch 12.
 _INDEX_SUFFIX = re.compile(r"(#\d+$)|(\s+\d+\s*##$)|(\s*##$)")
 _ASSEMBLY = "## dist_init:recat_values ##"
@@ -181,14 +196,58 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}; {', '.join(versions)}"
 
 
+def read_cost(directory: str, *, megabytes: int = 64, reads: int = 2000, seed: int = 0) -> dict[str, float]:
+    """What a read from disk costs where the stores live, so that a figure with tables on disk is read
+    with its machine: `wall_us` and `cpu_us` (this process's) per 4 KiB read at a random offset of a
+    file just written and dropped from the page cache (as the benchmarks' cold stores are), medians
+    over `reads` reads."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f".read-cost-{os.getpid()}")
+    pages = megabytes * (1 << 20) // _PAGE
+    try:
+        with open(path, "wb") as f:
+            block = os.urandom(1 << 20)
+            for _ in range(megabytes):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold, as the stores are
+            offsets = random.Random(seed).sample(range(pages), min(reads, pages))
+            wall, cpu = [], []
+            for page in offsets:
+                w, c = time.perf_counter(), time.process_time()
+                os.pread(fd, _PAGE, page * _PAGE)
+                cpu.append(time.process_time() - c)
+                wall.append(time.perf_counter() - w)
+        finally:
+            os.close(fd)
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    return {"wall_us": statistics.median(wall) * 1e6, "cpu_us": statistics.median(cpu) * 1e6}
+
+
+def read_cost_line(directory: str) -> str:
+    """One line for a report's notes."""
+    cost = read_cost(directory)
+    return (
+        f"Disk, measured at the start in the stores' folder: a cold 4 KiB read at a random offset takes "
+        f"{cost['wall_us']:.0f} us ({cost['cpu_us']:.0f} us of CPU), median of 2,000."
+    )
+
+
 def commit() -> str:
     """The commit the benchmark ran (its short hash), and whether the tree differed from it."""
-    root = Path(__file__).resolve().parent.parent
+
+    def git(*argv: str) -> str:
+        root = Path(__file__).resolve().parent.parent
+        return subprocess.run(["git", *argv], cwd=root, capture_output=True, text=True, check=True).stdout
+
     try:
-        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
-                              text=True, check=True).stdout.strip()  # fmt: skip
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                                 capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+        head = git("rev-parse", "--short=12", "HEAD").strip()
+        changed = git("status", "--porcelain", "--untracked-files=no").strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
     return f"{head} ({'with uncommitted changes' if changed else 'clean tree'})"

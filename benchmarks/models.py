@@ -32,8 +32,17 @@ from benchmarks.configs import BenchConfig
 from examples.dlrm.model import unsharded_dlrm
 from tiered import TIERED, TieredEmbeddingBagCollectionSharder, TieredOptions
 
-__all__ = ["BuiltModel", "Linear", "LinearBuilt", "LinearShared", "LinearSplit", "batch_nbytes",
-           "build_model", "make_batches", "memory_fraction"]  # fmt: skip
+__all__ = [
+    "BuiltModel",
+    "Linear",
+    "LinearBuilt",
+    "LinearShared",
+    "LinearSplit",
+    "batch_nbytes",
+    "build_model",
+    "make_batches",
+    "memory_fraction",
+]
 
 _LR = 0.05
 
@@ -126,24 +135,20 @@ def build_model(
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(memory_fraction(config, total), device)
     torch.manual_seed(seed)
+    dim, rows = config.embedding_dim, config.num_embeddings
     tables = [
-        EmbeddingBagConfig(name=f"t{i}", embedding_dim=config.embedding_dim,
-                           num_embeddings=config.num_embeddings, feature_names=[f"f{i}"])
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows, feature_names=[f"f{i}"])
         for i in range(config.num_tables)
-    ]  # fmt: skip
-    if config.head == "linear":
-        model: nn.Module = Linear(EmbeddingBagCollection(tables=tables, device=torch.device("meta")), config)
-        ebc, fqn = model.ebc, "ebc"
-    elif config.head in _PATTERNS:
-        model = _PATTERNS[config.head](tables, config)
-        ebc, fqn = model.ebc, "ebc"
+    ]
+    fqn = "model.sparse_arch.embedding_bag_collection" if config.head == "dlrm" else "ebc"
+    if config.head == "dlrm":
+        hidden = {"dense_hidden": config.dense_hidden, "over_hidden": config.over_hidden}
+        model = unsharded_dlrm(tables, embedding_dim=dim, **hidden)
+    elif config.head == "linear":
+        model = Linear(EmbeddingBagCollection(tables=tables, device=torch.device("meta")), config)
     else:
-        model = unsharded_dlrm(tables, embedding_dim=config.embedding_dim, dense_hidden=config.dense_hidden,
-                               over_hidden=config.over_hidden)  # fmt: skip
-        ebc, fqn = (
-            model.model.sparse_arch.embedding_bag_collection,
-            "model.sparse_arch.embedding_bag_collection",
-        )
+        model = _PATTERNS[config.head](tables, config)
+    ebc = model.get_submodule(fqn)
     collections = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
     embeddings = [p for c in collections for p in c.parameters()]
     apply_optimizer_in_backward(torch.optim.SGD, embeddings, {"lr": _LR})

@@ -24,23 +24,37 @@ from benchmarks.spec import RunSpec
 
 __all__ = ["VARIANTS", "overhead"]
 
-VARIANTS = ("plain", "ours-base", "ours-sparse-dist", "ours-prefetch", "ours-fused-sparse-dist",
-            "torchrec-base", "torchrec-sparse-dist")  # fmt: skip
+VARIANTS = ("plain", "ours-base", "ours-sparse-dist", "ours-prefetch", "ours-fused-sparse-dist")
+VARIANTS += ("torchrec-base", "torchrec-sparse-dist")
 
 
-def overhead(*, world_size: int, variants: list[str], configs: list[str], rounds: int, steps: int,
-             warmup: int, seed: int, timeout: float, cprofile: str | None, top: int, sort: str,
-             only: list[str], json: str | None, md: str | None, command: str) -> int:  # fmt: skip
-    """The `overhead` subcommand: print (and write) the table, or the cProfile rows of one loop."""
+def overhead(
+    *,
+    world_size: int,
+    variants: list[str],
+    configs: list[str],
+    timeout: float,
+    cprofile: str | None,
+    top: int,
+    sort: str,
+    only: list[str],
+    json: str | None,
+    md: str | None,
+    command: str,
+    **fields: Any,
+) -> int:
+    """The `overhead` subcommand: print (and write) the table, or the cProfile rows of one loop.
+    `fields`: the `RunSpec`'s steps, warm-up, rounds and seed."""
     chosen = tuple(dict.fromkeys(["plain", *(variants or VARIANTS)])) if not cprofile else (cprofile,)
-    spec = RunSpec(configs=tuple(configs or ("tiny",)), variants=chosen, steps=steps, warmup=warmup,
-                   auto_warmup=warmup, rounds=1 if cprofile else rounds, profile_steps=0, seed=seed,
-                   cprofile=cprofile)  # fmt: skip
+    if cprofile:
+        fields.update(rounds=1, cprofile=cprofile)
+    names = tuple(configs or ("tiny",))
+    spec = RunSpec(configs=names, variants=chosen, auto_warmup=fields["warmup"], profile_steps=0, **fields)
     result = run_benchmark(spec, world_size=world_size, link=None, timeout=timeout, command=command)
     if cprofile:
         print("\n".join(["", *header(result["meta"]), "", *functions(result["runs"], top, sort, only)]))
         return 0
-    publish(result, result["meta"], "What a step costs", *table(result["runs"]), json_path=json, md_path=md)
+    publish(result, "What a step costs", *table(result["runs"]), json_path=json, md_path=md)
     return 0
 
 
@@ -59,7 +73,11 @@ def table(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], list[
             for r in mine
             if r["status"] != "ok" and r["round"] == 0
         ]
-        notes += _ours_over_torchrec(config, over)
+        for ours, theirs in (("ours-base", "torchrec-base"), ("ours-sparse-dist", "torchrec-sparse-dist")):
+            a, b = over.get(ours), over.get(theirs)
+            if a is not None and b is not None and b.median > 0:
+                what = f"{config}: our {ours[5:]}'s CPU over plain / torchrec's {theirs[9:]}'s"
+                notes.append(f"{what}: {a.median / b.median:.2f} (ratio of the medians)")
     for config in (c for c in cpu_of if c != "tiny" and "tiny" in cpu_of):
         ratios = [
             f"{v} {cpu / cpu_of['tiny'][v]:.3f}" for v, cpu in cpu_of[config].items() if v in cpu_of["tiny"]
@@ -77,24 +95,18 @@ def _config_rows(config: str, runs: list[dict[str, Any]]) -> tuple[list[list[str
         base = variant != "plain"
         over[variant] = paired_difference(cpu, variant, "plain") if base else None
         sites = next((r.get("pipelined") for r in runs if r["variant"] == variant and r.get("pipelined")), "")
-        cells.append([
-            config, variant, f"{statistics.median(r[variant] for r in wall.values() if variant in r):.3f}",
-            f"{statistics.median(r[variant] for r in cpu.values() if variant in r):.3f}",
-            cell(over[variant], "+.3f"),
-            cell(paired_difference(wall, variant, "plain") if base else None, "+.3f"), sites or "",
-        ])  # fmt: skip
+        cells.append(
+            [
+                config,
+                variant,
+                f"{statistics.median(r[variant] for r in wall.values() if variant in r):.3f}",
+                f"{statistics.median(r[variant] for r in cpu.values() if variant in r):.3f}",
+                cell(over[variant], "+.3f"),
+                cell(paired_difference(wall, variant, "plain") if base else None, "+.3f"),
+                sites or "",
+            ]
+        )
     return cells, over
-
-
-def _ours_over_torchrec(config: str, over: dict[str, Any]) -> list[str]:
-    notes = []
-    for ours, theirs in (("ours-base", "torchrec-base"), ("ours-sparse-dist", "torchrec-sparse-dist")):
-        a, b = over.get(ours), over.get(theirs)
-        if a is not None and b is not None and b.median > 0:
-            notes.append(f"{config}: our {ours[5:]}'s CPU over plain / torchrec's {theirs[9:]}'s: "
-                         f"{a.median / b.median:.2f} "
-                         "(ratio of the medians)")  # fmt: skip
-    return notes
 
 
 def functions(runs: list[dict[str, Any]], top: int, sort: str, only: list[str]) -> list[str]:

@@ -16,8 +16,21 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Paired", "by_round", "cell", "header", "markdown_table", "over_rounds", "paired",
-           "paired_difference", "publish", "pyplot", "save_figure", "text_table", "write"]  # fmt: skip
+__all__ = [
+    "Paired",
+    "by_round",
+    "cell",
+    "header",
+    "markdown_table",
+    "over_rounds",
+    "paired",
+    "paired_difference",
+    "publish",
+    "pyplot",
+    "save_figure",
+    "text_table",
+    "write",
+]
 
 Rounds = Mapping[Any, Mapping[str, float]]
 """Per round, a figure per variant (e.g. its median step time in ms)."""
@@ -80,7 +93,7 @@ def header(meta: Mapping[str, Any]) -> list[str]:
         lines.append(f"Commit: {meta['commit']}; started {meta.get('started', 'at an unrecorded time')}")
     if meta.get("cpu_hog"):
         lines.append(f"Beside the ranks: {meta['cpu_hog']}")
-    if "rounds" not in meta:  # nothing measured (a prediction, a replay)
+    if "rounds" not in meta:  # nothing measured (a replay)
         return lines
     return [
         *lines,
@@ -132,14 +145,23 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> lis
     ]
 
 
-def publish(result: dict[str, Any], meta: Mapping[str, Any], title: str, columns: Sequence[str],
-            cells: Sequence[Sequence[Any]], notes: Sequence[str], *, json_path: str | None,
-            md_path: str | None, more: Sequence[str] = ()) -> None:  # fmt: skip
-    """Print the table under its header, with its notes; write the JSON and the Markdown (`more`
-    Markdown lines after the notes)."""
-    print("\n".join(["", *header(meta), "", text_table(columns, cells), "", *notes]))
-    lines = [f"# {title}", "", *(f"{h}  " for h in header(meta)), "", *markdown_table(columns, cells), "",
-             *(f"- {n}" for n in notes), "", *more]  # fmt: skip
+def publish(
+    result: dict[str, Any],
+    title: str,
+    columns: Sequence[str],
+    cells: Sequence[Sequence[Any]],
+    notes: Sequence[str],
+    *,
+    json_path: str | None,
+    md_path: str | None,
+    more: Sequence[str] = (),
+) -> None:
+    """Print the table under the header of `result["meta"]`, with its notes; write the JSON and the
+    Markdown (`more` Markdown lines after the notes)."""
+    head = header(result["meta"])
+    print("\n".join(["", *head, "", text_table(columns, cells), "", *notes]))
+    lines = [f"# {title}", "", *(f"{h}  " for h in head), "", *markdown_table(columns, cells), ""]
+    lines += [*(f"- {n}" for n in notes), "", *more]
     write(result, "\n".join(lines), json_path=json_path, md_path=md_path)
 
 

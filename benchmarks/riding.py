@@ -16,6 +16,8 @@ import statistics
 import time
 from typing import Any
 
+import torch
+
 from benchmarks.report import markdown_table, stamp, text_table, write
 
 __all__ = ["riding"]
@@ -35,11 +37,14 @@ class _Carrier:
     def words(self) -> list[int]:
         return self.words_sent
 
+    def row(self) -> torch.Tensor:
+        return torch.tensor(self.words_sent)
+
 
 class _Ranks:
     """The ranks' protocol as `Admission` reads it; `conclude` is the real one (unbound)."""
 
-    voting, carrying, lane = True, True, None
+    voting, carrying = True, True
 
     def conclude(self, lane: Any, ctx: Any, counts: Any) -> bool:
         from pipeline.ranks.protocol import Ranks
@@ -50,11 +55,10 @@ class _Ranks:
 def _one(world: int, watching: bool, batches: int) -> float:
     """Microseconds of process CPU per batch: pack this rank's word, then read `world` words."""
     from pipeline.ranks import Status
-    from pipeline.ranks.lane import Ticket
-    from pipeline.ranks.riding import Admission
-    from pipeline.ranks.rows import observed, pack, tagged
+    from pipeline.ranks.protocol import Lane, Ticket
+    from pipeline.ranks.riding import Admission, observed, pack, tagged
     from pipeline.stages.context import BatchContext
-    from pipeline.stages.watch import ScheduleWatch
+    from pipeline.stages.schedule import ScheduleWatch
 
     watch = ScheduleWatch(window=8, threshold=0.99)  # watching for ever: the shares stay low
     admission = Admission(_Ranks(), True, watch=watch)
@@ -65,6 +69,7 @@ def _one(world: int, watching: bool, batches: int) -> float:
     words = [pack(Status.HAVE, _ROWS, figure) for _ in range(world)]
     words = [int(str(w)) for w in words]  # distinct int objects, as a received list holds
     watch._published = observed(0.3) if watching else 0
+    lane = Lane(iter(()))
     start = time.process_time()
     for i in range(batches):
         ticket = Ticket(position=i, status=Status.HAVE, carried=True)
@@ -72,7 +77,7 @@ def _one(world: int, watching: bool, batches: int) -> float:
         make = admission.carrier(ctx)
         make.keywords["word"](_ROWS)
         ctx.splits_requests = [([], _Carrier(words))]
-        if not admission.conclude(ctx):
+        if not admission.conclude(ctx, lane):
             raise RuntimeError("a batch every rank has was refused")
     return (time.process_time() - start) / batches * 1e6
 
@@ -87,13 +92,10 @@ def riding(
             runs = [_one(world, watching, batches) for _ in range(rounds)]
             figures["watching" if watching else "decided"] = runs
         result["runs"][world] = figures
+        watching, decided = figures["watching"], figures["decided"]
+        spread = f"{min(decided):.1f}-{max(decided):.1f}"
         rows.append(
-            [
-                world,
-                f"{statistics.median(figures['watching']):.1f}",
-                f"{statistics.median(figures['decided']):.1f}",
-                f"{min(figures['decided']):.1f}-{max(figures['decided']):.1f}",
-            ]
+            [world, f"{statistics.median(watching):.1f}", f"{statistics.median(decided):.1f}", spread]
         )
     columns = ["ranks", "watching us/batch", "decided us/batch", "decided (range over rounds)"]
     print(text_table(columns, rows))

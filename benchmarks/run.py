@@ -13,29 +13,30 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from benchmarks.configs import RUN_CONFIGS, get_config
-from benchmarks.disk import read_cost_line
 from benchmarks.launch import cpu_hog, launch
 from benchmarks.link import emulated_link, parse_rate
-from benchmarks.measure import commit, cpu_busy, machine
+from benchmarks.measure import commit, cpu_busy, machine, read_cost_line
 from benchmarks.report import Paired, by_round, cell, over_rounds, paired, publish
 from benchmarks.spec import VARIANTS, RunSpec, reference
 
 __all__ = ["Row", "merge_ranks", "run", "run_benchmark", "summarize"]
 
 _MIB = 2**20
-_DICTS = ("watch", "prefetch_watch", "cprofile", "predicted_ms")
+_DICTS = ("watch", "prefetch_watch", "cprofile")
 """The structured fields of a record kept from rank 0."""
-_MAX_OVER_RANKS = ("cpu_ms", "peak_bytes", "tensor_peak_bytes", "wait_in_forward_ms", "forward_ms",
-                   "store_read_ms", "prefetch_ms")  # fmt: skip
+_MAX_OVER_RANKS = ("cpu_ms", "peak_bytes", "tensor_peak_bytes", "wait_in_forward_ms", "forward_ms")
+_MAX_OVER_RANKS += ("store_read_ms", "prefetch_ms")  # tables on disk
 
 
 @dataclass(kw_only=True, slots=True)
 class Row:
-    """One (config, variant) over its rounds."""
+    """One (config, variant) over its rounds: `Paired` figures are per round, the others medians of
+    rounds unless said; `_NOTES`, at the end of every report, says what each figure is."""
 
     config: str
     variant: str
@@ -51,25 +52,17 @@ class Row:
     """What else it is compared with (`benchmarks.spec.reference`)."""
     vs_reference: Paired | None = None
     share: Paired | None = None
-    """The default schedule's watch: the share of the step blocked on the input all-to-alls under
-    torchrec's order (the ranks' mean when it moved, else rank 0's last 8 steps), per round."""
     total_s: Paired | None = None
-    """The timed steps' total time (the slower rank's each step), per round."""
     total_vs_reference: Paired | None = None
     """The total over the reference's in the same round (with `--warmup 0`: a cold start)."""
     cpu_ms: Paired | None = None
-    """Process CPU time per timed step, the busiest rank."""
     rss_mib: float | None = None
-    """Peak RSS growth over warm-up and timed steps (CPU; on CUDA: max allocated), median of rounds."""
     tensor_mib: float | None = None
-    """Peak of live tensor bytes in the profiled segment, median of rounds."""
     wait_in_forward_ms: float | None = None
     """Per step, time forward waits on input_dist (the whole inline input_dist for plain and Base)."""
     assembly_in_wait_ms: float | None = None
     """Of it, torchrec's reordering of the received ids (CPU work, not waiting)."""
     input_a2a_kib: float | None = None
-    """KiB a batch hands to the input (KJT values) all-to-alls on rank 0, its own share included
-    (`benchmarks.measure.InputBytes`, in the warm-up), median of rounds."""
     schedule: str | None = None
     """Our SparseDist/Prefetch under the default ("adaptive"): the schedule kept, counted over rounds."""
     cache_hit_rate: float | None = None
@@ -105,24 +98,30 @@ def run_benchmark(
         import torch
 
         if torch.cuda.device_count() < world_size:
-            raise ValueError(f"--device cuda needs a GPU per rank: {world_size} ranks, "
-                             f"{torch.cuda.device_count()} GPUs here; pass --world-size")  # fmt: skip
+            raise ValueError(
+                f"--device cuda needs a GPU per rank: {world_size} ranks, "
+                f"{torch.cuda.device_count()} GPUs here; pass --world-size"
+            )
     started, busy = time.time(), cpu_busy()
-    with cpu_hog(hog) as neighbour:
-        if link is None:
-            per_rank = launch(spec, world_size=world_size, timeout=timeout)
-        else:
-            with emulated_link(link) as emulated:
-                per_rank = launch(spec, world_size=world_size, link=emulated, timeout=timeout)
+    with cpu_hog(hog) as neighbour, emulated_link(link) if link else nullcontext() as emulated:
+        per_rank = launch(spec, world_size=world_size, link=emulated, timeout=timeout)
     runs = merge_ranks(per_rank)
-    meta = {"command": command, "machine": machine(), "commit": commit(), "cpu_busy_before": round(busy, 3),
-            "rounds": spec.rounds,
-            "steps": spec.steps,
-            "warmup": f"{spec.warmup} ({spec.auto_warmup} on a config where a variant measures first)",
-            "where": f"{world_size} rank(s) over {link or 'loopback'}", "world_size": world_size,
-            "link": link, "cpu_hog": neighbour, "spec": asdict(spec),
-            "duration_s": round(time.time() - started, 1),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started))}  # fmt: skip
+    meta = {
+        "command": command,
+        "machine": machine(),
+        "commit": commit(),
+        "cpu_busy_before": round(busy, 3),
+        "rounds": spec.rounds,
+        "steps": spec.steps,
+        "warmup": f"{spec.warmup} ({spec.auto_warmup} on a config where a variant measures first)",
+        "where": f"{world_size} rank(s) over {link or 'loopback'}",
+        "world_size": world_size,
+        "link": link,
+        "cpu_hog": neighbour,
+        "spec": asdict(spec),
+        "duration_s": round(time.time() - started, 1),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
+    }
     rows = summarize(runs, world_size=world_size)
     return {"meta": meta, "runs": runs, "summary": [asdict(r) for r in rows]}
 
@@ -170,25 +169,33 @@ def summarize(runs: list[dict[str, Any]], *, world_size: int) -> list[Row]:
         ref = reference(variant)
         schedules = Counter(r["schedule"] for r in ok if r.get("schedule"))
         modes = Counter(("ahead" if r["prefetch_ahead"] else "inline") for r in ok if r.get("prefetch_watch"))
-        rows.append(Row(
-            config=config, variant=variant, status="ok", step_ms=step,
-            samples_per_s=get_config(config).batch_size * world_size / step.median * 1e3,
-            vs_plain=paired(steps, variant, "plain") if variant != "plain" else None,
-            reference=ref, vs_reference=paired(steps, variant, ref) if ref else None,
-            share=over_rounds([v for r in ok if (v := _share(r)) is not None]),
-            total_s=over_rounds([r["total_s"] for r in ok]),
-            total_vs_reference=paired(totals, variant, ref) if ref else None,
-            cpu_ms=over_rounds([r["cpu_ms"] for r in ok]),
-            rss_mib=_median(ok, "peak_bytes", _MIB), tensor_mib=_median(ok, "tensor_peak_bytes", _MIB),
-            wait_in_forward_ms=_median(ok, "wait_in_forward_ms"),
-            assembly_in_wait_ms=_median(ok, "assembly_in_wait_ms"),
-            input_a2a_kib=_median(ok, "input_a2a_bytes", 1024),
-            schedule=" ".join(f"{s} x{n}" for s, n in schedules.most_common()) or None,
-            cache_hit_rate=_median(ok, "cache_hit_rate"), store_read_ms=_median(ok, "store_read_ms"),
-            prefetch_ms=_median(ok, "prefetch_ms"),
-            prefetch=" ".join(f"{m} x{n}" for m, n in modes.most_common()) or None,
-            prefetch_watch="; ".join(w for r in ok if (w := _prefetch_watch(r))) or None,
-        ))  # fmt: skip
+        rows.append(
+            Row(
+                config=config,
+                variant=variant,
+                status="ok",
+                step_ms=step,
+                samples_per_s=get_config(config).batch_size * world_size / step.median * 1e3,
+                vs_plain=paired(steps, variant, "plain") if variant != "plain" else None,
+                reference=ref,
+                vs_reference=paired(steps, variant, ref) if ref else None,
+                share=over_rounds([v for r in ok if (v := _share(r)) is not None]),
+                total_s=over_rounds([r["total_s"] for r in ok]),
+                total_vs_reference=paired(totals, variant, ref) if ref else None,
+                cpu_ms=over_rounds([r["cpu_ms"] for r in ok]),
+                rss_mib=_median(ok, "peak_bytes", _MIB),
+                tensor_mib=_median(ok, "tensor_peak_bytes", _MIB),
+                wait_in_forward_ms=_median(ok, "wait_in_forward_ms"),
+                assembly_in_wait_ms=_median(ok, "assembly_in_wait_ms"),
+                input_a2a_kib=_median(ok, "input_a2a_bytes", 1024),
+                schedule=" ".join(f"{s} x{n}" for s, n in schedules.most_common()) or None,
+                cache_hit_rate=_median(ok, "cache_hit_rate"),
+                store_read_ms=_median(ok, "store_read_ms"),
+                prefetch_ms=_median(ok, "prefetch_ms"),
+                prefetch=" ".join(f"{m} x{n}" for m, n in modes.most_common()) or None,
+                prefetch_watch="; ".join(w for r in ok if (w := _prefetch_watch(r))) or None,
+            )
+        )
     return rows
 
 
@@ -200,9 +207,8 @@ def _prefetch_watch(run: dict[str, Any]) -> str | None:
     steps = [str(step) for step, _ in watch["decisions"]]
     ratios = ", ".join(f"{r:.2f}" for r in watch["ratios"])
     shares = ", ".join(f"{v:.2f}" for v in watch["shares"])
-    seen = f"round {run['round']}: observed from step {watch['ready_at']}" + (
-        f" (shares {shares})" if shares else ""
-    )
+    seen = f"round {run['round']}: observed from step {watch['ready_at']}"
+    seen += f" (shares {shares})" if shares else ""
     if len(steps) == 2:
         return f"{seen}, tried ahead at {steps[0]}, {watch['phase']} at {steps[1]} (ratios {ratios})"
     return f"{seen}, {watch['phase']}" + (f" at {', '.join(steps)}" if steps else "")
@@ -220,40 +226,45 @@ def _median(runs: list[dict[str, Any]], key: str, scale: float = 1.0) -> float |
     return statistics.median(values) if values else None
 
 
+_COLUMNS = [  # (column, field of a summary row, format)
+    ("step ms", "step_ms", ".1f"),
+    ("samples/s", "samples_per_s", ",.0f"),
+    ("vs plain", "vs_plain", ".2f"),
+    ("vs reference", "vs_reference", ""),
+    ("CPU ms", "cpu_ms", ".1f"),
+    ("RSS MiB", "rss_mib", ".1f"),
+    ("tensor MiB", "tensor_mib", ".1f"),
+    ("input_dist in fwd ms", "wait_in_forward_ms", ".2f"),
+    ("of it assembly", "assembly_in_wait_ms", ".2f"),
+    ("input a2a KiB", "input_a2a_kib", ",.0f"),
+    ("schedule kept", "schedule", ""),
+    ("share blocked", "share", ".2f"),
+    ("total s", "total_s", ".2f"),
+    ("total vs reference", "total_vs_reference", ".3f"),
+]
+_DISK_COLUMNS = [
+    ("hit rate", "cache_hit_rate", ".3f"),
+    ("store read ms", "store_read_ms", ".1f"),
+    ("resident ms", "prefetch_ms", ".1f"),
+    ("prefetch kept", "prefetch", ""),
+]
+
+
 def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str | None]], list[str]]:
     """The summary's columns, cells and notes (rows as in the JSON: `Paired` figures as dicts)."""
-    disk = any(r["cache_hit_rate"] is not None for r in rows)
-    columns = ["config / variant", "step ms", "samples/s", "vs plain", "vs reference", "CPU ms", "RSS MiB",
-               "tensor MiB", "input_dist in fwd ms", "of it assembly", "input a2a KiB", "schedule kept",
-               "share blocked", "total s", "total vs reference"]  # fmt: skip
-    columns += ["hit rate", "store read ms", "resident ms", "prefetch kept"] if disk else []
+    shown = _COLUMNS + (_DISK_COLUMNS if any(r["cache_hit_rate"] is not None for r in rows) else [])
     cells = []
     for r in (r for r in rows if r["status"] == "ok"):
-        kinds = ("step_ms", "vs_plain", "vs_reference", "cpu_ms", "share", "total_s", "total_vs_reference")
-        p = {k: Paired(**r[k]) if r.get(k) else None for k in kinds}
-        ref = p["vs_reference"] and f"{p['vs_reference']:.2f} ({r['reference']})"
-        line = [f"{r['config']} / {r['variant']}", f"{p['step_ms']:.1f}", cell(r["samples_per_s"], ",.0f"),
-                cell(p["vs_plain"], ".2f"), ref, f"{p['cpu_ms']:.1f}", cell(r["rss_mib"], ".1f"),
-                cell(r["tensor_mib"], ".1f"), cell(r["wait_in_forward_ms"], ".2f"),
-                cell(r["assembly_in_wait_ms"], ".2f"), cell(r.get("input_a2a_kib"), ",.0f"), r["schedule"],
-                cell(p["share"], ".2f"),
-                cell(p["total_s"], ".2f"),
-                cell(p["total_vs_reference"], ".3f")]  # fmt: skip
-        if disk:
-            line += [
-                cell(r["cache_hit_rate"], ".3f"),
-                cell(r["store_read_ms"], ".1f"),
-                cell(r["prefetch_ms"], ".1f"),
-                r.get("prefetch"),
-            ]
-        cells.append(line)
+        v = {k: Paired(**x) if isinstance(x, dict) else x for k, x in r.items()}
+        v["vs_reference"] = v["vs_reference"] and f"{v['vs_reference']:.2f} ({r['reference']})"
+        cells.append([f"{r['config']} / {r['variant']}", *(cell(v.get(key), spec) for _, key, spec in shown)])
     notes = [f"{r['config']} / {r['variant']}: {r['message']}" for r in rows if r["status"] != "ok"]
     notes += [
         f"{r['config']} / {r['variant']}, its prefetch watch: {w}"
         for r in rows
         if (w := r.get("prefetch_watch"))
     ]
-    return columns, cells, [*notes, *_NOTES]
+    return ["config / variant", *(c for c, _, _ in shown)], cells, [*notes, *_NOTES]
 
 
 _NOTES = [
@@ -270,16 +281,24 @@ _NOTES = [
 ]
 
 
-def run(*, configs: list[str], variants: list[str], steps: int, warmup: int, auto_warmup: int, rounds: int,
-        profile_steps: int, device: str, world_size: int, link: str | None, seed: int, timeout: float,
-        trace_dir: str | None, store_dir: str, json: str | None, md: str | None, cpu_hog: int | None,
-        command: str) -> int:  # fmt: skip
-    """The `run` subcommand: train, print the summary, write the JSON and the Markdown."""
-    spec = RunSpec(configs=tuple(configs or RUN_CONFIGS), variants=tuple(variants or VARIANTS), steps=steps,
-                   warmup=warmup, auto_warmup=auto_warmup, rounds=rounds, profile_steps=profile_steps,
-                   seed=seed, device=device, store_dir=store_dir, trace_dir=trace_dir)  # fmt: skip
-    on_disk = device == "cpu" and any(get_config(name).cache_fraction is not None for name in spec.configs)
-    disk = read_cost_line(store_dir) if on_disk else None  # before the runs, on a quiet machine
+def run(
+    *,
+    configs: list[str],
+    variants: list[str],
+    world_size: int,
+    link: str | None,
+    timeout: float,
+    json: str | None,
+    md: str | None,
+    cpu_hog: int | None,
+    command: str,
+    **fields: Any,
+) -> int:
+    """The `run` subcommand: train, print the summary, write the JSON and the Markdown. `fields`: the
+    `RunSpec`'s other fields (steps, rounds, device, ...), from the flags of the same names."""
+    spec = RunSpec(configs=tuple(configs or RUN_CONFIGS), variants=tuple(variants or VARIANTS), **fields)
+    on_disk = spec.device == "cpu" and any(get_config(c).cache_fraction is not None for c in spec.configs)
+    disk = read_cost_line(spec.store_dir) if on_disk else None  # before the runs, on a quiet machine
     if disk:
         print(f"[bench] {disk}", flush=True)
     result = run_benchmark(
@@ -288,9 +307,11 @@ def run(*, configs: list[str], variants: list[str], steps: int, warmup: int, aut
     if disk:
         result["meta"]["disk"] = disk
     columns, cells, notes = table(result["summary"])
-    if device == "cuda":
-        notes.append("On CUDA, RSS MiB is the peak growth of the GPU memory allocated (torch.cuda."
-                     "max_memory_allocated), not of the resident set.")  # fmt: skip
-    publish(result, result["meta"], "Benchmark results", columns, cells, [*notes, *([disk] if disk else [])],
-            json_path=json, md_path=md)  # fmt: skip
+    if spec.device == "cuda":
+        notes.append(
+            "On CUDA, RSS MiB is the peak growth of the GPU memory allocated (torch.cuda."
+            "max_memory_allocated), not of the resident set."
+        )
+    notes += [disk] if disk else []
+    publish(result, "Benchmark results", columns, cells, notes, json_path=json, md_path=md)
     return 0

@@ -1,11 +1,11 @@
 """`python -m benchmarks selfcheck`: the benchmarks' own pure parts, checked against fakes in a second.
 
 The arithmetic every report rests on (paired ratios, the profiled wait in forward, the bound's
-distance, the order of rounds, the variant names, one warm-up per config, the prediction's table,
-the validation's errors and winner rule) and the emulated link's setup and cleanup against a fake
-`ip`/`tc` (no root, nothing created). These live here rather than in tests/ so that the tests
-never import the benchmarks: tests/test_bench.py runs this command and reads which checks passed.
-Each check raises AssertionError (or any error) on failure; the command prints one line per check.
+distance, the order of rounds, the variant names, one warm-up per config) and the emulated link's
+setup and cleanup against a fake `ip`/`tc` (no root, nothing created). These live here rather than
+in tests/ so that the tests never import the benchmarks: tests/test_bench.py runs this command and
+reads which checks passed. Each check raises AssertionError (or any error) on failure; the command
+prints one line per check.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from pathlib import Path
-from types import SimpleNamespace
+from types import FunctionType, SimpleNamespace
 
 from benchmarks.link import LinkUnavailable, check_available, emulated_link, parse_rate
 from benchmarks.report import paired, paired_difference
@@ -201,65 +201,18 @@ def one_warmup_per_config() -> None:
     assert (every.warmup_of("demo"), every.warmup_of("tiered")) == (20, 90)
     forced = spec("plain", "ours-prefetch+inline", "ours-sparse-dist@early")
     assert (forced.warmup_of("demo"), forced.warmup_of("tiered")) == (20, 20)
-    gpu = RunSpec(configs=("gpu-uvm",), variants=("plain", "ours-prefetch"), warmup=20, auto_warmup=90,
-                  device="cuda")  # fmt: skip
+    gpu = RunSpec(
+        configs=("gpu-uvm",), variants=("plain", "ours-prefetch"), warmup=20, auto_warmup=90, device="cuda"
+    )
     assert gpu.warmup_of("gpu-uvm") == 20, "on CUDA, Prefetch behind the UVM cache runs no watch"
 
 
-def _prediction(**ms: float) -> SimpleNamespace:
-    """Just enough of `pipeline.Prediction`: each pipeline's best step, the winner."""
-    winner = SimpleNamespace(name=f"{min(ms, key=ms.__getitem__)}@early", critical="values a2a")
-    return SimpleNamespace(best=lambda pipeline: SimpleNamespace(step_ms=ms[pipeline]), winner=winner)
-
-
-def prediction_table() -> None:
-    from benchmarks.predict import PIPELINES, prediction_table
-
-    ms = dict(zip(PIPELINES, (12.0, 10.0, 10.5, 9.0, 9.5), strict=True))
-    rows = [("tiny", "1gbit", 2, _prediction(**ms)), ("tiny", "1gbit", 8, _prediction(**{**ms, "base": 4.0}))]
-    columns, cells = prediction_table(rows)
-    assert len(columns) == 2 + len(PIPELINES), columns
-    assert [c[0] for c in cells] == ["tiny / 1gbit / 2", "tiny / 1gbit / 8"], "a row per world size"
-    assert cells[0][1:] == ["12.00", "10.00", "10.50", "9.00", "9.50", "fused@early (values a2a)"], cells[0]
-    assert cells[1][-1].startswith("base@"), "the winner of each row is its own"
-
-
-def validation_winner() -> None:
-    from benchmarks.predict import winner
-
-    predicted = {"a": 10.0, "b": 11.0}
-    rounds = {0: {"a": 10.0, "b": 12.0}, 1: {"a": 11.0, "b": 12.5}}
-    assert winner(predicted, rounds).endswith(": right"), "a predicted and measured fastest"
-    tie = {0: {"a": 10.0, "b": 9.0}, 1: {"a": 10.0, "b": 10.5}, 2: {"a": 10.0, "b": 9.8}}
-    assert "a tie within the rounds' spread" in winner(predicted, tie), "b faster in 2 rounds of 3: a tie"
-    wrong = {0: {"a": 12.0, "b": 10.0}, 1: {"a": 11.0, "b": 10.0}}
-    assert "WRONG (a / b 1.150 [1.100, 1.200]" in winner(predicted, wrong), winner(predicted, wrong)
-
-
-def validation_table() -> None:
-    from benchmarks.predict import prediction_name, validation_table
-
-    assert prediction_name("ours-sparse-dist@late-own", "early") == "sparse-dist@late-own", "forced first"
-    assert prediction_name("ours-fused-sparse-dist", "early") == "fused@early", "then what the default kept"
-    assert prediction_name("ours-base", None) == "base"
-    predicted = {"base": 20.0, "sparse-dist@early": 8.0, "fused@late": 12.0}
-    measured = (("ours-base", None, 16.0), ("ours-sparse-dist@early", "early", 10.0),
-                ("ours-fused-sparse-dist", "late", 12.0))  # fmt: skip
-    runs = [{"world_size": 2, "config": "sweep-lo-tiny", "variant": v, "round": i, "status": "ok",
-             "schedule": s, "step_times_s": [ms / 1e3] * 2, "predicted_ms": predicted}
-            for i in range(2) for v, s, ms in measured]  # fmt: skip
-    _, cells, notes = validation_table(runs)
-    assert [c[3] for c in cells] == ["+25.0%", "-20.0%", "+0.0%"], cells
-    assert notes[0] == "2 rank(s): |error| median 20.0%, worst 25.0% over 3 runs", notes
-    sd = "ours-sparse-dist@early"
-    assert notes[-1] == f"winner, lo-tiny at 2: predicted {sd}, measured {sd}: right", notes
-
-
-CHECKS: dict[str, Callable[[], None]] = {f.__name__: f for f in (
-    link_rates, link_setup_and_cleanup, link_cleanup_when_setup_fails, link_cleanup_on_ctrl_c_and_sigterm,
-    link_removes_only_dead_runs, link_says_why_it_cannot_run, paired_arithmetic, wait_in_forward,
-    tiered_distance, rounds_and_variants, one_warmup_per_config, prediction_table, validation_winner,
-    validation_table)}  # fmt: skip
+CHECKS: dict[str, Callable[[], None]] = {
+    n: f
+    for n, f in list(globals().items())
+    if isinstance(f, FunctionType) and f.__module__ == __name__ and n[0] != "_"
+}
+"""Every public function above, in the order written."""
 
 
 def selfcheck(*, json: str | None, command: str) -> int:

@@ -3,7 +3,7 @@
 A variant is a training loop: `NAME[@SCHEDULE][+FLAG...]`. NAME is `plain` (copy, zero_grad,
 forward, backward, step), one of our pipelines (`ours-...`), torchrec's same class
 (`torchrec-...`), or a half of a bound (`compute-alone`, `comm-alone`, `io-alone`: `benchmarks.bound`).
-`@SCHEDULE` forces our `input_dist_schedule`; each `+FLAG` sets options of our constructor (`FLAGS`).
+`@SCHEDULE` forces our `InputDistOptions.schedule`; each `+FLAG` sets options of our constructor (`FLAGS`).
 Kept free of torch: the launcher and the reports read it.
 """
 
@@ -15,39 +15,50 @@ from dataclasses import dataclass
 
 from benchmarks.configs import get_config
 
-__all__ = ["BOUND", "CPU_UNSUPPORTED", "FLAGS", "NAMES", "SCHEDULES", "VARIANTS", "RunSpec", "parse_variant",
-           "reference", "round_order"]  # fmt: skip
+__all__ = [
+    "BOUND",
+    "CPU_UNSUPPORTED",
+    "FLAGS",
+    "NAMES",
+    "SCHEDULES",
+    "VARIANTS",
+    "RunSpec",
+    "parse_variant",
+    "reference",
+    "round_order",
+]
 
-VARIANTS = ("plain", "ours-base", "ours-sparse-dist", "ours-prefetch", "torchrec-base",
-            "torchrec-sparse-dist", "torchrec-prefetch")  # fmt: skip
-"""The loops `run` compares by default."""
-FAMILY = ("ours-fused-sparse-dist", "torchrec-fused-sparse-dist", "ours-semi-sync", "torchrec-semi-sync",
-          "ours-eval", "torchrec-eval", "ours-staged")  # fmt: skip
+_LIBRARIES = ("ours", "torchrec")
+VARIANTS = ("plain", *(f"{lib}-{n}" for lib in _LIBRARIES for n in ("base", "sparse-dist", "prefetch")))
+"""The loops `run` compares by default: the plain one, ours and torchrec's Base, SparseDist, Prefetch."""
+_PAIRS = ("fused-sparse-dist", "semi-sync", "eval")
+FAMILY = (*(f"{lib}-{n}" for n in _PAIRS for lib in _LIBRARIES), "ours-staged")
 BOUND = ("compute-alone", "comm-alone", "io-alone")
 NAMES = (*VARIANTS, *FAMILY, *BOUND)
 SCHEDULES = ("adaptive", "early", "late", "early-shared", "late-own")
-"""Our `input_dist_schedule` values (repeated here to stay free of torch); "adaptive" is the default,
+"""Our `InputDistOptions.schedule` values (repeated here to stay free of torch); "adaptive" is the default,
 so `@adaptive` names it explicitly."""
 FLAGS: dict[str, dict[str, bool]] = {
-    "novote": {"agreement": False, "check_keys": False, "check_kjts": False},
-    "nocheck": {"check_kjts": False},
-    "noagree": {"agreement": False},
-    "nokeys": {"check_keys": False},
+    "novote": {"ranks.agreement": False, "ranks.check_keys": False, "ranks.check_kjts": False},
+    "nocheck": {"ranks.check_kjts": False},
+    "noagree": {"ranks.agreement": False},
+    "nokeys": {"ranks.check_keys": False},
     "inplace-copy": {"enable_inplace_copy_batch": True},
     "free-features": {"free_features_storage_early": True},
     "clear-inputs": {"clear_data_dist_inputs": True},
     "copy-after-forward": {"enqueue_batch_after_forward": True},
-    "ahead": {"prefetch_ahead": True},
-    "inline": {"prefetch_ahead": False},
-    "wide": {"narrow_ids": False},
-    "narrow": {"narrow_ids": True},
+    "ahead": {"prefetch.prefetch_ahead": True},
+    "inline": {"prefetch.prefetch_ahead": False},
+    "wide": {"input_dist.narrow_ids": False},
+    "narrow": {"input_dist.narrow_ids": True},
 }
-"""`+FLAG`: constructor options of our pipelines (the ranks' checks off, together or one at a time,
-torchrec's memory flags,
-Prefetch's stage forced ahead or inline instead of its watch, ids sent as made or as int32 wherever
-the tables allow, instead of the default's choice by size)."""
+"""`+FLAG`: constructor options of our pipelines, "group.field" for a field of an options object
+(`ranks=RankOptions(...)`, ...), else one of torchrec's parameters: the ranks' checks off, together
+or one at a time, torchrec's memory flags, Prefetch's stage forced ahead or inline instead of its
+watch, ids sent as made or as int32 wherever the tables allow (instead of the default's choice by
+size)."""
 _SCHEDULED = ("ours-sparse-dist", "ours-prefetch", "ours-fused-sparse-dist", "ours-semi-sync", "ours-eval")
-"""Our classes that take `input_dist_schedule`."""
+"""Our classes that take `InputDistOptions.schedule`."""
 CPU_UNSUPPORTED = ("torchrec-prefetch", "torchrec-fused-sparse-dist", "torchrec-semi-sync")
 """torchrec 1.8's pipelines that fail on CPU at their first steps; recorded as unsupported there."""
 
@@ -123,9 +134,6 @@ class RunSpec:
     """Write each profiled segment's chrome trace here (readable by `python -m timeline`)."""
     cprofile: str | None = None
     """This variant's timed steps run under cProfile on rank 0 (its functions land in the record)."""
-    predict: bool = False
-    """Before a config's rounds, `benchmarks.predictor.predict` on a fresh model (a collective: the
-    link is probed); every record of the config gets each pipeline's predicted step (`predicted_ms`)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.rounds < 1 or min(self.warmup, self.auto_warmup, self.profile_steps) < 0:

@@ -12,13 +12,13 @@ default while it still watches (on `demo` it watches for good: the share stays u
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
 
+from benchmarks.launch import free_port
 from benchmarks.report import markdown_table, stamp, text_table, write
 
 __all__ = ["step_path"]
@@ -47,7 +47,8 @@ def _rank(
 
         roots = tuple(str(_ROOT / d) + os.sep for d in ("pipeline", "rewrite"))
         given = "adaptive" if schedule == "decided" else schedule
-        pipe = getattr(package, cls)(model, opt, torch.device("cpu"), input_dist_schedule=given)
+        options = package.InputDistOptions(schedule=given)
+        pipe = getattr(package, cls)(model, opt, torch.device("cpu"), input_dist=options)
         if schedule == "decided":
             pipe.tuner.pin("decided before the count")
     else:
@@ -78,10 +79,7 @@ def _count(impl: str, cls: str, config: str, steps: int, schedule: str) -> list[
     """`file:function` for every function of the package that the counted step entered."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = (port, impl, cls, config, steps, schedule, queue)
+    args = (free_port(), impl, cls, config, steps, schedule, queue)
     ranks = [ctx.Process(target=_rank, args=(r, *args)) for r in range(2)]
     for p in ranks:
         p.start()

@@ -7,8 +7,7 @@ alone (every row cached, no collective). A pipeline that overlaps the two cannot
 Prefetch's step over max(I/O alone, compute alone), paired within each round, is its distance to the
 bound. At world size 1 a core is free for the prefetch thread. Per config and world size: the step
 times, that distance, Prefetch over the plain loop, process CPU per step and the hit rate; and, once,
-what a cold 4 KiB read costs in the stores' folder (`benchmarks.disk`), so that the figures are read
-with their machine.
+what a cold 4 KiB read costs in the stores' folder (`benchmarks.measure.read_cost`).
 """
 
 from __future__ import annotations
@@ -17,8 +16,8 @@ import statistics
 from typing import Any
 
 from benchmarks.configs import TIERED_CONFIGS
-from benchmarks.disk import read_cost_line
-from benchmarks.report import by_round, cell, over_rounds, paired, publish
+from benchmarks.measure import read_cost_line
+from benchmarks.report import by_round, cell, paired, publish
 from benchmarks.run import run_benchmark
 from benchmarks.spec import RunSpec
 
@@ -28,25 +27,32 @@ PF = "ours-prefetch"
 VARIANTS = ("plain", "ours-sparse-dist", PF, "io-alone", "compute-alone")
 
 
-def tiered(*, configs: list[str], world_sizes: list[int], steps: int, warmup: int, rounds: int, seed: int,
-           timeout: float, store_dir: str, json: str | None, md: str | None,
-           command: str) -> int:  # fmt: skip
-    """The `tiered` subcommand: every world size in turn, then one table."""
-    disk = read_cost_line(store_dir)  # before the runs, on a quiet machine
+def tiered(
+    *,
+    configs: list[str],
+    world_sizes: list[int],
+    timeout: float,
+    json: str | None,
+    md: str | None,
+    command: str,
+    **fields: Any,
+) -> int:
+    """The `tiered` subcommand: every world size in turn, then one table. `fields`: the `RunSpec`'s
+    steps, warm-up, rounds, seed and store folder."""
+    disk = read_cost_line(fields["store_dir"])  # before the runs, on a quiet machine
     print(f"[bench] {disk}", flush=True)
-    results = []
-    for world_size in world_sizes:
-        spec = RunSpec(configs=tuple(configs or TIERED_CONFIGS), variants=VARIANTS, steps=steps,
-                       warmup=warmup, auto_warmup=warmup, rounds=rounds, profile_steps=0, seed=seed,
-                       store_dir=store_dir)  # fmt: skip
-        results.append(
-            run_benchmark(spec, world_size=world_size, link=None, timeout=timeout, command=command)
-        )
+    names = tuple(configs or TIERED_CONFIGS)
+    spec = RunSpec(configs=names, variants=VARIANTS, auto_warmup=fields["warmup"], profile_steps=0, **fields)
+    results = [
+        run_benchmark(spec, world_size=w, link=None, timeout=timeout, command=command) for w in world_sizes
+    ]
     meta = {**results[0]["meta"], "where": f"world sizes {', '.join(map(str, world_sizes))}, loopback"}
-    note = ("ms: median over rounds of each run's median step. CPU: process CPU ms per step of plain / "
-            "Prefetch / I/O alone / compute alone, the busiest rank. Hit rate: Prefetch's.")  # fmt: skip
-    publish({"meta": meta, "world_sizes": results}, meta, "Tables on disk: Prefetch against its bound",
-            *table(results), [note, disk], json_path=json, md_path=md)  # fmt: skip
+    note = (
+        "ms: median over rounds of each run's median step. CPU: process CPU ms per step of plain / "
+        "Prefetch / I/O alone / compute alone, the busiest rank. Hit rate: Prefetch's."
+    )
+    title, result = "Tables on disk: Prefetch against its bound", {"meta": meta, "world_sizes": results}
+    publish(result, title, *table(results), [note, disk], json_path=json, md_path=md)
     return 0
 
 
@@ -58,24 +64,22 @@ def distance(steps: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
 
 def table(results: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
     """One line per world size and config."""
-    columns = ["ranks / config", "plain ms", "SparseDist ms", "Prefetch ms", "I/O alone ms",
-               "compute alone ms", "Prefetch / bound", "Prefetch / plain", "CPU ms/step",
-               "hit rate"]  # fmt: skip
+    columns = (
+        "ranks / config|plain ms|SparseDist ms|Prefetch ms|I/O alone ms|compute alone ms|Prefetch / bound|"
+        "Prefetch / plain|CPU ms/step|hit rate"
+    ).split("|")
     cells = []
     for result in results:
         for config in dict.fromkeys(r["config"] for r in result["runs"]):
             runs = [r for r in result["runs"] if r["config"] == config]
             steps = distance(by_round(runs, "step_ms"))
             cpu = by_round(runs, "cpu_ms")
-            hit = over_rounds(
-                [r["cache_hit_rate"] for r in runs if r["variant"] == PF and "cache_hit_rate" in r]
-            )
-            cells.append([
-                f"{result['meta']['world_size']} / {config}", *(_ms(steps, v) for v in VARIANTS),
-                cell(paired(steps, PF, "bound"), ".2f"), cell(paired(steps, PF, "plain"), ".2f"),
-                " / ".join(_ms(cpu, v) or "-" for v in ("plain", PF, "io-alone", "compute-alone")),
-                f"{hit.median:.3f}" if hit else None,
-            ])  # fmt: skip
+            hits = [r["cache_hit_rate"] for r in runs if r["variant"] == PF and "cache_hit_rate" in r]
+            ratios = (cell(paired(steps, PF, "bound"), ".2f"), cell(paired(steps, PF, "plain"), ".2f"))
+            cpu_ms = " / ".join(_ms(cpu, v) or "-" for v in ("plain", PF, "io-alone", "compute-alone"))
+            hit = f"{statistics.median(hits):.3f}" if hits else None
+            where = f"{result['meta']['world_size']} / {config}"
+            cells.append([where, *(_ms(steps, v) for v in VARIANTS), *ratios, cpu_ms, hit])
     return columns, cells
 
 

@@ -28,10 +28,14 @@ from benchmarks.spec import FLAGS, parse_variant
 __all__ = ["Runner", "labelled_input_dist", "make_runner"]
 
 _INLINE = "bench::input_dist"
-_CLASSES = {"base": "TrainPipelineBase", "sparse-dist": "TrainPipelineSparseDist",
-            "prefetch": "PrefetchTrainPipelineSparseDist", "semi-sync": "TrainPipelineSemiSync",
-            "fused-sparse-dist": "TrainPipelineFusedSparseDist",
-            "eval": "EvalPipelineSparseDist"}  # fmt: skip
+_CLASSES = {
+    "base": "TrainPipelineBase",
+    "sparse-dist": "TrainPipelineSparseDist",
+    "prefetch": "PrefetchTrainPipelineSparseDist",
+    "semi-sync": "TrainPipelineSemiSync",
+    "fused-sparse-dist": "TrainPipelineFusedSparseDist",
+    "eval": "EvalPipelineSparseDist",
+}
 """`ours-X` is `pipeline.<class>`, `torchrec-X` torchrec's class of the same name."""
 
 
@@ -76,18 +80,23 @@ def make_runner(
         if name == "compute-alone":
             bound.warm(model)  # tables on disk: every row cached, no step reads the disk
             step = bound.compute_alone(model, optimizer, device, captured)
+        elif name == "io-alone":
+            step = bound.io_alone(model, captured)
         else:
-            step = (
-                bound.io_alone(model, captured)
-                if name == "io-alone"
-                else bound.comm_alone(model, device, captured)
-            )
+            step = bound.comm_alone(model, device, captured)
         return Runner(step=step, profile=False)
     if name == "ours-staged":
         return Runner(step=_staged_step(model, optimizer, device), wait_label="pipeline::input_dist::wait")
-    options: dict[str, Any] = {k: v for flag in flags for k, v in FLAGS[flag].items()}
-    if schedule:
-        options["input_dist_schedule"] = schedule
+    options: dict[str, Any] = {}
+    grouped: dict[str, dict[str, Any]] = {"input_dist": {"schedule": schedule}} if schedule else {}
+    for key, value in (item for flag in flags for item in FLAGS[flag].items()):
+        group, _, field = key.rpartition(".")
+        if group:
+            grouped.setdefault(group, {})[field] = value
+        else:
+            options[key] = value
+    kinds = {"ranks": ours.RankOptions, "input_dist": ours.InputDistOptions, "prefetch": ours.PrefetchOptions}
+    options.update({group: kinds[group](**fields) for group, fields in grouped.items()})
     if name.endswith("semi-sync"):
         options["start_batch"] = 0  # semi-synchronous from the first batch
     if name.endswith("-eval"):

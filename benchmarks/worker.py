@@ -59,22 +59,19 @@ def run_rank(spec: RunSpec, rank: int) -> list[dict[str, Any]]:
         batches = make_batches(config, count=count, rank=rank, seed=spec.seed)
         # One-time costs of the process (thread pools, allocator arenas, first fx trace) land here.
         for variant in _PRIMERS:
-            _drain(make_runner(variant, *_build(spec, config, variant, device), device, captured=None),
-                   iter(batches[:4]))  # fmt: skip
+            runner = make_runner(variant, *_build(spec, config, variant, device), device, captured=None)
+            _drain(runner, iter(batches[:4]))
             dist.barrier()
         captured = None
         if set(spec.variants) & set(BOUND):
             model, optimizer = _build(spec, config, "plain", device)
             captured = bound.capture(model, optimizer, batches[: spec.warmup_of(name) + spec.steps], device)
             del model, optimizer
-        predicted = _predict(spec, config, device, batches[0]) if spec.predict else None
         for round_index in range(spec.rounds):
             for position, variant in enumerate(round_order(spec.variants, round_index)):
-                record = {"config": name, "variant": variant, "round": round_index, "position": position,
-                          "batch_bytes": batch_nbytes(batches[0]), "status": "ok"}  # fmt: skip
+                record = dict(config=name, variant=variant, round=round_index, position=position)
+                record.update(batch_bytes=batch_nbytes(batches[0]), status="ok")
                 record.update(_run_one(spec, config, variant, batches, device, captured, round_index, rank))
-                if predicted is not None:
-                    record["predicted_ms"] = predicted
                 records.append(record)
                 if rank == 0:
                     brief = record.get("message") or (
@@ -95,18 +92,16 @@ def _build(spec: RunSpec, config: BenchConfig, variant: str, device: torch.devic
     return built.model, built.optimizer
 
 
-def _predict(spec: RunSpec, config: BenchConfig, device: torch.device, batch: Any) -> dict[str, float]:
-    """Each pipeline and schedule's step by `benchmarks.predictor.predict` on a fresh model, as a job
-    would call it (a collective: the link is probed; the rank's cores are the machine's over the local
-    ranks)."""
-    from benchmarks.predictor import predict
-
-    model, _ = _build(spec, config, "plain", device)
-    return {s.name: s.step_ms for s in predict(model, batch).steps}
-
-
-def _run_one(spec: RunSpec, config: BenchConfig, variant: str, batches: list, device: torch.device,
-             captured: bound.Captured | None, round_index: int, rank: int) -> dict[str, Any]:  # fmt: skip
+def _run_one(
+    spec: RunSpec,
+    config: BenchConfig,
+    variant: str,
+    batches: list,
+    device: torch.device,
+    captured: bound.Captured | None,
+    round_index: int,
+    rank: int,
+) -> dict[str, Any]:
     started = time.perf_counter()
     model, optimizer = _build(spec, config, variant, device)
     if device.type == "cuda":
@@ -149,19 +144,14 @@ def _run_one(spec: RunSpec, config: BenchConfig, variant: str, batches: list, de
         record.update(prefetch_ahead=pipe.prefetch_ahead, prefetch_reason=pipe.prefetch_reason)
         watch = pipe.prefetch_watch
         if watch is not None:  # under "auto" on CPU: what it saw, and when it decided
-            record["prefetch_watch"] = {"share": watch.share, "ready_at": watch.ready_at,
-                                        "shares": watch.shares, "ratios": watch.ratios,
-                                        "decisions": watch.decisions, "phase": watch.phase.value}  # fmt: skip
+            record["prefetch_watch"] = _watch(watch, "ready_at")
     report = getattr(pipe, "rewrite_report", None)
     if report is not None:  # a pipeline that fell back to forward costs less: say it beside its figures
         sites = report.sites
         record["pipelined"] = f"{sum(s.reason is None for s in sites)}/{len(sites)} call sites"
     watch = getattr(pipe, "tuner", None)
     if watch is not None:  # the default's schedule watch: what it saw, and when it decided
-        record["watch"] = {"share": watch.share, "parts": watch.parts, "decisions": watch.decisions,
-                           "shares": watch.shares, "ratios": watch.ratios, "phase": watch.phase.value,
-                           "choice": watch.choice, "reason": watch.reason, "medians_ms": watch.medians_ms,
-                           "tuning_steps_by_schedule": watch.tuning_steps_by_schedule}  # fmt: skip
+        record["watch"] = _watch(watch, "parts", "choice", "reason", "medians_ms", "tuning_steps_by_schedule")
     if spec.profile_steps and runner.profile:
         trace = None
         if spec.trace_dir:
@@ -169,6 +159,12 @@ def _run_one(spec: RunSpec, config: BenchConfig, variant: str, batches: list, de
         record.update(_profiled(runner, model, it, spec.profile_steps, device, trace))
     _drain(runner, it)
     return record
+
+
+def _watch(watch: Any, *more: str) -> dict[str, Any]:
+    """What a watch saw and decided (its phase, shares, ratios and decisions), and its fields `more`."""
+    names = ("share", "shares", "ratios", "decisions", *more)
+    return {"phase": watch.phase.value, **{n: getattr(watch, n) for n in names}}
 
 
 def _timed(runner: Runner, it: Iterator[Any], spec: RunSpec, variant: str, rank: int, tiered: list) -> dict:
@@ -185,11 +181,13 @@ def _timed(runner: Runner, it: Iterator[Any], spec: RunSpec, variant: str, rank:
     record: dict[str, Any] = {"step_times_s": times, "cpu_ms": 1e3 * (time.process_time() - cpu) / spec.steps}
     if tiered:
         d = {k: v - before[k] for k, v in _cache_counters(tiered).items()}
-        record.update(cache_hit_rate=d["hits"] / max(d["hits"] + d["misses"], 1),
-                      store_read_ms=1e3 * d["read_seconds"] / spec.steps,
-                      prefetch_ms=1e3 * d["prefetch_seconds"] / spec.steps,
-                      rows_read_per_step=d["rows_read"] / spec.steps,  # CPU per row: cpu_ms over these
-                      rows_written_per_step=d["rows_written"] / spec.steps)  # fmt: skip
+        record.update(
+            cache_hit_rate=d["hits"] / max(d["hits"] + d["misses"], 1),
+            store_read_ms=1e3 * d["read_seconds"] / spec.steps,
+            prefetch_ms=1e3 * d["prefetch_seconds"] / spec.steps,
+            rows_read_per_step=d["rows_read"] / spec.steps,  # CPU per row: cpu_ms over these
+            rows_written_per_step=d["rows_written"] / spec.steps,
+        )
     if profiler is not None:
         record["cprofile"] = _functions(profiler, spec.steps)
     return record
@@ -214,15 +212,17 @@ def _functions(
     return sorted(chosen.values(), key=lambda r: -r[1])
 
 
-def _profiled(runner: Runner, model: Any, it: Iterator[Any], steps: int, device: torch.device,
-              trace: Path | None) -> dict[str, Any]:  # fmt: skip
+def _profiled(
+    runner: Runner, model: Any, it: Iterator[Any], steps: int, device: torch.device, trace: Path | None
+) -> dict[str, Any]:
     """`steps` steps under the profiler: forward's input_dist wait, the labels, the tensor peak."""
     inline = labelled_input_dist(model) if runner.inline_input_dist else nullcontext()
     with inline, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for _ in range(steps):
             runner.step(it)
-    summary = summarize_profile(prof.events(), forward_label=runner.forward_label,
-                                wait_label=runner.wait_label, steps=steps)  # fmt: skip
+    summary = summarize_profile(
+        prof.events(), forward_label=runner.forward_label, wait_label=runner.wait_label, steps=steps
+    )
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace))

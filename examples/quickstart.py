@@ -39,11 +39,17 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     rank, device = dist.get_rank(), torch.device("cpu")
     torch.manual_seed(0)  # the same initial weights on every rank
-    tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f])
-              for f in FEATURES]  # fmt: skip
+    tables = [
+        EmbeddingBagConfig(name=f"t_{f}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f])
+        for f in FEATURES
+    ]
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-    dlrm = DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE, dense_arch_layer_sizes=[DIM],
-                over_arch_layer_sizes=[8, 1])  # fmt: skip
+    dlrm = DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=DENSE,
+        dense_arch_layer_sizes=[DIM],
+        over_arch_layer_sizes=[8, 1],
+    )
     model = DLRMTrain(dlrm)  # model(batch) returns (loss, output): what the pipeline trains on
     apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.1})  # the tables' optimizer
     model = DistributedModelParallel(model, device=device)  # shards the tables over the ranks

@@ -1,11 +1,7 @@
-"""The options a user passes to a pipeline: one small keyword-only dataclass per component, each
-field documented and checked when the object is made.
-
-Every option here is also a keyword of the pipeline constructors that have that component, e.g.
-`TrainPipelineSparseDist(model, opt, device, on_uneven="error")` or
-`TrainPipelineSparseDist(model, opt, device, ranks=RankOptions(on_uneven="error"))`. A keyword given
-(not None) overrides the same field of an options object given alongside it. The defaults live here
-only: the constructors' keywords default to None, which means "this dataclass's default".
+"""The options of ours a user passes to a pipeline: one small keyword-only dataclass per component,
+each field documented and checked when the object is made. A pipeline takes torchrec's parameters,
+then these objects as keyword-only arguments (`ranks=`, `rewrite=`, `input_dist=`, `prefetch=`);
+each option has that one way in, and its default is declared here only.
 """
 
 from __future__ import annotations
@@ -16,49 +12,17 @@ import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipeline.stages.prefetch_watch import PrefetchWatch
-    from pipeline.stages.watch import ScheduleWatch
+    from pipeline.stages.prefetch import PrefetchWatch
+    from pipeline.stages.schedule import ScheduleWatch
 
-__all__ = [
-    "InputDistOptions",
-    "PrefetchOptions",
-    "RankOptions",
-    "RewriteOptions",
-    "TorchCompileConfig",
-    "fields_in",
-    "resolve",
-]
-
-_T = TypeVar("_T")
-
-
-def resolve(options: _T | None, kind: type[_T], **keywords: Any) -> _T:
-    """`options` (or `kind()` if None), with every keyword that is not None put into its field.
-
-    Raises:
-        TypeError: `options` is not a `kind`.
-        ValueError: a value the dataclass refuses (its message names the field).
-    """
-    if options is None:
-        options = kind()
-    elif not isinstance(options, kind):
-        raise TypeError(f"expected a {kind.__name__}, got {type(options).__name__}")
-    given = {name: value for name, value in keywords.items() if value is not None}
-    return dataclasses.replace(options, **given) if given else options
-
-
-def fields_in(arguments: dict[str, Any], kind: type) -> dict[str, Any]:
-    """The fields of dataclass `kind` that a constructor's `arguments` (its `locals()`) name, each
-    keyword by the field's name (`resolve(ranks, RankOptions, **fields_in(locals(), RankOptions))`)."""
-    return {f.name: arguments[f.name] for f in dataclasses.fields(kind) if f.name in arguments}
-
+__all__ = ["InputDistOptions", "PrefetchOptions", "RankOptions", "RewriteOptions", "TorchCompileConfig"]
 
 SCHEDULE_NAMES = ("adaptive", "early", "late", "early-shared", "late-own")
-"""Values of `input_dist_schedule=` (`pipeline.stages.schedule.SCHEDULES` and "adaptive"); "auto" is
-taken too, as a deprecated name of "adaptive" (`InputDistOptions`)."""
+"""Values of `InputDistOptions.schedule` (`pipeline.stages.schedule.SCHEDULES` and "adaptive"); "auto"
+is taken too, as a deprecated name of "adaptive"."""
 
 _PACKAGE = str(Path(__file__).resolve().parent)
 
@@ -114,7 +78,7 @@ class RankOptions:
     which waits as long as its process group's timeout."""
 
     def __post_init__(self) -> None:
-        _one_of("on_uneven", self.on_uneven, ("stop", "error"))
+        _one_of("RankOptions.on_uneven", self.on_uneven, ("stop", "error"))
         if self.failure_grace < 0:
             raise ValueError(f"failure_grace must be >= 0 seconds; got {self.failure_grace}")
         if not isinstance(self.peer_timeout, timedelta) or self.peer_timeout.total_seconds() <= 0:
@@ -137,7 +101,7 @@ class RewriteOptions:
     batch's real forward checks."""
 
     def __post_init__(self) -> None:
-        _one_of("rewrite_method", self.method, ("auto", "explicit", "trace", "direct", "record"))
+        _one_of("RewriteOptions.method", self.method, ("auto", "explicit", "trace", "direct", "record"))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -168,14 +132,14 @@ class InputDistOptions:
     def __post_init__(self) -> None:
         if self.schedule == "auto":
             warnings.warn(
-                'input_dist_schedule="auto" is a deprecated name of the default, "adaptive": the schedule '
-                'watch runs (pipe.tuner is a ScheduleWatch); pass "adaptive" or leave it out',
+                'InputDistOptions(schedule="auto"): "auto" is a deprecated name of the default, "adaptive": '
+                'the schedule watch runs (pipe.tuner is a ScheduleWatch); pass "adaptive" or leave it out',
                 DeprecationWarning,
                 stacklevel=_user_frame(),
             )
             self.schedule = "adaptive"
-        _one_of("input_dist_schedule", self.schedule, SCHEDULE_NAMES)
-        _one_of("narrow_ids", self.narrow_ids, (None, True, False))
+        _one_of("InputDistOptions.schedule", self.schedule, SCHEDULE_NAMES)
+        _one_of("InputDistOptions.narrow_ids", self.narrow_ids, (None, True, False))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -191,7 +155,7 @@ class PrefetchOptions:
     """Under "auto" on CPU, the `pipeline.PrefetchWatch` that decides; None: `PrefetchWatch()`."""
 
     def __post_init__(self) -> None:
-        _one_of("prefetch_ahead", self.prefetch_ahead, (True, False, "auto"))
+        _one_of("PrefetchOptions.prefetch_ahead", self.prefetch_ahead, (True, False, "auto"))
 
 
 # Positional like torchrec's (`TorchCompileConfig(True)` is fullgraph there too): not kw_only.

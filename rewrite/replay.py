@@ -13,7 +13,7 @@ can send the splits of every module on one process group in a single all-to-all
 (`FusedKJTListSplitsAwaitable`). Input dists are created lazily on a module's first input, so this is
 installed after the first batch (`Replay.fuse_splits`). The ranks' protocol can have the collective
 of the first group spanning every rank built by a subclass of its own
-(`fuse_splits_requests(carrier=...)`: the status row of `pipeline.ranks.rows`); this module knows
+(`fuse_splits_requests(carrier=...)`: the status row of `pipeline.ranks.riding`); this module knows
 nothing of it.
 """
 
@@ -209,7 +209,7 @@ def fuse_splits_requests(
     pairs whose `wait()` returns the values awaitables in `names` order). Before the input dists are
     patched (`install_fused_splits`) a module's splits request is already issued: `one_by_one` wraps
     those instead. With `carrier` (a subclass of torchrec's fused awaitable taking the same
-    keywords, e.g. the ranks' `pipeline.ranks.rows.StatusSplits`), the first group spanning every
+    keywords, e.g. the ranks' `pipeline.ranks.riding.StatusSplits`), the first group spanning every
     rank is fused by it instead."""
     groups: dict[int, tuple[Any, list[str]]] = {}
     for name, request in requests.items():

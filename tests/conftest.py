@@ -26,8 +26,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     first = config.getoption("run_first")
     # stable: the order is kept within each group
-    items.sort(key=lambda item: (not any(part in item.nodeid for part in first),
-                                 item.get_closest_marker("slow") is not None))  # fmt: skip
+    items.sort(
+        key=lambda item: (
+            not any(part in item.nodeid for part in first),
+            item.get_closest_marker("slow") is not None,
+        )
+    )
 
 
 @pytest.fixture(scope="module")

@@ -126,7 +126,7 @@ def run_case(
 
 
 def _on(batch: Any, device: torch.device) -> Any:
-    from pipeline.stages.copy import to_device
+    from pipeline.pipelines.core import to_device
 
     return to_device(batch, device, non_blocking=False)
 
@@ -188,7 +188,7 @@ def _staged(model, opt, device, data: list, streams, extra: str) -> tuple[list, 
     """The copy on the memcpy stream, SparseDataDistUtil's stage on data_dist, with `extra`
     ("prefetch" or "lookup") its prefetch or lookup stage on the prefetch stream; the caller's loop."""
     import pipeline
-    from pipeline.stages.copy import to_device
+    from pipeline.pipelines.core import to_device
 
     extra_stream = {"prefetch": "prefetch_stream", "lookup": "embedding_lookup_stream"}
     options = {extra_stream[extra]: streams.prefetch} if extra else {}

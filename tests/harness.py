@@ -273,8 +273,12 @@ class RankPool:
             p.start()
         self.starts += 1
         try:
-            self._wait(lambda rank: (self._dir / f"start-{rank}.ok").exists(), "start", START_TIMEOUT,
-                       f"starting the ranks for scenario {name}")  # fmt: skip
+            self._wait(
+                lambda rank: (self._dir / f"start-{rank}.ok").exists(),
+                "start",
+                START_TIMEOUT,
+                f"starting the ranks for scenario {name}",
+            )
         except BaseException:
             self.close()
             raise

@@ -43,7 +43,7 @@ def test_a_vote_counts_statuses_and_does_not_grow_with_the_world():
     assert vote.tensor.numel() == 1, "one int64 of packed counts, whatever the world size"
     assert vote.wait() == {Status.EXHAUSTED: 0, Status.HAVE: 0, Status.BAD_KEYS: 1, Status.MALFORMED: 0}
     # summed over 1,000 ranks (what the all_reduce does), the fields do not carry into each other
-    from pipeline.ranks.votes import Vote
+    from pipeline.ranks.protocol import Vote
 
     votes = Votes(timeout=timedelta(seconds=5))
     each = [votes.vote(s).tensor for s in [Status.HAVE] * 997 + [Status.EXHAUSTED] * 2 + [Status.MALFORMED]]

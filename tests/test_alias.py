@@ -26,15 +26,15 @@ def test_every_export_is_the_same_object(name):
 
 def test_every_submodule_is_the_same_module_under_both_names():
     names = [info.name for info in pkgutil.walk_packages(pipeline.__path__, prefix="pipeline.")]
-    assert "pipeline.config" in names and "pipeline.stages.schedule" in names
+    assert "pipeline.options" in names and "pipeline.stages.schedule" in names
     for name in names:
         alias = "torchrec_pipeline" + name[len("pipeline") :]
         assert importlib.import_module(alias) is importlib.import_module(name), alias
-    from torchrec_pipeline.config import RankOptions
+    from torchrec_pipeline.options import RankOptions
 
-    assert RankOptions is pipeline.config.RankOptions
+    assert RankOptions is pipeline.options.RankOptions
     assert (
-        torchrec_pipeline.config is pipeline.config
+        torchrec_pipeline.options is pipeline.options
         and torchrec_pipeline.stages.schedule is pipeline.stages.schedule
     )
 
@@ -55,8 +55,8 @@ def test_beside_a_projects_own_pipeline_module(tmp_path):
     (project / "train.py").write_text(
         "from proj import pipeline\n"
         "from torchrec_pipeline import TrainPipelineSparseDist\n"
-        "import torchrec_pipeline.config\n"
-        "options = torchrec_pipeline.config.RankOptions\n"
+        "import torchrec_pipeline.options\n"
+        "options = torchrec_pipeline.options.RankOptions\n"
         "print(pipeline.STEPS, TrainPipelineSparseDist.__module__, options.__name__)\n"
     )
     done = _python(tmp_path, "-m", "proj.train")

@@ -59,6 +59,7 @@ def _persistent_loader(rank: int):
 
 
 def _epochs(rank: int, world_size: int, pipe_name: str, sharding: str) -> dict:
+    import gc
     import multiprocessing
 
     import torch
@@ -69,6 +70,9 @@ def _epochs(rank: int, world_size: int, pipe_name: str, sharding: str) -> dict:
     # The harness's ranks are daemon processes, which multiprocessing forbids to have children;
     # DataLoader workers watch their parent and exit when it does, so lifting the flag is safe.
     multiprocessing.current_process()._config["daemon"] = False
+    # An earlier scenario's persistent DataLoader still uncollected would be collected again in the
+    # worker forked below, which then stalls 5 s trying to stop workers that are not its children.
+    gc.collect()
     ref_model, ref_opt = models.build("dlrm", sharding)
     ref_loader = _persistent_loader(rank)
     expected = [models.plain_loop(ref_model, ref_opt, list(ref_loader)) for _ in range(EPOCHS)]

@@ -61,8 +61,13 @@ HOOK_EXCEPTIONS = {
 
 
 def test_the_family_is_found():
-    assert {"TrainPipelineFusedSparseDist", "EvalPipelineFusedSparseDist", "TrainPipelinePrefetchEMS",
-            "TrainPipelineSparseDistLite", "TrainPipelineSemiSync"} <= set(SPARSE_DIST_FAMILY)  # fmt: skip
+    assert {
+        "TrainPipelineFusedSparseDist",
+        "EvalPipelineFusedSparseDist",
+        "TrainPipelinePrefetchEMS",
+        "TrainPipelineSparseDistLite",
+        "TrainPipelineSemiSync",
+    } <= set(SPARSE_DIST_FAMILY)
     assert ("EvalPipelineFusedSparseDist", "TrainPipelineFusedSparseDist") in PAIRS
     assert ("TrainPipelinePrefetchEMS", "TrainPipelineSparseDistEmbStash") in PAIRS
 
@@ -101,9 +106,15 @@ def test_ours_inherits_a_hook_where_torchrecs_does(name, hook):
 
 # -- a patch or an override of a hook, running ---------------------------------------------------
 
-RUNS = ("TrainPipelineSparseDist", "TrainPipelineFusedSparseDist", "TrainPipelineSemiSync",
-        "PrefetchTrainPipelineSparseDist", "TrainPipelineSparseDistLite", "TrainEvalHybridPipelineBase",
-        "TrainPipelineSparseDistT")  # fmt: skip
+RUNS = (
+    "TrainPipelineSparseDist",
+    "TrainPipelineFusedSparseDist",
+    "TrainPipelineSemiSync",
+    "PrefetchTrainPipelineSparseDist",
+    "TrainPipelineSparseDistLite",
+    "TrainEvalHybridPipelineBase",
+    "TrainPipelineSparseDistT",
+)
 N = 6
 
 

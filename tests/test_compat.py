@@ -13,7 +13,7 @@ from torchrec.distributed.train_pipeline import pipeline_stage as torchrec_stage
 from torchrec.distributed.train_pipeline import train_pipelines as torchrec_pipelines
 
 import pipeline
-from pipeline.config import InputDistOptions, PrefetchOptions, RankOptions, RewriteOptions
+from pipeline.options import InputDistOptions, PrefetchOptions, RankOptions, RewriteOptions
 from pipeline.ranks import Lane, LaneState, Ranks
 from tests import models
 from tests.test_torchrec_parity import _Echo, _Numbered
@@ -82,8 +82,8 @@ def test_unknown_or_refused_arguments_say_what_to_do():
         _echo_pipe("TrainPipelineBase", emb_lookup_stream="current")
     with pytest.raises(ValueError, match="apply_jit=True is not supported"):
         _echo_pipe("TrainPipelineSparseDist", apply_jit=True)
-    with pytest.raises(ValueError, match="input_dist_schedule must be one of"):
-        _echo_pipe("TrainPipelineSparseDist", input_dist_schedule="soon")
+    with pytest.raises(ValueError, match=r"InputDistOptions\.schedule must be one of"):
+        _echo_pipe("TrainPipelineSparseDist", input_dist=InputDistOptions(schedule="soon"))
     with pytest.raises(TypeError, match=r"unexpected keyword.*tuner"):  # the paired-trials tuner is gone
         _echo_pipe("EvalPipelineSparseDist", tuner=None)
 
@@ -94,8 +94,8 @@ def test_unknown_or_refused_arguments_say_what_to_do():
         (lambda: RankOptions(on_uneven="skip"), "on_uneven must be one of"),
         (lambda: RankOptions(failure_grace=-1), "failure_grace must be >= 0"),
         (lambda: RankOptions(peer_timeout=5), "peer_timeout must be a positive timedelta"),
-        (lambda: RewriteOptions(method="guess"), "rewrite_method must be one of"),
-        (lambda: InputDistOptions(schedule="never"), "input_dist_schedule must be one of"),
+        (lambda: RewriteOptions(method="guess"), r"RewriteOptions\.method must be one of"),
+        (lambda: InputDistOptions(schedule="never"), r"InputDistOptions\.schedule must be one of"),
         (lambda: PrefetchOptions(prefetch_ahead="maybe"), "prefetch_ahead must be one of"),
         (lambda: _echo_pipe("TrainPipelineSparseDist", dmp_collection_sync_interval_batches=0), "positive"),
         (lambda: _echo_pipe("TrainPipelineFusedSparseDist", emb_lookup_stream="side"), "emb_lookup_stream"),
@@ -116,7 +116,7 @@ def test_options_are_keyword_only_slots():
 
 def test_lane_states():
     ranks = Ranks(RankOptions())
-    lane = ranks.open_lane(iter([1, 2]))
+    lane = Lane(iter([1, 2]))
     assert lane.state is LaneState.OPEN
     assert ranks.fetch(lane)[0] == 1 and ranks.fetch(lane)[0] == 2
     assert ranks.fetch(lane) is None  # one process: an exhausted rank adds no placeholder
@@ -176,17 +176,14 @@ def test_constructor_is_declared_in_code_without_var_args(name):
     assert not kinds & {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}, name
 
 
-def test_flat_keywords_and_options_objects_mean_the_same():
-    flat = _echo_pipe("TrainPipelineSparseDist", on_uneven="error", input_dist_schedule="early")
+def test_our_options_have_one_way_in_the_options_objects():
     grouped = _echo_pipe(
         "TrainPipelineSparseDist",
         ranks=RankOptions(on_uneven="error"),
         input_dist=InputDistOptions(schedule="early"),
     )
-    assert flat._ranks._options == grouped._ranks._options == RankOptions(on_uneven="error")
-    assert flat.input_dist_schedule == grouped.input_dist_schedule == "early"
-    # a keyword given next to an options object overrides that field only
-    both = _echo_pipe("TrainPipelineSparseDist", ranks=RankOptions(on_uneven="error"), check_keys=False)
-    assert both._ranks._options == RankOptions(on_uneven="error", check_keys=False)
-    with pytest.raises(TypeError, match="expected a RankOptions"):
-        _echo_pipe("TrainPipelineSparseDist", ranks=InputDistOptions())
+    assert grouped._ranks._options == RankOptions(on_uneven="error")
+    assert grouped.input_dist_schedule == "early"
+    for flat in ({"on_uneven": "error"}, {"input_dist_schedule": "early"}, {"narrow_ids": False}):
+        with pytest.raises(TypeError, match="unexpected keyword"):  # not a second name of a field
+            _echo_pipe("TrainPipelineSparseDist", **flat)

@@ -8,7 +8,7 @@ from collections import namedtuple
 
 import torch
 
-from pipeline.stages.copy import to_device
+from pipeline.pipelines.core import to_device
 
 META = torch.device("meta")
 Pair = namedtuple("Pair", ["ids", "dense"])

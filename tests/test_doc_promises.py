@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import SCHEDULE_NAMES, InputDistOptions
+from pipeline.options import SCHEDULE_NAMES, InputDistOptions
 from tests.test_figures import citing_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -194,8 +194,12 @@ def test_the_readme_times_come_from_the_committed_file():
 
 
 def test_a_readme_time_not_in_the_file_fails_the_check():
-    record = {"targets": [{"target": "setup", "seconds": 85.2, "status": 0},
-                          {"target": "test", "seconds": 407.0, "status": 0}]}  # fmt: skip
+    record = {
+        "targets": [
+            {"target": "setup", "seconds": 85.2, "status": 0},
+            {"target": "test", "seconds": 407.0, "status": 0},
+        ]
+    }
     good = "From docs/results/fresh-clone.json: set-up 1 min 25 s, `make test` 6 min 47 s."
     assert readme_time_problems(good, record) == []
     stale = good.replace("6 min 47 s", "7 to 9.5 minutes, 6 min 50 s")

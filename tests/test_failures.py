@@ -34,15 +34,17 @@ FAIL_AT = 6  # the forward call that fails (batch 5)
 pytestmark = [pytest.mark.timeout(pytest_timeout(TIMEOUT)), pytest.mark.slow]
 
 
-def _train_until_error(rank: int, fail, at: int = FAIL_AT, **options) -> dict:
+def _train_until_error(rank: int, fail, at: int = FAIL_AT, model_out: dict | None = None, **options) -> dict:
     """Train 20 batches; at forward call `at`, `fail(rank)` runs first. What ended the rank (and,
-    for an error, the type of the error it was raised from)."""
+    for an error, the type of the error it was raised from). `model_out` gets the model."""
     import torch
 
     import pipeline
     from tests import models
 
     model, opt = models.build("dlrm", "table_wise")
+    if model_out is not None:
+        model_out["model"] = model
     calls = 0
 
     def forward(batch):
@@ -52,7 +54,9 @@ def _train_until_error(rank: int, fail, at: int = FAIL_AT, **options) -> dict:
             fail(rank)
         return model(batch)
 
-    pipe = getattr(pipeline, PIPE)(model, opt, torch.device("cpu"), custom_model_fwd=forward, **options)
+    pipe = getattr(pipeline, PIPE)(
+        model, opt, torch.device("cpu"), custom_model_fwd=forward, ranks=pipeline.RankOptions(**options)
+    )
     it = iter(models.batches("dlrm", 20, rank))
     try:
         while True:
@@ -159,7 +163,8 @@ def _peer_timeout(rank: int, world_size: int, seconds: float) -> dict:
     from tests import models
 
     model, opt = models.build("dlrm", "table_wise")
-    pipe = getattr(pipeline, PIPE)(model, opt, torch.device("cpu"), peer_timeout=timedelta(seconds=seconds))
+    options = pipeline.RankOptions(peer_timeout=timedelta(seconds=seconds))
+    pipe = getattr(pipeline, PIPE)(model, opt, torch.device("cpu"), ranks=options)
     first = models.run_to_end(pipe, iter(models.batches("dlrm", 3, rank)))  # the vote group exists
     if rank == 1:
         time.sleep(3 * seconds + 6)  # neither votes on the next iterator nor fails
@@ -338,3 +343,261 @@ def test_a_failure_of_an_earlier_pipeline_does_not_count_in_a_later_one():
     _signal(store, "p2/", 1).announce(ValueError("rank 1's own"))
     with pytest.raises(PeerFailedError, match="rank 1's own"):
         later.rendezvous("group8", timeout=5)
+
+
+# -- a preemption: SystemExit from a SIGTERM handler ------------------------------------------------
+
+
+def _preempted(rank: int, world_size: int, twin: bool, checkpoint: str) -> dict:
+    """Every rank's SIGTERM handler raises SystemExit inside `progress()` (forward of batch 5), rank
+    1's three seconds after rank 0's (past `failure_grace`, 2 s); then each does what a preemption
+    handler does: an all_reduce and a DCP save of the model on the job's groups. `twin`: an
+    interrupt taken down the failure path, as before."""
+    import signal as signals
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from pipeline.pipelines.core import PipelineCore
+
+    if twin:
+        PipelineCore._interrupted = lambda self, interrupt: self._fail(interrupt)
+
+    def handler(signum, frame):
+        raise SystemExit(143)
+
+    signals.signal(signals.SIGTERM, handler)
+
+    def preempt(rank: int) -> None:
+        time.sleep(3.0 * rank)
+        os.kill(os.getpid(), signals.SIGTERM)
+
+    result: dict = {"exit": None}
+    try:
+        _train_until_error(rank, preempt, model_out=result)
+    except SystemExit as e:
+        result["exit"] = e.code
+    result["group_alive"] = dist.is_initialized()
+    model = result.pop("model")
+    if result["group_alive"]:
+        try:
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            result["all_reduce"] = t.item()
+            dcp.save({"model": model.state_dict()}, checkpoint_id=f"{checkpoint}/step")
+            result["saved"] = os.path.exists(f"{checkpoint}/step/.metadata")
+        except RuntimeError as e:  # the twin: the peer's groups are gone
+            result["handler_error"] = str(e)
+    return result
+
+
+@pytest.mark.parametrize("twin", [False, True], ids=["interrupt", "twin-failure-path"])
+def test_a_preemptions_system_exit_keeps_the_jobs_groups_for_its_checkpoint(twin, tmp_path):
+    ranks = run_ranks(_preempted, 2, timeout=TIMEOUT, args=(twin, str(tmp_path)))
+    if twin:  # taken for a failure, rank 0 destroyed its groups before rank 1's handler ran
+        assert not ranks[0]["group_alive"], ranks[0]
+        return
+    for rank, r in enumerate(ranks):
+        assert r["exit"] == 143 and r["group_alive"], f"rank {rank}: {r}"
+        assert r["all_reduce"] == 2.0 and r["saved"], f"rank {rank}: {r}"
+
+
+# -- a rank's own error, whatever its text -----------------------------------------------------------
+
+
+def _loader_times_out(rank: int, world_size: int, twin: bool) -> dict:
+    """Rank 1's dataloader raises an error whose text reads like a broken collective's. `twin`: the
+    error classified by its text, as before."""
+    import torch
+
+    import pipeline
+    from pipeline.ranks import failure
+    from tests import models
+
+    if twin:
+        failure.from_a_collective = lambda e: (
+            isinstance(e, failure.PeerFailedError)
+            or any(
+                m in str(e) for m in ("Connection closed by peer", "Connection reset by peer", "Timed out")
+            )
+        )
+
+    def loader():
+        for i, batch in enumerate(models.batches("dlrm", 20, rank)):
+            if rank == 1 and i == 6:
+                raise RuntimeError("feature service: Timed out after 5 s")
+            yield batch
+
+    model, opt = models.build("dlrm", "table_wise")
+    pipe = pipeline.TrainPipelineSparseDist(model, opt, torch.device("cpu"))
+    try:
+        models.run_to_end(pipe, loader())
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}", "notes": list(getattr(e, "__notes__", []))}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("twin", [False, True], ids=["own-error", "twin-by-text"])
+def test_a_ranks_own_error_that_reads_like_a_timeout_is_its_own(twin):
+    r0, r1 = run_ranks(_loader_times_out, 2, timeout=TIMEOUT, args=(twin,))
+    if twin:
+        assert r1["error"].startswith("PeerFailedError"), r1  # blamed on a peer, its text lost
+        return
+    assert r1["error"] == "RuntimeError: feature service: Timed out after 5 s", r1
+    assert any("destroyed its process groups" in n and "abort_on_error=False" in n for n in r1["notes"]), r1
+    assert r0["error"].startswith("PeerFailedError"), r0
+    assert "rank 1 raised RuntimeError: feature service: Timed out after 5 s" in r0["error"], r0
+
+
+# -- what the library makes, it releases ----------------------------------------------------------
+
+
+def _made_and_released(rank: int, world_size: int, twin: bool) -> dict:
+    """Three pipelines (our SparseDist forced to the early schedule, which makes a process group of
+    its own, and Prefetch, whose prefetch stream is a thread) built, run and closed; then a fourth
+    dropped without close(). What is left of what they made: torch's process groups, the keys
+    they added to the job's store, their threads. `twin`: close() without destroying the groups."""
+    import gc
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    import pipeline
+    from pipeline.ranks import failure
+    from pipeline.ranks.protocol import OwnedGroups
+    from tests import models
+
+    if twin:
+        OwnedGroups.destroy_all = lambda self: None
+    store = failure.job_store()
+    added: set[str] = set()
+
+    class Recording:
+        """The job's store, recording the keys the pipeline writes."""
+
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def add(self, key, value):
+            added.add(key)
+            return store.add(key, value)
+
+        def set(self, key, value):
+            added.add(key)
+            return store.set(key, value)
+
+    failure.job_store = lambda: Recording()
+    groups_before = len(dist.distributed_c10d._world.pg_map)
+
+    def run(name: str, close: bool) -> None:
+        model, opt = models.build("dlrm", "table_wise")
+        options = pipeline.InputDistOptions(schedule="early")
+        pipe = getattr(pipeline, name)(model, opt, torch.device("cpu"), input_dist=options)
+        models.run_to_end(pipe, iter(models.batches("dlrm", 6, rank)))
+        if close:
+            pipe.close()
+
+    for name in ("TrainPipelineSparseDist", "PrefetchTrainPipelineSparseDist", "TrainPipelineSparseDist"):
+        run(name, close=True)
+    after_close = len(dist.distributed_c10d._world.pg_map)
+    run("PrefetchTrainPipelineSparseDist", close=False)
+    gc.collect()
+    dist.barrier()  # every rank has checked its keys out of the store
+    return {
+        "groups": (groups_before, after_close, len(dist.distributed_c10d._world.pg_map)),
+        "keys_added": sorted(added),
+        "keys_left": sorted(k for k in added if store.check([k])),
+        "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("pipeline-")),
+    }
+
+
+@pytest.mark.parametrize("twin", [False, True], ids=["closed", "twin-groups-kept"])
+def test_what_three_pipelines_made_is_released_by_close_and_garbage_collection(twin):
+    for rank, r in enumerate(run_ranks(_made_and_released, 2, timeout=TIMEOUT, args=(twin,))):
+        before, closed, collected = r["groups"]
+        if twin:
+            assert closed > before, f"rank {rank}: the twin should leave groups: {r}"
+            continue
+        assert before == closed == collected, f"rank {rank}: torch's group map {r['groups']}"
+        assert r["keys_added"] and not r["keys_left"], f"rank {rank}: {r}"
+        assert not r["threads"], f"rank {rank}: threads left: {r['threads']}"
+
+
+def test_a_job_whose_default_group_has_no_store_is_told_what_it_loses(monkeypatch):
+    """Where the default group's store cannot be had, failures are not signalled: said once, as a
+    warning, not silently."""
+    import torch.distributed as dist
+
+    from pipeline.ranks import failure
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+
+    def no_store():
+        raise RuntimeError("no default store")
+
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", no_store)
+    with pytest.warns(RuntimeWarning, match="cannot tell its peers why") as said:
+        assert failure.job_store() is None
+    assert "no default store" in str(said[0].message)
+
+
+def _dropped_then_forked(rank: int, world_size: int, twin: bool) -> dict:
+    """A pipeline dropped (unreachable, not yet collected) when the process forks, as a DataLoader
+    worker forks: the child collects the parent's garbage, which runs the pipeline's finalizer there.
+    It must do nothing in the child (the groups' connections and the threads are the parent's).
+    `twin`: the child takes itself for the parent. What the child did, and whether the parent's
+    groups still work."""
+    import gc
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import pipeline
+    from tests import models
+
+    model, opt = models.build("dlrm", "table_wise")
+    pipe = pipeline.PrefetchTrainPipelineSparseDist(
+        model, opt, torch.device("cpu"), input_dist=pipeline.InputDistOptions(schedule="early")
+    )
+    models.run_to_end(pipe, iter(models.batches("dlrm", 6, rank)))
+    gc.collect()
+    gc.disable()
+    pipe.itself = pipe  # a cycle: only the collector frees it
+    del pipe
+    parent = os.getpid()
+    child = os.fork()
+    if child == 0:
+        if twin:
+            os.getpid = lambda: parent
+        gc.collect()
+        os._exit(0)
+    deadline, status = time.monotonic() + 20, None
+    while time.monotonic() < deadline:
+        done, code = os.waitpid(child, os.WNOHANG)
+        if done:
+            status = os.waitstatus_to_exitcode(code)
+            break
+        time.sleep(0.05)
+    if status is None:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+    gc.enable()
+    gc.collect()
+    works = torch.ones(1)
+    dist.all_reduce(works)
+    return {"child": status, "all_reduce": works.item()}
+
+
+@pytest.mark.parametrize("twin", [False, True], ids=["forked", "twin-child-as-parent"])
+def test_a_dropped_pipeline_collected_in_a_forked_child_leaves_the_child_alone(twin):
+    for rank, r in enumerate(run_ranks(_dropped_then_forked, 2, timeout=TIMEOUT, args=(twin,))):
+        assert r["all_reduce"] == 2.0, f"rank {rank}: {r}"
+        if twin:
+            assert r["child"] != 0, f"rank {rank}: the twin's child should hang or fail: {r}"
+        else:
+            assert r["child"] == 0, f"rank {rank}: the forked child hung or failed: {r}"

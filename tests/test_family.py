@@ -175,7 +175,7 @@ def _staged_case(rank: int, kind: str, sharding: str, detach_at: int = -1) -> di
     import torch
 
     import pipeline
-    from pipeline.stages.copy import to_device
+    from pipeline.pipelines.core import to_device
     from tests import models
 
     data = [_double_dense(b) for b in models.batches(kind, STEPS, rank)]

@@ -100,8 +100,12 @@ def test_commands_that_emulate_a_link_need_root():
 
 
 def docs() -> list[Path]:
-    return [ROOT / "README.md", ROOT / "examples/dlrm/README.md", ROOT / "scripts/gpu/README.md",
-            *sorted((ROOT / "docs").glob("*.md"))]  # fmt: skip
+    return [
+        ROOT / "README.md",
+        ROOT / "examples/dlrm/README.md",
+        ROOT / "scripts/gpu/README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+    ]
 
 
 def unmarked_quotes(text: str, previous: set[str]) -> list[str]:

@@ -118,8 +118,10 @@ def test_bad_line_every_rank_reads_is_one_error_from_rank_0(tmp_path):
     data.write_text("".join(lines))
     ranks = _forked("--pipeline", "prefetch", "--data", str(data), "--steps", "0", *SMALL)
     error = _one_error(script_job(ranks))
-    assert error.endswith("short.tsv:6: expected 40 tab-separated columns (label, 13 integer and 26 "
-                          "categorical features), found 30"), error  # fmt: skip
+    assert error.endswith(
+        "short.tsv:6: expected 40 tab-separated columns (label, 13 integer and 26 "
+        "categorical features), found 30"
+    ), error
     assert [status for status, _ in ranks] == [2, 2], script_job(ranks).stderr
 
 
@@ -198,9 +200,17 @@ def test_store_of_another_world_size_names_both(tmp_path, monkeypatch, capsys):
 def test_compare_plain_ends_with_the_verdict_and_every_summary_key_is_documented(tmp_path):
     out = tmp_path / "summary.json"
     ranks = _forked(
-        "--pipeline", "prefetch", "--steps", "8", "--no-progress", *SMALL,
-        "--compare", "plain", "--summary-json", str(out),
-    )  # fmt: skip
+        "--pipeline",
+        "prefetch",
+        "--steps",
+        "8",
+        "--no-progress",
+        *SMALL,
+        "--compare",
+        "plain",
+        "--summary-json",
+        str(out),
+    )
     assert [status for status, _ in ranks] == [0, 0], script_job(ranks).stderr
     last = ranks[0][1].strip().splitlines()[-1]
     assert re.fullmatch(r"verdict: --pipeline prefetch took .* ms/step, [\d.]+x the plain loop's .*", last)

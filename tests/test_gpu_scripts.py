@@ -123,9 +123,13 @@ def test_prune_refuses_bad_arguments(capsys):
 
 def _sh(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["bash", str(GPU / script), *args], cwd=ROOT, capture_output=True, text=True,
-        env={**os.environ, "PY": sys.executable, **env}, timeout=60,
-    )  # fmt: skip
+        ["bash", str(GPU / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PY": sys.executable, **env},
+        timeout=60,
+    )
 
 
 def test_run_sh_names_its_steps_and_refuses_others():
@@ -138,8 +142,12 @@ def test_run_sh_names_its_steps_and_refuses_others():
 def test_run_sh_dry_run_prints_each_steps_command(tmp_path):
     dry = _sh("run.sh", "probe", "tests", "csan", "memory", "bench", DRY="1", OUT=str(tmp_path))
     assert dry.returncode == 0, dry.stderr
-    for command in ("pytest -q -p no:cacheprovider tests/test_cuda.py", "scripts/gpu/csan.py",
-                    "scripts/gpu/memory.py --config gpu-large", "benchmarks run --device cuda"):  # fmt: skip
+    for command in (
+        "pytest -q -p no:cacheprovider tests/test_cuda.py",
+        "scripts/gpu/csan.py",
+        "scripts/gpu/memory.py --config gpu-large",
+        "benchmarks run --device cuda",
+    ):
         assert command in dry.stdout, f"{command!r} not in the dry run:\n{dry.stdout}"
 
 
@@ -177,8 +185,13 @@ def test_the_sequence_dry_runs_every_call_on_cpu(tmp_path):
     assert dry.returncode == 0, dry.stderr
     assert f'call 1 of 2, timeout_s 600, carry ["{gpu}/p1"]' in dry.stdout, dry.stdout
     assert f'call 2 of 2, timeout_s 600, carry ["{gpu}/p2", "{gpu}/whl"]' in dry.stdout, dry.stdout
-    for command in (f"cp {gpu}/p1/part.aa1 /tmp/gpu-parts/", "xz -d -T0", "tests/test_cuda.py",
-                    "scripts/gpu/csan.py", "scripts/gpu/memory.py --config gpu-large"):  # fmt: skip
+    for command in (
+        f"cp {gpu}/p1/part.aa1 /tmp/gpu-parts/",
+        "xz -d -T0",
+        "tests/test_cuda.py",
+        "scripts/gpu/csan.py",
+        "scripts/gpu/memory.py --config gpu-large",
+    ):
         assert command in dry.stdout, f"{command!r} not in the dry run:\n{dry.stdout}"
     at = [dry.stdout.index(step) for step in ("tests/test_cuda.py", "csan.py", "memory.py")]
     assert at == sorted(at), "the tests, then the sanitizer, then the memory table"
@@ -265,8 +278,14 @@ def test_the_speed_steps_commands_are_the_scripts_own(tmp_path):
         pytest.skip("checks that the commands stop at the missing GPU")
     dry = _sh("run.sh", "speed", "speed-uvm", "example", DRY="1", OUT=str(tmp_path)).stdout
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    usage = subprocess.run([sys.executable, "-m", "benchmarks", "run", "--help"], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=60).stdout  # fmt: skip
+    usage = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "run", "--help"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     for config in ("gpu-busy", "gpu-uvm-big"):
         command = _speed_command(dry, config)
         for flag in (word for word in command if word.startswith("--")):
@@ -278,8 +297,9 @@ def test_the_speed_steps_commands_are_the_scripts_own(tmp_path):
         assert stopped, done.stderr[-2000:]
     line = next(ln for ln in dry.splitlines() if "examples/dlrm/train.py" in ln)
     argv = line[line.index("examples/") :].split()
-    done = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2 and "--device cuda: no CUDA device" in done.stderr, done.stderr[-2000:]
 
 
@@ -412,10 +432,23 @@ def test_the_regressions_run_first(tmp_path):
     assert len(parts) >= 4, dry
     argv = [a for part in parts for a in ("--run-first", part)]
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", *argv,
-         "tests/test_cuda.py"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "--collect-only",
+            "-p",
+            "no:cacheprovider",
+            *argv,
+            "tests/test_cuda.py",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+    )
     ids = [ln for ln in done.stdout.splitlines() if ln.startswith("tests/test_cuda.py::")]
     assert len(ids) > 50, done.stdout[-2000:] + done.stderr[-2000:]
     first = [i for i in ids if any(part in i for part in parts)]
@@ -459,8 +492,11 @@ def test_the_readmes_budget_is_the_scripts_and_fits_13_minutes():
     steps = {k: v for k, v in b.items() if isinstance(v, int) and not k.isupper()}
     assert {k: int(rows.get(f"`{k}`", -1)) for k in steps} == steps, "README's step budgets, run.sh's differ"
     assert int(rows["start"]) == b["START_S"] and int(rows["each call"]) == b["CALL_S"], rows
-    totals = {m.group(1): (int(m.group(2)), int(v)) for k, v in rows.items()
-              if (m := re.fullmatch(r"\*\*total of `([\w-]+)`, (\d+) calls\*\*", k))}  # fmt: skip
+    totals = {
+        m.group(1): (int(m.group(2)), int(v))
+        for k, v in rows.items()
+        if (m := re.fullmatch(r"\*\*total of `([\w-]+)`, (\d+) calls\*\*", k))
+    }
     assert set(totals) == {"sequence", "speed-sequence"}, f"README's totals: {totals}"
     for sequence, (calls, total) in totals.items():
         expected = _device_seconds(b, b[sequence], calls)
@@ -521,12 +557,30 @@ def test_memory_check_holds_where_keep_alive_is_at_most_record_stream():
 @pytest.mark.timeout(pytest_timeout(TIMEOUT))
 def test_memory_script_dry_runs_on_cpu(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(GPU / "memory.py"), "--device", "cpu", "--config", "demo", "--steps", "2",
-         "--classes", "TrainPipelineSparseDist", "--variants", "keep-alive", "record-stream", "--check",
-         "--json", str(tmp_path / "m.json")],
-        cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
+        [
+            sys.executable,
+            str(GPU / "memory.py"),
+            "--device",
+            "cpu",
+            "--config",
+            "demo",
+            "--steps",
+            "2",
+            "--classes",
+            "TrainPipelineSparseDist",
+            "--variants",
+            "keep-alive",
+            "record-stream",
+            "--check",
+            "--json",
+            str(tmp_path / "m.json"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "MEMORY TrainPipelineSparseDist keep-alive: {" in out.stdout, out.stdout
     assert "MEMORY check: keep-alive at most record_stream in 1 of 1 classes" in out.stdout, out.stdout

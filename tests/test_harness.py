@@ -143,10 +143,24 @@ def test_one_broken_scenario_fails_exactly_its_own_test(tmp_path):
     (tmp_path / "conftest.py").write_text("from tests.conftest import pool  # noqa: F401\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400"}
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", str(module), "-q", "-p", "no:cacheprovider", "-rA",
-         "--rootdir", str(tmp_path)],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=pytest_timeout(60) + 60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            str(module),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-rA",
+            "--rootdir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=pytest_timeout(60) + 60,
+    )
     out = run.stdout
     assert "2 failed, 2 passed" in out, out
     assert "PASSED test_generated.py::test_scenario[ok]" in out, out

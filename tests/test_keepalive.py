@@ -10,9 +10,8 @@ import weakref
 import pytest
 import torch
 
-from pipeline.stages.copy import to_device_in_place
-from pipeline.stages.keepalive import KeepAlive
-from pipeline.stages.streams import OrderedStreams
+from pipeline.pipelines.core import to_device_in_place
+from pipeline.stages.streams import KeepAlive, OrderedStreams
 from tests.streamcheck import HandoffError, RecordingStreams
 
 

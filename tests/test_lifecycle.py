@@ -217,6 +217,7 @@ def _groups(rank: int, pipe_name: str) -> dict:
     """The input all-to-alls move to their own group on the second batch, and back on detach."""
     import torch.distributed as dist
 
+    import pipeline
     from rewrite.replay import kjt_all_to_alls
     from tests import models
 
@@ -225,7 +226,7 @@ def _groups(rank: int, pipe_name: str) -> dict:
 
     out = {}
     for option in ("early", "late"):
-        ref, ref_opt, model, pipe = _pair(pipe_name, input_dist_schedule=option)
+        ref, ref_opt, model, pipe = _pair(pipe_name, input_dist=pipeline.InputDistOptions(schedule=option))
         data = models.batches(KIND, N, rank, seed=11)
         expected = models.plain_loop(ref, ref_opt, data)
         it = iter(data)
@@ -272,14 +273,19 @@ def _adaptive(rank: int, pipe_name: str, verdict: str, schedule: str | None = No
             return 1e-3 if kept else ScheduleWatch.ratio(self, sure)
 
     watch = Watch(
-        window=3, verify=3, warmup=0, settle=0, threshold=0.0001,
-        margin=0.5, sure=0.0, clock=lambda: float(next(counter)),
-    )  # fmt: skip
+        window=3,
+        verify=3,
+        warmup=0,
+        settle=0,
+        threshold=0.0001,
+        margin=0.5,
+        sure=0.0,
+        clock=lambda: float(next(counter)),
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ref, ref_opt, model, pipe = _pair(
-            pipe_name, input_dist=InputDistOptions(watch=watch), input_dist_schedule=schedule
-        )
+        options = InputDistOptions(watch=watch, schedule=schedule or "adaptive")
+        ref, ref_opt, model, pipe = _pair(pipe_name, input_dist=options)
     steps = 3 * N
     data = models.batches(KIND, steps, rank, seed=13)
     expected = models.plain_loop(ref, ref_opt, data)
@@ -294,7 +300,7 @@ def _adaptive(rank: int, pipe_name: str, verdict: str, schedule: str | None = No
         "deprecated": [
             str(w.message)
             for w in caught
-            if issubclass(w.category, DeprecationWarning) and "input_dist_schedule" in str(w.message)
+            if issubclass(w.category, DeprecationWarning) and "deprecated name" in str(w.message)
         ],
         "notes": [n for n in report.notes if n.startswith("input_dist schedule")],
         "pipelined": report.pipelined and not report.not_pipelined,
@@ -399,9 +405,14 @@ def test_reset_drops_the_batches_in_flight(pool, pipe_name):
 
 @pytest.mark.parametrize(
     "name",
-    ["TrainPipelineSparseDist", "PrefetchTrainPipelineSparseDist", "TrainPipelineFusedSparseDist",
-     "TrainPipelineSemiSync", "EvalPipelineSparseDist"],
-)  # fmt: skip
+    [
+        "TrainPipelineSparseDist",
+        "PrefetchTrainPipelineSparseDist",
+        "TrainPipelineFusedSparseDist",
+        "TrainPipelineSemiSync",
+        "EvalPipelineSparseDist",
+    ],
+)
 def test_apply_jit_is_refused_with_what_to_do(name):
     import torch
 
@@ -409,8 +420,9 @@ def test_apply_jit_is_refused_with_what_to_do(name):
 
     model = torch.nn.Linear(1, 1)
     with pytest.raises(ValueError, match=r"apply_jit=True is not supported.*leave it False"):
-        getattr(pipeline, name)(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"),
-                                apply_jit=True)  # fmt: skip
+        getattr(pipeline, name)(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"), apply_jit=True
+        )
     with pytest.raises(ValueError, match=r"apply_jit=True is not supported.*leave it False"):
         pipeline.SparseDataDistUtil(model, apply_jit=True)
 
@@ -535,5 +547,8 @@ def test_input_dist_schedule_rejects_unknown_values():
 
     with pytest.raises(ValueError, match="one of adaptive, early, late"):
         pipeline.TrainPipelineSparseDist(
-            torch.nn.Linear(1, 1), None, torch.device("cpu"), input_dist_schedule="x"
+            torch.nn.Linear(1, 1),
+            None,
+            torch.device("cpu"),
+            input_dist=pipeline.InputDistOptions(schedule="x"),
         )

@@ -198,3 +198,20 @@ def test_tables_of_a_feature_in_two_modules_takes_the_larger():
 
     model = nn.ModuleDict({"a": _ebc("a", [40, 10]), "b": _ebc("b", [30])})
     assert tables_of(model) == {"f0": Table("at0", 40), "f1": Table("at1", 10)}
+
+
+def test_a_batch_shaped_unlike_the_first_is_still_checked_whole():
+    """With `check_keys=False` a batch may hold its KJT elsewhere than the first batch did: the
+    check walks it instead of skipping it."""
+    import torch
+    from torchrec import KeyedJaggedTensor
+
+    from pipeline.ranks import KJTCheck
+
+    def kjt(ids):
+        return KeyedJaggedTensor(keys=["f0", "f1"], values=torch.tensor(ids), lengths=torch.tensor([1, 1]))
+
+    check = KJTCheck(_ebc("", [40, 40]))
+    assert check.check({"sparse": kjt([1, 2])}) is None
+    problem = check.check({"features": kjt([1, 99])})
+    assert problem is not None and "id 99" in problem and "at batch['features']" in problem, problem

@@ -17,6 +17,7 @@ single-process cases check the copy, the saturation and the option's wiring.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import pytest
@@ -97,7 +98,13 @@ def _train(build, batches, *, narrow: bool | None, **options) -> dict:
     before = _snapshot(data)
     passes = mock.patch.object(narrowing, "_to_int32", side_effect=narrowing._to_int32)
     with _WireSpy() as spy, passes as own_pass:
-        pipe = pipeline.TrainPipelineSparseDist(model, opt, torch.device("cpu"), narrow_ids=narrow, **options)
+        pipe = pipeline.TrainPipelineSparseDist(
+            model,
+            opt,
+            torch.device("cpu"),
+            input_dist=pipeline.InputDistOptions(narrow_ids=narrow),
+            ranks=pipeline.RankOptions(**options),
+        )
         outputs = models.run_to_end(pipe, iter(data))
     return {
         "own_passes": own_pass.call_count,
@@ -407,6 +414,121 @@ def test_a_table_of_2_31_rows_leaves_its_modules_ids_as_made(pools):
         assert any("2147483648 rows" in n for n in r["notes"]), r["notes"]
 
 
+# -- the plan's kernels, and what a receiver sums ---------------------------------------------------
+
+
+def _kernel_case(rank: int, world_size: int, twin: bool) -> dict:
+    """The plan puts one table on a kernel not known to widen int32 ids ("fused_triton"), the
+    kernels built being torchrec's CPU ones as before: every rank keeps that module's ids int64.
+    `twin`: the kernels looked for among the module's children, as before (never found there)."""
+    from unittest import mock
+
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    from pipeline.stages import narrow
+    from tests import models
+
+    def build():
+        model, opt = models.build("dlrm", "table_wise")
+        for module in model.modules():
+            if isinstance(module, ShardedEmbeddingBagCollection):
+                first = sorted(module.module_sharding_plan)[0]
+                module.module_sharding_plan[first].compute_kernel = "fused_triton"
+        return model, opt
+
+    def children(module):  # the twin: the module's children searched for kernels
+        return None if isinstance(module, narrow._MODULES) else "not a collection"
+
+    expected, ref_state = models.reference("dlrm", "table_wise", STEPS, rank)
+    with mock.patch.object(narrow, "decide", children) if twin else contextlib.nullcontext():
+        run = _train(build, lambda: models.batches("dlrm", STEPS, rank), narrow=True)
+    return {
+        "equal": models.bitwise_equal(expected, run["outputs"])
+        and models.bitwise_equal(ref_state, run["state"]),
+        "dtypes": run["wire"]["dtypes"],
+        "notes": run["notes"],
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("twin", [False, True], ids=["plan", "twin-children"])
+@pytest.mark.timeout(pytest_timeout(TIMEOUT))
+@pytest.mark.slow
+def test_a_kernel_the_plan_does_not_know_to_widen_keeps_64_bit_ids_on_every_rank(pools, world, twin):
+    results = pools(world).run(_kernel_case, twin, timeout=TIMEOUT)
+    for rank, r in enumerate(results):
+        assert r["equal"], f"rank {rank}: not the plain loop's numbers"
+        if twin:
+            assert r["dtypes"] == ["torch.int32"], f"the twin narrows regardless: {r['dtypes']}"
+            continue
+        assert r["dtypes"] == ["torch.int64"], f"rank {rank}: sent {r['dtypes']}"
+        assert any("'fused_triton' kernel, not one known to widen" in n for n in r["notes"]), r["notes"]
+
+
+LIMIT = 30
+"""The receivers' limit in `_received_case` (what a receiver gets there: 28-43 ids a batch on rank
+0, 15-23 on rank 1)."""
+
+
+def _received_case(rank: int, world_size: int, twin: bool) -> dict:
+    """Narrowed ids, with the receivers' limit lowered to 30 ids (2^31 in earnest): every values
+    all-to-all that received more keeps its lengths int64 before torchrec sums them. What reaches
+    `KeyedJaggedTensor.dist_init` (the receiver's reordering) is recorded. `twin`: no widening."""
+    from unittest import mock
+
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from pipeline.stages import input_dist, narrow
+    from tests import models
+
+    original = KeyedJaggedTensor.dist_init
+    seen: list[tuple[str, int]] = []
+
+    def recording(keys, tensors, *args, **kwargs):
+        seen.append((str(tensors[0].dtype), tensors[1].numel()))
+        return original(keys, tensors, *args, **kwargs)
+
+    expected, ref_state = models.reference("dlrm", "table_wise", STEPS, rank)
+    with contextlib.ExitStack() as patched:
+        patched.enter_context(mock.patch.object(narrow, "RECEIVED_LIMIT", LIMIT))
+        patched.enter_context(mock.patch.object(KeyedJaggedTensor, "dist_init", staticmethod(recording)))
+        if twin:
+            patched.enter_context(mock.patch.object(input_dist, "widen_received", lambda request: request))
+        run = _train(
+            lambda: models.build("dlrm", "table_wise"),
+            lambda: models.batches("dlrm", STEPS, rank),
+            narrow=True,
+        )
+    return {
+        "equal": models.bitwise_equal(expected, run["outputs"])
+        and models.bitwise_equal(ref_state, run["state"]),
+        "wire": run["wire"]["dtypes"],
+        "received": seen,
+    }
+
+
+@pytest.mark.parametrize("twin", [False, True], ids=["widened", "twin-int32-sum"])
+@pytest.mark.timeout(pytest_timeout(TIMEOUT))
+@pytest.mark.slow
+def test_lengths_a_receiver_would_sum_past_its_limit_stay_64_bit(pools, twin):
+    results = pools(2).run(_received_case, twin, timeout=TIMEOUT)
+    received = [x for r in results for x in r["received"]]
+    for rank, r in enumerate(results):
+        assert r["equal"] and r["wire"] == ["torch.int32"], f"rank {rank}: {r}"
+    over = {dtype for dtype, ids in received if ids >= LIMIT}
+    under = {dtype for dtype, ids in received if ids < LIMIT}
+    assert over and under, f"the limit splits nothing: {received}"
+    assert over == {"torch.int32" if twin else "torch.int64"}, received
+    assert under == {"torch.int32"}, f"widened under the limit: {received}"
+
+
+def test_an_int32_running_sum_of_lengths_wraps_past_2_31():
+    """Why a receiver widens: the offsets of lengths 2^30, 2^30, 2^30 in int32 wrap."""
+    lengths = torch.tensor([2**30] * 3, dtype=torch.int32)
+    assert torch.ops.fbgemm.asynchronous_complete_cumsum(lengths).tolist() == [0, 2**30, -(2**31), -(2**30)]
+    assert torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.long()).tolist()[-1] == 3 * 2**30
+
+
 # -- one process ---------------------------------------------------------------------------------
 
 
@@ -477,8 +599,16 @@ def test_the_checks_proof_is_not_given_where_a_table_could_hold_larger_ids():
     check.check({})
     big = _kjt([5, 0, 7, 39], [1, 2, 1, 0], f=True)
     assert check.check_kjt(big) is None and big.values() not in check.in_int32
+    # a feature without a table (f9) leaves the proof to its ids alone: in int32 here, so proven
     without_table = KeyedJaggedTensor(keys=["f0", "f9"], values=big.values(), lengths=big.lengths())
-    assert check.check_kjt(without_table) is None and big.values() not in check.in_int32
+    assert check.check_kjt(without_table) is None and big.values() in check.in_int32
+    assert check.untabled == {"f9"}
+    past = KeyedJaggedTensor(
+        keys=["f0", "f9"], values=torch.tensor([5, 2**31 + 7]), lengths=torch.tensor([1, 1])
+    )
+    assert check.check_kjt(past) is None and past.values() not in check.in_int32  # no table: no error
+    bad = KeyedJaggedTensor(keys=["f0", "f9"], values=torch.tensor([40, 1]), lengths=torch.tensor([1, 1]))
+    assert "id 40 at sample 0 is outside the 40 rows" in check.check_kjt(bad)
     small = KJTCheck(_ebc("", [40, 40]))
     small.check({})
     kjt = KeyedJaggedTensor(keys=["f0", "f1"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
@@ -519,28 +649,28 @@ def test_decide_names_what_is_not_narrowed():
 
 def _classes_with_input_dist() -> list[str]:
     import pipeline
-    from pipeline.pipelines.input_dist_core import InputDistCore
 
     return sorted(
         n
         for n in pipeline.__all__
         if inspect.isclass(c := getattr(pipeline, n))
-        and (issubclass(c, InputDistCore) or c is pipeline.SparseDataDistUtil)
+        and (issubclass(c, pipeline.TrainPipelineSparseDist) or c is pipeline.SparseDataDistUtil)
     )
 
 
 @pytest.mark.parametrize("name", _classes_with_input_dist())
 def test_every_class_that_runs_an_input_dist_takes_narrow_ids(name):
+    """Through `input_dist=InputDistOptions(narrow_ids=...)`, the one way to pass it."""
     import pipeline
 
-    parameter = inspect.signature(getattr(pipeline, name)).parameters.get("narrow_ids")
-    assert parameter is not None, f"{name} has no narrow_ids keyword"
+    parameter = inspect.signature(getattr(pipeline, name)).parameters.get("input_dist")
+    assert parameter is not None, f"{name} has no input_dist keyword (InputDistOptions.narrow_ids)"
     assert parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.default is None
 
 
-def test_narrow_ids_flat_and_in_the_options_object_mean_the_same():
+def test_narrow_ids_reaches_the_pipeline_through_its_options_object():
     import pipeline
-    from pipeline.config import InputDistOptions
+    from pipeline.options import InputDistOptions
     from tests.test_torchrec_parity import _Echo
 
     assert InputDistOptions().narrow_ids is None  # the default: where the batches are large enough
@@ -555,6 +685,7 @@ def test_narrow_ids_flat_and_in_the_options_object_mean_the_same():
         return pipe._input_dist._narrow._enabled
 
     assert options() is None
-    assert options(narrow_ids=True) is options(input_dist=InputDistOptions(narrow_ids=True)) is True
-    assert options(narrow_ids=False) is options(input_dist=InputDistOptions(narrow_ids=False)) is False
-    assert options(input_dist=InputDistOptions(narrow_ids=False), narrow_ids=True) is True
+    assert options(input_dist=InputDistOptions(narrow_ids=True)) is True
+    assert options(input_dist=InputDistOptions(narrow_ids=False)) is False
+    with pytest.raises(TypeError, match="unexpected keyword"):  # one way in: the options object
+        options(narrow_ids=True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import pipeline
-from pipeline.stages.not_pipelined import warn_not_pipelined
+from pipeline.stages.input_dist import warn_not_pipelined
 from rewrite.report import ModuleReport, RewriteReport
 from tests import models
 from tests.harness import pytest_timeout

@@ -155,7 +155,7 @@ def _case(rank: int, world_size: int, kind: str) -> dict:
         "twin_differs": not models.bitwise_equal(twin_model.state_dict(), model.state_dict()),
         "count": len(outputs),
         "stopped": stopped,
-        "pec": pipeline.pipelines.pec.pec_modules(model),
+        "pec": pipeline.pipelines.lookups.pec_modules(model),
         "notes": list(pipe.rewrite_report.notes),
         "not_pipelined": [m.fqn for m in pipe.rewrite_report.not_pipelined],
     }

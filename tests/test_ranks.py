@@ -96,7 +96,9 @@ def _uneven(rank: int, world_size: int, pipe_name: str, sharding: str, counts: t
     }
     # the error mode, same data: every rank raises, naming both counts
     model, opt = models.build("dlrm", sharding)
-    pipe = getattr(pipeline, pipe_name)(model, opt, torch.device("cpu"), on_uneven="error")
+    pipe = getattr(pipeline, pipe_name)(
+        model, opt, torch.device("cpu"), ranks=pipeline.RankOptions(on_uneven="error")
+    )
     try:
         models.run_to_end(pipe, iter(models.batches("dlrm", counts[rank], rank)))
         result["error"] = None
@@ -146,7 +148,9 @@ def _no_agreement(rank: int, world_size: int, pipe_name: str, counts: tuple[int,
     ref_model, ref_opt = models.build("dlrm", "table_wise")
     expected = models.plain_loop(ref_model, ref_opt, models.batches("dlrm", counts[rank], rank))
     model, opt = models.build("dlrm", "table_wise")
-    pipe = getattr(pipeline, pipe_name)(model, opt, torch.device("cpu"), agreement=False)
+    pipe = getattr(pipeline, pipe_name)(
+        model, opt, torch.device("cpu"), ranks=pipeline.RankOptions(agreement=False)
+    )
     outputs = models.run_to_end(pipe, iter(models.batches("dlrm", counts[rank], rank)))
     return {
         "count": len(outputs),
@@ -203,7 +207,9 @@ def _wrong_keys(rank: int, world_size: int, pipe_name: str, check_keys: bool) ->
         return batches
 
     model, opt = models.build("dlrm", "table_wise")
-    pipe = getattr(pipeline, pipe_name)(model, opt, torch.device("cpu"), check_keys=check_keys)
+    pipe = getattr(pipeline, pipe_name)(
+        model, opt, torch.device("cpu"), ranks=pipeline.RankOptions(check_keys=check_keys)
+    )
     it = iter(data())
     outputs, error = [], None
     try:
@@ -278,7 +284,11 @@ def _failing(rank: int, world_size: int, pipe_name: str, grace: float = 2.0) -> 
         return model(batch)
 
     pipe = getattr(pipeline, pipe_name)(
-        model, opt, torch.device("cpu"), custom_model_fwd=forward, failure_grace=grace
+        model,
+        opt,
+        torch.device("cpu"),
+        custom_model_fwd=forward,
+        ranks=pipeline.RankOptions(failure_grace=grace),
     )
     it = iter(models.batches("dlrm", 20, rank))
     try:

@@ -1,4 +1,4 @@
-"""The status row on the fused splits all-to-all (pipeline.ranks.rows), driven with fake awaitables
+"""The status row on the fused splits all-to-all (pipeline.ranks.riding), driven with fake awaitables
 and a fake process group: what StatusSplits and StatusOnly send and read back, and when
 `riding_fits` says statuses must not ride (a torchrec whose private fields changed, an input dist
 that may issue a collective of its own)."""
@@ -14,8 +14,8 @@ from torchrec.distributed.embedding_sharding import FusedKJTListSplitsAwaitable,
 from torchrec.distributed.sharding.tw_sharding import TwSparseFeaturesDist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from pipeline.ranks import rows as rows_module
-from pipeline.ranks.rows import StatusOnly, StatusSplits, pack, riding_fits, splits_shape, unpack
+from pipeline.ranks import riding as rows_module
+from pipeline.ranks.riding import StatusOnly, StatusSplits, pack, riding_fits, splits_shape, unpack
 
 WORLD = 2
 
@@ -52,9 +52,17 @@ class _Request:
 def _meta(n_tensors: int) -> KJTSplitsAllToAllMeta:
     kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([1, 2]), torch.tensor([1, 1]))
     return KJTSplitsAllToAllMeta(
-        pg=_PG(), _input=kjt, splits=[1, 0], splits_tensors=[torch.tensor([3, 4]) for _ in range(n_tensors)],
-        input_splits=[], input_tensors=[], labels=[], keys=["f"], device=torch.device("cpu"), stagger=1,
-    )  # fmt: skip
+        pg=_PG(),
+        _input=kjt,
+        splits=[1, 0],
+        splits_tensors=[torch.tensor([3, 4]) for _ in range(n_tensors)],
+        input_splits=[],
+        input_tensors=[],
+        labels=[],
+        keys=["f"],
+        device=torch.device("cpu"),
+        stagger=1,
+    )
 
 
 @pytest.fixture

@@ -10,8 +10,7 @@ import torch
 
 import pipeline
 from pipeline import InputDistOptions, ScheduleWatch
-from pipeline.stages.schedule import SCHEDULES
-from pipeline.stages.watch_text import ONE_RANK, schedule_words
+from pipeline.stages.schedule import ONE_RANK, SCHEDULES, schedule_words
 
 
 def test_schedules_are_the_two_choices_crossed():
@@ -44,9 +43,12 @@ def _pipe(**options) -> tuple[pipeline.TrainPipelineSparseDist, list[warnings.Wa
 
 
 def test_auto_warns_once_and_runs_the_default_watch():
-    pipe, said = _pipe(input_dist_schedule="auto")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe, said = _pipe(input_dist=InputDistOptions(schedule="auto"))
+    said = [w for w in caught if issubclass(w.category, DeprecationWarning)]
     assert len(said) == 1, [str(w.message) for w in said]
-    words = 'input_dist_schedule="auto" is a deprecated name of the default, "adaptive"'
+    words = 'InputDistOptions(schedule="auto"): "auto" is a deprecated name of the default, "adaptive"'
     assert words in str(said[0].message)
     assert said[0].filename == __file__, "the warning names the caller's line, not the library's"
     assert isinstance(pipe.tuner, ScheduleWatch), type(pipe.tuner)
@@ -58,14 +60,14 @@ def test_auto_in_an_options_object_warns_when_it_is_made_and_not_again():
     with pytest.warns(DeprecationWarning, match="deprecated name of the default"):
         options = InputDistOptions(schedule="auto")
     assert options.schedule == "adaptive"
-    pipe, said = _pipe(input_dist=options, narrow_ids=False)
+    pipe, said = _pipe(input_dist=options)
     assert not said, "the pipeline made from the options warns no second time"
     assert isinstance(pipe.tuner, ScheduleWatch)
 
 
 @pytest.mark.parametrize("schedule", ["late", "early", "adaptive"])
 def test_twin_a_current_name_does_not_warn_and_only_the_default_has_a_watch(schedule):
-    pipe, said = _pipe(input_dist_schedule=schedule)
+    pipe, said = _pipe(input_dist=InputDistOptions(schedule=schedule))
     assert not said, [str(w.message) for w in said]
     if schedule == "adaptive":
         assert isinstance(pipe.tuner, ScheduleWatch)

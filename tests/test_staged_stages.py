@@ -27,7 +27,7 @@ def _staged_run(model, opt, rank: int, extra: str, with_stage: bool = True) -> t
     import torch
 
     import pipeline
-    from pipeline.stages.copy import to_device
+    from pipeline.pipelines.core import to_device
     from tests import user_models
 
     cpu_stream = torch.Stream("cpu")

@@ -78,7 +78,12 @@ def _emb_stash_case(
     args = () if name == "TrainPipelineSparseDist" else (site,)
     # "late": torchrec's order from the first step to the last (no watch that may switch)
     pipe = getattr(pipeline, name)(
-        model, opt, torch.device("cpu"), *args, input_dist_schedule="late", **options
+        model,
+        opt,
+        torch.device("cpu"),
+        *args,
+        input_dist=pipeline.InputDistOptions(schedule="late"),
+        **options,
     )
     kernels = _kernels(model)
     empty_at: dict[str, list] = {"after_lookups": [], "before": [], "between": []}

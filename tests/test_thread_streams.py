@@ -10,8 +10,7 @@ import weakref
 import pytest
 import torch
 
-from pipeline.stages.streams import Streams
-from pipeline.stages.thread_streams import ThreadStreams, streams_for
+from pipeline.stages.streams import Streams, ThreadStreams, streams_for
 from tests.streamcheck import RecordingStreams
 
 
@@ -156,7 +155,7 @@ def test_under_the_profiler_work_stays_on_the_calling_thread():
 def test_a_profiler_of_every_thread_sees_the_work_on_the_worker():
     from torch._C._profiler import _ExperimentalConfig
 
-    from pipeline.stages.thread_streams import profiling_all_threads
+    from pipeline.stages.streams import profiling_all_threads
 
     streams = ThreadStreams()
     names = []

@@ -67,8 +67,14 @@ def _build(
         for i in range(TABLES)
     ]
     ebc = EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
-    model = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[DIM],
-                           over_arch_layer_sizes=[8, 1]))  # fmt: skip
+    model = DLRMTrain(
+        DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=4,
+            dense_arch_layer_sizes=[DIM],
+            over_arch_layer_sizes=[8, 1],
+        )
+    )
     optim, kwargs = (RowWiseAdagrad, {"lr": 0.1}) if adagrad else (torch.optim.SGD, {"lr": 0.5})
     if lr is not None:
         kwargs = {"lr": lr}
@@ -110,8 +116,13 @@ def _batches(n: int, rank: int, start: int = 0):
         kjt = KeyedJaggedTensor.from_lengths_sync(
             keys=[f"f{t}" for t in range(TABLES)], values=values, lengths=lengths
         )
-        out.append(Batch(dense_features=torch.rand(BATCH, 4, generator=gen), sparse_features=kjt,
-                         labels=torch.randint(0, 2, (BATCH,), generator=gen).float()))  # fmt: skip
+        out.append(
+            Batch(
+                dense_features=torch.rand(BATCH, 4, generator=gen),
+                sparse_features=kjt,
+                labels=torch.randint(0, 2, (BATCH,), generator=gen).float(),
+            )
+        )
     return out
 
 
@@ -139,7 +150,11 @@ def _equivalence(rank: int, world_size: int, pipe_name: str, sharding: str, poli
         model, opt = _build(sharding, d, policy=policy)
         # ahead: the prefetch of i+1 on the worker thread during backward of i, the case
         # pinning exists for ("auto" may keep tiny test tables on the main thread)
-        ahead = {"prefetch_ahead": True} if pipe_name.startswith("Prefetch") else {}
+        ahead = (
+            {"prefetch": pipeline.PrefetchOptions(prefetch_ahead=True)}
+            if pipe_name.startswith("Prefetch")
+            else {}
+        )
         pipe = getattr(pipeline, pipe_name)(model, opt, torch.device("cpu"), **ahead)
         outputs, stopped = outputs_then_stop(pipe, iter(data), STEPS)
         ebc = model.module.model.sparse_arch.embedding_bag_collection
@@ -245,7 +260,9 @@ def _train(model, opt, batches: list) -> list:
 
     import pipeline
 
-    pipe = pipeline.PrefetchTrainPipelineSparseDist(model, opt, torch.device("cpu"), prefetch_ahead=True)
+    pipe = pipeline.PrefetchTrainPipelineSparseDist(
+        model, opt, torch.device("cpu"), prefetch=pipeline.PrefetchOptions(prefetch_ahead=True)
+    )
     it = iter(batches)
     outputs = [pipe.progress(it) for _ in batches]
     pipe.detach()
@@ -278,10 +295,13 @@ def _restart(rank: int, world_size: int) -> dict:
         _train(first, first_opt, data[:split])
         buffer = io.BytesIO()
         torch.save(
-            {"model": first.state_dict(), "fused": first.fused_optimizer.state_dict(),
-             "dense": first_opt.state_dict()},
+            {
+                "model": first.state_dict(),
+                "fused": first.fused_optimizer.state_dict(),
+                "dense": first_opt.state_dict(),
+            },
             buffer,
-        )  # fmt: skip
+        )
         results["state_dict_holds_trained_weights"] = not bitwise_equal(
             _state(first), _state(_build("table_wise", None, adagrad=True)[0])
         )
@@ -348,9 +368,13 @@ def _under_the_watch(rank: int, world_size: int, costs: tuple, mode: object, agr
     with tempfile.TemporaryDirectory() as d:
         model, opt = _build("table_wise", d)
         pipe = pipeline.PrefetchTrainPipelineSparseDist(
-            model, opt, torch.device("cpu"), input_dist_schedule="late", prefetch_ahead=mode,
-            prefetch_watch=watch, agreement=agreement,
-        )  # fmt: skip
+            model,
+            opt,
+            torch.device("cpu"),
+            input_dist=pipeline.InputDistOptions(schedule="late"),
+            prefetch=pipeline.PrefetchOptions(prefetch_ahead=mode, watch=watch),
+            ranks=pipeline.RankOptions(agreement=agreement),
+        )
         ebc = model.module.model.sparse_arch.embedding_bag_collection
         real = ebc.prefetch
 

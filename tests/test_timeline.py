@@ -423,7 +423,7 @@ def test_running_mode_is_read_from_the_pipeline_object() -> None:
     from types import SimpleNamespace
 
     from examples.dlrm.runners import running_mode
-    from pipeline.stages.step_watch import WatchPhase
+    from pipeline.stages.watch import WatchPhase
 
     watch = SimpleNamespace(phase=WatchPhase.TRYING)
     pipe = SimpleNamespace(

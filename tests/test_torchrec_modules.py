@@ -23,8 +23,13 @@ from torchrec.distributed.train_pipeline import TrainPipeline
 
 import pipeline
 
-MODULES = ("train_pipelines", "experimental_pipelines", "pec_train_pipeline", "backward_injection",
-           "pipeline_stage")  # fmt: skip
+MODULES = (
+    "train_pipelines",
+    "experimental_pipelines",
+    "pec_train_pipeline",
+    "backward_injection",
+    "pipeline_stage",
+)
 
 # Defaults that differ on purpose, by (class, parameter): our context class, which takes torchrec's
 # context classes too (tests/test_compat_names.py checks that).
@@ -62,9 +67,15 @@ def _cases() -> list[tuple[str, str]]:
 
 def test_the_enumeration_finds_torchrecs_pipelines():
     found = {cls for _, cls in _cases()}
-    expected = {"TrainPipelineSparseDist", "TrainPipelineSparseDistLite", "TrainPipelineSparseDistT",
-                "TrainPipelineSparseDistBwdOpt", "InjectionSite", "PipelineStage",
-                "SparseDataDistUtil"}  # fmt: skip
+    expected = {
+        "TrainPipelineSparseDist",
+        "TrainPipelineSparseDistLite",
+        "TrainPipelineSparseDistT",
+        "TrainPipelineSparseDistBwdOpt",
+        "InjectionSite",
+        "PipelineStage",
+        "SparseDataDistUtil",
+    }
     assert expected <= found, f"the enumeration misses {sorted(expected - found)}"
 
 

@@ -148,7 +148,9 @@ def _explicit(rank: int, world_size: int, wrong: bool) -> dict:
     expected = models.plain_loop(ref, ref_opt, user_models.batches(STEPS, rank))
     model, opt = user_models.build("recorded")
     paths = {fqn: (lambda b, fqn=fqn: inputs(b)[fqn]) for fqn in ("a", "h")}
-    pipe = pipeline.TrainPipelineSparseDist(model, opt, torch.device("cpu"), arg_paths=paths)
+    pipe = pipeline.TrainPipelineSparseDist(
+        model, opt, torch.device("cpu"), rewrite=pipeline.RewriteOptions(arg_paths=paths)
+    )
     try:
         outputs = models.run_to_end(pipe, iter(user_models.batches(STEPS, rank)))
     except Exception as e:  # the mismatch is reported on the first batch

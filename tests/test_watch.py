@@ -1,5 +1,5 @@
 """The default schedule's watch (pipeline.stages.watch) and the word its figures ride in
-(pipeline.ranks.rows), with fake clocks and simulated ranks: when it tries "early", when it keeps
+(pipeline.ranks.riding), with fake clocks and simulated ranks: when it tries "early", when it keeps
 it, when it goes back, and that every rank decides alike from the words they all read."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import statistics
 import pytest
 
 from pipeline.ranks import RidingMismatchError, Status
-from pipeline.ranks.riding import _read
-from pipeline.ranks.rows import TAG, observed, pack, unpack
-from pipeline.stages.watch import ScheduleWatch, WatchPhase
+from pipeline.ranks.riding import TAG, _read, observed, pack, unpack
+from pipeline.stages.schedule import ScheduleWatch
+from pipeline.stages.watch import WatchPhase
 
 
 class FakeClock:
@@ -216,7 +216,7 @@ def test_a_slow_patch_of_the_machine_before_the_switch_is_not_a_gain(monkeypatch
     than a normal late step) would pass against them. Each side is read by its faster half, the
     normal late steps: early goes back. Twin: against every step before, early is kept where it
     does not pay."""
-    from pipeline.stages import step_times
+    from pipeline.stages import watch as step_times
 
     watches, ran = simulate(120, _slow_patch)
     assert ran[0] == ran[1] and "early" in ran[0] and ran[0][-1] == "late"
@@ -346,8 +346,8 @@ def test_a_row_that_is_not_the_same_status_word_is_an_error_naming_the_rank(word
 def _restored(loads: tuple[bool, ...], monkeypatch, *, agreed: bool) -> list[list[str]]:
     """Ranks that each load a kept "early" (`loads`), or nothing, then step in lockstep with nothing
     to wait for; `agreed=False` is the twin: each rank takes its state alone, as before."""
-    from pipeline.stages import step_watch
-    from pipeline.stages.saved_decision import SavedDecision
+    from pipeline.stages import watch as step_watch
+    from pipeline.stages.watch import SavedDecision
 
     modes, final = ScheduleWatch.modes, ("kept", "back", "pinned")
     monkeypatch.setattr(step_watch, "world_size", lambda: len(loads))
@@ -384,7 +384,7 @@ def test_twin_ranks_that_take_their_own_states_split(loads, monkeypatch):
 
 
 def test_a_decision_saved_at_another_world_size_is_not_taken(monkeypatch):
-    from pipeline.stages import step_watch
+    from pipeline.stages import watch as step_watch
 
     monkeypatch.setattr(step_watch, "world_size", lambda: 3)
     watch = ScheduleWatch(clock=FakeClock())
@@ -404,7 +404,7 @@ def test_where_no_splits_group_spans_every_rank_the_watches_are_pinned(monkeypat
     watch = ScheduleWatch(clock=FakeClock())
     admission = riding.Admission(Ranks(), True, watch=watch)
     monkeypatch.setattr(riding, "splits_shape", lambda fused: None)
-    admission.learn([])
+    admission.learn([(["ebc"], object())])  # a fused all-to-all (on a subgroup: no shape)
     assert watch.phase is WatchPhase.PINNED and watch.active_clock is None
     assert "spans every rank" in watch.reason and not admission.enabled
 
@@ -416,7 +416,7 @@ def test_a_settled_watch_is_not_called_by_the_steps_but_still_counts_them(monkey
     import torch
 
     import pipeline
-    from pipeline.stages.step_watch import StepWatch
+    from pipeline.stages.watch import StepWatch
     from tests.test_torchrec_parity import _Echo, _Numbered
 
     def run(settles: bool) -> tuple[int, int, object]:

@@ -56,7 +56,7 @@ def _splits_wait_counted(rank: int, world_size: int, clocked: bool) -> dict:
     from tests import models
 
     if not clocked:  # the twin: the splits wait without the clock around it, as it was
-        InputDist.wait_splits = lambda self, ctx: self._wait_splits(ctx)
+        InputDist.wait_splits = lambda self, ctx, lane=None: self._wait_splits(ctx, lane)
 
     class Recording(ScheduleWatch):
         """Moves to early at once (a share of 90 %) and records, while it verifies there, the time
@@ -108,7 +108,7 @@ def _own_group(rank: int, world_size: int, like_the_job: bool) -> dict:
     import torch.distributed as dist
 
     from pipeline import ScheduleWatch
-    from pipeline.stages import groups
+    from pipeline.stages import schedule as groups
     from rewrite import kjt_all_to_alls
     from tests import models
 
@@ -215,3 +215,74 @@ def test_watch_settings_that_differ_between_ranks_raise_on_every_rank():
     said = run_ranks(_settings_differ, 2, timeout=TIMEOUT)
     for text in said:
         assert "watch settings" in text and "threshold=0.6" in text and "same ScheduleWatch" in text, text
+
+
+# -- pinned for the true reason: NCCL by the groups' config, a group that cannot be copied, nothing
+#    pipelined -------------------------------------------------------------------------------------
+
+
+def _pinned_because(rank: int, world_size: int, case: str, twin: bool) -> dict:
+    """The default schedule on a model where the watch has nothing to try: `case` "nccl" (the input
+    all-to-alls' group runs NCCL for the batch's device: `backend_on` says so), "uncopyable" (a
+    group like theirs cannot be made: `made_like` raises) or "nothing" (the only sharded module is
+    not pipelined: explicit paths, none given). `twin`: the reason a no-module model got before."""
+    from unittest import mock
+
+    from pipeline import RewriteOptions, ScheduleWatch
+    from pipeline.ranks import riding
+    from pipeline.stages import input_dist
+    from pipeline.stages import schedule as groups
+    from tests import models
+
+    patches = {
+        "nccl": mock.patch.object(input_dist, "backend_on", lambda pg, device: "nccl"),
+        "uncopyable": mock.patch.object(
+            groups, "made_like", mock.Mock(side_effect=AttributeError("options"))
+        ),
+        "nothing": mock.patch.object(
+            riding, "NOTHING_PIPELINED", riding.NO_FULL_GROUP if twin else riding.NOTHING_PIPELINED
+        ),
+    }
+    options = {"rewrite": RewriteOptions(method="explicit")} if case == "nothing" else {}
+    with patches[case]:
+        pipe, data, run = _pipe(rank, ScheduleWatch(), **options)
+        got = models.run_to_end(pipe, iter(data))
+    return {
+        "reason": pipe.tuner.reason,
+        "phase": pipe.tuner.phase.value,
+        "equal": _bit_for_bit(run, data, got),
+    }
+
+
+@pytest.mark.parametrize(
+    ("case", "twin", "said"),
+    [
+        ("nccl", False, "has not been measured on NCCL"),
+        ("uncopyable", False, "cannot be made here (AttributeError: options)"),
+        ("nothing", False, "no sharded module is pipelined"),
+        ("nothing", True, "spans every rank"),
+    ],
+    ids=["nccl", "uncopyable", "nothing-pipelined", "twin-nothing-pipelined-as-2d"],
+)
+def test_the_watch_is_pinned_for_its_true_reason(case, twin, said):
+    for rank, r in enumerate(run_ranks(_pinned_because, 2, args=(case, twin), timeout=TIMEOUT)):
+        assert r["phase"] == "pinned" and said in r["reason"], f"rank {rank}: {r}"
+        assert r["equal"], f"rank {rank}: not bit for bit"
+
+
+def test_the_backend_of_a_group_is_read_for_the_batchs_device(monkeypatch):
+    """A group made with one backend uses it for every device; a mixed one names one per device
+    (`init_process_group("cpu:gloo,cuda:nccl")`, or with no backend where CUDA is there)."""
+    import torch
+    import torch.distributed as dist
+
+    from pipeline.stages.schedule import backend_on
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for config, on_cuda, on_cpu in [
+        ("cpu:gloo,cuda:nccl", "nccl", "gloo"),
+        ("nccl", "nccl", "nccl"),
+        ("cpu:gloo,cuda:gloo", "gloo", "gloo"),
+    ]:
+        monkeypatch.setattr(dist, "get_backend_config", lambda group=None, c=config: c)
+        assert (backend_on(None, cuda), backend_on(None, cpu)) == (on_cuda, on_cpu), config

@@ -58,10 +58,6 @@ class TieredEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         prefix: distinguishes the store files of this module from those of others.
     """
 
-    widens_ids = True
-    """Takes int32 ids and lengths as well as int64 (`RowCache.acquire` widens the ids, the bag
-    offsets are a cumsum, int64): a pipeline may send them narrowed (`narrow_ids`)."""
-
     def __init__(
         self,
         config: GroupedEmbeddingConfig,
@@ -226,7 +222,7 @@ class TieredEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
 
     def caches_full(self) -> bool:
         """Whether every table's cache is full (the Prefetch pipeline observes its steps from then
-        on: `pipeline.stages.prefetch_watch`)."""
+        on: `pipeline.stages.prefetch`)."""
         return all(cache.full for cache in self.caches)
 
     def state_dict(

@@ -117,6 +117,11 @@ class TieredLookup(GroupedPooledEmbeddingsLookup):
 class TieredShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """torchrec's sharded EBC whose custom-kernel tables live on disk (module docstring)."""
 
+    widens_ids = True
+    """Its custom kernel (`TieredEmbeddingBag`) takes int32 ids and lengths as well as int64
+    (`RowCache.acquire` widens the ids; the bag offsets are an int64 cumsum): a pipeline may send
+    them narrowed. Read from the class, which every rank has alike."""
+
     def __init__(self, *args: Any, tiered: TieredOptions, **kwargs: Any) -> None:
         self._tiered_options = tiered
         super().__init__(*args, **kwargs)

@@ -50,10 +50,11 @@ def rank_device(choice: str, local_rank: int, local_world_size: int) -> str:
     if choice == "cuda":
         raise InputError(
             f"--device cuda: {local_world_size} local rank(s) and {gpus} GPU(s) here; start at most "
-            f"{gpus} rank(s) per node (--nproc_per_node={gpus})" if gpus else
-            "--device cuda: no CUDA device is usable here (torch.cuda.is_available() is False); "
+            f"{gpus} rank(s) per node (--nproc_per_node={gpus})"
+            if gpus
+            else "--device cuda: no CUDA device is usable here (torch.cuda.is_available() is False); "
             "use --device cpu, or auto to take a GPU when there is one"
-        )  # fmt: skip
+        )
     return "cpu"
 
 

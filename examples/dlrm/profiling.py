@@ -20,7 +20,7 @@ import torch
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, schedule
 
-from pipeline.stages.thread_streams import profiling_all_threads
+from pipeline.stages.streams import profiling_all_threads
 
 __all__ = ["STEPS_KEY", "step_profiler"]
 

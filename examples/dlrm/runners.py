@@ -112,10 +112,12 @@ def make_runner(
         )
     if name == "base":
         return cls(model, optimizer, device)
+    input_dist = pipeline.InputDistOptions(schedule=input_dist_schedule)
     if name == "prefetch":
         ahead = {"auto": "auto", "true": True, "false": False}[prefetch_ahead]
-        return cls(model, optimizer, device, input_dist_schedule=input_dist_schedule, prefetch_ahead=ahead)
-    return cls(model, optimizer, device, input_dist_schedule=input_dist_schedule)
+        prefetch = pipeline.PrefetchOptions(prefetch_ahead=ahead)
+        return cls(model, optimizer, device, input_dist=input_dist, prefetch=prefetch)
+    return cls(model, optimizer, device, input_dist=input_dist)
 
 
 def unwrap(runner: Runner) -> Any:

@@ -161,8 +161,11 @@ def _init_distributed(choice: str) -> Any:
 
     # Under torchrun, a store of this attempt's own (examples/dlrm/elastic.py); else env://.
     store = attempt_store()
-    where = {} if store is None else {"store": store, "rank": int(os.environ["RANK"]),
-                                      "world_size": int(os.environ["WORLD_SIZE"])}  # fmt: skip
+    where = (
+        {}
+        if store is None
+        else {"store": store, "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+    )
     if use_cuda:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -302,13 +305,22 @@ def _parser() -> argparse.ArgumentParser:
     add("--sharding-types", type=_name_list, help="e.g. table_wise,column_wise (default by device)")
     add("--embedding-store", metavar="DIR", help="tables on disk in DIR (tiered kernel, CPU)")
     add("--cache-rows", type=int, metavar="N", help="with --embedding-store: RAM rows per table shard")
-    add("--store-mode", choices=("create", "open"), default=d.store_mode,
-        help="with --embedding-store: new stores from initial weights, or reuse existing ones")  # fmt: skip
+    add(
+        "--store-mode",
+        choices=("create", "open"),
+        default=d.store_mode,
+        help="with --embedding-store: new stores from initial weights, or reuse existing ones",
+    )
     add("--cold-store", action="store_true", help="with --embedding-store: every miss reads the disk")
     add("--compare", choices=("plain",), help="then train the plain loop alike and compare step times")
     add("--checkpoint-dir", metavar="DIR", help="save sharded checkpoints here; resume from the newest")
-    add("--checkpoint-every", type=int, metavar="N", default=d.checkpoint_every,
-        help="with --checkpoint-dir: steps between checkpoints (0: after the last step only)")  # fmt: skip
+    add(
+        "--checkpoint-every",
+        type=int,
+        metavar="N",
+        default=d.checkpoint_every,
+        help="with --checkpoint-dir: steps between checkpoints (0: after the last step only)",
+    )
     add("--checkpoint-async", action="store_true", help="write checkpoints behind training")
     add("--inject-kill", metavar="RANK:step|save:N", help="SIGKILL a rank once, for demos and tests")
     add("--loss-log", metavar="PATH", help="append every step's exact loss on every rank here")

@@ -4,12 +4,11 @@ of batch i (stages and streams: `pipeline.stages`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
 
-from pipeline.config import RankOptions, fields_in, resolve
+from pipeline.options import RankOptions
 from pipeline.pipelines.core import PipelineCore
 from pipeline.ranks import Lane
 from pipeline.stages.streams import Streams
@@ -34,9 +33,7 @@ class TrainPipelineBase(PipelineCore):
             does ours under False (nothing follows the head batch that it would need).
         streams: the streams to run on (tests pass `tests.streamcheck.RecordingStreams()`); None: CUDA
             streams on a GPU, none on CPU.
-        on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
-            peer_timeout: the fields of `RankOptions`, which `ranks` may give instead; None:
-            `RankOptions`' default.
+        ranks: how the ranks agree on every batch, and fail (`RankOptions`).
     """
 
     def __init__(
@@ -50,13 +47,6 @@ class TrainPipelineBase(PipelineCore):
         execute_all_batches: bool = True,
         streams: Streams | None = None,
         ranks: RankOptions | None = None,
-        on_uneven: str | None = None,
-        check_keys: bool | None = None,
-        check_kjts: bool | None = None,
-        agreement: bool | None = None,
-        abort_on_error: bool | None = None,
-        failure_grace: float | None = None,
-        peer_timeout: timedelta | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -65,7 +55,7 @@ class TrainPipelineBase(PipelineCore):
             execute_all_batches=execute_all_batches,
             custom_model_fwd=custom_model_fwd,
             streams=streams,
-            ranks=resolve(ranks, RankOptions, **fields_in(locals(), RankOptions)),
+            ranks=ranks,
             enable_inplace_copy_batch=enable_inplace_copy_batch,
         )
 

@@ -1,9 +1,6 @@
-"""Gradient accumulation around any pipeline, with torchrec 1.8's API and schedule: the pipeline's
-`zero_grad()` and `step()` reach the optimizer at a group's first and last batch, the backwards
-between run under `no_sync()` of every DistributedDataParallel in the model (the dense gradients are
-summed, not scaled, and all-reduced once a group), fused embedding optimizers still update every
-batch, and a group the dataloader ends steps on gradients first averaged over the ranks (torchrec
-1.8's are unsynced there). docs/reference.md, "Gradient accumulation", says each rule.
+"""Gradient accumulation around any pipeline, with torchrec 1.8's API and schedule: one optimizer
+step every `num_steps` batches, the dense gradients all-reduced once a group (docs/reference.md,
+"Gradient accumulation", says each rule).
 """
 
 from __future__ import annotations
@@ -17,22 +14,22 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from pipeline.compat.types import In, Out
+from pipeline.compat import In, Out
 
 __all__ = ["GradientAccumulationConfig", "GradientAccumulationWrapper"]
 
 
 @dataclass(slots=True)
 class GradientAccumulationConfig:
-    """How many batches make one optimizer step (torchrec's fields and defaults, positional too)."""
+    """How many batches make one optimizer step (torchrec's fields and defaults, positional too).
 
-    is_enabled: bool = False
-    """Accumulate at all; set by itself when `num_steps > 1`."""
-    num_steps: int = 1
-    """Batches per optimizer step."""
-    num_warmup_steps: int = 1
-    """The first this many batches all-reduce their gradients (at least the first: DDP with
-    `static_graph=True` must sync its first backward)."""
+    Raises:
+        ValueError: `num_steps` or `num_warmup_steps` below 1.
+    """
+
+    is_enabled: bool = False  # set by itself when num_steps > 1
+    num_steps: int = 1  # batches per optimizer step
+    num_warmup_steps: int = 1  # the first this many batches sync (DDP's static_graph needs the first)
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
@@ -48,22 +45,16 @@ class GradientAccumulationConfig:
 
 class AccumulatingOptimizer:
     """The optimizer as the wrapped pipeline sees it: `zero_grad()` at a group's first batch only,
-    `step()` at its last only; anything else goes to the optimizer.
-
-    `current_step` is the index of the batch the pipeline is running (advanced by the wrapper after
-    each `progress()`).
-    """
+    `step()` at its last only (`current_step`: the batch the pipeline runs); the rest is the
+    optimizer's."""
 
     def __init__(self, optimizer: Any, config: GradientAccumulationConfig) -> None:
         self.optimizer = optimizer
-        """The optimizer that steps."""
         self.config = config
         self.current_step = 0
         self.needs_zero_grad = True
-        """True until the first `zero_grad()` after a step (or at the start)."""
 
     def ends_group(self) -> bool:
-        """The batch at `current_step` is the last of its group."""
         return (self.current_step + 1) % self.config.num_steps == 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -88,8 +79,7 @@ class AccumulatingOptimizer:
 
 
 class GradientAccumulationWrapper(Generic[In, Out]):
-    """Runs `pipeline` with one optimizer step every `config.num_steps` batches (torchrec's
-    signature and methods; the module docstring says what is accumulated and when ranks sync).
+    """Runs `pipeline` with one optimizer step every `config.num_steps` batches (torchrec's API).
 
     Args:
         pipeline: a pipeline of ours (or torchrec's) built with `optimizer`.
@@ -107,8 +97,13 @@ class GradientAccumulationWrapper(Generic[In, Out]):
         self._optimizer = AccumulatingOptimizer(optimizer, config)
         self._ddp: list[Any] | None = None
         self._synced_last = True
-        if config.is_enabled:
-            _install_optimizer(pipeline, self._optimizer)
+        if config.is_enabled:  # ours step a public `optimizer`; torchrec's classes a private `_optimizer`
+            if isinstance(getattr(type(pipeline), "optimizer", None), property):
+                pipeline.optimizer = self._optimizer
+            elif hasattr(pipeline, "_optimizer"):
+                pipeline._optimizer = self._optimizer
+            else:
+                raise TypeError(f"{type(pipeline).__name__} has no optimizer to accumulate for")
 
     @property
     def optimizer_wrapper(self) -> AccumulatingOptimizer:
@@ -136,9 +131,12 @@ class GradientAccumulationWrapper(Generic[In, Out]):
         """
         if not self._config.is_enabled:
             return self._pipeline.progress(dataloader_iter)
-        sync = bool(is_last_batch) or self._syncs(self.current_step)
+        step, config = self.current_step, self._config
+        sync = bool(is_last_batch) or step < config.num_warmup_steps or (step + 1) % config.num_steps == 0
         try:
-            with contextlib.nullcontext() if sync else self._no_sync():
+            with contextlib.ExitStack() as no_sync:
+                for ddp in [] if sync else self._ddp_modules():
+                    no_sync.enter_context(ddp.no_sync())
                 output = self._pipeline.progress(dataloader_iter)
         except StopIteration:
             self._flush()
@@ -169,14 +167,9 @@ class GradientAccumulationWrapper(Generic[In, Out]):
         if hasattr(self._pipeline, "reset"):
             self._pipeline.reset()
 
-    def _syncs(self, step: int) -> bool:
-        config = self._config
-        return step < config.num_warmup_steps or (step + 1) % config.num_steps == 0
-
     def _flush(self) -> None:
-        """Step an unfinished group (after its last batch, or at the dataloader's end), with its
-        gradients averaged over the ranks if its last backward did not sync; the next batch starts
-        a new group."""
+        """Step an unfinished group, its gradients first averaged over the ranks if its last backward
+        did not sync; the next batch starts a new group."""
         done = self.current_step
         if done % self._config.num_steps == 0:
             return
@@ -190,43 +183,19 @@ class GradientAccumulationWrapper(Generic[In, Out]):
         # unlike torchrec 1.8, the next epoch's first batch starts a group instead of ending one
         self._optimizer.current_step = done + self._config.num_steps - done % self._config.num_steps
 
-    def _no_sync(self) -> contextlib.ExitStack:
-        stack = contextlib.ExitStack()
-        for ddp in self._ddp_modules():
-            stack.enter_context(ddp.no_sync())
-        return stack
-
     def _ddp_modules(self) -> list[Any]:
-        """The modules whose gradients sync in backward, found once (the module tree does not change
-        while training): the model itself if it has `no_sync` (DDP, FSDP), else every DDP in it
-        (DistributedModelParallel wraps its dense part in one; some sharded modules hold their own)."""
+        """The model if it has `no_sync` (DDP, FSDP), else every DDP in it; found once."""
         if self._ddp is None:
-            model = self._model
-            if hasattr(model, "no_sync"):
-                self._ddp = [model]
-            else:
-                self._ddp = [m for m in model.modules() if isinstance(m, DistributedDataParallel)]
+            ddps = [m for m in self._model.modules() if isinstance(m, DistributedDataParallel)]
+            self._ddp = [self._model] if hasattr(self._model, "no_sync") else ddps
         return self._ddp
 
     def __getattr__(self, name: str) -> Any:
-        # rewrite_report, dataloader_state, ...: the pipeline's
-        return getattr(self._pipeline, name)
-
-
-def _install_optimizer(pipeline: Any, optimizer: AccumulatingOptimizer) -> None:
-    """Make `pipeline` step `optimizer`: ours through their public `optimizer`; torchrec's classes
-    have only their private `_optimizer`, which is what torchrec's own wrapper replaces."""
-    if isinstance(getattr(type(pipeline), "optimizer", None), property):
-        pipeline.optimizer = optimizer
-    elif hasattr(pipeline, "_optimizer"):
-        pipeline._optimizer = optimizer
-    else:
-        raise TypeError(f"{type(pipeline).__name__} has no optimizer to accumulate for")
+        return getattr(self._pipeline, name)  # rewrite_report, dataloader_state, ...
 
 
 def _average_gradients(ddp: Any) -> None:
-    """What a synced backward of `ddp` does to the gradients: divide by the group's size, then sum
-    over its ranks (in place)."""
+    """What a synced backward does to the gradients: divide by the group's size, sum over its ranks."""
     group = getattr(ddp, "process_group", None)
     size = dist.get_world_size(group)
     ignored = getattr(ddp, "parameters_to_ignore", set())

@@ -1,25 +1,23 @@
 """PrefetchTrainPipelineSparseDist: SparseDist plus a prefetch stage, so forward never waits on
 communication and each module's `prefetch()` (an embedding cache filled ahead, e.g. `tiered/`) runs
 for batch i+1 while batch i computes: on CUDA on the prefetch stream, on CPU on a worker thread
-(stages and streams: `pipeline.stages`; the prefetch stage: `pipeline.stages.prefetch`).
+(stages and streams: `pipeline.stages`; the prefetch stage: `pipeline.stages.prefetch`). Its step is
+SparseDist's, with the prefetch stage placed by the step's hooks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
 
-from pipeline.config import InputDistOptions, PrefetchOptions, RankOptions, RewriteOptions, resolve
+from pipeline.options import InputDistOptions, PrefetchOptions, RankOptions, RewriteOptions
 from pipeline.pipelines.sparse_dist import TrainPipelineSparseDist
 from pipeline.ranks import Lane
-from pipeline.stages.context import PrefetchBatchContext
-from pipeline.stages.prefetch import PrefetchStage, prefetch_does_work
-from pipeline.stages.prefetch_watch import PrefetchWatch
-from pipeline.stages.streams import Streams
-from pipeline.stages.thread_streams import streams_for
+from pipeline.stages.context import BatchContext, PrefetchBatchContext
+from pipeline.stages.prefetch import PrefetchStage, PrefetchWatch, prefetch_does_work
+from pipeline.stages.streams import Streams, streams_for
 from rewrite import outermost_sharded, unwrap_model
 
 __all__ = ["PrefetchTrainPipelineSparseDist"]
@@ -31,8 +29,8 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
 
     Args (torchrec's, in its order, then ours, keyword-only): as in `TrainPipelineSparseDist`
     (under `execute_all_batches=False` the last two batches are dropped, as by torchrec's fixed
-    class; torchrec 1.8.0 drops four), and `prefetch_ahead`, `prefetch_watch`: the fields of
-    `PrefetchOptions` (`prefetch` may give them).
+    class; torchrec 1.8.0 drops four), and `prefetch`: when the stage runs (`PrefetchOptions`).
+    `streams` None: on CPU a prefetch worker thread.
     """
 
     def __init__(
@@ -50,29 +48,33 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
         async_inplace_copy: bool = False,
         *,
         prefetch: PrefetchOptions | None = None,
-        prefetch_ahead: bool | str | None = None,
-        prefetch_watch: PrefetchWatch | None = None,
         strict: bool = False,
         rewrite: RewriteOptions | None = None,
-        rewrite_method: str | None = None,
-        arg_paths: dict[str, Any] | None = None,
         input_dist: InputDistOptions | None = None,
-        input_dist_schedule: str | None = None,
-        narrow_ids: bool | None = None,
-        streams: Streams | None = None,
         ranks: RankOptions | None = None,
-        on_uneven: str | None = None,
-        check_keys: bool | None = None,
-        check_kjts: bool | None = None,
-        agreement: bool | None = None,
-        abort_on_error: bool | None = None,
-        failure_grace: float | None = None,
-        peer_timeout: timedelta | None = None,
+        streams: Streams | None = None,
     ) -> None:
-        if streams is None and device.type != "cuda":  # CPU: the prefetch stream is a worker thread
-            streams = streams_for(device, prefetch_thread=True)
-        self._build(locals(), forward="prefetch", batch_context=PrefetchBatchContext)
-        options = resolve(prefetch, PrefetchOptions, prefetch_ahead=prefetch_ahead, watch=prefetch_watch)
+        self._setup(
+            model,
+            optimizer,
+            device,
+            execute_all_batches=execute_all_batches,
+            apply_jit=apply_jit,
+            pipeline_postproc=pipeline_postproc,
+            custom_model_fwd=custom_model_fwd,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            strict=strict,
+            rewrite=rewrite,
+            input_dist=input_dist,
+            ranks=ranks,
+            # CPU: the prefetch stream is a worker thread
+            streams=streams if streams is not None else streams_for(device, prefetch_thread=True),
+            forward="prefetch",
+            context_type=PrefetchBatchContext,
+        )
+        options = prefetch or PrefetchOptions()
         self._prefetch = PrefetchStage(
             self._streams, self._input_dist, ahead=options.prefetch_ahead, watch=options.watch
         )
@@ -109,7 +111,11 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
     def _fill(self, lane: Lane) -> None:
         first = self._with_stage is None
         if first:
-            self._choose_mode()
+            modules = outermost_sharded(unwrap_model(self._model)).values()
+            self._with_stage = any(prefetch_does_work(m) for m in modules)
+            if not self._with_stage:
+                self._input_dist.use_forward("input_dist")
+                self._prefetch.stay_inline()
         self._input_dist.fill(lane, self._enqueue)
         report = self._input_dist.report
         if first and not self._with_stage and report is not None:
@@ -118,38 +124,32 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
                 "Prefetch pipeline runs TrainPipelineSparseDist's step, with no prefetch stage"
             )
 
-    def _choose_mode(self) -> None:
-        modules = outermost_sharded(unwrap_model(self._model)).values()
-        self._with_stage = any(prefetch_does_work(m) for m in modules)
-        if not self._with_stage:
-            self._input_dist.use_forward("input_dist")
-            self._prefetch.stay_inline()
+    # The hooks: SparseDist's where no module has prefetch work (`_with_stage` False).
 
-    def _step(self, lane: Lane) -> Any:
+    def _step_begins(self, ctx: BatchContext) -> None:
         if not self._with_stage:
-            return super()._step(lane)  # TrainPipelineSparseDist's (no enqueue_batch_after_forward here)
-        ctx = lane.inflight[0]
-        input_dist, prefetch = self._input_dist, self._prefetch
-        input_dist.choose_schedule(self._model.training)
-        prefetch.start_step(self._model.training)  # under a trial: ahead or inline this step
-        if len(lane.inflight) < 3:
-            self._enqueue(lane)
-        nxt = input_dist.start_next(lane)
-        if nxt is not None and input_dist.early_splits:
+            return super()._step_begins(ctx)
+        # under a trial: ahead or inline this step (the stage frees the sent inputs itself)
+        self._prefetch.start_step(self._model.training)
+
+    def _before_forward(self, ctx: BatchContext, nxt: BatchContext | None) -> None:
+        if not self._with_stage:
+            return
+        prefetch = self._prefetch
+        if nxt is not None and self._input_dist.early_splits:
             # on a worker thread the prefetch of batch i+1 starts as soon as its values all-to-all
             # is under way, and reads during forward too; the rows batch i uses are pinned
             prefetch.submit_early(nxt)
         prefetch.wait(ctx)  # submits it first if it did not run ahead
-        self._wait_for_batch()
-        losses, output = self._forward(ctx, train=True, input_dist=input_dist)
-        if nxt is not None and not input_dist.wait_splits(nxt):  # a no-op after early splits
-            nxt = None  # the ranks dropped it (its status rode on its splits)
-        if nxt is not None and prefetch.ahead:
+
+    def _after_forward(self, ctx: BatchContext, nxt: BatchContext | None, losses: Any) -> None:
+        if self._with_stage and nxt is not None and self._prefetch.ahead:
             # overlaps backward and optimizer of batch i (torchrec's GPU order); the rows it
             # needs are pinned by the kernel, so backward of i cannot lose them
-            prefetch.submit(nxt)
-        if losses is not None:
-            self._backward_stage(ctx, losses)
-            self._optimizer_stage(ctx)
-        lane.inflight.popleft()
-        return output
+            self._prefetch.submit(nxt)
+
+    def _backward_and_optimizer(self, ctx: BatchContext, losses: Any) -> None:
+        if not self._with_stage:
+            return super()._backward_and_optimizer(ctx, losses)
+        self._backward_stage(ctx, losses)  # with the stage, torchrec's order: no replicas' sync
+        self._optimizer_stage(ctx)

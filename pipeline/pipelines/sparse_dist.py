@@ -1,29 +1,46 @@
-"""TrainPipelineSparseDist: input_dist of the next batch runs ahead of forward (stages and streams:
-`pipeline.stages`; when the next batch's splits are waited for and on which process group its
-all-to-alls run: `pipeline.stages.schedule`; by default the watch of `pipeline.stages.watch`, which
-starts in torchrec's order and may move every rank to early where that pays). With
-`enqueue_batch_after_forward`, the copy of batch i+2 moves after forward of i, as in torchrec. On
-CPU the collectives run in gloo's threads, so the overlap is real there too.
+"""TrainPipelineSparseDist: the input_dist of the next batch runs ahead of forward, and the base of
+every class that torchrec derives from it. Its one step names every stage in order; a class that
+differs by a line or three overrides one of the step's named hooks (`_step_begins`,
+`_before_forward`, `_after_forward`, `_backward_and_optimizer`) instead of copying the step.
+
+Here too: torchrec's public methods of its `TrainPipelineSparseDist` family (fill, enqueue, start and
+wait the sparse data dist, dequeue...), so that a user's own `progress()` written for torchrec's
+classes trains here as it does there; and the two small classes of the family that torchrec keeps
+beside it: `TrainPipelineSparseDistLite` and `EvalPipelineSparseDist`.
+
+How torchrec's state maps onto ours: torchrec keeps two deques, `batches` and `contexts`; we keep
+one deque of contexts per dataloader iterator (a `Lane`), each context holding its batch.
+`contexts` is the deque of the lane in use (the iterator last given to `progress`,
+`fill_pipeline`, `enqueue_batch` or `copy_batch_to_gpu`) and `batches` a read-only view of its
+batches. Our own step does not call torchrec's methods: it calls the components by name, so they
+cost nothing per step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from datetime import timedelta
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
+from torch import nn
 
-from pipeline.config import InputDistOptions, RankOptions, RewriteOptions
-from pipeline.pipelines.input_dist_core import InputDistCore
+from pipeline.compat import PipelineState, refuse_jit
+from pipeline.compat.backward_injection import InjectionSite, register_backward_hook
+from pipeline.options import InputDistOptions, RankOptions, RewriteOptions
+from pipeline.pipelines.core import PipelineCore
 from pipeline.ranks import Lane
 from pipeline.stages.context import BatchContext, TrainPipelineContext
-from pipeline.stages.streams import Streams
+from pipeline.stages.input_dist import InputDist, MemoryFlags
+from pipeline.stages.schedule import ScheduleWatch
+from pipeline.stages.streams import Streams, label, streams_for
+from rewrite import RewriteReport, unwrap_model
 
-__all__ = ["TrainPipelineSparseDist"]
+__all__ = ["Batches", "EvalPipelineSparseDist", "TrainPipelineSparseDist", "TrainPipelineSparseDistLite"]
 
 
-class TrainPipelineSparseDist(InputDistCore):
+class TrainPipelineSparseDist(PipelineCore):
     """Overlaps input_dist of batch i+1 and the copy of batch i+2 with the compute of batch i.
 
     Args (torchrec's, in its order):
@@ -46,15 +63,12 @@ class TrainPipelineSparseDist(InputDistCore):
         async_inplace_copy: accepted (torchrec 1.9 added it), no effect: torchrec dispatches the
             in-place copy from a worker thread on a GPU under it; ours dispatches on the caller's.
 
-    Keyword-only, ours:
+    Keyword-only, ours (`pipeline.options`):
         strict: fail on the first batch if a sharded module cannot be pipelined.
-        rewrite_method, arg_paths: the fields of `RewriteOptions` (`rewrite` may give them).
-        input_dist_schedule, narrow_ids: the fields of `InputDistOptions` (`input_dist` may give
-            them).
+        rewrite: how the sharded modules' inputs are found (`RewriteOptions`).
+        input_dist: the input_dist schedule and the width of the ids sent (`InputDistOptions`).
+        ranks: how the ranks agree on every batch, and fail (`RankOptions`).
         streams: the streams to run on; None: CUDA streams on a GPU, none on CPU.
-        on_uneven, check_keys, check_kjts, agreement, abort_on_error, failure_grace,
-            peer_timeout: the fields of `RankOptions` (`ranks` may give them).
-        A keyword left None takes its options object's value, else that dataclass's default.
     """
 
     def __init__(
@@ -76,58 +90,504 @@ class TrainPipelineSparseDist(InputDistCore):
         *,
         strict: bool = False,
         rewrite: RewriteOptions | None = None,
-        rewrite_method: str | None = None,
-        arg_paths: dict[str, Any] | None = None,
         input_dist: InputDistOptions | None = None,
-        input_dist_schedule: str | None = None,
-        narrow_ids: bool | None = None,
-        streams: Streams | None = None,
         ranks: RankOptions | None = None,
-        on_uneven: str | None = None,
-        check_keys: bool | None = None,
-        check_kjts: bool | None = None,
-        agreement: bool | None = None,
-        abort_on_error: bool | None = None,
-        failure_grace: float | None = None,
-        peer_timeout: timedelta | None = None,
+        streams: Streams | None = None,
     ) -> None:
-        self._build(locals())
+        self._setup(
+            model,
+            optimizer,
+            device,
+            execute_all_batches=execute_all_batches,
+            apply_jit=apply_jit,
+            pipeline_postproc=pipeline_postproc,
+            custom_model_fwd=custom_model_fwd,
+            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
+            enqueue_batch_after_forward=enqueue_batch_after_forward,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            strict=strict,
+            rewrite=rewrite,
+            input_dist=input_dist,
+            ranks=ranks,
+            streams=streams,
+        )
 
-    _enqueue_next = InputDistCore._enqueue
-    """How the step copies batch i+2 (a subclass may dispatch it elsewhere: `TrainPipelineSparseDistT`)."""
+    def _setup(
+        self,
+        model: nn.Module,
+        optimizer: Any,
+        device: torch.device,
+        *,
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        pipeline_postproc: bool = False,
+        custom_model_fwd: Callable[[Any], Any] | None = None,
+        dmp_collection_sync_interval_batches: int | None = 1,
+        enqueue_batch_after_forward: bool = False,
+        enable_inplace_copy_batch: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        strict: bool = False,
+        rewrite: RewriteOptions | None = None,
+        input_dist: InputDistOptions | None = None,
+        ranks: RankOptions | None = None,
+        streams: Streams | None = None,
+        forward: str = "input_dist",
+        context_type: type[BatchContext] = BatchContext,
+        lookahead: int = 2,
+        forward_only: bool = False,
+        riding: bool = True,
+    ) -> None:
+        """The one construction of the family: each class's constructor passes what it takes and
+        what it fixes, by name. Besides the constructors' arguments: `forward`, which hijacked
+        forward the sharded modules get (`InputDist`); `context_type`, the per-batch context the
+        class's stages need; `lookahead`, how many batches must follow the head under
+        `execute_all_batches=False` (torchrec's rule for the class); `forward_only`, forward
+        without backward whatever the model's mode (the eval classes); `riding`, every batch is
+        admitted through the step's `InputDist.fill` and `start_next`, so its status may ride on its
+        splits (False: a class that admits its batches itself)."""
+        refuse_jit(apply_jit)
+        PipelineCore.__init__(
+            self,
+            model,
+            optimizer,
+            device,
+            execute_all_batches=execute_all_batches,
+            custom_model_fwd=custom_model_fwd,
+            streams=streams,
+            ranks=ranks,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
+            context_type=context_type,
+            lookahead=lookahead,
+        )
+        self._enqueue_batch_after_forward = enqueue_batch_after_forward
+        self._clear_data_dist_inputs = clear_data_dist_inputs  # torchrec's attribute
+        self._train = not forward_only
+        self._input_dist = InputDist(
+            model,
+            self._streams,
+            rewrite=rewrite or RewriteOptions(),
+            strict=strict,
+            pipeline_postproc=pipeline_postproc,
+            schedule=input_dist or InputDistOptions(),
+            memory=MemoryFlags(free_features_storage_early, clear_data_dist_inputs),
+            forward=forward,
+            ranks=self._ranks,
+            carry=riding and execute_all_batches,  # a look-ahead admits itself
+        )
+        self._on_reset.append(self._input_dist.interrupt)
+        self._on_step_end.append(self._input_dist.step_ended)
+        self._on_close.append(self._input_dist.close)
+
+    # -- what users read ----------------------------------------------------------------------------
+
+    @property
+    def input_dist_schedule(self) -> str:
+        """The input_dist schedule in use, a name from `pipeline.stages.schedule.SCHEDULES` (under the
+        default, "adaptive", it may change once or twice: `tuner`)."""
+        return self._input_dist.schedule
+
+    @property
+    def tuner(self) -> ScheduleWatch | None:
+        """Under the default ("adaptive"), the schedule watch: `print(pipe.tuner)` says what it
+        observed, at which step, what it kept and why (`choice`, `reason`, `decisions`). None where
+        the schedule is pinned."""
+        return self._input_dist.watch
+
+    @property
+    def rewrite_report(self) -> RewriteReport | None:
+        """What the rewrite did to each sharded module; None before the first `progress()`."""
+        return self._input_dist.report
+
+    @property
+    def released_bytes(self) -> int:
+        """Bytes that `free_features_storage_early` and `clear_data_dist_inputs` released so far."""
+        return self._input_dist.freed_bytes
+
+    def detach(self) -> nn.Module:
+        """Restore every original forward; the next `progress()` re-attaches.
+
+        Batches in flight are kept and resume with the next `progress()` on their iterator.
+
+        Returns:
+            The model, as it was before the pipeline touched it.
+
+        Raises:
+            BaseException: work on a side stream (a prefetch submitted ahead) failed and nothing
+                raised its error yet; the model is restored all the same.
+        """
+        try:
+            self._streams.wait_all()
+        finally:
+            self._input_dist.detach()
+        return self._model
+
+    def attach(self, model: nn.Module | None = None, sparse_dist: bool = True) -> None:
+        """torchrec's counterpart of `detach()`; optional here, since `progress()` re-attaches.
+
+        Raises:
+            ValueError: `model` is not the pipeline's model (build a new pipeline for another).
+        """
+        if model is not None and model is not self._model:
+            raise ValueError("attach(model) takes the pipeline's own model; build a new pipeline for another")
+
+    # -- the step -----------------------------------------------------------------------------------
 
     def _fill(self, lane: Lane) -> None:
         self._input_dist.fill(lane, self._enqueue)
 
     def _step(self, lane: Lane) -> Any:
         """The copy of batch i+2 (after forward of i under `enqueue_batch_after_forward`) and the
-        input_dist of i+1 overlap forward, backward and optimizer of i. Prefetch runs it too when no
-        module has prefetch work."""
+        input_dist of i+1 overlap forward, backward and optimizer of i. The hooks, in order:
+        `_step_begins`, `_before_forward`, `_after_forward`, `_backward_and_optimizer`."""
         ctx, input_dist = lane.inflight[0], self._input_dist
+        input_dist.choose_schedule(self._train and self._model.training)
+        self._step_begins(ctx)
         copy_late = self._enqueue_batch_after_forward
-        input_dist.choose_schedule(self._model.training)
-        input_dist.release_inputs(ctx)
         if not copy_late and len(lane.inflight) < 3:
             self._enqueue_next(lane)
         nxt = input_dist.start_next(lane)  # waits for its copy where it was dispatched on a worker
+        self._before_forward(ctx, nxt)
         self._wait_for_batch()
-        losses, output = self._forward(ctx, train=True, input_dist=input_dist)
+        losses, output = self._forward(ctx, train=self._train, input_dist=input_dist)
         if copy_late and len(lane.inflight) < 3:
             self._enqueue_next(lane)  # after forward: on a GPU the copy does not compete with lookups
-        if nxt is not None:
-            input_dist.wait_splits(nxt)  # a no-op after early splits
+        if nxt is not None and not input_dist.wait_splits(nxt, lane):  # a no-op after early splits
+            nxt = None  # the ranks dropped it (its status rode on its splits)
+        self._after_forward(ctx, nxt, losses)
         if losses is not None:
-            self._backward_stage(ctx, losses)
-            self._sync_replicas(ctx)
-            self._optimizer_stage(ctx)
+            self._backward_and_optimizer(ctx, losses)
         lane.inflight.popleft()
         return output
+
+    def _step_begins(self, ctx: BatchContext) -> None:
+        """The step's first hook, before the copy of batch i+2 (`ctx`: batch i): under
+        `clear_data_dist_inputs`, what its input all-to-alls sent is freed."""
+        self._input_dist.release_inputs(ctx)
+
+    def _before_forward(self, ctx: BatchContext, nxt: BatchContext | None) -> None:
+        """The step's hook once input_dist of batch i+1 (`nxt`, None if there is none) started,
+        before the head batch `ctx` is waited for and its forward runs."""
+
+    def _after_forward(self, ctx: BatchContext, nxt: BatchContext | None, losses: Any) -> None:
+        """The step's hook after forward of `ctx` and the splits wait of `nxt` (None if the ranks
+        dropped it); `losses` None outside training."""
+
+    def _backward_and_optimizer(self, ctx: BatchContext, losses: Any) -> None:
+        """In training: backward of `ctx`'s batch, the replicas' sync, the optimizer step."""
+        self._backward_stage(ctx, losses)
+        self._sync_replicas(ctx)
+        self._optimizer_stage(ctx)
+
+    def _enqueue_next(self, lane: Lane) -> bool:
+        """How the step copies batch i+2 (`TrainPipelineSparseDistT` dispatches it elsewhere)."""
+        return self._enqueue(lane)
 
     def _wait_for_batch(self) -> None:
         """Make the head batch (`self.batches[0]`), copied to the device on the memcpy stream,
         usable on the caller's: torchrec's subclass point, with its signature on this family;
         each step calls it before forward."""
-        head, streams = self._ranks.lane.inflight[0], self._streams
+        head, streams = self._lane.inflight[0], self._streams
         # held for the caller's stream on behalf of the head batch, released after its step
         streams.handoff(head.batch, streams.memcpy, head)
         streams.consumed(head.batch)
+
+    # -- torchrec's methods, over our components ------------------------------------------------------
+
+    @property
+    def contexts(self) -> deque[BatchContext]:
+        """The contexts of the batches in flight, oldest (batch i, the next forward's) first: the
+        pipeline's own deque, changed by `enqueue_batch` and `dequeue_batch`."""
+        return self._lane.inflight if self._lane is not None else deque()
+
+    @property
+    def batches(self) -> Batches:
+        """The batches of `contexts` (read-only)."""
+        return Batches(self.contexts)
+
+    @property
+    def _pipelined_modules(self) -> list[nn.Module]:
+        """The sharded modules whose input_dist runs ahead (none before the first batch)."""
+        return [pm.module for pm in self._input_dist.modules]
+
+    @property
+    def _model_attached(self) -> bool:
+        """The sharded modules' forwards are rewritten (False before the first batch and after
+        `detach()`; the next batch's input_dist attaches)."""
+        return self._input_dist.rewrite is not None
+
+    def fill_pipeline(self, dataloader_iter: Iterator[Any]) -> None:
+        """Put in flight what the next step needs (a no-op once full): for SparseDist, batch i
+        copied with its input_dist started and its splits waited, and batch i+1 copied. Sets the
+        module context to batch i's."""
+        lane = self._enter(dataloader_iter)
+        self._fill(lane)
+        if lane.inflight:
+            self._set_module_context(lane.inflight[0])
+
+    def enqueue_batch(self, dataloader_iter: Iterator[Any]) -> bool:
+        """Fetch the next batch, copy it to the device and add it, with its context, to
+        `batches` and `contexts`.
+
+        Returns:
+            Whether a batch was added. Across ranks, a rank whose data ended adds a placeholder
+            (None in `batches`) while the ranks agree on where the data ends.
+
+        Raises:
+            StopIteration: the data ended and `execute_all_batches` is False (torchrec's rule).
+        """
+        copy = self.inplace_copy_batch_to_gpu if self._inplace_copy else self.copy_batch_to_gpu
+        batch, context = copy(dataloader_iter)  # enters the iterator's lane
+        if context is None:
+            return False
+        self.contexts.append(context)
+        return batch is not None
+
+    def dequeue_batch(self) -> None:
+        """Remove the head batch (its step is done) and set the module context to the next one's;
+        what was handed off for the head batch is released (its backward is queued)."""
+        contexts = self.contexts
+        self._streams.release(contexts.popleft())
+        self._input_dist.slot.current = contexts[0] if contexts else None
+
+    def copy_batch_to_gpu(self, dataloader_iter: Iterator[Any]) -> tuple[Any, BatchContext | None]:
+        """Fetch the next batch (`_next_batch`) and copy it to the device, in a new context that
+        is not added to `contexts` (`enqueue_batch` adds it).
+
+        Returns:
+            `(batch, context)`; batch None when this rank's data ended (context None when nothing
+            more is to be added at all).
+
+        Raises:
+            StopIteration: the data ended and `execute_all_batches` is False.
+        """
+        return self._copy(dataloader_iter, in_place=False)
+
+    def inplace_copy_batch_to_gpu(self, dataloader_iter: Iterator[Any]) -> tuple[Any, BatchContext | None]:
+        """`copy_batch_to_gpu` with the device copy allocated on the stream that uses it (GPU)."""
+        return self._copy(dataloader_iter, in_place=True)
+
+    def _copy(self, dataloader_iter: Iterator[Any], *, in_place: bool) -> tuple[Any, BatchContext | None]:
+        context = self._fetch_and_copy(self._enter(dataloader_iter), in_place=in_place)
+        batch = context.batch if context is not None else None
+        if batch is None and not self._execute_all_batches:
+            raise StopIteration
+        return batch, context
+
+    def start_sparse_data_dist(self, batch: Any, context: BatchContext) -> None:
+        """Start the input all-to-alls of `context`'s batch (their splits), after the ranks
+        admitted it; on the first batch, rewrite the sharded modules first. A no-op for a None
+        batch, or a batch the ranks dropped (another rank's data ended there).
+
+        Raises:
+            ValueError: `batch` is not `context`'s (pass `self.batches[k], self.contexts[k]`).
+        """
+        lane = self._lane
+        if lane is None or not self._ranks.admit(lane, context) or batch is None:
+            return
+        if batch is not context.batch:
+            raise ValueError(
+                "start_sparse_data_dist(batch, context): the input_dist reads the batch of its "
+                "context here; pass self.batches[k] with self.contexts[k]"
+            )
+        self._input_dist.start(context)
+
+    def wait_sparse_data_dist(self, context: BatchContext) -> None:
+        """Wait for the splits all-to-alls of `context` and start its values all-to-alls."""
+        self._input_dist.wait_splits(context, self._lane)
+
+    def clear_sparse_data_dist_inputs(self, context: BatchContext) -> None:
+        """Wait for the values all-to-alls of `context` and free the tensors they sent (what
+        `clear_data_dist_inputs=True` does before each forward)."""
+        self._input_dist.clear_inputs(context)
+
+    def _set_module_context(self, context: BatchContext) -> None:
+        """Make the hijacked forwards read `context` (the batch whose forward runs next)."""
+        self._input_dist.slot.current = context
+
+    def register_backward_hook(self, site: InjectionSite, work: Callable[[Any], None]) -> None:
+        """Run `work(self)` during each backward at `site` (ours or torchrec's `InjectionSite`;
+        the FQN as the user's model names it, inside DistributedModelParallel), labelled
+        `pipeline::backward_hook::<fqn>`. As torchrec's, the hook stays for the pipeline's life."""
+        label_text = f"pipeline::backward_hook::{site.fqn}"
+
+        def run(grad: Any) -> None:
+            with label(label_text):
+                work(self)
+
+        register_backward_hook(site, unwrap_model(self._model), run)
+
+
+class Batches(Sequence[Any]):
+    """torchrec's `batches`: the batches of `contexts`, oldest (the head, batch i) first; a
+    placeholder (this rank's data ended, another rank's may not have) is None, as in torchrec. A
+    batch whose copy runs on a worker is waited for when read (torchrec's `FutureDeque`)."""
+
+    __slots__ = ("_contexts",)
+
+    def __init__(self, contexts: deque[BatchContext]) -> None:
+        self._contexts = contexts
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self._batch(c) for c in list(self._contexts)[i]]
+        return self._batch(self._contexts[i])
+
+    @staticmethod
+    def _batch(context: BatchContext) -> Any:
+        context.wait_copy()
+        return context.batch
+
+    def __len__(self) -> int:
+        return len(self._contexts)
+
+
+class TrainPipelineSparseDistLite(TrainPipelineSparseDist):
+    """The copy of batch i+1 overlaps the step of batch i; input_dist of i runs before forward of
+    i: the memory of one batch and one set of input all-to-alls, for a step that waits on its
+    input_dist. On CUDA its input_dist runs on the caller's stream, as torchrec's does (no data_dist
+    stream, whose memory pool would hold another batch's worth).
+
+    Per `progress()` call that returns batch i: input_dist of i (its splits all-to-all, waited, then
+    its values all-to-all, waited by forward), forward of i, the copy of i+1 (torchrec copies after
+    backward; here before it, so that on CUDA the copy overlaps backward and, across ranks,
+    backward's all-to-all orders the ranks after the fetch: no vote per batch), backward,
+    optimizer. Numerics: the plain loop's, bit for bit. Every batch runs (torchrec's class forces
+    `execute_all_batches`); `_state` follows torchrec's `PipelineState` (IDLE, CALL_FWD, CALL_BWD).
+
+    Args (torchrec's, in its order): as in `TrainPipelineSparseDist`; `clear_data_dist_inputs` frees
+    what the input all-to-alls sent once forward may start (torchrec's class accepts it and frees
+    nothing in its step); `async_inplace_copy` is accepted, with no effect.
+
+    Keyword-only, ours: as in `TrainPipelineSparseDist` (`input_dist`'s schedule is "late": there is
+    no next batch to schedule); `streams` None: a memcpy stream on a GPU (input_dist on the caller's
+    stream), none on CPU.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        apply_jit: bool = False,
+        context_type: type[BatchContext] = TrainPipelineContext,
+        pipeline_postproc: bool = False,
+        custom_model_fwd: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
+        enable_inplace_copy_batch: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        async_inplace_copy: bool = False,
+        *,
+        strict: bool = False,
+        rewrite: RewriteOptions | None = None,
+        input_dist: InputDistOptions | None = None,
+        ranks: RankOptions | None = None,
+        streams: Streams | None = None,
+    ) -> None:
+        self._setup(
+            model,
+            optimizer,
+            device,
+            apply_jit=apply_jit,
+            pipeline_postproc=pipeline_postproc,
+            custom_model_fwd=custom_model_fwd,
+            dmp_collection_sync_interval_batches=None,  # torchrec's class never syncs replicas
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            strict=strict,
+            rewrite=rewrite,
+            input_dist=replace(input_dist or InputDistOptions(), schedule="late"),  # no next batch
+            ranks=ranks,
+            streams=streams if streams is not None else streams_for(device, data_dist=False),
+            lookahead=0,
+            riding=False,  # it admits batches itself
+        )
+
+    def _fill(self, lane: Lane) -> None:
+        """Batch i copied and admitted by the ranks (its input_dist is its first collective)."""
+        if not lane.inflight:
+            self._enqueue(lane)
+        if lane.inflight:
+            self._ranks.admit(lane, lane.inflight[0])  # a batch the ranks drop leaves the lane
+
+    def _wait_for_batch(self) -> None:
+        """Make the head batch, copied on the memcpy stream, usable on the caller's. torchrec's Lite
+        overrides its parent's (it has no data_dist stream to wait on), so ours does too: a patch
+        of `TrainPipelineSparseDist._wait_for_batch` does not reach Lite there, nor here."""
+        self._wait_copied(self._lane.inflight[0].batch)
+
+    def _step(self, lane: Lane) -> Any:
+        """Its own step (no next batch in flight: nothing of SparseDist's step but forward)."""
+        ctx, input_dist = lane.inflight[0], self._input_dist
+        self._state = PipelineState.IDLE
+        self._wait_for_batch()
+        input_dist.start(ctx)  # in the critical path: the step waits for it
+        input_dist.wait_splits(ctx, lane)
+        input_dist.release_inputs(ctx)
+        self._state = PipelineState.CALL_FWD
+        losses, output = self._forward(ctx, train=True, input_dist=input_dist)
+        if len(lane.inflight) < 2:
+            self._enqueue(lane)  # the copy of i+1
+        if losses is not None:
+            self._state = PipelineState.CALL_BWD
+            self._backward_stage(ctx, losses)
+            self._optimizer_stage(ctx)
+        lane.inflight.popleft()
+        return output
+
+
+class EvalPipelineSparseDist(TrainPipelineSparseDist):
+    """Forward-only pipeline: input_dist of batch i+1 and the copy of batch i+2 overlap forward of i.
+
+    Numerics: each output is bit for bit the model's own output for that batch (`model(batch)` in
+    the same mode, under `no_grad`); no parameter changes. The model's mode is left as it is (as in
+    torchrec, call `model.eval()` first for eval-mode layers); forward always runs under `no_grad`
+    and `progress()` returns `output` of a `(loss, output)` pair, or any other return value as it is.
+
+    With the default "early-shared" schedule the splits of batch i+1 are waited for before forward
+    of i, so its values all-to-all runs during that forward; torchrec's order ("late") waits them
+    after forward, which leaves only the splits hidden. Without backward there are no collectives of
+    backward to queue behind the transfer, so the input all-to-alls stay on torchrec's process group.
+
+    Args (torchrec's, in its order, then ours, keyword-only): as in `TrainPipelineSparseDist`
+    (`optimizer` is not used); `input_dist` None: `InputDistOptions(schedule="early-shared")`.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        device: torch.device,
+        apply_jit: bool = False,
+        pipeline_postproc: bool = False,
+        enable_inplace_copy_batch: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        *,
+        strict: bool = False,
+        rewrite: RewriteOptions | None = None,
+        input_dist: InputDistOptions | None = None,
+        ranks: RankOptions | None = None,
+        streams: Streams | None = None,
+    ) -> None:
+        self._setup(
+            model,
+            optimizer,
+            device,
+            apply_jit=apply_jit,
+            pipeline_postproc=pipeline_postproc,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            strict=strict,
+            rewrite=rewrite,
+            input_dist=input_dist or InputDistOptions(schedule="early-shared"),
+            ranks=ranks,
+            streams=streams,
+            lookahead=0,
+            forward_only=True,
+        )

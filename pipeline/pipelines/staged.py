@@ -1,27 +1,32 @@
-"""StagedTrainPipeline: the caller's own list of stages run ahead of forward (docs/reference.md,
-"StagedTrainPipeline"; `SparseDataDistUtil`, in `sparse_data_dist.py`, makes the input_dist stage
-and a prefetch or lookup stage after it).
-
-With stages s_0 .. s_{n-1}, `progress()` returns batch i after s_{n-1}, having run, newest first,
-s_0 on batch i+n, s_1 on batch i+n-1, ..., s_{n-1} on batch i+1; the caller runs forward, backward
-and the optimizer on what it returns. Each stage runs on its own stream (CUDA), waiting for the
-previous stage's event on that batch; on CPU (stream None) in that order on the calling thread.
+"""`StagedTrainPipeline` runs the caller's own `PipelineStage`s on the batches ahead of the one it
+returns, each on its own stream; `SparseDataDistUtil` makes the input_dist stage, and optionally a
+prefetch or embedding lookup stage after it, and hands their results to the caller's forward
+(docs/reference.md, "StagedTrainPipeline").
 """
 
 from __future__ import annotations
 
+import enum
 import logging
+import sys
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.compat.types import TrainPipeline
-from pipeline.ranks.failure import StopIterationInStepError
-from pipeline.stages.cuda_streams import CudaStreams
-from pipeline.stages.streams import Streams, label
-from pipeline.stages.thread_streams import ThreadStreams
+import torch
+from torch import nn
 
-__all__ = ["PipelineStage", "StagedTrainPipeline", "device_stream", "util_streams"]
+from pipeline.compat import TrainPipeline, refuse_jit
+from pipeline.options import InputDistOptions, PrefetchOptions, RewriteOptions
+from pipeline.ranks.failure import StopIterationInStepError
+from pipeline.stages.context import BatchContext, LookupBatchContext, PrefetchBatchContext
+from pipeline.stages.input_dist import InputDist
+from pipeline.stages.lookup import LookupStage
+from pipeline.stages.prefetch import PrefetchStage
+from pipeline.stages.streams import CudaStreams, Streams, ThreadStreams, label
+
+__all__ = ["PipelineStage", "SparseDataDistUtil", "StagedTrainPipeline", "device_stream", "util_streams"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +40,7 @@ class PipelineStage:
         runnable: takes the batch as the previous stage left it, returns it for the next stage.
         stream: the CUDA stream it runs on; None (or a CPU stream): the calling thread's.
         fill_callback: run after this stage while the pipeline fills (no forward runs then).
-        data_exhausted_callback: run when the stage finds no batch (the dataloader ended).
+        data_exhausted_callback: run when the stage finds no batch.
     """
 
     name: str
@@ -50,9 +55,8 @@ def device_stream(stream: Any) -> bool:
 
 
 def util_streams(data_dist_stream: Any, prefetch_stream: Any, streams: Streams | None) -> Streams:
-    """The streams of a `SparseDataDistUtil`'s stages: `streams` given (a test's
-    `RecordingStreams`), it, with the stages' streams set; else CUDA streams when `data_dist_stream`
-    is one; on CPU, none, or a prefetch worker thread."""
+    """The streams of a `SparseDataDistUtil`'s stages: `streams` (with the stages' streams set) if
+    given; else CUDA streams if `data_dist_stream` is one; else none, or a prefetch worker thread."""
     if streams is not None:
         if data_dist_stream is not None and not streams.inert:
             streams.data_dist = data_dist_stream
@@ -69,20 +73,20 @@ def util_streams(data_dist_stream: Any, prefetch_stream: Any, streams: Streams |
 class StagedTrainPipeline(TrainPipeline):
     """Runs user-defined `PipelineStage`s on the next batches while the caller trains the current one.
 
-    Numerics: `progress()` returns exactly what running the stages in order on each batch would
-    return, one batch per call in dataloader order; the caller's loop around it is the plain loop.
-    When the data ends it returns None (torchrec's contract: `while (batch := pipe.progress(it))`),
-    and keeps returning None for that iterator; a new iterator starts a new fill.
+    With n stages, the `progress()` call that returns batch i runs stage 0 on batch i+n, ..., stage
+    n-1 on batch i+1; it returns what the stages in order make of each batch, in dataloader order,
+    then None for that iterator once the data ends (a new iterator fills again).
 
     Args:
         pipeline_stages: the stages, in the order they apply to a batch.
         debug_mode: log each stage as it runs.
         compute_stream: the stream forward runs on (CUDA); default: the current stream.
         on_flush_end: called once a flush (`set_flush(True)`) has emptied the pipeline.
+        streams: keyword-only, ours: the hand-offs between the stages' streams (tests pass a
+            `tests.streamcheck.RecordingStreams`); None: CUDA hand-offs if a stage has a CUDA stream.
 
-    Keyword-only, ours:
-        streams: the hand-offs between the stages' streams (tests pass `tests.streamcheck.RecordingStreams()`
-            and its streams in the stages); None: CUDA hand-offs if a stage has a CUDA stream.
+    Raises:
+        ValueError: no stage.
     """
 
     def __init__(
@@ -101,11 +105,10 @@ class StagedTrainPipeline(TrainPipeline):
         first = next((s.stream for s in self._stages if device_stream(s.stream)), None)
         if streams is None:
             streams = CudaStreams(first.device, prefetch=False) if first is not None else Streams()
-        self._streams = streams
-        """Only for hand-offs between the stages' streams (each stage brings its own stream)."""
+        self._streams = streams  # only for hand-offs: each stage brings its own stream
         self._compute_stream = compute_stream or streams.current()
+        # per batch in flight, oldest first: (output of its latest stage, its event, its index)
         self._outputs: list[tuple[Any, Any, int]] = [(None, None, -1)] * len(self._stages)
-        """Per batch in flight, oldest first: (output of its latest stage, its event, its index)."""
         self._initialized = False
         self._iterator: Iterator[Any] | None = None
         self._exhausted = False
@@ -119,8 +122,8 @@ class StagedTrainPipeline(TrainPipeline):
         return len(self._stages)
 
     def set_flush(self, flush: bool) -> None:
-        """While flushing, no batch is fetched; once the batches in flight are returned, the
-        pipeline calls `on_flush_end` and fills again."""
+        """While flushing no batch is fetched; once those in flight are returned, `on_flush_end` runs
+        and the pipeline fills again."""
         self._flushing = flush
 
     def flush_end(self) -> None:
@@ -136,8 +139,8 @@ class StagedTrainPipeline(TrainPipeline):
             The output of the last stage for the next batch; None when the data has ended.
 
         Raises:
-            StopIterationInStepError: a stage raised StopIteration (from it): let through, it would
-                end a caller's loop that takes StopIteration for the end, on this rank alone.
+            StopIterationInStepError: a stage raised StopIteration, which would otherwise end the
+                caller's loop on this rank alone.
         """
         try:
             return self._progress(dataloader_iter)
@@ -202,8 +205,7 @@ class StagedTrainPipeline(TrainPipeline):
             st.fill_callback()
 
     def _run_on_stream(self, st: PipelineStage, value: Any, event: Any, batch_index: int) -> tuple[Any, Any]:
-        """Stage `st` on its stream (None or a CPU stream: the caller's), after the previous stage's `event`;
-        returns its output and the event recorded after it (None without streams)."""
+        """Stage `st` on its stream after the previous stage's `event`; returns its output and event."""
         streams = self._streams
         on_host = getattr(getattr(st.stream, "device", None), "type", None) == "cpu"  # torch.Stream("cpu")
         with label(f"pipeline::staged::{st.name}#{batch_index}"), streams.use(None if on_host else st.stream):
@@ -214,3 +216,238 @@ class StagedTrainPipeline(TrainPipeline):
             done = streams.event(stream)
             streams.release(taken)  # the stage's last use of its input is queued
         return output, done
+
+
+class _Extra(enum.Enum):  # the stage after input_dist, if any
+    NONE = "input_dist"
+    PREFETCH = "prefetch"
+    LOOKUP = "lookup"
+
+
+_CONTEXTS = {
+    _Extra.NONE: BatchContext,
+    _Extra.PREFETCH: PrefetchBatchContext,
+    _Extra.LOOKUP: LookupBatchContext,
+}
+
+
+class SparseDataDistUtil:
+    """Makes the input_dist stage of a `StagedTrainPipeline` (and a prefetch or lookup stage after
+    it) and hands their results to forward.
+
+    Forward hooks on the model give the sharded modules the oldest started batch and, after forward,
+    wait for the splits of the batches started since (torchrec's "late" order).
+
+    Args:
+        model: the sharded model the caller runs on each batch `progress()` returns.
+        data_dist_stream: the CUDA stream of the input all-to-alls; None (or a CPU stream) on CPU.
+        apply_jit: not supported; must be False.
+        prefetch_stream: given (any stream, a CPU one on CPU): `prefetch` is a stage, right after
+            the input_dist stage (each module's `prefetch()`; the plain loop's numbers).
+        pipeline_postproc: run parameter-free modules that transform the batch ahead.
+        embedding_lookup_stream: given: `start_embedding_lookup_stage()` is a stage, right after the
+            input_dist stage; it looks batch i+1 up before batch i's fused update, so embeddings are
+            one step stale (torchrec's semi-synchronous staged pipeline).
+        strict: fail on the first batch if a module cannot be pipelined (keyword-only from here).
+        rewrite: how the sharded modules' inputs are found.
+        input_dist: only its `narrow_ids` is read (the stages run torchrec's "late" order).
+        streams: the hand-offs of the stages' results to forward's stream (tests pass a
+            `tests.streamcheck.RecordingStreams`); None: CUDA hand-offs if `data_dist_stream` is CUDA.
+
+    Raises:
+        ValueError: both `prefetch_stream` and `embedding_lookup_stream`, or `apply_jit`.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        data_dist_stream: Any = None,
+        apply_jit: bool = False,
+        prefetch_stream: Any = None,
+        pipeline_postproc: bool = False,
+        embedding_lookup_stream: Any = None,
+        *,
+        strict: bool = False,
+        rewrite: RewriteOptions | None = None,
+        input_dist: InputDistOptions | None = None,
+        streams: Streams | None = None,
+    ) -> None:
+        refuse_jit(apply_jit)
+        if prefetch_stream is not None and embedding_lookup_stream is not None:
+            raise ValueError(
+                "SparseDataDistUtil: pass prefetch_stream or embedding_lookup_stream, not both "
+                "(the lookup stage already waits for input_dist; a prefetch before it adds nothing)"
+            )
+        extra = _Extra.LOOKUP if embedding_lookup_stream is not None else _Extra.NONE
+        self._extra = _Extra.PREFETCH if prefetch_stream is not None else extra
+        self.model = model
+        self.data_dist_stream = data_dist_stream
+        self.prefetch_stream = prefetch_stream
+        self.embedding_lookup_stream = embedding_lookup_stream
+        self._streams = streams = util_streams(data_dist_stream, prefetch_stream, streams)
+        # the prefetch stage runs on its own stream, forward on the caller's
+        self._forward_stream = streams.current()
+        # no votes among the ranks: the stages fetch the batches
+        self._input_dist = InputDist(
+            model,
+            streams,
+            rewrite=rewrite or RewriteOptions(),
+            strict=strict,
+            pipeline_postproc=pipeline_postproc,
+            schedule=InputDistOptions(
+                schedule="late", narrow_ids=(input_dist or InputDistOptions()).narrow_ids
+            ),
+            forward=self._extra.value,
+        )
+        self._prefetch: PrefetchStage | None = None
+        self._lookup: LookupStage | None = None
+        if self._extra is _Extra.PREFETCH:
+            self._prefetch = PrefetchStage(streams, self._input_dist, ahead=PrefetchOptions().prefetch_ahead)
+        elif self._extra is _Extra.LOOKUP:
+            # the staged pipeline makes the stage's stream current: the lookup runs on the caller's
+            self._lookup = LookupStage(streams, self._input_dist, model, None, on_caller_stream=True)
+        self._contexts: deque[BatchContext] = deque()  # input_dist started; the next forward's first
+        self._awaiting_stage: deque[BatchContext] = deque()  # their prefetch or lookup has not run
+        self._forwarded: list[BatchContext] = []  # released at the next forward
+        self._hooks: list[Any] = []
+        self._next_index = 0
+        self._recording: Any = None  # of the forward that runs
+
+    @property
+    def rewrite_report(self) -> Any:
+        return self._input_dist.report
+
+    def start_sparse_data_dist(self, batch: Any) -> Any:
+        """The stage: start the input all-to-alls of `batch`; returns `batch` unchanged."""
+        ctx = _CONTEXTS[self._extra](index=self._next_index, streams=self._streams, batch=batch)
+        self._next_index += 1
+        self._input_dist.start(ctx)
+        if not self._hooks:
+            self._hooks = [
+                self.model.register_forward_pre_hook(self._before_forward),
+                # always: a forward that raised must still end a recording (it patches torchrec)
+                self.model.register_forward_hook(self._after_forward, always_call=True),
+            ]
+        self._contexts.append(ctx)
+        if self._extra is not _Extra.NONE:
+            self._awaiting_stage.append(ctx)
+        return batch
+
+    def wait_sparse_data_dist(self) -> None:
+        """Wait for the splits of every started batch (launching their values all-to-alls)."""
+        for ctx in self._contexts:
+            self._input_dist.wait_splits(ctx)  # a no-op once done
+
+    def wait_sdd_fill_callback(self) -> None:
+        """While filling, wait for the splits of the batch just started."""
+        if self._contexts:
+            self._input_dist.wait_splits(self._contexts[-1])
+
+    def data_exhausted_callback(self) -> None:
+        """Nothing to do: the hooks stop finding batches once the last one is consumed."""
+
+    def prefetch(self, batch: Any) -> Any:
+        """The stage: each module's `prefetch()` for `batch` after its input_dist; returns `batch`."""
+        ctx = self._stage_context(batch, _Extra.PREFETCH, "prefetch")
+        if ctx.started:  # else the forward that is recorded starts it, and its prefetch
+            self._input_dist.wait_splits(ctx)
+            self._prefetch.submit(ctx, self._forward_stream)
+        return batch
+
+    def load_prefetch(self) -> None:
+        """torchrec's fill callback of the prefetch stage, kept for its users; nothing to do."""
+
+    def start_embedding_lookup(self, batch: Any) -> Any:
+        """The stage: look `batch` up after its input_dist and start its output all-to-all; returns
+        `batch`."""
+        ctx = self._stage_context(batch, _Extra.LOOKUP, "start_embedding_lookup")
+        self._lookup.run(ctx)
+        return batch
+
+    def _stage_context(self, batch: Any, extra: _Extra, name: str) -> BatchContext:
+        """The context of `batch`, the oldest whose prefetch/lookup stage has not run."""
+        if self._extra is not extra:
+            arg = "prefetch_stream" if extra is _Extra.PREFETCH else "embedding_lookup_stream"
+            raise ValueError(f"SparseDataDistUtil.{name} is a stage only when {arg} is given")
+        if not self._awaiting_stage or self._awaiting_stage[0].batch is not batch:
+            raise ValueError(
+                f"SparseDataDistUtil.{name} got a batch whose input_dist it did not start: place its "
+                "stage right after start_sparse_data_dist_stage(), with no stage between that "
+                "returns another object"
+            )
+        return self._awaiting_stage.popleft()
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        self._release_forwarded()
+        ctx = self._contexts[0] if self._contexts else None
+        if ctx is not None and not ctx.started:  # it waited for the recorded forward to start
+            self._input_dist.start(ctx)
+            self._input_dist.wait_splits(ctx)
+            if self._lookup is not None:
+                self._lookup.run(ctx)
+        if ctx is not None and self._awaiting_stage and self._awaiting_stage[0] is ctx:
+            raise RuntimeError(
+                f"SparseDataDistUtil was given a {self._extra.value} stream, but the {self._extra.value} "
+                "stage did not run for this batch: put it in the StagedTrainPipeline's stages, right "
+                "after start_sparse_data_dist_stage()"
+            )
+        if ctx is not None and self._prefetch is not None:
+            self._prefetch.wait(ctx)
+        self._input_dist.slot.current = ctx
+        self._recording = self._input_dist.recording(ctx) if ctx is not None else None
+        if self._recording is not None:
+            self._recording.__enter__()
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._input_dist.slot.current = None
+        recording, self._recording = self._recording, None
+        if recording is not None:
+            recording.__exit__(*sys.exc_info())  # raising inside forward: the exception, else Nones
+        elif sys.exc_info()[0] is None:
+            self._input_dist.slot.check_calls()
+        if self._contexts:
+            self._forwarded.append(self._contexts.popleft())
+        self.wait_sparse_data_dist()  # the values all-to-alls run during backward
+
+    def detach(self) -> nn.Module:
+        """Restore the model's own forwards (the next started batch re-attaches); started batches stay."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._release_forwarded()
+        self._streams.wait_all()
+        self._input_dist.detach()
+        return self.model
+
+    def _release_forwarded(self) -> None:
+        while self._forwarded:
+            self._streams.release(self._forwarded.pop())
+
+    def start_sparse_data_dist_stage(
+        self, name: str = "start_sparse_data_dist", runnable: Callable[[Any], Any] | None = None
+    ) -> PipelineStage:
+        """The `PipelineStage` that starts input_dist (the last, or before the prefetch/lookup stage)."""
+        return PipelineStage(
+            name=name,
+            runnable=runnable or self.start_sparse_data_dist,
+            stream=self.data_dist_stream,
+            fill_callback=self.wait_sdd_fill_callback,
+            data_exhausted_callback=self.data_exhausted_callback,
+        )
+
+    def start_embedding_lookup_stage(
+        self, name: str = "start_embedding_lookup", runnable: Callable[[Any], Any] | None = None
+    ) -> PipelineStage:
+        """The `PipelineStage` of the embedding lookup (the last, right after input_dist's).
+
+        Raises:
+            ValueError: no `embedding_lookup_stream` was given.
+        """
+        if self.embedding_lookup_stream is None:
+            raise ValueError(
+                "start_embedding_lookup_stage() needs SparseDataDistUtil(..., embedding_lookup_stream=...)"
+                " (on CPU any stream, e.g. torch.Stream('cpu'))"
+            )
+        return PipelineStage(
+            name=name, runnable=runnable or self.start_embedding_lookup, stream=self.embedding_lookup_stream
+        )

@@ -1,38 +1,41 @@
-"""The ranks' protocol: how every rank learns, before a batch enters a collective, whether every
-other rank has it (uneven data, wrong keys) and whether a peer failed.
+"""Cross-rank agreement: how every rank learns, before a batch enters a collective, whether every
+other rank has it (uneven data, wrong keys, a malformed batch) and whether a peer failed.
 
-`Ranks` (`protocol.py`, beside the dataloader's state captured before each fetch) is its one owner;
-it fetches each batch and checks its KeyedJaggedTensors (`kjt_check.py`: keys and well-formedness).
-`Admission` (`riding.py`) decides for the batches of an input_dist whether each is trained, by its
-vote or by its status riding on its splits all-to-all (`rows.py`: the word and the row that carries
-it). The other pieces are one concept a module: `status.py` (the statuses and the errors raised on
-every rank), `votes.py`, `failure.py` and `lane.py`.
+`protocol.py`: `Ranks`, the one owner of it (the statuses, the batches in flight per dataloader
+iterator, the votes); `riding.py`: the statuses riding on the splits all-to-all instead of a vote;
+`kjt_check.py`: the checks of a batch's KeyedJaggedTensors at fetch; `failure.py`: a rank that fails,
+and its peers.
 """
 
 from pipeline.ranks.failure import (
+    CollectiveFailed,
     FailureSignal,
     PeerFailedError,
     StopIterationInStepError,
-    is_comm_error,
+    from_a_collective,
     rank_and_world,
 )
 from pipeline.ranks.kjt_check import KeyCheck, KJTCheck
-from pipeline.ranks.lane import Lane, LaneState, Ticket
-from pipeline.ranks.protocol import Ranks
-from pipeline.ranks.status import (
+from pipeline.ranks.protocol import (
     AgreedError,
     BatchKeysError,
+    Lane,
+    LaneState,
     MalformedBatchError,
+    Ranks,
     RewriteMismatchError,
     RidingMismatchError,
     Status,
+    Ticket,
     UnevenDataError,
+    Vote,
+    Votes,
 )
-from pipeline.ranks.votes import Vote, Votes
 
 __all__ = [
     "AgreedError",
     "BatchKeysError",
+    "CollectiveFailed",
     "FailureSignal",
     "KJTCheck",
     "KeyCheck",
@@ -49,6 +52,6 @@ __all__ = [
     "UnevenDataError",
     "Vote",
     "Votes",
-    "is_comm_error",
+    "from_a_collective",
     "rank_and_world",
 ]

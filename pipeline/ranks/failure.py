@@ -1,39 +1,50 @@
 """A rank that fails inside `progress()`, and its peers: they end within seconds, saying which rank
 failed and why, instead of waiting for the process group's timeout.
 
-A rank that raises writes what happened in the default process group's store and waits a grace
-period for the others: if every rank raised at the same step, nothing else is done. Otherwise it
-destroys its process groups: the peers' pending collectives then fail within about a second
-("Connection closed by peer"), and they read the store to say which rank failed and why
-(`PeerFailedError`).
-"""
+Errors are told apart by where they were raised, never by their text (`from_a_collective`): a
+collective's failure (the pipeline's own waits raise `CollectiveFailed`; torch.distributed's, DDP's
+and torchrec's raise from their code) means a peer failed, and this rank raises `PeerFailedError`
+quoting what the peers wrote. Anything else is this rank's own error: it writes it to the job's store
+and waits `failure_grace` for the others; if every rank failed at the same step the groups stay
+usable, else (`abort_on_error`) it destroys its process groups so that the peers' collectives fail
+and they read the store. An interrupt (KeyboardInterrupt, SystemExit, GeneratorExit) is neither: the
+pipeline drops its batches and lets it go. The store is the default group's; without one, a warning
+says the ranks still stop (when the failed rank's groups close), without the reason."""
 
 from __future__ import annotations
 
-import contextlib
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-__all__ = ["FailureSignal", "PeerFailedError", "StopIterationInStepError", "is_comm_error", "rank_and_world"]
+__all__ = [
+    "CollectiveFailed",
+    "FailureSignal",
+    "PeerFailedError",
+    "StopIterationInStepError",
+    "collective_code",
+    "from_a_collective",
+    "job_store",
+    "rank_and_world",
+]
 
 
 class PeerFailedError(RuntimeError):
-    """Another rank raised inside `progress()`; this rank stopped too."""
+    """Another rank failed inside `progress()` (or a collective with it broke); this rank stopped too."""
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective the pipeline waits on itself (a vote, a gather) failed: a peer closed its
+    connection or did not come within the timeout. Raised from the collective's own error."""
 
 
 class StopIterationInStepError(RuntimeError):
-    """A `StopIteration` was raised inside a step (forward, backward, the optimizer, a stage), not
-    at the dataloader's end; raised in its place, from it (`__cause__`).
-
-    Let through, it would end this rank's loop as if its data had ended while its peers wait in the
-    step's collectives (until the process group's timeout). As an error it takes the failure path:
-    the peers stop within `failure_grace` with `PeerFailedError`. (Python turns a StopIteration
-    inside a generator into a RuntimeError for the same reason, PEP 479.)
-    """
+    """A `StopIteration` raised inside a step, not at the dataloader's end; raised in its place, from
+    it. Let through, it would end this rank's loop alone while its peers wait in the step's
+    collectives; as an error the peers stop with `PeerFailedError` (compare PEP 479)."""
 
     def __init__(self) -> None:
         super().__init__(
@@ -50,77 +61,112 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-class FailureSignal:
-    """Tells the peers that this rank failed, and finds out whether they did too.
+def collective_code() -> frozenset[str]:
+    """The source files of torch.distributed's, DDP's and torchrec's communication modules."""
+    import torch.nn.parallel.distributed as ddp
+    import torchrec.distributed.comm_ops as comm_ops
+    import torchrec.distributed.dist_data as dist_data
+    from torch.distributed import distributed_c10d
 
-    Each failure is a "generation" of keys in the default process group's store: every rank that
-    fails writes `rank<r>` (what it raised) and adds 1 to `count`. A rank that raised waits up to
-    `grace` seconds for `count` to reach the world size: if every rank raised at the same step (a
-    bad batch on all of them), the process groups are still consistent and nothing is destroyed.
-    Holds a reference to the store (taken while the group is alive), so that it can still be read
-    after the groups are destroyed.
+    return frozenset(m.__file__ for m in (distributed_c10d, ddp, comm_ops, dist_data))
+
+
+_COLLECTIVE_CODE: frozenset[str] | None = None
+
+
+def from_a_collective(error: BaseException) -> bool:
+    """Whether `error` is a collective's failure rather than this rank's own: `CollectiveFailed`,
+    `PeerFailedError`, torch's `DistError` (NCCL's), or an error whose innermost frame is in
+    `collective_code()` (gloo raises a plain RuntimeError there when a peer closes its connection)."""
+    global _COLLECTIVE_CODE
+    if isinstance(error, (CollectiveFailed, PeerFailedError, getattr(dist, "DistError", ()))):
+        return True
+    frame = error.__traceback__
+    if frame is None:
+        return False
+    while frame.tb_next is not None:
+        frame = frame.tb_next
+    if _COLLECTIVE_CODE is None:
+        _COLLECTIVE_CODE = collective_code()
+    return frame.tb_frame.f_code.co_filename in _COLLECTIVE_CODE
+
+
+def job_store() -> Any:
+    """The default process group's store; None without a process group, or (with a warning) without
+    a store."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError) as e:
+        warnings.warn(
+            f"the default process group has no store the pipeline can use ({e}): a rank that fails "
+            "cannot tell its peers why, and a group the pipeline makes cannot wait out a peer that "
+            "failed first; the peers still stop once the failed rank's process groups close",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+_handled = 0  # agreed failures handled: alike on every rank, it names the next failure's store keys
+
+
+class FailureSignal:
+    """Tells the peers that this rank failed, and finds out whether they did too: each failing rank
+    writes `rank<r>` (what it raised) and adds 1 to `count` in the job's store, then waits `grace` for
+    `count` to reach the world size. The store is held so it can be read after the groups are gone.
+
+    Args:
+        grace: seconds a failed rank waits for the others to fail too.
+        scope: keeps these keys apart from other signals' in the same store (tests).
     """
 
     def __init__(self, *, grace: float, scope: str = "") -> None:
-        self.store: Any = None
-        """The default process group's store (None in a single process)."""
-        self._grace = grace
-        self._scope = scope
-        """Keeps one pipeline's keys apart from another's in the same store (a failure two
-        pipelines ago must not count in this one's generation 0)."""
-        self._generation = 0
-        self.rank, world = rank_and_world()
-        self.world = world
-        self.distributed = world > 1
-        if self.distributed:
-            with contextlib.suppress(Exception):
-                self.store = dist.distributed_c10d._get_default_store()
+        self._grace, self._scope = grace, scope
+        self.rank, self.world = rank_and_world()
+        self.distributed = self.world > 1
+        self.store: Any = job_store() if self.distributed else None  # None: one process, or no store
 
     def _key(self, name: str) -> str:
-        return f"trainpipeline/{self._scope}failure{self._generation}/{name}"
+        return f"trainpipeline/{self._scope}failure{_handled}/{name}"
 
     def announce(self, error: BaseException) -> None:
         """Record this rank's failure (what it raised)."""
         if self.store is not None:
-            with contextlib.suppress(Exception):
-                text = f"rank {self.rank} raised {type(error).__name__}: {error}"
-                self.store.set(self._key(f"rank{self.rank}"), text[:2000])
-                self.store.add(self._key("count"), 1)
+            text = f"rank {self.rank} raised {type(error).__name__}: {error}"
+            self.store.set(self._key(f"rank{self.rank}"), text[:2000])
+            self.store.add(self._key("count"), 1)
 
     def all_failed(self) -> bool:
         """Wait up to `grace` seconds for every rank to announce a failure of this generation."""
         if self.store is None:
             return False
         deadline = time.monotonic() + self._grace
-        try:
-            while self.store.add(self._key("count"), 0) < self.world:
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(0.02)
-        except Exception:  # the store's host (rank 0) is gone
-            return False
+        while self._failed() < self.world:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
         return True
 
+    def _failed(self) -> int:
+        """How many ranks announced a failure of this generation (read without making the key)."""
+        key = self._key("count")
+        return int(self.store.get(key)) if self.store.check([key]) else 0
+
     def peer_failures(self) -> list[str]:
-        """What the peers that failed in this generation wrote (empty if none, or if the store
-        cannot be read: its host, rank 0, may be gone)."""
+        """What the peers that failed in this generation wrote (empty if none)."""
         found = []
         for rank in range(self.world):
-            if rank == self.rank or self.store is None:
-                continue
-            with contextlib.suppress(Exception):
-                key = self._key(f"rank{rank}")
-                if self.store.check([key]):
-                    found.append(self.store.get(key).decode(errors="replace"))
+            key = self._key(f"rank{rank}")
+            if rank != self.rank and self.store is not None and self.store.check([key]):
+                found.append(self.store.get(key).decode(errors="replace"))
         return found
 
     def rendezvous(self, name: str, timeout: float) -> None:
-        """Wait until every rank reached `name` (once per name, the same names in the same order
-        on every rank), polling the store, so that a blocking rendezvous after it (a new process
-        group's) is entered by every rank or by none.
-
-        A peer that failed before reaching it never will, and `dist.new_group` would wait for it
-        for the store's timeout (300 s): this raises as soon as a peer announced a failure.
+        """Wait until every rank reached `name` (each name once, in the same order on every rank),
+        polling the store, so that a blocking rendezvous after it (`dist.new_group`'s) is entered by
+        every rank or by none; raise as soon as a peer announced a failure, instead of waiting 300 s.
 
         Raises:
             PeerFailedError: a peer announced a failure (its text in the message), the store's host
@@ -128,73 +174,104 @@ class FailureSignal:
         """
         if self.store is None:
             return
-        key = f"trainpipeline/rendezvous/{name}"
+        key = f"trainpipeline/{self._scope}rendezvous/{name}"
         deadline = time.monotonic() + timeout
         try:
             arrived = self.store.add(key, 1)
             while arrived < self.world:
-                if self.store.add(self._key("count"), 0) > 0:
+                if self.store.check([self._key("count")]):
                     failed = "; ".join(self.peer_failures()) or "a peer announced a failure"
                     raise PeerFailedError(f"rank {self.rank} stopped at {name}: {failed}")
                 if time.monotonic() > deadline:
                     raise PeerFailedError(f"rank {self.rank}: no peer reached {name} in {timeout:.0f} s")
                 time.sleep(0.005)
                 arrived = self.store.add(key, 0)
+            self._leave(key)
         except PeerFailedError:
             raise
-        except Exception as e:  # the store's host (rank 0) is gone
+        except RuntimeError as e:  # the store's host (rank 0) is gone
             raise PeerFailedError(f"rank {self.rank} lost the store at {name}: {e}") from e
 
-    def next_generation(self) -> None:
-        self._generation += 1
+    def _leave(self, key: str, *more: str) -> None:
+        """This rank is done with `key` (and `more`): the last rank to say so deletes them."""
+        if self.store.add(f"{key}/left", 1) == self.world:
+            for name in (key, *more, f"{key}/left"):
+                self.store.delete_key(name)
 
-    def fail(self, error: BaseException, reset: Callable[[], None]) -> None:
+    def fail(self, error: Exception, reset: Callable[[], None]) -> None:
         """This rank raised `error` inside `progress()`: `reset()` its batches in flight and make
         sure no peer is left waiting in a collective for it (announce, wait `grace` for the others,
-        destroy the process groups unless every rank failed at the same step).
+        and destroy the process groups unless every rank failed at the same step).
 
         Raises:
-            PeerFailedError: the error came from a peer's failure (a collective broken by it).
+            PeerFailedError: the error is a collective's failure (`from_a_collective`): a peer's.
         """
         if not self.distributed:
             reset()
             return
-        if is_comm_error(error):
-            peers = self.peer_failures()
+        if from_a_collective(error):
+            peers = self._read(self.peer_failures, [], error)
             try:
                 reset()
             finally:
                 self.abort()
             cause = "; ".join(peers) or "no rank recorded an error: a peer was probably killed or exited"
             raise PeerFailedError(
-                f"rank {self.rank} stopped because a peer failed ({cause}). This rank's process "
-                "groups were destroyed; restart the job."
+                f"rank {self.rank} stopped because a peer failed ({cause}); the collective that broke: "
+                f"{type(error).__name__}: {_first_line(error)}. This rank's process groups were "
+                "destroyed; restart the job."
             ) from error
-        self.announce(error)
-        every_rank_failed = self.all_failed()
-        self.next_generation()
+        self._read(lambda: self.announce(error), None, error)
+        every_rank_failed = self._read(self.all_failed, False, error)
+        peers = self._read(self.peer_failures, [], error)
+        if every_rank_failed:
+            self._read(self._agreed, None, error)
         try:
             reset()
         finally:
+            if peers:
+                _note(error, "the other ranks failed too: " + "; ".join(peers))
             if not every_rank_failed:  # a peer may be waiting in a collective for this rank
                 self.abort()
+                _note(
+                    error,
+                    f"rank {self.rank} destroyed its process groups (the job's default group and every "
+                    f"group made since) so that its peers, which did not fail within failure_grace "
+                    f"({self._grace} s), stop instead of waiting for the groups' timeout; pass "
+                    "abort_on_error=False in RankOptions to keep them",
+                )
+
+    def _read(self, call: Callable[[], Any], otherwise: Any, error: BaseException) -> Any:
+        """`call()`, which uses the store; `otherwise` (and a note on `error`) where its host is gone."""
+        try:
+            return call()
+        except RuntimeError as lost:
+            if self.store is not None:
+                self.store = None
+                _note(error, f"the job's store could not be reached ({lost}): the peers were not told why")
+            return otherwise
+
+    def _agreed(self) -> None:
+        """Every rank failed at this step: the next failure gets keys of its own; the last rank out
+        deletes these."""
+        global _handled
+        ranks = [self._key(f"rank{r}") for r in range(self.world)]
+        self._leave(self._key("count"), *ranks)
+        _handled += 1
 
     @staticmethod
     def abort() -> None:
-        """Destroy every process group of this process: peers blocked in a collective with it fail
-        instead of waiting for the group's timeout."""
+        """Destroy every process group of this process, so that peers blocked in a collective fail."""
         if dist.is_available() and dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+            dist.destroy_process_group()
 
 
-def is_comm_error(error: BaseException) -> bool:
-    """A collective failed (a peer closed its connection or timed out), as opposed to this rank's
-    own code raising."""
-    if isinstance(error, PeerFailedError):
-        return True
-    dist_error = getattr(torch.distributed, "DistError", ())
+def _first_line(error: BaseException) -> str:
     text = str(error)
-    return isinstance(error, dist_error) or any(
-        marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Timed out")
-    )
+    return text.splitlines()[0] if text else ""
+
+
+def _note(error: BaseException, text: str) -> None:
+    """Add `text` to `error`'s notes (Python 3.11 and later)."""
+    if hasattr(error, "add_note"):
+        error.add_note(text)

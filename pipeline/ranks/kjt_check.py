@@ -1,22 +1,10 @@
 """The per-batch checks of a batch's KeyedJaggedTensors at fetch, before they enter a collective.
-
-`KeyCheck`: each batch's KJT keys against the first batch's. torchrec's input_dist builds its
-feature order from the keys of the first batch it sees and does not look at them again, so a later
-batch with a feature renamed, missing or added would be embedded under the wrong tables without a
-word. A batch that fails the check gets the status `BAD_KEYS`, and every rank stops before it with
-the same `BatchKeysError`.
-
-`KJTCheck`: each batch's KJTs are well formed. torchrec validates the first batch a sharded module
-sees and no other; a later batch whose lengths do not add up to its values, with a negative length,
-or with an id past its table's last row fails deep inside input_dist or the lookup kernel, on one
-rank, while the others wait for it. Here every batch is checked with a few reductions over its
-tensors (no Python loop; microseconds on the host, a synchronization each for a batch already on a
-GPU), and a bad one gets the status `MALFORMED`: every rank stops before it with the same
-`MalformedBatchError` naming the batch, the key and the problem (the loops below run only then).
-
-Both look each KJT up at the first batch's paths (`kjt_at`): a walk of the whole batch costs ~60 us.
-What `KJTCheck` proves of a batch's ids and lengths (`InRange`) spares the narrowing its own pass.
-"""
+torchrec looks at the first batch only: a later batch with other keys would be embedded under the
+wrong tables without a word, and a malformed one fails deep inside input_dist or a kernel on one rank
+while the others wait. `KeyCheck` compares each batch's keys with the first batch's (status
+`BAD_KEYS`: every rank stops with `BatchKeysError`); `KJTCheck` checks lengths, weights and ids with a
+few reductions, no Python loop (status `MALFORMED`: every rank stops with `MalformedBatchError`). Both
+look each KJT up at the first batch's paths (`kjt_at`), since walking the batch costs ~60 us."""
 
 from __future__ import annotations
 
@@ -32,22 +20,17 @@ from rewrite import find_kjts
 
 __all__ = ["InRange", "KJTCheck", "KeyCheck", "Table", "kjt_at", "table_configs", "tables_of"]
 
-_NO_LIMIT = torch.iinfo(torch.int64).max
 _INT32_END = 2**31
 
 
 class InRange:
-    """The tensors a check proved to hold only values in [0, 2^31), by identity, while they live.
-
-    The narrowing (`pipeline.stages.narrow`) casts such a tensor to int32 without its own pass for
-    the minimum and maximum: on a network-bound CPU job that pass is ~3 % of the step. A tensor
-    changed in place after the check would keep its proof; the pipeline narrows a batch before the
-    model runs on it, and nothing between the check and the narrowing writes to the batch.
-    """
+    """The tensors a check proved to hold only values in [0, 2^31), by identity, while they live: the
+    narrowing casts them without its own pass. A tensor changed in place after the check would keep
+    its proof; nothing writes to the batch between the check and the narrowing."""
 
     def __init__(self) -> None:
+        # by id; an entry goes when its tensor dies, before its id can be reused
         self._tensors: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-        """By id; an entry goes when its tensor dies (before its id can be reused)."""
 
     def add(self, tensor: torch.Tensor) -> None:
         self._tensors[id(tensor)] = tensor
@@ -65,14 +48,9 @@ class Table:
 
 
 def tables_of(model: nn.Module) -> dict[str, Table]:
-    """The table each feature of `model`'s embedding modules (sharded or not) looks up.
-
-    A feature that feeds several tables of one module gets the smallest (an id must fit all of
-    them); one named by several modules gets the largest, since which KeyedJaggedTensor of the
-    batch feeds which module is not known here (no false alarm, at the price of a missed one).
-    Features of managed-collision modules (raw ids, remapped before the lookup) and of virtual
-    tables (hashed ids of any size) are left out.
-    """
+    """The table each feature of `model`'s embedding modules (sharded or not) looks up: of one module's
+    tables the smallest, of several modules' the largest (no false alarm, at the price of a missed
+    one); managed-collision modules' features (raw ids) and virtual tables' are left out."""
     remapped = [name for name, m in model.named_modules() if "ManagedCollision" in type(m).__name__]
     found: dict[str, Table] = {}
     for name, module in model.named_modules():
@@ -93,10 +71,8 @@ def tables_of(model: nn.Module) -> dict[str, Table]:
 
 
 def table_configs(module: nn.Module) -> list[Any]:
-    """The table configs `module` itself holds (not its children's): an embedding module's,
-    sharded or not; [] for any other module."""
-    # torchrec's sharded modules keep their tables' configs only under these (private) names; the
-    # unsharded ones have public accessors
+    """The table configs `module` itself holds (not its children's); [] for a non-embedding module."""
+    # torchrec's sharded modules keep them only under these private names; unsharded ones have accessors
     for attr in ("_embedding_bag_configs", "_embedding_configs"):
         configs = getattr(module, attr, None)
         if isinstance(configs, list):
@@ -110,30 +86,30 @@ def table_configs(module: nn.Module) -> list[Any]:
 class KJTCheck:
     """Checks every KeyedJaggedTensor of a batch: lengths, values, weights and ids.
 
-    The tables are read from `model` at the first batch, and the KJTs are found at the first
-    batch's paths (a walk of the whole batch costs ~60 us; a look-up at known paths a few).
-
     Args:
-        model: the model the pipeline trains (its embedding modules' configs give the tables).
+        model: the model the pipeline trains (its embedding modules' configs, read at the first
+            batch, give the tables).
     """
 
     def __init__(self, model: nn.Module | None) -> None:
         self._model = model
         self._tables: dict[str, Table] | None = None
         self._paths: list[Any] | None = None
-        self._limits: dict[tuple[str, ...], tuple[torch.Tensor, int | None, bool]] = {}
-        self.in_int32 = InRange()
-        """The ids and lengths of the KJTs that passed, where each table has fewer than 2^31 rows."""
+        self._limits: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, int | None, bool]] = {}
+        self.in_int32 = InRange()  # the ids and lengths that passed, every table below 2^31 rows
+        self.untabled: set[str] = set()  # features seen without a table: ids checked in [0, 2^31) only
 
     def check(self, batch: Any) -> str | None:
-        """None if every KeyedJaggedTensor of `batch` is well formed; else what is wrong with the
-        first bad one (its path, key and problem)."""
+        """None if every KeyedJaggedTensor of `batch` is well formed; else the first bad one's path,
+        key and problem. A batch without one at a first batch's path is walked whole."""
         if self._paths is None:
             self._tables = tables_of(self._model) if self._model is not None else {}
             self._paths = [(str(path), path) for path, _ in find_kjts(batch)]
-        for text, path in self._paths:
-            kjt = kjt_at(batch, path)
-            if kjt is not None and (problem := self.check_kjt(kjt)) is not None:
+        found = [(text, kjt_at(batch, path)) for text, path in self._paths]
+        if any(kjt is None for _, kjt in found):
+            found = [(str(path), kjt) for path, kjt in find_kjts(batch)]
+        for text, kjt in found:
+            if (problem := self.check_kjt(kjt)) is not None:
                 return f"the KeyedJaggedTensor at {text or 'the batch'}, {problem}"
         return None
 
@@ -157,18 +133,21 @@ class KJTCheck:
             return f"keys {keys}: {weights.numel()} weights for {n} values"
         if not n:
             return None
-        limits, uniform, in_int32 = self._limits.get(tuple(keys)) or self._limits_of(keys)
-        problem = None
+        limits, tabled_keys, uniform, in_int32 = self._limits.get(tuple(keys)) or self._limits_of(keys)
+        problem, proven = None, in_int32
         if uniform is None or not self._in_uniform(values, uniform):
-            problem = self._range_problem(keys, values, lengths, strides, limits, uniform)
-        if problem is None and in_int32 and n < _INT32_END:
-            self.in_int32.add(values)  # ids below their tables' rows; lengths at most n
+            problem, proven = self._range_problem(
+                keys, values, lengths, strides, limits, tabled_keys, uniform
+            )
+            proven = proven and in_int32
+        if problem is None and proven and n < _INT32_END:
+            self.in_int32.add(values)  # ids below their tables' rows (or 2^31); lengths at most n
             self.in_int32.add(lengths)
         return problem
 
     @staticmethod
     def _in_uniform(values: torch.Tensor, uniform: int) -> bool:
-        """Every id in [0, uniform) (one pass, where every key's table has the same rows)."""
+        """Every id in [0, uniform), in one pass."""
         low, high = torch.aminmax(values)
         return int(low) >= 0 and int(high) < uniform
 
@@ -179,41 +158,48 @@ class KJTCheck:
         lengths: torch.Tensor,
         strides: list[int],
         limits: torch.Tensor,
+        tabled_keys: torch.Tensor,
         uniform: int | None,
-    ) -> str | None:
+    ) -> tuple[str | None, bool]:
+        """The first id outside its table (None if none), and whether every id is in [0, 2^31) (past
+        it, a feature without a table has no problem, but no proof)."""
         if uniform is not None:
             per_value = torch.full_like(values, uniform, dtype=torch.int64)
+            past = values >= per_value
+            beyond = None
         else:
-            per_key = _per_key(lengths, strides)
-            per_value = torch.repeat_interleave(limits, torch.tensor(per_key), output_size=values.numel())
-        bad = (values < 0) | (values >= per_value)
-        if not bool(bad.any()):
-            return None
-        at = int(bad.nonzero()[0])
-        key_index, sample = _value_owner(lengths, strides, at)
-        table = self._tables.get(keys[key_index]) if self._tables else None
-        where = f"the {table.rows} rows of table {table.name!r}" if table else "every table's rows (below 0)"
-        return f"key {keys[key_index]!r}: id {int(values[at])} at sample {sample} is outside {where}"
+            per_key = torch.tensor(_per_key(lengths, strides))
+            per_value = torch.repeat_interleave(limits, per_key, output_size=values.numel())
+            tabled = torch.repeat_interleave(tabled_keys, per_key, output_size=values.numel())
+            over = values >= per_value
+            past, beyond = over & tabled, over & ~tabled
+        bad = (values < 0) | past
+        if bool(bad.any()):
+            at = int(bad.nonzero()[0])
+            key_index, sample = _value_owner(lengths, strides, at)
+            table = self._tables.get(keys[key_index]) if self._tables else None
+            where = f"the {table.rows} rows of table {table.name!r}" if table else "every table (below 0)"
+            problem = f"key {keys[key_index]!r}: id {int(values[at])} at sample {sample} is outside {where}"
+            return problem, False
+        return None, beyond is None or not bool(beyond.any())
 
-    def _limits_of(self, keys: list[str]) -> tuple[torch.Tensor, int | None, bool]:
-        """Per key, the rows of its table (no limit for a key with no table); the common value if
-        every key has a table of the same rows; whether every key's table has at most 2^31 rows
-        (kept per key list)."""
-        rows = [self._tables[k].rows if self._tables and k in self._tables else _NO_LIMIT for k in keys]
-        uniform = rows[0] if rows and len(set(rows)) == 1 and rows[0] != _NO_LIMIT else None
+    def _limits_of(self, keys: list[str]) -> tuple[torch.Tensor, torch.Tensor, int | None, bool]:
+        """Per key, its table's rows (2^31 without a table) and whether it has one; the rows shared
+        by every key's table, if any; whether every table has at most 2^31 rows. Cached per keys."""
+        untabled = [k for k in keys if not (self._tables and k in self._tables)]
+        self.untabled.update(untabled)
+        rows = [_INT32_END if k in untabled else self._tables[k].rows for k in keys]
+        uniform = rows[0] if rows and len(set(rows)) == 1 and not untabled else None
         limits = torch.tensor(rows, dtype=torch.int64)
-        cached = self._limits[tuple(keys)] = (limits, uniform, max(rows, default=0) <= _INT32_END)
+        tabled = torch.tensor([k not in untabled for k in keys])
+        cached = self._limits[tuple(keys)] = (limits, tabled, uniform, max(rows, default=0) <= _INT32_END)
         return cached
 
 
 class KeyCheck:
     """Compares each batch's KeyedJaggedTensor keys, per path in the batch, with the first batch's.
-
-    Walking the whole batch for KeyedJaggedTensors costs ~60 us on a busy core, most of the check;
-    so later batches are first looked up at the first batch's paths (a few us), and walked only if
-    one differs, for the error's details. A KeyedJaggedTensor at a path the first batch did not
-    have is not looked for: the model reads none there.
-    """
+    A batch is walked whole only where one differs (for the error's details); a KeyedJaggedTensor at
+    a path the first batch did not have is not looked for: the model reads none there."""
 
     def __init__(self) -> None:
         self.expected: list[tuple[str, list[str]]] | None = None
@@ -241,8 +227,7 @@ class KeyCheck:
 
 
 def kjt_at(batch: Any, path: Any) -> KeyedJaggedTensor | None:
-    """The KeyedJaggedTensor at `path` (an ArgInfo of the first batch) in `batch`; None if this
-    batch has none there (another shape: the key check reports it)."""
+    """The KeyedJaggedTensor at `path` (an ArgInfo of the first batch) in `batch`; None if none there."""
     try:
         found = path.read(batch)
     except (AttributeError, KeyError, IndexError, TypeError):
@@ -254,10 +239,6 @@ def _per_key(lengths: torch.Tensor, strides: list[int]) -> list[int]:
     """The number of values of each key."""
     if len(set(strides)) > 1:  # variable batch per key
         return [int(part.sum()) for part in torch.split(lengths, strides)]
-    return _sums(lengths, strides)
-
-
-def _sums(lengths: torch.Tensor, strides: list[int]) -> list[int]:
     if not strides:
         return []
     return lengths.view(len(strides), strides[0]).sum(1).tolist() if strides[0] else [0] * len(strides)

@@ -4,7 +4,7 @@ Every rank has a status for every batch position it fetches (`Status`), recorded
 `Ticket`; every rank fetches in the same order, placeholders included. Each rank learns every
 rank's status before the batch's first collective: in steady state on that collective itself, the
 fused splits all-to-all (`carried` tickets, concluded at the splits wait: `pipeline.ranks.riding`),
-otherwise by a vote started at fetch (`pipeline.ranks.votes`) and waited a step later (`admit`).
+otherwise by a vote started at fetch (`Votes`) and waited a step later (`admit`).
 
 So uneven data ends on every rank at the shortest rank's count, a batch with wrong keys or a
 malformed KeyedJaggedTensor stops every rank with the same error, and a rank that raises makes its
@@ -21,37 +21,313 @@ batch's context; `resume_state` returns the one from before the oldest batch sti
 
 from __future__ import annotations
 
-import contextlib
+import enum
 import itertools
+import warnings
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from pipeline.config import RankOptions
-from pipeline.ranks.failure import FailureSignal
+from pipeline.options import RankOptions
+from pipeline.ranks.failure import CollectiveFailed, FailureSignal, rank_and_world
 from pipeline.ranks.kjt_check import KeyCheck, KJTCheck
-from pipeline.ranks.lane import Lane, LaneState, Ticket
-from pipeline.ranks.status import (
-    BatchKeysError,
-    MalformedBatchError,
-    RewriteMismatchError,
-    Status,
-    UnevenDataError,
-    keys_message,
-    malformed_message,
-    uneven_message,
-    warn_untrained,
-)
-from pipeline.ranks.votes import Vote, Votes
 
-__all__ = ["Ranks", "StatefulIterator", "capture", "resume_state"]
+__all__ = [
+    "AgreedError",
+    "BatchKeysError",
+    "Lane",
+    "LaneState",
+    "MalformedBatchError",
+    "OwnedGroups",
+    "Ranks",
+    "RewriteMismatchError",
+    "RidingMismatchError",
+    "StatefulIterator",
+    "Status",
+    "Ticket",
+    "UnevenDataError",
+    "Vote",
+    "Votes",
+    "capture",
+    "resume_state",
+]
 
-_PIPELINE_IDS = itertools.count()
-"""Numbers pipelines in construction order, the same on every rank (names the store keys)."""
+
+# -- what a rank says about a batch, and the errors every rank raises together -----------------------
+
+
+class Status(enum.IntEnum):
+    """One rank's status for one batch position (an int, so that a vote can sum it in a tensor)."""
+
+    EXHAUSTED = 0
+    """This rank's dataloader has no batch at this position (nor after it)."""
+    HAVE = 1
+    """This rank has the batch."""
+    BAD_KEYS = 2
+    """This rank has the batch, but its KeyedJaggedTensor keys differ from the first batch's."""
+    MALFORMED = 3
+    """This rank has the batch, but one of its KeyedJaggedTensors is malformed (lengths that do not
+    sum to the values, a negative length, an id outside its table's rows)."""
+
+
+class AgreedError(RuntimeError):
+    """Raised on every rank at the same step: the process group is still usable."""
+
+
+class UnevenDataError(AgreedError):
+    """`on_uneven="error"`: the ranks' dataloaders hold different numbers of batches."""
+
+
+class BatchKeysError(AgreedError, ValueError):
+    """A batch's KeyedJaggedTensor keys differ from those the model was sharded for."""
+
+
+class RewriteMismatchError(AgreedError):
+    """The ranks found different call sites or programs for the model's sharded modules (a forward
+    whose calls depend on the data recorded differently): their input all-to-alls would not match."""
+
+
+class RidingMismatchError(AgreedError):
+    """The row read as a rank's status for a batch is not one: the ranks sent different numbers of
+    splits rows (their input all-to-alls do not match), or a row that is not a status word."""
+
+
+class MalformedBatchError(AgreedError, ValueError):
+    """A batch's KeyedJaggedTensor is malformed (`pipeline.ranks.kjt_check`)."""
+
+
+def keys_message(details: list[Any], expected: list[tuple[str, list[str]]] | None) -> str:
+    """The key error's text, from every rank's `(rank, position, found keys or None, ...)`."""
+    bad = [d for d in details if d is not None and d[2] is not None]
+    parts = [
+        f"batch {position} of rank {rank}'s dataloader has keys {_show(found)}"
+        for rank, position, found, *_ in bad
+    ]
+    return (
+        f"{'; '.join(parts)}, but the model was sharded for {_show(expected or [])} (the keys of the "
+        "first batch). Every rank stopped before that batch. Fix the dataset (a feature renamed, "
+        "missing or added), or pass check_keys=False if the keys legitimately vary."
+    )
+
+
+def malformed_message(details: list[Any]) -> str:
+    """The malformed-batch error's text, from every rank's `(rank, position, _, problem or None)`."""
+    parts = [
+        f"batch {position} of rank {rank}'s dataloader: {problem}"
+        for rank, position, _, problem in (d for d in details if d is not None)
+        if problem is not None
+    ]
+    return (
+        f"{'; '.join(parts)}. Every rank stopped before that batch entered a collective. Fix the "
+        "dataset or its collate function, or pass check_kjts=False to skip the check."
+    )
+
+
+def _show(keys: list[tuple[str, list[str]]]) -> str:
+    return ", ".join(f"{keys} at {path or 'the batch'}" for path, keys in keys) or "no KeyedJaggedTensor"
+
+
+def uneven_message(statuses: list[Status], position: int) -> str:
+    short = [r for r, s in enumerate(statuses) if s == Status.EXHAUSTED]
+    long = [r for r, s in enumerate(statuses) if s != Status.EXHAUSTED]
+    return (
+        f"uneven data: rank(s) {short} have {position} batches, rank(s) {long} at least "
+        f"{position + 1}. Give every rank the same number of batches (drop_last, or pad the shards), "
+        'or pass on_uneven="stop" to train the common count.'
+    )
+
+
+def warn_untrained(rank: int, count: int, statuses: list[Status], position: int) -> None:
+    short = [r for r, s in enumerate(statuses) if s == Status.EXHAUSTED]
+    warnings.warn(
+        f"rank {rank}: {count} batch(es) fetched but not trained: rank(s) {short} ran out of data "
+        f"after {position} batches, so every rank stopped there. They are in the pipeline's "
+        "`untrained_batches`.",
+        stacklevel=4,
+    )
+
+
+# -- the batches in flight from one dataloader iterator ----------------------------------------------
+
+
+class LaneState(enum.Enum):
+    """Where a lane's iterator stands; only `OPEN` and `EXHAUSTED` fetch."""
+
+    OPEN = "open"
+    """Batches are taken from the iterator."""
+    EXHAUSTED = "exhausted"
+    """This rank's iterator raised StopIteration; across ranks, placeholders (no batch) are added
+    until every rank agrees that the data ended, since other ranks may still have batches."""
+    DRAINING = "draining"
+    """`drain()`: the batches in flight run, nothing is fetched."""
+    ENDED = "ended"
+    """Every rank agreed that the data ended: nothing more is fetched."""
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """What the ranks' protocol records for one batch this rank fetched (or a placeholder)."""
+
+    position: int
+    """Index of the batch in its dataloader (the same position on every rank)."""
+    status: Status
+    """This rank's status for the batch (written at fetch)."""
+    vote: Vote | None = None
+    """How many ranks have each status for this batch (started at fetch; None with one rank or
+    `agreement=False`)."""
+    carried: bool = False
+    """No vote was started at fetch: the status rides on the batch's splits all-to-all (the
+    input dist's `StatusSplits`), or, if the batch's first collective is another, is voted then."""
+    found_keys: Any = None
+    """The keys the batch has, when the key check failed."""
+    problem: str | None = None
+    """What is wrong with the batch's KeyedJaggedTensors, when that check failed."""
+    admitted: bool = False
+    """Every rank has the batch: it may enter collectives."""
+
+
+@dataclass(eq=False)
+class Lane:
+    """The batches in flight from one dataloader iterator (contexts, oldest first)."""
+
+    iterator: Iterator[Any]
+    inflight: deque[Any] = field(default_factory=deque)
+    state: LaneState = LaneState.OPEN
+    fetched: int = 0
+    """Batches taken from the iterator so far."""
+    tickets: int = 0
+    """Batches and placeholders fetched so far (the same count on every rank)."""
+    steps: int = 0
+    """Batches of this iterator run so far."""
+
+    def drain(self) -> None:
+        """Fetch nothing more; what is in flight still runs."""
+        if self.state is not LaneState.ENDED:
+            self.state = LaneState.DRAINING
+
+
+# -- votes: how many ranks have each status, by one small all_reduce ---------------------------------
+
+
+_BITS = 16
+"""Bits of one status's count in the vote's int64."""
+_MAX_WORLD = (1 << (_BITS - 1)) - 1
+"""The top field must not reach the sign bit."""
+
+
+@dataclass(eq=False)
+class Vote:
+    """One batch's vote: `wait()` returns, per `Status`, how many ranks have it."""
+
+    work: Any
+    tensor: torch.Tensor
+    counts: dict[Status, int] | None = None
+
+    def wait(self) -> dict[Status, int]:
+        """Per `Status`, how many ranks have it.
+
+        Raises:
+            CollectiveFailed: the vote's all_reduce failed (a peer closed its connection, or did not
+                vote within `peer_timeout`).
+        """
+        if self.counts is None:
+            if self.work is not None:
+                try:
+                    self.work.wait()
+                except RuntimeError as e:
+                    raise CollectiveFailed(f"the ranks' vote on a batch failed: {e}") from e
+            packed = int(self.tensor.item())
+            mask = (1 << _BITS) - 1
+            self.counts = {s: (packed >> (_BITS * i)) & mask for i, s in enumerate(Status)}
+        return self.counts
+
+
+class Votes:
+    """Issues the votes on a gloo group of its own (created on first use, at the same call on every
+    rank), or locally when there is no process group of more than one rank.
+
+    Args:
+        timeout: how long a vote may wait for a peer before failing (a peer that hangs).
+        new_group: creates the group (`dist.new_group`'s keywords; `Ranks.new_group`, which does
+            not wait for a peer that failed).
+    """
+
+    def __init__(self, *, timeout: timedelta, new_group: Callable[..., Any] = dist.new_group) -> None:
+        self._timeout = timeout
+        self._new_group = new_group
+        self._group: Any = None
+
+    @property
+    def distributed(self) -> bool:
+        return rank_and_world()[1] > 1
+
+    def vote(self, status: Status) -> Vote:
+        """Start this rank's vote for the next batch; every rank calls it once per batch, in order."""
+        tensor = torch.tensor([1 << (_BITS * list(Status).index(status))], dtype=torch.int64)
+        if not self.distributed:
+            return Vote(None, tensor)
+        if rank_and_world()[1] > _MAX_WORLD:
+            raise RuntimeError(f"the ranks' vote counts up to {_MAX_WORLD} ranks; use agreement=False")
+        return Vote(dist.all_reduce(tensor, group=self._own_group(), async_op=True), tensor)
+
+    def forget_group(self) -> None:
+        """The group is about to be destroyed by its owner: the next vote makes another."""
+        self._group = None
+
+    def _own_group(self) -> Any:
+        if self._group is None:
+            self._group = self._new_group(backend="gloo", timeout=self._timeout)
+        return self._group
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (a rare, blocking exchange: only on the paths that report a batch
+        some rank lacks or rejects, which every rank enters at the same vote)."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj, group=self._own_group())
+        return out
+
+
+# -- the protocol ------------------------------------------------------------------------------------
+
+
 _GROUP_IDS = itertools.count()
-"""Numbers the process groups the pipelines create, in order (the same order on every rank)."""
+"""Numbers the process groups the pipelines of this process create, in order of creation: every
+rank creates them at the same step of the same `progress()` calls, as `dist.new_group` requires, so
+the numbers (which name their rendezvous in the store) agree whatever order the pipelines were
+built in."""
+
+
+class OwnedGroups:
+    """The process groups one pipeline made (its votes' group, the input all-to-alls' own groups):
+    each is destroyed by `destroy` (a group retired) or `destroy_all` (`close()`, or the pipeline's
+    garbage collection). Holds nothing else, so that a finalizer may keep it."""
+
+    def __init__(self) -> None:
+        self._groups: list[dist.ProcessGroup] = []
+
+    def add(self, group: dist.ProcessGroup) -> dist.ProcessGroup:
+        self._groups.append(group)
+        return group
+
+    def destroy(self, group: dist.ProcessGroup) -> None:
+        """Destroy `group` (local on gloo and NCCL: no rank waits for another)."""
+        self._groups.remove(group)
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group(group)
+
+    def destroy_all(self) -> None:
+        while self._groups:
+            self.destroy(self._groups[-1])
+
+    def __len__(self) -> int:
+        return len(self._groups)
 
 
 class Ranks:
@@ -78,10 +354,9 @@ class Ranks:
         self._votes = Votes(timeout=options.peer_timeout, new_group=self.new_group)
         self.voting = options.agreement and self._votes.distributed
         """Ranks agree on every batch (else a rank's own status is all it knows)."""
-        self._pipeline_id = next(_PIPELINE_IDS)  # the same on every rank: pipelines are built in step
-        self._failure = FailureSignal(grace=options.failure_grace, scope=f"p{self._pipeline_id}/")
-        self.lane: Lane | None = None
-        """The lane whose step runs now (set by `PipelineCore._enter` at each step), None before the first."""
+        self._failure = FailureSignal(grace=options.failure_grace)
+        self.groups = OwnedGroups()
+        """The process groups this pipeline made (`new_group`), freed by `close()`."""
         self.untrained_batches: list[Any] = []
         """Batches this rank fetched but did not train because another rank's data ended first."""
         self._pending: list[Vote] = []
@@ -110,11 +385,7 @@ class Ranks:
         """
         timeout = self._options.peer_timeout.total_seconds()
         self._failure.rendezvous(f"group{next(_GROUP_IDS)}", timeout)
-        return dist.new_group(**kwargs)
-
-    def open_lane(self, iterator: Any) -> Lane:
-        """A new lane for `iterator` (lanes are opened by lockstep `progress()` calls)."""
-        return Lane(iterator)
+        return self.groups.add(dist.new_group(**kwargs))
 
     def fetch(self, lane: Lane) -> tuple[Any, Ticket] | None:
         """Take the next batch of `lane` and publish this rank's status for it.
@@ -210,12 +481,25 @@ class Ranks:
     def settle_votes(self) -> None:
         """Wait for every vote started so far (they have normally arrived: each was started a step
         earlier or during this one), so that none is in flight between two `progress()` calls, where
-        the caller may destroy the process groups. A vote that cannot complete (the groups are
-        gone after a failure) is dropped."""
+        the caller may destroy the process groups.
+
+        Raises:
+            CollectiveFailed: a vote failed (a peer closed its connection, or `peer_timeout` passed).
+        """
         pending, self._pending = self._pending, []
         for vote in pending:
-            with contextlib.suppress(Exception):
-                vote.wait()
+            vote.wait()
+
+    def drop_votes(self) -> None:
+        """Forget the votes in flight without waiting (after a failure or an interrupt, where a peer
+        may never send its part)."""
+        self._pending = []
+
+    def close(self) -> None:
+        """Forget the votes in flight and destroy every process group this pipeline made."""
+        self.drop_votes()
+        self._votes.forget_group()
+        self.groups.destroy_all()
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order (a blocking exchange, once, where every rank reaches it

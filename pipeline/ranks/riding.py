@@ -1,17 +1,39 @@
-"""`Admission`: whether each batch of an `InputDist` is trained, by its vote or by its status
-riding on its fused splits all-to-all instead of a vote.
+"""Statuses riding on the splits all-to-all: whether each batch of an `InputDist` is trained, decided
+without a collective of its own (`Admission`).
 
 Once the sharded modules' splits all-to-alls are fused, a batch's first collective is that one
-all-to-all, which every rank issues anyway: each rank adds its word (its status, its row count and
-one watch's figure) as one more row (`pipeline.ranks.rows`), and the splits wait reads every rank's
-word before any values move. A rank without the batch (its data ended, or the batch is rejected)
-sends zero splits of the shape the others send, recorded from an earlier batch, with its word
-(`StatusOnly`). Every receiver checks each word's tag and row count against its own: a mismatch
-(ranks sending different numbers of splits rows) raises `RidingMismatchError` on every rank, naming
-the ranks, never a misread status. Once every watch has decided, a batch every rank has costs one
-comparison of the words, in C. The first batch of every dataloader iterator is still voted on
-(`Ranks.fetch`), as is any batch fetched before the splits are fused; a pipeline that admits
-batches itself never lets statuses ride.
+all-to-all, which every rank issues anyway: each rank adds its status as one more row (the status
+row), and the splits wait reads every rank's before any values move. A rank without the batch (its
+data ended, or the batch is rejected) sends zero splits of the shape the others send, recorded from
+an earlier batch, with its status (`StatusOnly`). The first batch of every dataloader iterator is
+still voted on (`Ranks.fetch`), as is any batch fetched before the splits are fused; a pipeline that
+admits batches itself never lets statuses ride.
+
+A rank's entry in the status row (31 bits, so that torchrec's optional int32 check of the splits
+passes it; `pack`, `unpack`):
+
+    bits 0-1    status (`Status`, 0..3)
+    bits 2-7    TAG
+    bits 8-17   the sender's status row index (its splits rows before the status row), mod 1,024
+    bits 18-30  observation: bits 18-29 the figure (0 none, else round(1,000 x value) + 1, at
+                most 4,093; 4,094 and 4,095: a decision loaded from a checkpoint, `RESTORED`),
+                bit 30 which watch it belongs to (0 or 1)
+
+The tag and the row count let the receiver tell a status from a split: every receiver checks them
+against its own, and a mismatch (ranks sending different numbers of splits rows) raises
+`RidingMismatchError` on every rank, naming the ranks, never a misread status. The observation is
+one figure of the job's own steps (`pipeline.stages.watch`: the schedule watch's or the prefetch
+watch's, taking turns), so that the ranks agree on what the steps show without a collective of
+their own. The receiver's work does not grow with the world in Python: once every watch has
+decided, a batch every rank has costs one count of the row's plain entries, in C; while a watch is
+live, the row is read with tensor operations.
+
+`StatusSplits` is torchrec's fused splits awaitable (`FusedKJTListSplitsAwaitable`) with the status
+row after the splits, built through `rewrite.fuse_splits_requests(carrier=...)`. It and `StatusOnly`
+edit or mirror torchrec's private fields (`_awaitables`, `_lengths`, `_splits_awaitable`,
+`_output_tensor`), so `riding_fits` checks, before statuses ride, that the installed torchrec has
+them and that every input dist is one this code knows to issue nothing but its splits and values
+all-to-alls.
 """
 
 from __future__ import annotations
@@ -19,28 +41,259 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pipeline.ranks.rows import (
-    TAG,
-    StatusOnly,
-    StatusSplits,
-    figure_of,
-    pack,
-    riding_fits,
-    settle_splits,
-    splits_shape,
-    tagged,
-    unpack,
-    validating,
-)
-from pipeline.ranks.status import RidingMismatchError, Status
+import torch
+from torch import nn
+from torchrec.distributed.dist_data import KJTAllToAll, SplitsAllToAllAwaitable
+from torchrec.distributed.embedding_sharding import FusedKJTListSplitsAwaitable, KJTSplitsAllToAllMeta
+from torchrec.distributed.types import NoWait
+
+from pipeline.ranks.protocol import RidingMismatchError, Status
 
 if TYPE_CHECKING:
-    from pipeline.ranks.protocol import Ranks
+    from pipeline.ranks.protocol import Lane, Ranks
     from pipeline.stages.context import BatchContext
 
-__all__ = ["NO_FULL_GROUP", "NO_RIDE", "Admission"]
+__all__ = [
+    "NOTHING_PIPELINED",
+    "NO_FULL_GROUP",
+    "NO_RIDE",
+    "RESTORED",
+    "TAG",
+    "Admission",
+    "StatusOnly",
+    "StatusSplits",
+    "Word",
+    "figure_of",
+    "observed",
+    "pack",
+    "riding_fits",
+    "settle_splits",
+    "splits_shape",
+    "tagged",
+    "unpack",
+    "validating",
+]
+
+
+# -- the status row ----------------------------------------------------------------------------------
+
+
+TAG = 0b101101
+"""Marks a status word. A split (a count of ids or a batch size) read by mistake in its place
+matches it and the row count by chance once in 65,536."""
+_ROWS = 1 << 10
+_FIGURE_BITS = 12
+_OBSERVED_MAX = (1 << _FIGURE_BITS) - 1
+RESTORED = (_OBSERVED_MAX - 1, _OBSERVED_MAX)
+"""The figure of a watch holding a decision loaded from a checkpoint, per mode (its start mode, the
+other): no observation reaches them."""
+
+
+@dataclass(frozen=True, slots=True)
+class Word:
+    """One rank's word for one batch, unpacked."""
+
+    status: int
+    tag: int
+    rows: int
+    """The sender's status row index, mod 1,024."""
+    observation: int
+    """Which watch (`figure_of`) and its figure: 0: none; else round(1,000 x value) + 1."""
+
+
+def observed(value: float | None) -> int:
+    """`value` (a fraction or a ratio, >= 0) as the word's observation field; None: none."""
+    return 0 if value is None else min(RESTORED[0] - 1, 1 + max(0, round(value * 1000)))
+
+
+def tagged(which: int, figure: int) -> int:
+    """The observation field carrying watch `which`'s (0 or 1) `figure` (`observed()`)."""
+    return which << _FIGURE_BITS | figure if figure else 0
+
+
+def figure_of(observation: int) -> tuple[int, int]:
+    """(which watch, its figure) of an observation field (figure 0: none)."""
+    return observation >> _FIGURE_BITS, observation & _OBSERVED_MAX
+
+
+_OBSERVATION = 18
+"""The observation field's first bit."""
+_SENT_ALIKE = (1 << _OBSERVATION) - 1
+"""The bits of the status, the tag and the row count: alike on every rank that has the batch."""
+
+
+def pack(status: Status | int, rows: int, observation: int = 0) -> int:
+    """The word of `status` sent with `rows` splits rows before it (`observation`: `tagged()`)."""
+    return int(status) | TAG << 2 | (rows % _ROWS) << 8 | observation << _OBSERVATION
+
+
+def unpack(word: int) -> Word:
+    """The fields of a received word (check `tag` and `rows` before trusting the rest)."""
+    rows, observation = (word >> 8) % _ROWS, word >> _OBSERVATION
+    return Word(status=word & 3, tag=(word >> 2) & 0x3F, rows=rows, observation=observation)
+
+
+class _StatusRow:
+    """A splits all-to-all with a status row after its `rows` splits rows."""
+
+    rows: int
+    _splits_awaitable: Any
+
+    def words(self) -> list[int]:
+        """Per rank, what it sent at this rank's status row (a status if the ranks sent alike). The
+        splits are waited once: torchrec's own wait then reads the same rows."""
+        awaitable = self._splits_awaitable
+        received = awaitable.wait()
+        if not isinstance(awaitable, NoWait):
+            self._splits_awaitable = NoWait(received)
+            output = getattr(awaitable, "_output_tensor", None)
+            self._received = output.view(awaitable.num_workers, -1) if output is not None else None
+        self._words = received[self.rows] if self.rows < len(received) else []  # too few: reported
+        return self._words
+
+    def row(self) -> torch.Tensor:
+        """`words()` as a tensor on the host, once they arrived: the received splits' column of
+        this rank's status row, read without Python per rank."""
+        if self._received is None:
+            return torch.tensor(self._words, dtype=torch.int64)
+        return self._received[:, self.rows].cpu()
+
+
+class StatusSplits(_StatusRow, FusedKJTListSplitsAwaitable):
+    """torchrec's fused splits all-to-all (built by `rewrite.fuse_splits_requests(carrier=...)`) with
+    one row more: this rank's word for the batch (`word(rows)`, from the number of splits rows before
+    it), which every rank receives (`words()`) before the values all-to-alls, which `wait()` starts,
+    are issued. The row rides on the last module's splits while the all-to-all is built and is left
+    out when the splits are read.
+
+    Raises:
+        RuntimeError: torchrec's fused awaitable is not of the shape this class edits (a torchrec
+            release that changed it; `riding_fits` checks for that first).
+    """
+
+    def __init__(self, requests: list[Any], contexts: list[Any], pg: Any, word: Callable[[int], int]) -> None:
+        rows, last, at, position = 0, None, 0, 0
+        for request in requests:  # the last module's splits, at `at` in torchrec's flat list
+            for awaitable in request.awaitables:
+                if isinstance(awaitable, KJTSplitsAllToAllMeta):
+                    rows, last, at = rows + len(awaitable.splits_tensors), awaitable, position
+                position += 1
+        self.rows = rows
+        """The splits rows this rank sends before its word (its word's row index)."""
+        status_row = torch.full((pg.size(),), word(rows), dtype=torch.int64, device=last.device)
+        last.splits_tensors.append(status_row)
+        try:
+            super().__init__(requests=requests, contexts=contexts, pg=pg)
+        finally:
+            last.splits_tensors.pop()
+        if self._awaitables[at] is not last or sum(self._lengths) != rows + 1:
+            raise RuntimeError(f"torchrec's fused splits awaitable does not count {rows} rows and a word")
+        self._lengths[at] -= 1
+        self.carries = True
+
+
+class StatusOnly(_StatusRow):
+    """What a rank without the batch sends where the others send their fused splits: `rows` rows
+    of zero splits (the shape the others send) and, where the others send `StatusSplits`, its
+    word."""
+
+    def __init__(self, pg: Any, rows: int, word: int | None, device: torch.device) -> None:
+        world = pg.size()
+        tensors = [torch.zeros(world, dtype=torch.int64, device=device) for _ in range(rows)]
+        if word is not None:
+            tensors.append(torch.full((world,), word, dtype=torch.int64, device=device))
+        self.rows = rows
+        self._splits_awaitable = SplitsAllToAllAwaitable(tensors, pg)
+        self.carries = word is not None
+
+    def wait(self) -> list[Any]:
+        raise RuntimeError("a rank that sent only its status has no batch to distribute")
+
+
+def splits_shape(fused: list[tuple[list[str], Any]]) -> list[tuple[Any, int, torch.device, bool]] | None:
+    """What one batch's `fuse_splits_requests(..., carrier=...)` sends, so that a rank without a batch
+    can send the same: per group, its process group, the number of splits rows, their device, and
+    whether the status rides there. None if no group spans every rank (the status cannot ride)."""
+    shape, rides = [], False
+    for _, awaitable in fused:
+        for meta in getattr(awaitable, "_awaitables", ()):
+            if isinstance(meta, KJTSplitsAllToAllMeta):  # the group's first: its group and device
+                if meta.pg is not None:
+                    carries = isinstance(awaitable, StatusSplits)
+                    shape.append((meta.pg, sum(awaitable._lengths), meta.device, carries))
+                    rides = rides or carries
+                break
+    return shape if rides else None
+
+
+def settle_splits(fused: list[tuple[list[str], Any]]) -> None:
+    """Wait for the splits all-to-all of each awaitable of a batch the ranks refused
+    (`fuse_splits_requests`' or `StatusOnly`), starting no values all-to-all: none is left in
+    flight, on any group."""
+    for _, awaitable in fused:
+        if getattr(awaitable, "_splits_awaitable", None) is not None:
+            awaitable._splits_awaitable.wait()
+
+
+_FIELDS_USED = {
+    KJTAllToAll: ("_pg", "_splits", "_splits_cumsum", "_stagger"),
+}
+_AWAITABLE_FIELDS = ("_awaitables", "_lengths", "_splits_awaitable")
+_INPUT_DISTS = (
+    "TwSparseFeaturesDist",
+    "RwSparseFeaturesDist",
+    "CwSparseFeaturesDist",
+    "DpSparseFeaturesDist",
+)
+"""torchrec's input dists whose forward issues nothing but its KJTAllToAll (or nothing at all)."""
+
+
+def riding_fits(modules: list[nn.Module]) -> str | None:
+    """None if statuses can ride on these sharded modules' fused splits; else why not (the
+    pipeline then votes on every batch). Decided from the code alone, so the same on every rank
+    that runs the same torchrec and model."""
+    names = set(FusedKJTListSplitsAwaitable.__init__.__code__.co_names)
+    missing = [f for f in _AWAITABLE_FIELDS if f not in names]
+    if missing:
+        return f"torchrec's FusedKJTListSplitsAwaitable no longer sets {', '.join(missing)}"
+    names = set(SplitsAllToAllAwaitable.__init__.__code__.co_names)
+    missing = [f for f in ("_output_tensor", "num_workers") if f not in names]
+    if missing:
+        return f"torchrec's SplitsAllToAllAwaitable no longer sets {', '.join(missing)}"
+    for module in modules:
+        for child in module.modules():
+            for input_dist in getattr(child, "_input_dists", None) or []:
+                kind = type(input_dist)
+                if not any(
+                    c.__name__ in _INPUT_DISTS and c.__module__.startswith("torchrec.") for c in kind.__mro__
+                ):
+                    return f"input dist {kind.__qualname__} may issue collectives of its own"
+                a2a = getattr(input_dist, "_dist", None)
+                if a2a is None:
+                    continue
+                if not isinstance(a2a, KJTAllToAll):
+                    return f"input dist {kind.__qualname__} sends with {type(a2a).__qualname__}"
+                absent = [f for f in _FIELDS_USED[KJTAllToAll] if not hasattr(a2a, f)]
+                if absent:
+                    return f"torchrec's KJTAllToAll has no {', '.join(absent)}"
+    return None
+
+
+def validating() -> bool:
+    """torchrec can tag each splits all-to-all to check that the ranks' collectives match; a rank
+    without a batch could not send the tag, so statuses do not ride then."""
+    try:
+        from torchrec.distributed.collective_utils import validate_collectives_enabled
+    except ImportError:  # an older torchrec: no tags
+        return False
+    return validate_collectives_enabled()
+
+
+# -- admission ---------------------------------------------------------------------------------------
+
 
 NO_RIDE = (
     "the ranks' statuses do not ride on this pipeline's splits all-to-all (agreement=False, a class "
@@ -54,6 +307,13 @@ NO_FULL_GROUP = (
     "the ranks' statuses do not ride on it and the ranks have no shared observations of their steps"
 )
 """Why a watch cannot agree with the other ranks where no fused splits group spans every rank."""
+
+NOTHING_PIPELINED = (
+    "no sharded module is pipelined (the rewrite report says why for each): their input all-to-alls "
+    "run inside forward, so no splits all-to-all of the pipeline carries the ranks' statuses and "
+    "there is no schedule to choose"
+)
+"""Why a watch has nothing to decide where the rewrite pipelined no module."""
 
 
 class Admission:
@@ -73,7 +333,7 @@ class Admission:
         self._ranks = ranks
         self.enabled = enabled and ranks is not None and ranks.voting and not validating()
         self._watches: list[Any] = []
-        """The watches (`pipeline.stages.step_watch`) whose figures ride in the words, taking turns
+        """The watches (`pipeline.stages.watch`) whose figures ride in the words, taking turns
         where more than one publishes (at most two)."""
         self._words = 0
         """Words packed so far (whose turn it is)."""
@@ -141,12 +401,12 @@ class Admission:
         the watches are told so."""
         if not self.enabled:
             return
-        self._shape = splits_shape(fused)
+        self._shape = splits_shape(fused) if fused else None
         self._ranks.carrying = self._shape is not None
         if self._shape is None:
             self.enabled = False
             for watch in self._watches:
-                watch.no_ride(NO_FULL_GROUP)
+                watch.no_ride(NO_FULL_GROUP if fused else NOTHING_PIPELINED)
 
     def forget(self) -> None:
         """The modules were restored: batches fetched from now on are voted on."""
@@ -191,20 +451,21 @@ class Admission:
             for pg, rows, device, carries in self._shape
         ]
 
-    def _hand_out(self, observations: list[int]) -> None:
-        """Every rank's figures for one batch, each watch the ones naming it (0 for a rank whose word
-        names the other: a figure missing, which decides nothing but a loaded decision's fate)."""
-        fields = [figure_of(o) for o in observations]
+    def _hand_out(self, observations: torch.Tensor) -> None:
+        """Every rank's figures for one batch (the observation fields of its status row), each watch
+        the ones naming it (0 for a rank whose figure names the other: a figure missing, which
+        decides nothing but a loaded decision's fate). Tensor operations: no Python per rank."""
+        which, figures = observations >> _FIGURE_BITS, observations & _OBSERVED_MAX
         for i, watch in enumerate(self._watches):
-            mine = [f if w == i else 0 for w, f in fields]
-            if any(mine):
+            mine = torch.where(which == i, figures, 0)
+            if bool(mine.any()):
                 watch.received(mine)
 
-    def conclude(self, ctx: BatchContext) -> bool:
-        """At the splits wait: where `ctx`'s status rode, read every rank's. Where every rank sent
-        the plain HAVE word the batch is admitted; otherwise the ranks' protocol decides
-        (`Ranks.conclude`: it may raise on every rank). False: some rank lacks the batch, which
-        left the lane with the batches after it."""
+    def conclude(self, ctx: BatchContext, lane: Lane | None) -> bool:
+        """At the splits wait: where `ctx`'s status rode, read every rank's. Where every rank has the
+        batch it is admitted; otherwise the ranks' protocol decides (`Ranks.conclude`: it may raise
+        on every rank). False: some rank lacks the batch, which left `lane` with the batches after
+        it."""
         if not (ctx.status_rides and ctx.splits_requests):
             return True
         ctx.status_rides = False
@@ -214,15 +475,23 @@ class Admission:
         else:
             raise RuntimeError("a batch whose status rides has no status row among its splits all-to-alls")
         words = carrier.words()
-        if words and words.count(pack(Status.HAVE, carrier.rows)) == len(words):
-            ctx.ticket.admitted = True  # the steady case, in C: every rank has it, no word to unpack
+        plain = pack(Status.HAVE, carrier.rows)
+        if words and words.count(plain) == len(words):
+            ctx.ticket.admitted = True  # every watch decided: every rank has it, counted in C
             return True
-        statuses, figures = _read(words, carrier.rows, ctx.index)
-        self._hand_out(figures)
+        row = carrier.row() if words else None
+        if row is not None and bool(((row & _SENT_ALIKE) == plain).all()):
+            ctx.ticket.admitted = True  # every rank has it; the figures of a live watch ride
+            self._hand_out(row >> _OBSERVATION)
+            return True
+        statuses, figures = _read(words, carrier.rows, ctx.index)  # some rank lacks it, or a mismatch
+        self._hand_out(torch.tensor(figures, dtype=torch.int64))
         counts = Counter(statuses)
         if counts[Status.HAVE] < sum(counts.values()):  # refused: wait for every group's splits first
             settle_splits(ctx.splits_requests)
-        if self._ranks.conclude(self._ranks.lane, ctx, counts):
+        if lane is None:
+            raise RuntimeError("a batch whose status rode on its splits was waited for without its lane")
+        if self._ranks.conclude(lane, ctx, counts):
             return True
         ctx.splits_requests = []
         self.refused += 1

@@ -1,10 +1,7 @@
-"""Per-batch contexts: what one batch carries between the pipeline's stages (one context per batch
-in flight, none shared; each field names its writer and its reader: docs/reference.md, "Contexts").
-The contexts implement `rewrite.ForwardContext`, the interface the hijacked forwards read, and do
-the waiting and cross-stream hand-off for them. A context owns everything handed off for its batch
-(`Streams.handoff(obj, producer, ctx)`) until the pipeline releases it (`Streams.release(ctx)`)
-after the batch's backward, or when the batch is dropped.
-"""
+"""Per-batch contexts: what one batch carries between the pipeline's stages, one per batch in flight
+(docs/reference.md, "Contexts"). They implement `rewrite.ForwardContext` for the hijacked forwards and
+own what is handed off for their batch (`Streams.handoff(obj, producer, ctx)`) until the pipeline
+releases it (`Streams.release(ctx)`) after the batch's backward, or when the batch is dropped."""
 
 from __future__ import annotations
 
@@ -14,7 +11,7 @@ from typing import Any
 
 from torchrec.distributed.types import LazyNoWait
 
-from pipeline.ranks.lane import Ticket
+from pipeline.ranks.protocol import Ticket
 from pipeline.stages.streams import Streams, label
 
 __all__ = [
@@ -28,42 +25,22 @@ __all__ = [
 
 @dataclass(kw_only=True, slots=True, eq=False)
 class BatchContext:
-    """In-flight state of one batch."""
+    """In-flight state of one batch; each field's comment says: its writer -> its reader."""
 
-    index: int
-    """Position of the batch in this pipeline's stream of batches (for labels)."""
-    streams: Streams
-    batch: Any = None
-    """Written by copy (on memcpy); read by input_dist start (data_dist) and forward (default)."""
-    module_contexts: dict[str, Any] = field(default_factory=dict)
-    """Written by input_dist start, per call site key (`rewrite.site_key`: the module's FQN for its
-    first call in forward, `fqn@1`... for the next); read by forward (or prefetch, or lookup)."""
-    postproc_results: dict[str, Any] = field(default_factory=dict)
-    """Written by input_dist start (pipelined postprocs run ahead); read by forward."""
+    index: int  # fetch -> labels: the batch's position in this pipeline's stream
+    streams: Streams  # fetch -> the hand-offs below: the pipeline's streams
+    batch: Any = None  # copy (memcpy) -> input_dist start (data_dist), forward
+    module_contexts: dict[str, Any] = field(default_factory=dict)  # input_dist start -> forward, stages
+    postproc_results: dict[str, Any] = field(default_factory=dict)  # input_dist start -> forward
+    # input_dist start -> splits wait: (module FQNs, splits awaitable) per collective
     splits_requests: list[tuple[list[str], Any]] = field(default_factory=list)
-    """Written by input_dist start: (module FQNs, splits awaitable) per collective; read by the
-    splits wait, which issues the values all-to-alls."""
-    input_dist_requests: dict[str, Any] = field(default_factory=dict)
-    """Written by the splits wait: the values awaitable per module; read (popped) by forward's
-    `take_input_dist`, or by the prefetch stage."""
-    started: bool = False
-    """input_dist start ran (for pipelines without input_dist: never)."""
-    status_rides: bool = False
-    """Started before every rank's status was known: the status rode on the splits, and the
-    splits wait decides whether the batch runs."""
-    ticket: Ticket | None = None
-    """Written at fetch by the ranks' protocol (`pipeline.ranks.Ranks`): this rank's status for the
-    batch, its vote, whether every rank admitted it; read before the batch's first collective."""
-    loader_state: Any = None
-    """Written at fetch: the dataloader's `state_dict()` from before this batch was fetched (None
-    without one); read by `dataloader_state()` (`pipeline.ranks.protocol`)."""
-    wait_clock: Any = None
-    """Written by input_dist start while the default schedule watches (`pipeline.stages.watch`):
-    the clock that the splits wait and `take_input_dist` report their blocking to; None: no clock."""
-    copy_job: Future | None = None
-    """Written by the copy stage when it dispatches the copy on a worker thread
-    (`TrainPipelineSparseDistT`): the future of the device batch, while `batch` is still the host
-    one; taken by `wait_copy` before the batch's first use on the device."""
+    input_dist_requests: dict[str, Any] = field(default_factory=dict)  # splits wait -> forward, prefetch
+    started: bool = False  # input_dist start -> the stages after it (never without input_dist)
+    status_rides: bool = False  # input_dist start, status not yet known -> splits wait: run the batch?
+    ticket: Ticket | None = None  # fetch (`pipeline.ranks.Ranks`) -> admission, before 1st collective
+    loader_state: Any = None  # fetch: the loader's `state_dict()` before it -> `dataloader_state()`
+    wait_clock: Any = None  # input_dist start, while the default schedule watches -> the timed waits
+    copy_job: Future | None = None  # copy on a worker thread: the device batch's future -> `wait_copy`
 
     def wait_copy(self) -> None:
         """Put the device batch of a copy dispatched on a worker in `batch` (a no-op otherwise)."""
@@ -79,7 +56,7 @@ class BatchContext:
         streams = self.streams
         with label(f"pipeline::input_dist::wait#{self.index}"):
             with streams.use(streams.data_dist):
-                clock = self.wait_clock  # while the default schedule watches: the wait is timed
+                clock = self.wait_clock
                 data = request.wait() if clock is None else clock.wait(request)
                 streams.produced(data)
             module_ctx = self.module_contexts.pop(key)
@@ -102,21 +79,15 @@ class BatchContext:
         return result
 
 
-TrainPipelineContext = BatchContext
-"""torchrec's name for the per-batch context, here `BatchContext`: its fields are ours (each with its
-writer and reader), since contexts are internal to the pipelines; `context_type=` is accepted."""
+TrainPipelineContext = BatchContext  # torchrec's name; `context_type=` is accepted
 
 
 @dataclass(kw_only=True, slots=True, eq=False)
 class PrefetchBatchContext(BatchContext):
     """Adds what the prefetch stage hands to forward."""
 
-    prefetch_job: Any = None
-    """Written by the prefetch submission (main thread): the future of this batch's prefetch stage;
-    read by the main thread before forward."""
-    prefetched: dict[str, tuple[Any, Any]] = field(default_factory=dict)
-    """Written by prefetch (on the prefetch stream): (module context, post-prefetch input) per
-    module; read (popped) by forward's `take_prefetched`, which never waits on communication."""
+    prefetch_job: Any = None  # prefetch submission (its future) -> main thread, before forward
+    prefetched: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # prefetch -> `take_prefetched`
 
     def take_prefetched(self, key: str) -> tuple[Any, Any] | None:
         prepared = self.prefetched.pop(key, None)
@@ -132,11 +103,8 @@ class PrefetchBatchContext(BatchContext):
 class LookupBatchContext(BatchContext):
     """Adds what the embedding lookup stage hands to forward (Fused and SemiSync pipelines)."""
 
-    lookups: dict[str, tuple[Any, Any, Any]] = field(default_factory=dict)
-    """Written by the lookup stage (on data_dist): (module context, input_dist result, output of
-    `compute_and_output_dist`) per module; read (popped) by forward's `take_lookup`."""
-    looked_up: bool = False
-    """The lookup stage ran for this batch."""
+    lookups: dict[str, tuple[Any, Any, Any]] = field(default_factory=dict)  # lookup stage -> `take_lookup`
+    looked_up: bool = False  # lookup stage -> lookup stage (it runs once per batch)
 
     def take_lookup(self, key: str) -> Any | None:
         prepared = self.lookups.pop(key, None)
@@ -154,15 +122,10 @@ class LookupBatchContext(BatchContext):
 
 @dataclass(kw_only=True, slots=True, eq=False)
 class HostLookupBatchContext(LookupBatchContext):
-    """Adds the lookups' outputs made ready for a forward on another device
-    (`EvalPipelineCPUSparse`: embeddings looked up on the host, forward on the device)."""
+    """Adds the host lookups' outputs for a forward on the device (`EvalPipelineCPUSparse`)."""
 
-    embeddings: dict[str, Any] = field(default_factory=dict)
-    """Written by the sparse stage (the host thread, or its worker): each call site's lookup
-    output, waited for; replaced by its device copy in the copy stage (memcpy); read (popped) by
-    forward's `take_lookup`, once the pipeline handed it to forward's stream."""
-    on_device: bool = False
-    """The copy stage ran: `batch` and `embeddings` are on the forward's device."""
+    embeddings: dict[str, Any] = field(default_factory=dict)  # sparse stage, copy stage -> `take_lookup`
+    on_device: bool = False  # copy stage -> copy stage: `batch` and `embeddings` are on the device
 
     def take_lookup(self, key: str) -> Any | None:
         embeddings = self.embeddings.pop(key, None)

@@ -6,33 +6,65 @@ from the second batch on); `wait_splits` waits for them and launches the values 
 (`input_dist::splits`); the hijacked forwards take the values through the batch's context
 (`input_dist::wait`); `detach` restores the model. The schedule (`pipeline.stages.schedule`) says
 when the splits are waited, on which group.
+
+Here too, what the stage needs besides: the rewrite of the model's sharded modules as the stage
+holds it (`Attachment`), the warning when a module is not pipelined (`NotPipelinedWarning`), and
+torchrec's memory flags (`MemoryFlags`).
+
+The warning: on the first batch, once per module and pipeline, with the reason from the rewrite
+report and what to do. Such a module still trains correctly: it runs its own forward, input_dist
+included, so only its input all-to-alls are not overlapped. It goes to the "pipeline" logger
+(WARNING) and through `warnings.warn` as a `NotPipelinedWarning`, which a user may filter or make
+an error; `strict=True` fails instead.
+
+What torchrec's memory flags free, as torchrec frees it (`MemoryFlags`).
+
+- `free_features_storage_early`: a sharded module that permutes its input features keeps the
+  original KeyedJaggedTensor in its context (`early_releasable_inputs`) once told to
+  (`_free_features_storage_early`); after every pipelined module's input_dist has started, the
+  storage of those originals is released. The batch's KeyedJaggedTensor is empty afterwards: only
+  the hijacked forwards, which never read it, may see it.
+- `clear_data_dist_inputs`: the tensors an input all-to-all sent are released once it completed,
+  before forward, instead of when the awaitable is collected.
+
+Both return the bytes they freed, which the pipeline adds to `InputDist.freed_bytes`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.dist_data import KJTAllToAllTensorsAwaitable
 
-from pipeline.config import InputDistOptions, RewriteOptions
+from pipeline.options import InputDistOptions, RewriteOptions
 from pipeline.ranks import Lane, Ranks
 from pipeline.ranks.riding import Admission
-from pipeline.stages.attachment import Attachment
 from pipeline.stages.context import BatchContext
-from pipeline.stages.groups import InputDistGroups
-from pipeline.stages.memory import MemoryFlags, release_features, release_sent_inputs
-from pipeline.stages.narrow import NarrowIds, every_rank, originals
-from pipeline.stages.schedule import SCHEDULES
+from pipeline.stages.narrow import NarrowIds, every_rank, kjts_in, originals, widen_received
+from pipeline.stages.schedule import (
+    NOT_ON_NCCL,
+    ONE_RANK,
+    SCHEDULES,
+    WATCH_ADVICE,
+    InputDistGroups,
+    ScheduleWatch,
+    backend_on,
+)
 from pipeline.stages.streams import Streams, run_stage
-from pipeline.stages.watch import ScheduleWatch
-from pipeline.stages.watch_text import NOT_ON_NCCL, ONE_RANK, WATCH_ADVICE
-from rewrite import CallSite, ContextSlot, PipelinedModule, Rewrite, RewriteReport
-from rewrite.replay import fuse_splits_requests, one_by_one
+from rewrite import CallSite, ContextSlot, PipelinedModule, Rewrite, RewriteReport, rewrite_model
+from rewrite.replay import fuse_splits_requests, kjt_all_to_alls, one_by_one
 
-__all__ = ["InputDist"]
+__all__ = ["Attachment", "InputDist", "MemoryFlags", "NotPipelinedWarning"]
+
+logger = logging.getLogger("pipeline")
 
 
 class InputDist:
@@ -94,16 +126,26 @@ class InputDist:
             self.watch.note = self._note
             if self._one_rank:
                 self.watch.pin(ONE_RANK)
-            elif dist.get_backend() == "nccl":
-                self.watch.pin(NOT_ON_NCCL)
         self._admission = Admission(ranks, carry, watch=self.watch)
         """Whether each batch is trained: by its vote, or what rides on its splits (else pins the watch)."""
-        checked = ranks.kjts.in_int32 if ranks is not None and ranks.kjts is not None else None
-        self._narrow = NarrowIds(schedule.narrow_ids, self._note, one_rank=self._one_rank, proven=checked)
+        check = ranks.kjts if ranks is not None else None
+        self._narrow = NarrowIds(
+            schedule.narrow_ids,
+            self._note,
+            one_rank=self._one_rank,
+            proven=check.in_int32 if check is not None else None,
+            untabled=check.untabled if check is not None else frozenset(),
+        )
         """Which call sites' KJTs go through the all-to-all as int32 (`pipeline.stages.narrow`)."""
+        self._groups_checked = False
+        """Whether the watch was pinned where the input all-to-alls cannot move (`_check_groups`)."""
         self._others: list[Any] = []
         """Other stages' watches (`add_watch`)."""
-        self._groups = InputDistGroups(ranks.new_group if ranks is not None else dist.new_group, self._note)
+        self._groups = (
+            InputDistGroups(ranks.new_group, self._note, ranks.groups.destroy)
+            if ranks is not None
+            else InputDistGroups(dist.new_group, self._note)
+        )
 
     @property
     def rewrite(self) -> Rewrite | None:
@@ -190,12 +232,32 @@ class InputDist:
         sample = partial(rewrite.site_inputs, ctx.batch, ctx.postproc_results)
         self._narrow.settle(rewrite.sites, sample, self._ranks.gather if self._ranks else every_rank)
 
+    def _check_groups(self, rewrite: Rewrite, ctx: BatchContext) -> None:
+        """Once the input dists exist (the first fused start): where the watch could not move the
+        input all-to-alls, it is pinned now, saying why. Decided from the groups' config, which
+        every rank holds alike: their backend for the batch's device, and whether a group like
+        theirs can be made."""
+        if self.watch is None or self.watch.choice is not None:
+            return
+        inputs = rewrite.site_inputs(ctx.batch, ctx.postproc_results)
+        device = next((kjt.device() for kjt in kjts_in(inputs)), torch.device("cpu"))
+        groups = {id(a2a._pg): a2a._pg for pm in rewrite.modules for a2a in kjt_all_to_alls(pm.module)}
+        if any(backend_on(pg, device) == "nccl" for pg in groups.values()):
+            self.watch.pin(NOT_ON_NCCL)
+        elif (why := self._groups.uncopyable(list(groups.values()))) is not None:
+            self.watch.pin(f"a process group like the input all-to-alls' cannot be made here ({why})")
+
     def detach(self) -> None:
         """Restore every original forward and process group; the next `start` re-attaches."""
         self._groups.restore()
         self._admission.forget()
         self._attached.detach()
         self.slot.current = None
+
+    def close(self) -> None:
+        """`detach`, and the input all-to-alls' own process groups destroyed (no batch in flight)."""
+        self.detach()
+        self._groups.close()
 
     def start(self, ctx: BatchContext) -> None:
         """Launch the splits all-to-all of every pipelined call site for `ctx`'s batch (nothing while
@@ -219,6 +281,9 @@ class InputDist:
         if fused and not self._admission.checked:  # whether statuses can ride, decided once
             why = self._admission.check([pm.module for pm in rewrite.modules])
             rewrite.report.notes += [why] if why else []
+        if fused and not self._groups_checked:
+            self._groups_checked = True
+            self._check_groups(rewrite, ctx)
         if fused and own is not self._groups.at_rest:  # else nothing to move or retire
             self._groups.place(own, rewrite.modules, ctx.index)
 
@@ -246,24 +311,28 @@ class InputDist:
         if self.watch is not None and not self.watch.settled:
             ctx.wait_clock = self.watch.active_clock
 
-    def wait_splits(self, ctx: BatchContext) -> bool:
+    def wait_splits(self, ctx: BatchContext, lane: Lane | None = None) -> bool:
         """Wait for the splits all-to-all of `ctx` and launch its values all-to-alls (a no-op once
-        done). Where the batch's status rode on it, the ranks' statuses decide first (`Ranks.conclude`).
+        done). Where the batch's status rode on it, the ranks' statuses decide first
+        (`Ranks.conclude`); its `lane` is then needed, in case the ranks drop the batch.
 
         Returns:
-            False: some rank lacks the batch; it and the batches after it left the lane.
+            False: some rank lacks the batch; it and the batches after it left `lane`.
         """
         with run_stage(self._streams, "input_dist::splits", ctx.index, self._streams.data_dist):
             # The whole wait is timed: where the status rides, `conclude` is where it blocks.
             clock = ctx.wait_clock
-            return self._wait_splits(ctx) if clock is None else clock.timed(self._wait_splits, ctx)
+            if clock is None:
+                return self._wait_splits(ctx, lane)
+            return clock.timed(self._wait_splits, ctx, lane)
 
-    def _wait_splits(self, ctx: BatchContext) -> bool:
-        if not self._admission.conclude(ctx):
+    def _wait_splits(self, ctx: BatchContext, lane: Lane | None) -> bool:
+        if not self._admission.conclude(ctx, lane):
             return False
+        narrowed = self._narrow.sites
         for names, request in ctx.splits_requests:
             for name, values in zip(names, request.wait(), strict=True):
-                ctx.input_dist_requests[name] = values
+                ctx.input_dist_requests[name] = widen_received(values) if name in narrowed else values
         ctx.splits_requests = []
         return True
 
@@ -277,7 +346,7 @@ class InputDist:
         head = lane.inflight[0] if lane.inflight else None
         if head is not None and not head.started and self._admission.admit(lane, head):
             self.start(head)
-            self.wait_splits(head)
+            self.wait_splits(head, lane)
         if len(lane.inflight) < 2:
             enqueue(lane)
 
@@ -288,7 +357,7 @@ class InputDist:
         if nxt is None or not self._admission.admit(lane, nxt):
             return None
         self.start(nxt)
-        if SCHEDULES[self.schedule].early_splits and not self.wait_splits(nxt):
+        if SCHEDULES[self.schedule].early_splits and not self.wait_splits(nxt, lane):
             return None
         return nxt
 
@@ -298,3 +367,225 @@ class InputDist:
         if self._memory.clear_data_dist_inputs and ctx.started:
             with self._streams.use(self._streams.data_dist):
                 self.freed_bytes += release_sent_inputs(ctx.input_dist_requests.values())
+
+
+# -- the rewrite, as the stage holds it --------------------------------------------------------------
+
+
+class Attachment:
+    """The rewrite of `model`'s sharded modules, made on the first batch and undone by `detach`.
+
+    Args:
+        model: the model whose sharded modules are rewritten.
+        slot: where the hijacked forwards read the context of the batch whose forward runs.
+        options: how the sharded modules' inputs are found (`RewriteOptions`).
+        strict: fail on the first batch if a sharded module cannot be pipelined.
+        pipeline_postproc: run parameter-free modules that transform the batch ahead.
+        forward: which hijacked forward the sharded modules get (see `InputDist`).
+        free_early: `free_features_storage_early` was asked for.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        slot: ContextSlot,
+        *,
+        options: RewriteOptions,
+        strict: bool,
+        pipeline_postproc: bool,
+        forward: str,
+        free_early: bool,
+    ) -> None:
+        self._model, self._slot, self._options = model, slot, options
+        self._strict, self._pipeline_postproc = strict, pipeline_postproc
+        self._forward, self._asked_free_early = forward, free_early
+        self.rewrite: Rewrite | None = None
+        """The rewrite, from the first batch until `detach`."""
+        self.settled = False
+        """The complete rewrite was checked (`settle`)."""
+        self.free_early = False
+        """`free_features_storage_early` applies (every call site's input is a path in the batch)."""
+        self._undo: list[Callable[[], None]] = []
+        self._warned: set[str] = set()
+        """The sharded modules warned about as not pipelined (once each, not at a re-attach)."""
+
+    @property
+    def report(self) -> RewriteReport | None:
+        return self.rewrite.report if self.rewrite is not None else None
+
+    @property
+    def modules(self) -> list[PipelinedModule]:
+        """The pipelined sharded modules (none before the first batch)."""
+        return self.rewrite.modules if self.rewrite is not None else []
+
+    @property
+    def sites(self) -> list[CallSite]:
+        """Every call of a pipelined sharded module in one forward (none before the first batch)."""
+        return self.rewrite.sites if self.rewrite is not None else []
+
+    def use_forward(self, forward: str) -> None:
+        """Change which hijacked forward the sharded modules get, before the first batch rewrote them.
+
+        Raises:
+            RuntimeError: the modules are rewritten already.
+        """
+        if self.rewrite is not None:
+            raise RuntimeError("the sharded modules are rewritten already; detach() first")
+        self._forward = forward
+
+    def attach(self, batch: Any) -> Rewrite:
+        """Rewrite the model's sharded modules, once, with `batch` as the sample. The rewrite may
+        wait for the first forward to be recorded (`recording`) before anything is pipelined."""
+        if self.rewrite is None:
+            options = self._options
+            self.rewrite = rewrite_model(
+                self._model,
+                batch,
+                slot=self._slot,
+                prefetch=self._forward == "prefetch",
+                lookup=self._forward == "lookup",
+                method=options.method,
+                paths=options.arg_paths,
+                pipeline_postproc=self._pipeline_postproc,
+                strict=self._strict,
+                record=True,
+            )
+            self.settled = False
+        return self.rewrite
+
+    def recording(self, batch: Any) -> Any:
+        """While the rewrite waits for a recorded forward: the context manager to run the forward of
+        `batch` in (unpipelined, the plain loop's numbers; it completes the rewrite). None
+        otherwise: the forward is pipelined, and its calls are to be checked after it."""
+        rewrite = self.attach(batch)
+        return rewrite.record(batch) if rewrite.needs_recording else None
+
+    def settle(self, rewrite: Rewrite, check: Callable[[Rewrite], None]) -> None:
+        """Once the rewrite is complete: warn about each module not pipelined (once per module), run
+        the owner's `check` (it may raise on every rank), then apply `free_features_storage_early`
+        where forward never reads the features."""
+        self.settled = True
+        warn_not_pipelined(rewrite.report, self._warned, pipeline_postproc=self._pipeline_postproc)
+        check(rewrite)
+        undo = free_early_where_safe(rewrite) if self._asked_free_early else None
+        self.free_early = undo is not None
+        if undo is not None:
+            self._undo.append(undo)
+
+    def detach(self) -> None:
+        """Undo `free_features_storage_early` and restore every original forward; the next
+        `attach` rewrites again."""
+        while self._undo:
+            self._undo.pop()()
+        if self.rewrite is not None:
+            self.rewrite.restore()
+            self.rewrite = None
+        self.settled = self.free_early = False
+
+
+# -- a module not pipelined --------------------------------------------------------------------------
+
+
+class NotPipelinedWarning(UserWarning):
+    """A sharded module is not pipelined: it runs its own forward, without overlap."""
+
+
+def warn_not_pipelined(report: RewriteReport, warned: set[str], *, pipeline_postproc: bool) -> None:
+    """Warn about each module of `report` that is not pipelined and not in `warned` (then add it).
+
+    Args:
+        report: the rewrite's report.
+        warned: the modules this pipeline warned about already.
+        pipeline_postproc: the pipeline runs modules that transform the batch ahead (else the
+            message suggests it).
+    """
+    for module in report.not_pipelined:
+        if module.fqn in warned:
+            continue
+        warned.add(module.fqn)
+        message = _message(module.fqn, module.reason or "no reason recorded", pipeline_postproc)
+        logger.warning(message)
+        warnings.warn(message, NotPipelinedWarning, stacklevel=2)
+
+
+def _message(fqn: str, reason: str, pipeline_postproc: bool) -> str:
+    postproc = (
+        ""
+        if pipeline_postproc
+        else "; pipeline_postproc=True, if its input comes out of a parameter-free module that "
+        "transforms the batch"
+    )
+    return (
+        f"sharded module {fqn!r} is not pipelined: {reason}. It runs its own forward, so its input "
+        f"all-to-alls do not overlap the previous batch (training is unchanged). To pipeline it, "
+        f"pass arg_paths={{{fqn!r}: <path of its input in the batch>}}{postproc}; or strict=True "
+        "to make this an error."
+    )
+
+
+# -- torchrec's memory flags -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryFlags:
+    """torchrec's two memory flags of the input_dist stage, as the constructors received them."""
+
+    free_features_storage_early: bool = False
+    """Free the storage of a batch's KeyedJaggedTensor once every pipelined module's input_dist
+    has made its own permuted copy (torchrec's modules keep the original only while permuting)."""
+    clear_data_dist_inputs: bool = False
+    """Before forward of a batch, wait for its input all-to-alls and free the tensors they sent."""
+
+
+def free_features_early(modules: Iterable[nn.Module]) -> Callable[[], None]:
+    """Tell each sharded module that knows the flag to keep its permuted-away input for release;
+    returns the undo function (for `detach()`)."""
+    changed = []
+    for module in modules:
+        if hasattr(module, "_free_features_storage_early") and not module._free_features_storage_early:
+            module._free_features_storage_early = True
+            changed.append(module)
+
+    def undo() -> None:
+        for module in changed:
+            module._free_features_storage_early = False
+
+    return undo
+
+
+def free_early_where_safe(rewrite: Any) -> Callable[[], None] | None:
+    """`free_features_early` on `rewrite`'s modules where forward never reads the batch's features
+    (every call site's input is a path in the batch); else a note in its report and None."""
+    computed = [site.key for site in rewrite.sites if not site.args.is_path]
+    if computed:
+        rewrite.report.notes.append(
+            "free_features_storage_early is off: forward computes the input of "
+            f"{', '.join(computed)} from the batch's tensors, which freeing would break"
+        )
+        return None
+    return free_features_early(pm.module for pm in rewrite.modules)
+
+
+def release_features(module_contexts: Iterable[Any], narrowed: Mapping[int, Any] | None = None) -> int:
+    """Free the original features the modules' contexts hold for release; returns the bytes.
+    Where a module held a narrowed copy (`pipeline.stages.narrow`), `narrowed` maps its id to the
+    batch's KJT, which is freed too, as it would have been without narrowing."""
+    size = 0
+    originals = dict(narrowed or {})
+    for module_ctx in module_contexts:
+        releasable = getattr(module_ctx, "early_releasable_inputs", None)
+        if releasable:
+            also = [originals.pop(id(kjt)) for kjt in releasable if id(kjt) in originals]
+            size += sum(kjt.clear_storage() for kjt in [*releasable, *also])
+            releasable.clear()
+    return size
+
+
+def release_sent_inputs(requests: Iterable[Any]) -> int:
+    """Wait for each values all-to-all among `requests` and free what it sent; returns the bytes."""
+    size = 0
+    for request in requests:
+        for awaitable in getattr(request, "awaitables", None) or []:
+            if isinstance(awaitable, KJTAllToAllTensorsAwaitable):
+                size += awaitable.clear_inputs()
+    return size

@@ -1,15 +1,6 @@
-"""`LookupStage`: the embedding lookup of a batch run ahead of its forward (Fused, with the plain
-loop's numbers, and SemiSync, embeddings one step stale; where in the step: `pipeline.stages`).
-
-For each pipelined module it waits for the input_dist result and runs `compute_and_output_dist`
-(local lookup, then the pooled-embedding all-to-all, left in flight); forward then takes that
-output (`rewrite.LookupPipelinedForward`) instead of running the lookup itself.
-
-The embedding optimizer is fused into backward (torchrec's fused kernels), so the tables batch i
-reads are final once backward of i-1 is done. On CUDA the lookup runs on the data_dist stream, which
-waits for the caller's stream after backward (after the optimizer step when a pipelined module has
-parameters in the dense optimizer, such as position weights): `backward_and_step` places that fence.
-"""
+"""`LookupStage`: a batch's embedding lookup, run ahead of its forward (Fused: the plain loop's
+numbers; SemiSync: embeddings one step stale): per pipelined module, `compute_and_output_dist` on its
+input_dist result, the output all-to-all left in flight for forward (`rewrite.LookupPipelinedForward`)."""
 
 from __future__ import annotations
 
@@ -27,7 +18,7 @@ __all__ = ["LookupStage"]
 
 
 class LookupStage:
-    """Runs the lookup stage of a batch and orders it after the embedding update it must see.
+    """Runs the lookup stage of a batch, ordered after the embedding update it must see.
 
     Args:
         streams: the pipeline's streams.
@@ -35,7 +26,7 @@ class LookupStage:
         model: the model (its mode says whether the lookup records gradients).
         optimizer: the dense optimizer (whether it steps a pipelined module's parameters).
         on_caller_stream: run on the caller's stream instead of data_dist (`emb_lookup_stream`).
-        forward_only: the lookups never record gradients (eval pipelines, in any model mode).
+        forward_only: never record gradients (eval pipelines, in any model mode).
     """
 
     def __init__(
@@ -59,7 +50,7 @@ class LookupStage:
         input_dist = self._input_dist
         if ctx.looked_up or not ctx.started or input_dist.rewrite is None:
             return
-        input_dist.wait_splits(ctx)  # a no-op unless the splits are still in flight
+        input_dist.wait_splits(ctx)
         input_dist.release_inputs(ctx)
         streams = self._streams
         with (
@@ -88,9 +79,9 @@ class LookupStage:
     def backward_and_step(
         self, losses: Any, backward: Callable[[Any], None], step: Callable[[], None]
     ) -> None:
-        """`backward(losses)`, then `step()`, with the next lookup ordered after the embedding
-        update: after backward (fused embedding optimizers), or after the step when the dense
-        optimizer also updates a pipelined module."""
+        """`backward(losses)`, then `step()`; the next lookup is ordered after backward (where the fused
+        embedding optimizers update the tables), or after the step where the dense optimizer also
+        updates a pipelined module."""
         backward(losses)
         if not self.shares_optimizer():
             self._fence()
@@ -99,12 +90,11 @@ class LookupStage:
             self._fence()
 
     def wait(self) -> None:
-        """Order the caller's stream after the lookups run so far (their outputs are handed off
-        one by one as forward takes them; this waits for all at once)."""
+        """Order the caller's stream after every lookup run so far."""
         self._streams.handoff(None, self._stream)
 
     def _fence(self) -> None:
-        """Order the data_dist stream (where lookups run by default) after the caller's work."""
+        """Order the data_dist stream after the caller's work."""
         streams = self._streams
         caller = streams.current()
         with streams.use(streams.data_dist):

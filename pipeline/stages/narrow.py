@@ -1,59 +1,35 @@
 """Narrowed ids: the KeyedJaggedTensor handed to a sharded module's input_dist carries int32 ids and
 lengths, so that the input all-to-all sends 4 bytes an id instead of 8.
 
-What is narrowed: for each pipelined call site of an embedding-bag collection (torchrec's sharded
-EBC, its feature-processed and fused forms, and subclasses such as the tiered one) whose every table
-has fewer than 2^31 rows, a copy of the KJT with its values (ids) and lengths as int32; the weights
-and every other field are the original's tensors. The batch is not touched: what the model reads of
-it outside the sharded modules is what the dataloader made. Every sharding type takes it: table- and
-column-wise send the copy as it is, row-wise bucketizes it first (fbgemm's `block_bucketize_sparse_
-features` keeps the ids' dtype and casts the block sizes to it), data-parallel sends nothing and
-looks the copy up locally (a module whose every table is data-parallel is not narrowed: nothing to
-save). The lookup widens what it receives (torchrec's batched kernels call
-`values().to(index_type)` and `offsets().to(offset_type)`, int64 unless the user's fused params say
-otherwise; the feature processors call `offsets().long()`), so the rows, sums and gradients are the
-ones the int64 ids give: the numerics cannot change.
+What: for each chosen call site of an embedding-bag collection whose every table has fewer than 2^31
+rows, a copy of the KJT with int32 ids and lengths; the batch itself is not touched. The numerics
+cannot change: the lookup widens what it receives (torchrec's batched kernels call
+`values().to(index_type)` and `offsets().to(offset_type)`, the feature processors `offsets().long()`;
+row-wise bucketizing keeps the dtype), so rows, sums and gradients are those of the int64 ids. The
+sites are chosen once, at the first pipelined batch, alike on every rank (an all-to-all's receiver
+allocates in its own dtype): never at one rank, nor for a table of 2^31 rows or more, a virtual one,
+or one on a kernel not known to widen (`decide`); by default only above `NARROW_FROM` ids a batch.
 
-When: decided once per call site, at the first pipelined batch, so every rank decides alike: an
-all-to-all's receiver allocates what it receives in the dtype it sends itself, so every rank must send
-the same dtype, whatever its batch holds. A site may be narrowed where its module allows it
-(`decide`). By default (`narrow_ids=None`) it is narrowed only where the ranks send enough ids a batch
-for the saving to outweigh the cost (`NARROW_FROM`): the ranks exchange the first batch's count of
-ids per site, so each decides on the same list. `narrow_ids=True` narrows every site its module
-allows, whatever the size; False none. Nothing is narrowed at one rank, where the all-to-all moves
-nothing between ranks to save. Not narrowed (with the reason in the rewrite report): a module of
-another kind (sequence collections return the lengths and ids they were sent to the model;
-managed-collision modules remap raw ids), a table with 2^31 rows or more or a virtual one (its block
-sizes and ids need int64), a kernel that does not say that it widens (`widens_ids`), and under the
-default, a site below `NARROW_FROM`.
-
-The check, per batch and per KJT (`narrow_kjt`, on the data_dist stream, before the splits
-all-to-all): one pass for the ids' minimum and maximum (`torch.aminmax`; on a GPU, one
-synchronization, as torchrec's input_dist already has for the splits), one for the lengths' (a
-hundredth of the ids), then one pass each for the casts. Where the malformed-batch check
-(`check_kjts`, on by default) passed the same tensors against tables below 2^31 rows, its pass
-stands for the first two (`KJTCheck.in_int32`): only the casts remain. Ids and lengths in
-[0, 2^31) are cast exactly. An id outside that range is outside every table (each has fewer than
-2^31 rows), and a plain cast would wrap it (2^32 + 3 to row 3); it is saturated instead (to -2^31
-or 2^31 - 1, one more pass, only then), so it stays outside every table: the malformed-batch check
-(`check_kjts`, which runs before input_dist and stops every rank) or fbgemm's bounds check still
-sees a bad id, and a note in the rewrite report says which call site and batch. Sending that batch
-unnarrowed is not an option: the other ranks send int32. One difference remains, only without
-`check_kjts`: row-wise may bucketize a saturated id to another rank than the original id (out of
-range on both), so the zeroed lookup of fbgemm's default bounds check reads another shard's row 0.
-"""
+A bad id is still caught. `narrow_kjt` takes the minimum and maximum of the ids and lengths (unless
+the malformed-batch check proved them in [0, 2^31): `KJTCheck.in_int32`), then casts; those in
+range cast exactly. An id outside is outside every table, and a plain cast could wrap it onto a valid
+row (2^32 + 3 to 3): it is saturated to -2^31 or 2^31 - 1 instead (sending it wide is no option: the
+other ranks send int32), so `check_kjts` or fbgemm's bounds check still sees it, and the rewrite
+report names the call site and batch. Only without `check_kjts`, row-wise may send a saturated id to
+another rank than the original's: out of range on both, fbgemm's zeroed lookup reads another shard's
+row 0 there."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterable
+import functools
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbedding, BaseBatchedEmbeddingBag
-from torchrec.distributed.embedding_kernel import BaseEmbedding
+from torchrec.distributed.dist_data import KJTAllToAllTensorsAwaitable
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.fp_embeddingbag import ShardedFeatureProcessedEmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -63,53 +39,55 @@ from pipeline.ranks.kjt_check import table_configs
 __all__ = [
     "INT32_ROWS",
     "NARROW_FROM",
+    "RECEIVED_LIMIT",
+    "WIDENING_KERNELS",
     "NarrowIds",
     "Narrowed",
     "decide",
     "every_rank",
+    "kjts_in",
     "narrow_kjt",
     "originals",
+    "receivers_can_widen",
+    "widen_received",
 ]
 
 INT32_ROWS = 2**31
 """Tables below this many rows have every valid id in int32."""
 NARROW_FROM = 16384
-"""Under the default, a call site is narrowed where the ranks' mean count of ids in its input, in the
-first pipelined batch, is at least this (128 KiB of int64 ids). Narrowing saves 4 bytes an id on the
-wire (at 1 Gbit, 32 ns an id; at 100 Mbit, 320 ns) and costs two casts and a fixed cost a batch.
-Measured on 2 CPU ranks: every config of at least 18,000 ids a batch took at most the wide step
-narrowed, over loopback as over a link (narrowed / wide, medians: 0.87-1.01 over loopback on three
-configs of 18-41 thousand ids, docs/results/narrow-small-loopback.md; 0.94 and 0.95 over 1 Gbit,
-narrow-small-1gbit.md; 0.58 and 0.69 over 100 Mbit, narrow-100mbit.md; the wide step 1.06-1.11 of
-the narrowed one over loopback at 200 thousand ids and more, narrow-loopback-3.md). The configs it
-cost on are below: `tiny` (under 1,000 ids, 1.09 of the wide step over loopback, narrow-loopback-3.md)
-and `demo` (about 5,000: 2 % over 1 Gbit, narrow-1gbit-run1.md)."""
+"""Under the default, a call site is narrowed where the ranks' mean count of ids in its first
+pipelined batch is at least this: on 2 CPU ranks every config from 18,000 ids on ran as fast or
+faster narrowed, and the smaller ones slower (docs/results/narrow-small-loopback.md)."""
 _LOW, _HIGH = -(2**31), 2**31 - 1
 _INTEGERS = {torch.int32, torch.int64}
 _MODULES = (ShardedEmbeddingBagCollection, ShardedFeatureProcessedEmbeddingBagCollection)
-"""The sharded modules whose input_dist and lookup are known to take int32 ids and lengths."""
-_KERNELS = (BaseBatchedEmbeddingBag, BaseBatchedEmbedding)
-"""torchrec's kernels, which widen the ids they receive; another kernel says so by a class
-attribute `widens_ids = True`."""
+"""The sharded modules whose input_dist and lookup take int32 ids and lengths."""
+WIDENING_KERNELS = frozenset({"dense", "fused", "fused_uvm", "fused_uvm_caching", "key_value"})
+"""Compute kernels whose torchrec kernels widen the ids and offsets they receive; a module planned on
+"custom" takes int32 ids only where its class says `widens_ids = True` (the tiered collection)."""
 
 
 def decide(module: nn.Module) -> str | None:
-    """None if the ids of `module`'s input may be narrowed; else why not."""
+    """None if the ids of `module`'s input may be narrowed; else why not. Reads only what every rank
+    holds alike: the module's class, its tables' configs and its sharding plan."""
     if not isinstance(module, _MODULES):
         return f"a {type(module).__name__} (only embedding-bag collections take int32 ids)"
     plan = getattr(module, "module_sharding_plan", None) or {}
     if plan and all(getattr(p, "sharding_type", None) == "data_parallel" for p in plan.values()):
         return "every table is data-parallel (no input all-to-all to narrow)"
-    for child in module.modules():
-        for config in table_configs(child):
-            if getattr(config, "use_virtual_table", False):
-                return f"table {config.name!r} is virtual (its ids are hashed, of any size)"
-            if int(config.num_embeddings) >= INT32_ROWS:
-                return f"table {config.name!r} has {config.num_embeddings} rows (2^31 or more)"
-        if isinstance(child, BaseEmbedding) and not (
-            isinstance(child, _KERNELS) or getattr(type(child), "widens_ids", False)
-        ):
-            return f"its kernel {type(child).__name__} does not say it widens int32 ids (widens_ids)"
+    for config in table_configs(module):
+        if getattr(config, "use_virtual_table", False):
+            return f"table {config.name!r} is virtual (its ids are hashed, of any size)"
+        if int(config.num_embeddings) >= INT32_ROWS:
+            return f"table {config.name!r} has {config.num_embeddings} rows (2^31 or more)"
+    for table, sharding in sorted(plan.items()):
+        kernel = str(getattr(sharding, "compute_kernel", ""))
+        if kernel in WIDENING_KERNELS or (kernel == "custom" and getattr(type(module), "widens_ids", False)):
+            continue
+        return (
+            f"table {table!r} is planned on the {kernel!r} kernel, not one known to widen int32 ids "
+            "(a custom kernel's module says so with widens_ids = True)"
+        )
     return None
 
 
@@ -117,15 +95,13 @@ def decide(module: nn.Module) -> str | None:
 class Narrowed:
     """One KJT narrowed by `narrow_kjt`."""
 
-    kjt: KeyedJaggedTensor
-    """The copy with int32 ids and lengths (or the original, if both were int32 already)."""
-    saturated: bool = False
-    """Some id or length was outside int32 and was saturated (a bad id or length)."""
+    kjt: KeyedJaggedTensor  # the copy with int32 ids and lengths (the original, if nothing to narrow)
+    saturated: bool = False  # some id or length was outside int32, and was saturated
 
 
 def narrow_kjt(kjt: KeyedJaggedTensor, proven: Container[torch.Tensor] | None = None) -> Narrowed:
-    """`kjt`'s ids and lengths as int32 (module docstring: the check and its cost); `kjt` itself
-    is not changed. A tensor in `proven` is known to lie in [0, 2^31) and is cast without a check."""
+    """`kjt` with int32 ids and lengths, in a copy (`kjt` itself is not changed); a tensor in `proven`
+    (known in [0, 2^31)) is cast without a check."""
     values, lengths = kjt.values(), kjt.lengths()
     if {values.dtype, lengths.dtype} - _INTEGERS or values.dtype == lengths.dtype == torch.int32:
         return Narrowed(kjt)
@@ -163,16 +139,61 @@ def _to_int32(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return tensor.to(torch.int32), False
 
 
+def receivers_can_widen() -> str | None:
+    """None if a receiver of narrowed ids can widen what it received (`widen_received`); else why not."""
+    names = set(KJTAllToAllTensorsAwaitable._wait_impl.__code__.co_names)
+    missing = [f for f in ("_output_tensors", "_awaitables", "dist_init") if f not in names]
+    if missing:
+        return f"torchrec's KJTAllToAllTensorsAwaitable no longer reads {', '.join(missing)} when it waits"
+    return None
+
+
+def widen_received(request: Any) -> Any:
+    """`request` (a module's values all-to-all, `KJTListAwaitable`), each of its KJT all-to-alls made
+    to widen the lengths it received to int64 where their ids number `RECEIVED_LIMIT` or more.
+
+    The receiver takes a running sum of every sender's lengths (`KeyedJaggedTensor.dist_init`, the
+    lookup's offsets) in their dtype, which in int32 wraps past 2^31; a count of ids below 2^31 proves
+    the sum fits (one size checked per all-to-all)."""
+    for inner in getattr(request, "awaitables", ()):
+        if isinstance(inner, KJTAllToAllTensorsAwaitable) and hasattr(inner, "_output_tensors"):
+            inner._wait_impl = functools.partial(_widened_wait, inner, inner._wait_impl)
+    return request
+
+
+RECEIVED_LIMIT = INT32_ROWS
+"""Ids received in one all-to-all from which its lengths are summed in int64 (`widen_received`)."""
+
+
+def _widened_wait(inner: KJTAllToAllTensorsAwaitable, wait: Callable[[], Any]) -> Any:
+    splits = getattr(inner, "_output_splits", None)
+    if not isinstance(splits, dict):
+        raise RuntimeError(
+            "torchrec's KJTAllToAllTensorsAwaitable has no _output_splits by label, so a receiver of "
+            "narrowed ids cannot tell its lengths from its ids; pass narrow_ids=False"
+        )
+    labels = list(splits)
+    if "lengths" in labels and "values" in labels:
+        for work in inner._awaitables:
+            work.wait()
+        tensors = inner._output_tensors
+        at = labels.index("lengths")
+        if tensors[labels.index("values")].numel() >= RECEIVED_LIMIT and tensors[at].dtype == torch.int32:
+            tensors[at] = tensors[at].to(torch.int64)
+    return wait()
+
+
 class NarrowIds:
-    """The input_dist stage's narrowing: which call sites are narrowed (`settle`, at the first
-    pipelined batch) and, per batch, their inputs narrowed (`inputs`).
+    """The input_dist stage's narrowing: which call sites are narrowed (`settle`) and, per batch,
+    their inputs narrowed (`inputs`).
 
     Args:
-        enabled: `InputDistOptions.narrow_ids` (None: where the batches are large enough).
+        enabled: `InputDistOptions.narrow_ids`: True, every site allowed; False, none; None, where
+            the ranks send at least `NARROW_FROM` ids a batch.
         note: adds one sentence to the rewrite report.
-        one_rank: the world is one rank: the all-to-alls move nothing between ranks, so narrowing
-            would only cost its passes; nothing is narrowed.
+        one_rank: the world is one rank (nothing to save): nothing is narrowed.
         proven: the tensors the malformed-batch check proved in [0, 2^31) (`KJTCheck.in_int32`).
+        untabled: the features whose ids index no table (`KJTCheck.untabled`), named in the report.
     """
 
     def __init__(
@@ -182,12 +203,12 @@ class NarrowIds:
         *,
         one_rank: bool = False,
         proven: Container[torch.Tensor] | None = None,
+        untabled: Container[str] = frozenset(),
     ) -> None:
         self._enabled, self._note, self._one_rank, self._proven = enabled, note, one_rank, proven
-        self.sites: frozenset[str] = frozenset()
-        """The keys of the call sites whose inputs are narrowed (`settle`)."""
-        self._saturated: set[str] = set()
-        """The call sites for which a saturated batch was noted (once each)."""
+        self._untabled = untabled
+        self.sites: frozenset[str] = frozenset()  # the keys of the narrowed call sites (`settle`)
+        self._saturated: set[str] = set()  # the call sites whose saturated batch was noted
 
     def settle(
         self,
@@ -195,9 +216,9 @@ class NarrowIds:
         sample: Callable[[], Iterable[tuple[Any, list[Any], dict[str, Any]]]],
         gather: Callable[[Any], list[Any]],
     ) -> None:
-        """Decide for each call site (`rewrite.CallSite`) and say so in the report. Under the default,
+        """Decide for each call site (`rewrite.CallSite`), and say so in the report. Under the default,
         `sample()` gives each site's inputs in the first pipelined batch, and `gather` every rank's
-        counts of their ids (every rank calls it here, once, whenever some site may be narrowed)."""
+        counts of their ids (called once, on every rank, whenever some site may be narrowed)."""
         self.sites = frozenset()
         if self._enabled is False:
             self._note("ids are not narrowed (narrow_ids=False): the input all-to-all sends them as made")
@@ -206,8 +227,9 @@ class NarrowIds:
             self._note("ids are not narrowed: at one rank the input all-to-all moves nothing")
             return
         refused: dict[str, str] = {}
+        widening = receivers_can_widen()
         for site in sites:
-            if (why := decide(site.module)) is not None:
+            if (why := decide(site.module) or widening) is not None:
                 refused[site.key] = why
         allowed = sorted({site.key for site in sites} - refused.keys())
         if self._enabled is None and allowed:
@@ -227,15 +249,21 @@ class NarrowIds:
         if self.sites:
             keys = ", ".join(sorted(self.sites))
             self._note(f"ids and lengths are sent as int32 (every table below 2^31 rows) for {keys}")
+            seen = {k for kjt in kjts_in(sample()) for k in kjt.keys()} if self._untabled else set()
+            features = sorted(f for f in seen if f in self._untabled)
+            if features:
+                self._note(
+                    f"feature(s) {', '.join(map(repr, features))} index no table of the model: their ids "
+                    "are checked only to be in [0, 2^31) for the narrowing's proof, not against a table"
+                )
         for key, why in refused.items():
             self._note(f"ids are sent as made for {key}: {why}")
 
     def inputs(
         self, site: Any, args: list[Any], kwargs: dict[str, Any], done: dict[int, Any], batch: int
     ) -> tuple[list[Any], dict[str, Any]]:
-        """`site`'s input_dist arguments with every KJT narrowed, if the site is. `done` is the
-        batch's: each KJT is narrowed once when several call sites share it, and `originals` reads
-        it back; `batch` names the batch in a note. The caller calls it only for `sites`."""
+        """`site`'s input_dist arguments (a site in `sites`) with every KJT narrowed. `done` is the
+        batch's memo (each shared KJT narrowed once; `originals` reads it); `batch` is for notes."""
 
         def one(value: Any) -> Any:
             if not isinstance(value, KeyedJaggedTensor):
@@ -245,18 +273,33 @@ class NarrowIds:
             narrowed = done[id(value)][1]
             if narrowed.saturated and site.key not in self._saturated:
                 self._saturated.add(site.key)
+                feature = _outside_int32(value)
+                tabled = feature is not None and feature not in self._untabled
                 self._note(
-                    f"batch {batch}: an id or length of {site.key}'s input is outside int32 (so outside "
-                    "every table); sent saturated, still out of range, never wrapped to a valid row"
+                    f"batch {batch}: an id or length of {site.key}'s input is outside int32 "
+                    + (f"(feature {feature!r}, " if feature else "(")
+                    + ("so outside its table" if tabled else "a feature without a table" if feature else "")
+                    + "); sent saturated, still out of range, never wrapped to a valid row"
                 )
             return narrowed.kjt
 
         return [one(a) for a in args], {name: one(v) for name, v in kwargs.items()}
 
 
+def _outside_int32(kjt: KeyedJaggedTensor) -> str | None:
+    """The first feature of `kjt` with an id outside int32 (None: only a length is outside)."""
+    values = kjt.values()
+    outside = (values < _LOW) | (values > _HIGH)
+    if not bool(outside.any()):
+        return None
+    at = int(outside.nonzero()[0])
+    ends = torch.cumsum(torch.tensor(kjt.length_per_key()), 0)
+    return kjt.keys()[int(torch.searchsorted(ends, at, right=True))]
+
+
 def every_rank(obj: Any) -> list[Any]:
-    """Every rank's `obj`, in rank order, where the pipeline has no ranks' protocol to exchange it
-    (`SparseDataDistUtil`): an all-gather on the default group."""
+    """Every rank's `obj`, in rank order (an all-gather on the default group), for pipelines without
+    a ranks' protocol (`SparseDataDistUtil`)."""
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -264,6 +307,12 @@ def every_rank(obj: Any) -> list[Any]:
 
 def _ids_in(values: list[Any]) -> int:
     return sum(v.values().numel() for v in values if isinstance(v, KeyedJaggedTensor))
+
+
+def kjts_in(inputs: Iterable[tuple[Any, list[Any], dict[str, Any]]]) -> Iterator[KeyedJaggedTensor]:
+    """The KeyedJaggedTensors among the call sites' `(site, args, kwargs)` inputs."""
+    for _, args, kwargs in inputs:
+        yield from (v for v in (*args, *kwargs.values()) if isinstance(v, KeyedJaggedTensor))
 
 
 def originals(done: dict[int, Any]) -> dict[int, KeyedJaggedTensor]:

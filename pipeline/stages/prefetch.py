@@ -1,19 +1,107 @@
 """`PrefetchStage`: the prefetch stage of a batch, waiting for its input_dist and running each
 sharded module's `prefetch()` on the prefetch stream (a worker thread on CPU), ahead of forward where
-that pays (`pipeline.stages.prefetch_watch`)."""
+that pays (`PrefetchWatch`).
+
+`PrefetchWatch`: Prefetch's ahead-or-inline choice on CPU under `prefetch_ahead="auto"`, by the
+rule of `pipeline.stages.watch`. The stage starts inline (each module's `prefetch()` on the
+training thread just before forward: the plain loop's order, nothing competing for the cores) and
+the watch reads how long each step blocks in the prefetch stage, a clock around a wait the step
+makes anyway. Nothing is observed while the caches still fill (a kernel that can say so is asked:
+`caches_full()`), since a cold cache reads more than the steady state does. Where the stage takes
+`threshold` of the step, steadily, every rank runs it ahead on the worker thread (the prefetch of
+batch i+1 during backward of i) and keeps that only where the steps after are faster.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from pipeline.stages.context import PrefetchBatchContext
-from pipeline.stages.input_dist import InputDist
-from pipeline.stages.prefetch_watch import PrefetchWatch
 from pipeline.stages.streams import Streams, label, run_stage
+from pipeline.stages.watch import FINAL, StepWatch, WatchPhase
 
-__all__ = ["PrefetchStage", "prefetch_does_work"]
+if TYPE_CHECKING:
+    from pipeline.stages.input_dist import InputDist
+
+__all__ = ["PrefetchStage", "PrefetchWatch", "prefetch_does_work"]
+
+
+class PrefetchWatch(StepWatch):
+    """Whether the prefetch stage runs "inline" (from the start) or "ahead" (once verified faster).
+    The Args are `StepWatch`'s; the defaults: window 8, verify 20, warmup 8, threshold 0.2, settle 2,
+    margin 0.05, sure 0.5.
+    """
+
+    modes: ClassVar[tuple[str, str]] = ("inline", "ahead")
+    label: ClassVar[str] = "prefetch"
+
+    def __init__(self, *, threshold: float = 0.2, **settings: Any) -> None:
+        super().__init__(threshold=threshold, **settings)
+        self.blocked = 0.0
+        """Seconds the training thread blocked in the prefetch stage since the last step."""
+        self.ready: Callable[[], bool] | None = None
+        """Whether the kernels' caches are full (None: no kernel says; taken as full)."""
+        self.ready_at: int | None = None
+        """The step from which steps are observed (the caches full)."""
+        self.alone_reason: str | None = None
+
+    @property
+    def clocked(self) -> bool:
+        """Whether the prefetch stage's wait is timed (while the watch watches or tries)."""
+        return self.phase not in FINAL
+
+    def _parts(self) -> tuple[float]:
+        blocked, self.blocked = self.blocked, 0.0
+        return (blocked,)
+
+    def _observing(self) -> bool:
+        if self.ready_at is None and (self.ready is None or self.ready()):
+            self.ready_at = self.steps
+        return self.ready_at is not None
+
+    def no_ride(self, reason: str) -> None:
+        """Nothing rides: each rank decides from its own steps (the mode changes where the work
+        runs, not what it computes, so ranks that decide apart still train alike)."""
+        if self.phase not in FINAL and not self.alone:
+            self.alone, self.alone_reason = True, reason
+
+    def _switched_text(self, share: float, clear: bool) -> str:
+        """The move ahead: the ranks' shares that triggered it, when it began to observe, how long
+        it is verified."""
+        return (
+            f"the training thread blocked in the prefetch stage {share:.0%} of the step inline (median "
+            f"over {self.window} steps, mean over {len(self.shares)} rank(s): {self._shares_text()}; "
+            f"observed from step {self.ready_at}, once the caches were full; {self._held_text(clear)}): "
+            f"trying it ahead on its worker thread from the next step, verified over {self._verified_text()}"
+        )
+
+    def _verdict_text(self, *, kept: bool) -> str:
+        """Ahead kept, or inline again: the job's ratio, every rank's, and the rule."""
+        shown, rule = self._ratios_text(), self._rule_text()
+        if kept:
+            return (
+                "prefetch runs ahead on its worker thread: the step ahead over the step inline was "
+                f"{shown} ({rule})"
+            )
+        return (
+            "prefetch runs inline again from the next step: the step ahead over the step inline was "
+            f"{shown} (kept needs {rule}); no second try in this job"
+        )
+
+    def _pinned_text(self, reason: str) -> str:
+        return f"prefetch runs inline: {reason}"
+
+    def __repr__(self) -> str:
+        """What `print(pipe.prefetch_watch)` shows."""
+        head = f"prefetch: auto, running {self.mode}"
+        if self.alone_reason is not None:
+            head += f"; each rank decides alone ({self.alone_reason})"
+        if self.phase is WatchPhase.WATCHING and self.ready_at is None:
+            return f"{head}; waiting for the caches to fill before watching"
+        return self._described(head, "the training thread blocks in the prefetch stage", "figures", "ahead")
 
 
 class PrefetchStage:

@@ -1,15 +1,49 @@
-"""The input_dist schedules, each two choices: whether the splits all-to-all of batch i+1 is waited
-for before forward of batch i ("early") or after it ("late", torchrec's order), and whether the
-input all-to-alls run on a process group of their own (`pipeline.stages.groups.InputDistGroups`) or
-on torchrec's. Numerics are the same under every schedule. The default, "adaptive", starts in "late"
-and may move to "early" (`pipeline.stages.watch`). docs/reference.md, "Schedules", weighs them.
+"""The input_dist schedules: when the splits all-to-all of batch i+1 is waited for, before forward of
+batch i ("early") or after it ("late", torchrec's order), and whether the input all-to-alls run on a
+process group of their own (`InputDistGroups`) or on torchrec's. Numerics are the same under every
+schedule. docs/reference.md, "Schedules", weighs them.
+
+The default, "adaptive", is `ScheduleWatch`: it runs torchrec's order ("late") and watches what the
+job's own steps show anyway: the step time, and the blocked share of it: the time the training
+thread is blocked in the input all-to-alls' waits (the splits wait and, in forward, the values
+wait), each read with a clock around a call the pipeline makes anyway, plus the time it spends off
+the CPU in backward (where, on CPU, backward's collectives queue behind the next batch's input
+all-to-all, and wait for the peers). Of the two, the second is most of the figure on a
+network-bound CPU job (38-49 % of the step against 1-3 % in the waits); both are time that the
+early schedule can hide. Where that share is large and steady, every rank moves to "early" (the
+splits waited before forward, the all-to-alls on a process group of their own, created at that
+step), and keeps it only where the steps after are faster: the rule of `pipeline.stages.watch`,
+whose constants come from measurements (docs/reference.md, "The default schedule"). Where the
+statuses cannot ride (one rank, `agreement=False`, a class that admits batches itself), on NCCL,
+or where nothing is pipelined, torchrec's order is kept (`pin`), saying why.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
-__all__ = ["SCHEDULES", "Schedule"]
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeline.stages.watch import FINAL, StepWatch, WaitClock
+from rewrite import kjt_all_to_alls
+
+__all__ = [
+    "NOT_ON_NCCL",
+    "ONE_RANK",
+    "SCHEDULES",
+    "WATCH_ADVICE",
+    "InputDistGroups",
+    "Schedule",
+    "ScheduleWatch",
+    "backend_on",
+    "made_like",
+    "schedule_words",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,3 +62,286 @@ SCHEDULES: dict[str, Schedule] = {
     "early-shared": Schedule(early_splits=True, own_group=False),
     "late-own": Schedule(early_splits=False, own_group=True),
 }
+
+
+ONE_RANK = "one rank: the input all-to-alls move nothing, so every schedule does the same work"
+"""Why a one-rank pipeline keeps torchrec's order without watching."""
+NOT_ON_NCCL = (
+    "the watch's figure (the host's time blocked on the input all-to-alls) has not been measured on "
+    "NCCL, where a wait blocks a stream rather than the host; pin InputDistOptions(schedule='early') to "
+    "try the other order"
+)
+"""Why the schedule watch keeps torchrec's order on NCCL."""
+WATCH_ADVICE = "Give every rank the same ScheduleWatch and PrefetchWatch settings (or none)."
+"""What to do where the ranks' live watches have different settings."""
+
+
+def schedule_words(name: str) -> str:
+    """`name` and what it does, e.g. "early (splits before forward, own process group)"."""
+    if name == "late":
+        return "late (torchrec's order)"
+    schedule = SCHEDULES[name]
+    when = "before" if schedule.early_splits else "after"
+    group = "own process group" if schedule.own_group else "torchrec's process group"
+    return f"{name} (splits {when} forward, {group})"
+
+
+# -- the default: the schedule watch -------------------------------------------------------------
+
+
+class ScheduleWatch(StepWatch):
+    """Chooses the input_dist schedule from the job's own steps: "late" (torchrec's order) until
+    the training thread is blocked (input all-to-alls' waits, off the CPU in backward) for
+    `threshold` of the step, steadily; then "early",
+    kept only where it is verified faster (`pipeline.stages.watch.StepWatch`, whose Args these
+    are: window 8, verify 20, warmup 8, threshold 0.4, settle 2, margin 0.05, sure 0.5). The
+    threshold comes from the corrected figure over 1 Gbit (docs/results/default-1gbit-run4.md):
+    early paid 25 % at a share of 0.48, 6 % at 0.36, and lost 9 % at 0.26.
+    """
+
+    modes: ClassVar[tuple[str, str]] = ("late", "early")
+    label: ClassVar[str] = "input_dist schedule"
+
+    def __init__(self, *, threshold: float = 0.4, **settings: Any) -> None:
+        super().__init__(threshold=threshold, **settings)
+        self.waits = WaitClock(self.clock)
+        """Where the input_dist waits are timed (None-ed by `active_clock` once the watch ends)."""
+
+    @property
+    def schedule(self) -> str:
+        """The schedule in use."""
+        return self.mode
+
+    def step(self) -> str:
+        """At the start of each training step: the schedule to run it under."""
+        if self._pending is not None or self.phase not in FINAL:
+            self.waits.thread = threading.get_ident()
+        return super().step()
+
+    def _parts(self) -> tuple[float, float]:
+        return self.waits.take()
+
+    @property
+    def active_clock(self) -> WaitClock | None:
+        """The clock the input_dist waits report to, while the watch still watches or tries."""
+        return None if self.phase in FINAL else self.waits
+
+    @property
+    def parts(self) -> tuple[float, float] | None:
+        """Of `share`, this rank's median share in the input all-to-alls' waits and off the CPU in
+        backward, over the same window (None before a full window)."""
+        if len(self._samples) < self.window:
+            return None
+        return self.median_part(0), self.median_part(1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "schedule": self.mode}
+
+    def __repr__(self) -> str:
+        """What `print(pipe.tuner)` shows."""
+        head = f"input_dist schedule: adaptive, running {schedule_words(self.schedule)}"
+        watched = "the training thread is blocked (input all-to-alls' waits, off the CPU in backward)"
+        return self._described(head, watched, "batches", "under early")
+
+    def _switched_text(self, share: float, clear: bool) -> str:
+        """The move to early: the ranks' blocked shares that triggered it, this rank's parts, what
+        the switch creates and how long it is verified (`clear`: at the first figure)."""
+        waits, idle = self.parts or (0.0, 0.0)
+        return (
+            f"the training thread was blocked {share:.0%} of the step (median over {self.window} steps, "
+            f"mean over {len(self.shares)} ranks: {self._shares_text()}; this rank {waits:.0%} in the input "
+            f"all-to-alls' waits and {idle:.0%} off the CPU in backward; {self._held_text(clear)}): "
+            f"trying {schedule_words('early')} from the next step, its all-to-alls on a process group "
+            "of their own ('pipeline_input_dist', created then; on NCCL one more communicator); it is "
+            f"verified over {self._verified_text()}"
+        )
+
+    def _verdict_text(self, *, kept: bool) -> str:
+        """Early kept, or torchrec's order again: the job's ratio, every rank's, and the rule."""
+        shown, rule = self._ratios_text(), self._rule_text()
+        if kept:
+            return (
+                f"kept {schedule_words('early')}: the step under it over the step before was {shown} ({rule})"
+            )
+        return (
+            f"back to {schedule_words('late')} from the next step: the step under early over the step "
+            f"before was {shown} (kept needs {rule}); no second try in this job"
+        )
+
+    def _pinned_text(self, reason: str) -> str:
+        return f"kept {schedule_words('late')}: {reason}"
+
+
+# -- the input all-to-alls' own process groups ----------------------------------------------------
+
+
+def backend_on(pg: dist.ProcessGroup, device: torch.device) -> str:
+    """The backend that `pg` runs the collectives of tensors on `device` with ("gloo", "nccl", ...):
+    a group made with one backend uses it for every device; a mixed one ("cpu:gloo,cuda:nccl", or
+    `init_process_group()` with no backend) names one per device type."""
+    config = str(dist.get_backend_config(pg))
+    for part in config.split(","):
+        kind, named, backend = part.partition(":")
+        if not named:
+            return kind.strip()
+        if kind.strip() == device.type:
+            return backend.strip()
+    return str(dist.get_backend(pg))
+
+
+def made_like(pg: dist.ProcessGroup) -> dict[str, Any]:
+    """The `dist.new_group` keywords that make a group as `pg` was made: its backend, its timeout
+    and, on NCCL, a copy of its options (high-priority streams, the communicator's config; torch
+    writes the new group's name and ranks into the options it is given, so `pg`'s own are not)."""
+    backend = dist.get_backend(pg)
+    device = torch.device("cuda" if "nccl" in str(backend) else "cpu")
+    options = pg._get_backend(device).options
+    made: dict[str, Any] = {"backend": backend, "timeout": options._timeout}
+    if hasattr(options, "is_high_priority_stream"):  # NCCL's options
+        copy = type(options)()
+        copy.is_high_priority_stream = options.is_high_priority_stream
+        copy.config = options.config
+        made["pg_options"] = copy
+    return made
+
+
+class InputDistGroups:
+    """Process groups reserved for the input all-to-alls, one per group they were created on.
+
+    A process group runs its collectives in the order they were issued. The pipeline issues the
+    values all-to-all of batch i+1 before the backward of batch i, so on a shared group backward's
+    embedding all-to-all and DDP's all-reduce would queue behind it. On a group of its own it runs
+    alongside them. Each group is made like the one it copies (`made_like`: its backend, timeout and
+    options), when the schedule first moves the all-to-alls (all ranks reach `place` at the same
+    batch: the schedule changes at a step every rank decides alike), and said in `note`. When the
+    schedule moves them back, the group is destroyed at the third batch start after that, once the
+    batches started on it have been through forward (an undo by `detach` keeps it: batches in
+    flight may still use it).
+
+    Only groups spanning every rank get their own: creating a copy of a subgroup would need every
+    rank to know every other rank's subgroups. Subgroups keep sharing.
+    The cost is one more communicator per group: on NCCL, its buffers on every GPU.
+
+    Args:
+        new_group: creates a group (`dist.new_group`, or the ranks' protocol's, which does not wait
+            for a peer that failed).
+        note: told, in a sentence, when a group is made or destroyed (the rewrite report's notes).
+    """
+
+    def __init__(
+        self,
+        new_group: Callable[..., Any] = dist.new_group,
+        note: Callable[[str], None] | None = None,
+        destroy: Callable[[Any], None] = dist.destroy_process_group,
+    ) -> None:
+        self._new_group, self._destroy_group = new_group, destroy
+        self.note = note
+        self._made: list[tuple[dist.ProcessGroup, dist.ProcessGroup]] = []
+        self._undo: Callable[[], None] | None = None
+        """Moves the all-to-alls back, while they are on their own groups (`place`)."""
+        self._retire_at: int | None = None
+        """The batch at whose start the groups moved back from are destroyed (`place`)."""
+        self._batch = 0
+        """The batch being placed (what the notes name)."""
+        self.at_rest: bool | None = False
+        """`place(own)` with this `own` has nothing to do (None: a retirement is due); the caller
+        may skip the call."""
+
+    def place(self, own: bool, modules: list[Any], batch: int) -> None:
+        """At the start of `batch`: the pipelined `modules`' input all-to-alls on their own groups
+        (`own`) or on torchrec's."""
+        self._batch = batch
+        if own and self._undo is None:
+            self._retire_at = None
+            self._undo = self.install([pm.module for pm in modules])
+        elif not own and self._undo is not None:
+            self.restore()
+            # Batches started on them may be in flight (one to three, by class): destroyed at the
+            # third start from now, after they have all been through forward.
+            self._retire_at = batch + 3
+        elif not own and self._retire_at is not None and batch >= self._retire_at:
+            self._retire_at = None
+            self._destroy()
+        self._rest()
+
+    def restore(self) -> None:
+        """The input all-to-alls back on torchrec's groups (their own groups are kept)."""
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
+            self._rest()
+
+    def _rest(self) -> None:
+        """`at_rest` from the state: on their own groups, on torchrec's, or a retirement due."""
+        self.at_rest = True if self._undo is not None else (False if self._retire_at is None else None)
+
+    def own_group(self, pg: dist.ProcessGroup) -> dist.ProcessGroup:
+        """The group reserved for all-to-alls originally on `pg` (`pg` itself for subgroups)."""
+        for original, own in self._made:
+            if original is pg or own is pg:
+                return own
+        if pg.size() != dist.get_world_size():
+            return pg
+        made = made_like(pg)
+        own = self._new_group(**made, group_desc="pipeline_input_dist")
+        self._made.append((pg, own))
+        self._say(
+            f"input_dist, batch {self._batch}: made a {made['backend']} process group of its own for the "
+            f"input all-to-alls (timeout {made['timeout']}, as the job's); on NCCL, a second "
+            "communicator and its buffers on every GPU"
+        )
+        return own
+
+    def uncopyable(self, groups: list[dist.ProcessGroup]) -> str | None:
+        """Why a group of their own could not be made like one of `groups` (`made_like` reads the
+        group's options from torch's private fields), or None. Asked before the schedule may move,
+        so that the move cannot fail; the same on every rank (it reads the job's groups only)."""
+        for pg in groups:
+            if pg.size() == dist.get_world_size():
+                try:
+                    made_like(pg)
+                except (AttributeError, RuntimeError, TypeError) as e:
+                    return f"{type(e).__name__}: {e}"
+        return None
+
+    def _destroy(self) -> None:
+        made, self._made = self._made, []
+        for _, own in made:
+            self._destroy_group(own)
+        if made:
+            self._say(f"input_dist, batch {self._batch}: destroyed the input all-to-alls' own process group")
+
+    def close(self) -> None:
+        """The all-to-alls back on torchrec's groups, and their own groups destroyed (`close()`:
+        no batch is in flight any more)."""
+        self.restore()
+        self._retire_at = None
+        self._destroy()
+        self._rest()
+
+    def _say(self, text: str) -> None:
+        if self.note is not None:
+            self.note(text)
+
+    def install(self, modules: list[nn.Module]) -> Callable[[], None]:
+        """Move the modules' KJT all-to-alls to their own groups; returns the undo function.
+
+        Collectives already issued keep the group they were issued on."""
+        moved = []
+        for a2a in (a for m in modules for a in kjt_all_to_alls(m)):
+            moved.append((a2a, a2a._pg))
+            a2a._pg = self.own_group(a2a._pg)
+
+        def undo() -> None:
+            for a2a, pg in reversed(moved):
+                a2a._pg = pg
+
+        return undo
+
+    def current(self, pg: Any) -> Any:
+        """The group that the all-to-alls made on (or moved to) `pg` use now: its own twin while
+        they are moved (`place`), else the original."""
+        for original, own in self._made:
+            if pg is original or pg is own:
+                return own if self._undo is not None else original
+        return pg

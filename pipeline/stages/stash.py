@@ -1,17 +1,8 @@
-"""`Stash`: device memory lent out between two uses (torchrec's memory stashing, ours).
-
-`stash(tensors)` copies the storage of each tensor to host memory and frees it (its size becomes
-0); `restore()` allocates each storage again and copies it back. The tensors keep their identity,
-shape and views (an optimizer's state, a kernel's weights), so whoever holds them sees the same
-values once restored; a tensor must not be read while stashed. Storages are copied whole and
-once, however many of the tensors view them.
-
-On CUDA the copies run on the memcpy stream (host memory pinned): the stash after the producer's
-work on the caller's stream, the restore after the caller's stream too; `ready()` orders the
-caller's stream after the restore, and the freed block is kept from reuse until its copy is done
-(`Streams.free_after`). On CPU the host copy is in the same memory: nothing is
-saved, and the stash runs for its semantics (which tests check on CPU).
-"""
+"""Device memory lent to host memory between two uses (torchrec's memory stashing, ours). `Stash`
+copies storages to host memory, frees them, and gives them back; the tensors keep their identity,
+shape and views, and must not be read while stashed. On CUDA the copies run on the memcpy stream (host
+memory pinned); on CPU nothing is saved (the host copy is in the same memory), but the semantics hold.
+`EmbeddingStash` lends the marked embedding weights between their lookup and their kernel's backward."""
 
 from __future__ import annotations
 
@@ -20,10 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from pipeline.stages.streams import Streams, label
 
-__all__ = ["Stash", "tensors_in"]
+__all__ = ["EmbeddingStash", "Stash", "tensors_in"]
 
 
 @dataclass(slots=True)
@@ -36,14 +28,12 @@ class _Lent:
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
-    """The tensors in `value`: tensors, DTensors (their local part), and those in tuples, lists,
-    dicts, dataclasses and plain objects' attributes (an optimizer's state). A ShardedTensor's are
-    left out: a fused kernel updates them inside backward."""
+    """The tensors in `value`, searched through containers, dataclasses and objects' attributes (an
+    optimizer's state); a DTensor's local part; none of a ShardedTensor's (updated inside backward)."""
     if type(value).__name__ == "ShardedTensor":
         return []
     if isinstance(value, torch.Tensor):
-        local = value.to_local() if hasattr(value, "to_local") else value
-        return [local]
+        return [value.to_local() if hasattr(value, "to_local") else value]
     if isinstance(value, dict):
         return [t for v in value.values() for t in tensors_in(v)]
     if isinstance(value, (tuple, list)):
@@ -57,7 +47,7 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
 
 
 class Stash:
-    """Storages lent to host memory, and given back.
+    """Storages lent to host memory, and given back; each storage copied whole and once.
 
     Args:
         streams: the pipeline's streams (the copies run on `memcpy`).
@@ -74,8 +64,8 @@ class Stash:
         return sum(lent.nbytes for lent in self._lent if not lent.restored)
 
     def stash(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Copy the storages of `tensors` to host memory and free them; a storage lent already
-        (or empty) is skipped. Several stashes may be lent at once; `restore()` gives all back."""
+        """Copy the storages of `tensors` to host memory and free them (skipping empty ones and those
+        lent already); several stashes may be lent at once."""
         streams, seen = self._streams, set()
         caller = streams.current()
         added: list[_Lent] = []
@@ -86,18 +76,19 @@ class Stash:
                 if storage.nbytes() == 0 or storage.data_ptr() in seen:
                     continue
                 seen.add(storage.data_ptr())
-                host = _host_buffer(storage)
+                pin = storage.device.type == "cuda"
+                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin).untyped_storage()
                 host.copy_(storage, non_blocking=host.is_pinned())
                 added.append(_Lent(storage, storage.nbytes(), host, tensor.device))
             for lent in added:
                 if streams.memcpy is not None:  # the block is not reused before its copy is done
-                    streams.free_after(_view(lent.storage, lent.device), streams.memcpy)
+                    view = torch.empty(0, dtype=torch.uint8, device=lent.device).set_(lent.storage)
+                    streams.free_after(view, streams.memcpy)
                 _resize(lent.storage, 0)
         self._lent += added
 
     def restore(self) -> None:
-        """Allocate every lent storage again and copy it back (a no-op when nothing is lent).
-        `ready()` must follow before the caller's stream reads them."""
+        """Allocate every lent storage again and copy it back; `ready()` before the caller reads them."""
         lent = [entry for entry in self._lent if not entry.restored]
         if not lent:
             return
@@ -120,15 +111,6 @@ class Stash:
             self._lent = []
 
 
-def _host_buffer(storage: torch.UntypedStorage) -> torch.UntypedStorage:
-    pin = storage.device.type == "cuda"
-    return torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin).untyped_storage()
-
-
-def _view(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-
-
 def _resize(storage: torch.UntypedStorage, nbytes: int) -> None:
     try:
         storage.resize_(nbytes)
@@ -137,3 +119,96 @@ def _resize(storage: torch.UntypedStorage, nbytes: int) -> None:
             f"cannot stash a tensor whose storage is not resizable (made outside torch's allocator, "
             f"e.g. from numpy): {e}; leave it out of the stash"
         ) from e
+
+
+def _marked_weights(lookup: nn.Module, device: torch.device) -> list[torch.Tensor]:
+    """The weights on `device` of `lookup`'s kernels that hold a table marked for stashing."""
+    weights = []
+    for kernel in getattr(lookup, "_emb_modules", ()):
+        config = getattr(kernel, "_config", None)
+        tables = getattr(config, "embedding_tables", ())
+        inner = getattr(kernel, "_emb_module", None)
+        if inner is None or not any(getattr(t, "stash_weights", False) for t in tables):
+            continue
+        for name in ("weights_dev", "weights_host"):
+            tensor = getattr(inner, name, None)
+            if isinstance(tensor, torch.Tensor) and tensor.numel() > 0 and _on(tensor, device):
+                weights.append(tensor)
+    return weights
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> bool:
+    """`tensor` is on `device`; `cuda` without an index is the current device (which `==` denies)."""
+    if tensor.device.type != device.type:
+        return False
+    if device.index is None:
+        return device.type != "cuda" or tensor.device.index == torch.cuda.current_device()
+    return tensor.device.index == device.index
+
+
+class EmbeddingStash:
+    """Lends the marked embedding weights (`weights_dev` on CUDA, a CPU kernel's host weights) out
+    right after each lookup in a training step, or at `run_pending()` with `delay`, until `restore()`
+    or, at the latest, the backward of the lookup's output. Other forwards stash nothing.
+
+    Args:
+        streams: the pipeline's streams.
+        model: the model whose sharded modules' lookups are watched.
+        device: the pipeline's device (whose memory is freed).
+        delay: keep each stash pending until `run_pending()` (torchrec's `delay_stash`).
+    """
+
+    def __init__(self, streams: Streams, model: nn.Module, device: torch.device, *, delay: bool) -> None:
+        self._stash = Stash(streams, "embeddings")
+        self._device, self._delay = device, delay
+        self._pending: list[list[torch.Tensor]] = []
+        self.armed = False  # the training step is between forward and the end of backward
+        self.tables = 0  # how many kernels (groups of tables) are marked for stashing
+        for module in model.modules():  # the sharded embedding modules' lookups with kernel weights
+            for lookup in getattr(module, "_lookups", None) or ():
+                if hasattr(lookup, "_emb_modules") and _marked_weights(lookup, device):
+                    self.tables += 1
+                    lookup.register_forward_hook(self._after_lookup)
+
+    @property
+    def lent_bytes(self) -> int:
+        """Bytes of embedding weights out of device memory now."""
+        return self._stash.lent_bytes
+
+    def _after_lookup(self, lookup: nn.Module, args: Any, output: Any) -> None:
+        if not (self.armed and isinstance(output, torch.Tensor) and output.requires_grad):
+            return  # no backward will come to restore them
+        weights = _marked_weights(lookup, self._device)
+        if self._delay:
+            self._pending.append(weights)
+        else:
+            self._stash.stash(weights)
+        output.register_hook(self._before_kernel_backward)
+
+    def _before_kernel_backward(self, grad: torch.Tensor) -> None:
+        self._stash.ready()
+
+    def run_pending(self) -> None:
+        """Stash what `delay` kept pending (a no-op outside a training step)."""
+        if self.armed:
+            pending, self._pending = self._pending, []
+            for weights in pending:
+                self._stash.stash(weights)
+
+    def restore(self) -> None:
+        """Start giving back every lent weight (the kernels' backward waits for the copies)."""
+        self._stash.restore()
+
+    def ready(self) -> None:
+        """Every lent weight back, and the caller's stream ordered after the copies."""
+        self._stash.ready()
+
+    def arm(self) -> None:
+        """Before a training batch's forward."""
+        self.armed = True
+
+    def finish(self) -> None:
+        """After backward (or an abnormal end of the step): everything back, nothing pending."""
+        self.armed = False
+        self._pending = []
+        self._stash.ready()

@@ -1,88 +1,616 @@
-"""`ScheduleWatch`: the default input_dist schedule, "adaptive". It runs torchrec's order ("late")
-and watches what the job's own steps show anyway: the step time, and the blocked share of it: the
-time the training thread is blocked in the input all-to-alls' waits (the splits wait and, in
-forward, the values wait), each read with a clock around a call the pipeline makes anyway, plus the
-time it spends off the CPU in backward (where, on CPU, backward's collectives queue behind the next
-batch's input all-to-all, and wait for the peers). Of the two, the second is most of the figure on
-a network-bound CPU job (38-49 % of the step against 1-3 % in the waits); both are time that the
-early schedule can hide. Where that share is large and steady, every rank moves to "early" (the
-splits waited before forward, the all-to-alls on a process group of their own, created at that
-step), and keeps it only where the steps after are faster: the rule of `pipeline.stages.step_watch`,
-whose constants come from measurements (docs/reference.md, "The default schedule").
+"""`StepWatch`: one rule for a choice the pipeline makes from the job's own steps, shared by the
+default input_dist schedule (`pipeline.stages.schedule.ScheduleWatch`) and Prefetch's ahead-or-inline
+choice on CPU (`pipeline.stages.prefetch.PrefetchWatch`); docs/reference.md, "The default schedule",
+says it in full.
 
-Where the statuses cannot ride (one rank, `agreement=False`, a class that admits batches itself),
-the ranks have no figures to agree on and torchrec's order is kept (`pin`).
+1. Watching, in the start mode: each rank publishes the median share of its last `window` steps
+   that the other mode could hide (`_parts`); once the ranks' mean has reached `threshold` for
+   `window + 1` figures in a row (or for one, where every rank's is twice `threshold`), every rank
+   moves to the other mode at its next step.
+2. Trying: after `settle` untimed steps, each rank times `verify` steps (half as many where they
+   are clear: `StepTimes.verified`) and publishes its step ratio: the median ratio of every pair
+   of a step after and a step before the switch, the faster half of each side (`StepTimes.ratio`).
+   The ranks step in lockstep, so they measure one job's step: kept where the ranks' mean ratio
+   is at most `1 - margin` and no rank's is `1 + margin` or more; else every rank goes back, once.
+3. Kept, back or pinned: no clock runs any more.
+
+A step is timed from `step` to `step_ended`: the time between two `progress()` calls is not a
+step's. The figures ride in the ranks' status words (`pipeline.ranks.riding`), so every rank decides
+from the same figures at the same step; the settings are agreed once (`settings`), and a decision
+loaded from a checkpoint takes effect only once every rank's word shows it (`load_state_dict`). A
+watch with no ranks to agree with decides from its own figure (`alone`).
+
+Here too: what a watch has seen of the job's steps (`StepTimes`), a clock of the time the training
+thread is blocked in a step (`WaitClock`), and a decision as a checkpoint holds it (`SavedDecision`).
 """
 
 from __future__ import annotations
 
+import enum
+import statistics
 import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pipeline.stages import watch_text as text
-from pipeline.stages.step_watch import FINAL, StepWatch, WatchPhase
-from pipeline.stages.wait_clock import WaitClock
+import torch
+import torch.distributed as dist
 
-__all__ = ["ScheduleWatch", "WatchPhase"]
+from pipeline.ranks.riding import RESTORED, observed
+
+__all__ = ["QUICK", "SavedDecision", "StepTimes", "StepWatch", "WaitClock", "WatchPhase", "world_size"]
 
 
-class ScheduleWatch(StepWatch):
-    """Chooses the input_dist schedule from the job's own steps: "late" (torchrec's order) until
-    the training thread is blocked (input all-to-alls' waits, off the CPU in backward) for
-    `threshold` of the step, steadily; then "early",
-    kept only where it is verified faster (`pipeline.stages.step_watch.StepWatch`, whose Args these
-    are: window 8, verify 20, warmup 8, threshold 0.4, settle 2, margin 0.05, sure 0.5). The
-    threshold comes from the corrected figure over 1 Gbit (docs/results/default-1gbit-run4.md):
-    early paid 25 % at a share of 0.48, 6 % at 0.36, and lost 9 % at 0.26.
+# -- the steps seen ----------------------------------------------------------------------------------
+
+
+QUICK = 10
+"""The fewest verified steps a clear verdict is taken on (`StepTimes.verified`)."""
+
+
+class StepTimes:
+    """The steps observed in the start mode and the steps verified after a switch.
+
+    Args:
+        window: steps per observation of the share (the median is taken over them).
+        verify: steps timed in the new mode before the verdict, compared with as many steps before
+            (half as many where those are clear: `verified`).
+        margin: the gain that makes the steps after clearly faster (0.05: 5 %).
+        clock: seconds, monotonic (tests inject a fake one).
     """
 
-    modes: ClassVar[tuple[str, str]] = ("late", "early")
-    label: ClassVar[str] = "input_dist schedule"
+    def __init__(self, *, window: int, verify: int, margin: float, clock: Callable[[], float]) -> None:
+        self.window, self.verify, self.margin = window, verify, margin
+        self.clock = clock
+        """Seconds, monotonic: what every time this watch sees is read from."""
+        self._last: float | None = None
+        """When the step under way began (None: not timed)."""
+        self._ended: float | None = None
+        """When it ended (`step_ended`)."""
+        self._skip = 0
+        """Steps after a switch not to time yet."""
+        self._samples: deque[tuple[float, tuple[float, ...]]] = deque(maxlen=window)
+        """(step, parts) seconds of the last `window` observed steps in the start mode."""
+        self._recent: deque[float] = deque(maxlen=verify)
+        """The last `verify` observed step times in the start mode (what the steps after a switch
+        are compared to)."""
+        self._before: list[float] = []
+        """`_recent` as it was at the switch."""
+        self._after: list[float] = []
+        """The verified step times after the switch."""
 
-    def __init__(self, *, threshold: float = 0.4, **settings: Any) -> None:
-        super().__init__(threshold=threshold, **settings)
-        self.waits = WaitClock(self.clock)
-        """Where the input_dist waits are timed (None-ed by `active_clock` once the watch ends)."""
+    def step_ended(self) -> None:
+        """At the end of each step (after the optimizer): what the step is timed to."""
+        if self._last is not None:
+            self._ended = self.clock()
+
+    def _forget_step(self) -> None:
+        self._last = self._ended = None
+
+    def _timed(self) -> float | None:
+        """At a step's start: the time of the step before it (None where it was not timed)."""
+        now, ended, self._ended = self.clock(), self._ended, None
+        step_s = ended - self._last if self._last is not None and ended is not None else None
+        self._last = now
+        return step_s
+
+    def _record(self, step_s: float, parts: tuple[float, ...], *, watching: bool) -> None:
+        """One observed step: in the start mode (`watching`), else after the switch."""
+        if watching:
+            self._samples.append((step_s, parts))
+            self._recent.append(step_s)
+        elif self._skip > 0:
+            self._skip -= 1
+        elif len(self._after) < self.verify:
+            self._after.append(step_s)
+
+    def _start_verifying(self, skip: int) -> None:
+        """At the switch: the steps before it are kept; the first `skip` after it are not timed."""
+        self._before, self._after, self._skip = list(self._recent), [], skip
 
     @property
-    def schedule(self) -> str:
-        """The schedule in use."""
-        return self.mode
+    def share(self) -> float | None:
+        """This rank's median share over the last `window` observed steps in the start mode (None
+        before a full window)."""
+        return self._share()
 
-    def step(self) -> str:
-        """At the start of each training step: the schedule to run it under."""
-        if self._pending is not None or self.phase not in FINAL:
-            self.waits.thread = threading.get_ident()
-        return super().step()
-
-    def _parts(self) -> tuple[float, float]:
-        return self.waits.take()
-
-    @property
-    def active_clock(self) -> WaitClock | None:
-        """The clock the input_dist waits report to, while the watch still watches or tries."""
-        return None if self.phase in FINAL else self.waits
-
-    @property
-    def parts(self) -> tuple[float, float] | None:
-        """Of `share`, this rank's median share in the input all-to-alls' waits and off the CPU in
-        backward, over the same window (None before a full window)."""
+    def _share(self) -> float | None:
         if len(self._samples) < self.window:
             return None
-        return self.median_part(0), self.median_part(1)
+        return statistics.median(sum(p) / s if s > 0 else 0.0 for s, p in self._samples)
+
+    def median_part(self, i: int) -> float:
+        """Of `share`, the median share of part `i` over the same window (0 before a full window)."""
+        if len(self._samples) < self.window:
+            return 0.0
+        return statistics.median(p[i] / s if s > 0 else 0.0 for s, p in self._samples)
+
+    @property
+    def reference(self) -> float:
+        """The median of the faster half of the steps before the switch (s; their median where
+        there are fewer than 4): what the quick verdict (`verified`) compares each step after with."""
+        return statistics.median(_faster_half(self._before))
+
+    @property
+    def verified(self) -> bool:
+        """The verification window after the switch is full, or its first half is clear and holds
+        `QUICK` steps or more: every step of it shorter than `reference` by `margin` or more, or none
+        shorter than `reference` (by chance alone, either once in 2^10 or less)."""
+        after = self._after
+        if not self._before or len(after) < min(self.verify, max(QUICK, self.verify // 2)):
+            return False
+        if len(after) >= self.verify:
+            return True
+        reference = self.reference
+        return all(a < reference * (1 - self.margin) for a in after) or all(a >= reference for a in after)
+
+    @property
+    def faster_steps(self) -> float:
+        """The share of (step after, step before) pairs, each side's faster half, in which the step
+        after is shorter; 0 before `verified`."""
+        if not self.verified:
+            return 0.0
+        after, before = _faster_half(self._after), _faster_half(self._before)
+        return sum(a < b for a in after for b in before) / (len(after) * len(before))
+
+    def ratio(self, sure: float) -> float:
+        """This rank's step ratio after/before the switch (once `verified`): the `sure` quantile of
+        the ratios of every (step after, step before) pair, each side's faster half. At 0.5 it is
+        the median pairwise ratio: at most 1 - margin where more than half the pairs show the gain.
+        Both sides are read alike, so a slow patch of the machine on either side is left out the
+        same way, and the steps after are not held to a reference biased low."""
+        after, before = _faster_half(self._after), _faster_half(self._before)
+        return _quantile(sorted(a / b for a in after for b in before), sure)
+
+    def _medians_ms(self, modes: tuple[str, str]) -> dict[str, float]:
+        """This rank's median step before and after the switch, in ms, by mode, each side's faster
+        half (empty before `verified`)."""
+        if not self.verified:
+            return {}
+        return {modes[0]: 1e3 * self.reference, modes[1]: 1e3 * statistics.median(_faster_half(self._after))}
+
+
+def _faster_half(steps: list[float]) -> list[float]:
+    """The half of `steps` (first or second) whose median is lower; all of them under 4."""
+    if len(steps) < 4:
+        return steps
+    half = len(steps) // 2
+    first, second = steps[:half], steps[half:]
+    return first if statistics.median(first) <= statistics.median(second) else second
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """The `q` quantile of `ordered` (sorted), interpolated between neighbours."""
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+# -- the time blocked in a step ----------------------------------------------------------------------
+
+
+class WaitClock:
+    """Adds up how long the pipeline's own thread blocks in a step: in `wait(request)` (the input
+    all-to-alls' waits) and, used as a context manager around backward, the wall time its thread
+    spends off the CPU there (on
+    CPU, where torchrec's backward waits for its all-to-alls, which on a shared process group queue
+    behind the next batch's input all-to-all). Waits on other threads (a prefetch worker) are not
+    the step's."""
+
+    __slots__ = ("_clock", "_cpu", "_started", "idle", "thread", "waited")
+
+    def __init__(self, clock: Callable[[], float], cpu: Callable[[], float] = time.thread_time) -> None:
+        self._clock, self._cpu = clock, cpu
+        self.waited = 0.0
+        """Seconds blocked in the input all-to-alls' waits."""
+        self.idle = 0.0
+        """Seconds off the CPU within backward."""
+        self.thread: int | None = None
+        self._started: tuple[float, float] | None = None
+
+    def __enter__(self) -> None:
+        if threading.get_ident() == self.thread:
+            self._started = (self._clock(), self._cpu())
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._started is not None:
+            wall, cpu = self._started
+            self._started = None
+            self.idle += max(0.0, (self._clock() - wall) - (self._cpu() - cpu))
+
+    def wait(self, request: Any) -> Any:
+        return self.timed(request.wait)
+
+    def timed(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)`, its wall time added to `waited` where it runs on the pipeline's thread."""
+        if threading.get_ident() != self.thread:
+            return fn(*args)
+        start = self._clock()
+        try:
+            return fn(*args)
+        finally:
+            self.waited += self._clock() - start
+
+    def take(self) -> tuple[float, float]:
+        """(waited, idle) since the last take, and start again from zero."""
+        taken = (self.waited, self.idle)
+        self.waited = self.idle = 0.0
+        return taken
+
+
+# -- a decision saved with a checkpoint --------------------------------------------------------------
+
+
+def world_size() -> int:
+    """The job's world size (1 without a process group)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+@dataclass(frozen=True, slots=True)
+class SavedDecision:
+    """One final decision of a watch whose modes are `modes`."""
+
+    phase: str
+    """"kept", "back" or "pinned" (`WatchPhase`'s values)."""
+    mode: str
+    decisions: tuple[tuple[int, str], ...]
+    world_size: int | None
+    """The world size it was taken at (None: a state saved before it was recorded)."""
+    code: int
+    """The figure a watch holding it publishes (`pipeline.ranks.riding.RESTORED`, by mode)."""
+
+    @classmethod
+    def parse(
+        cls, state: dict[str, Any], modes: tuple[str, str], final: tuple[str, ...]
+    ) -> SavedDecision | None:
+        """The decision in `state` (a `state_dict()`), or None where it holds none (empty, or saved
+        while watching or trying: phases not in `final`).
+
+        Raises:
+            ValueError: the state names a mode that is not one of `modes`.
+        """
+        if not state or state["phase"] not in final:
+            return None
+        mode = state.get("mode", state.get("schedule"))
+        if mode not in modes:
+            raise ValueError(f"a saved watch state names {mode!r}, not one of {modes}")
+        decisions = tuple(tuple(d) for d in state["decisions"])
+        return cls(state["phase"], mode, decisions, state.get("world_size"), RESTORED[modes.index(mode)])
+
+    def refused(self, world: int, *, pinned_to: str | None) -> str | None:
+        """Why a watch of a `world`-rank job does not take it (None: it may): taken at another world
+        size (an elastic restart watches afresh), or the other mode for a watch `pinned_to` a mode
+        because nothing rides (the ranks could not agree on it; at one rank there is none to)."""
+        if self.world_size is not None and self.world_size != world:
+            return f"a decision saved at world size {self.world_size} is not taken at {world}: watching again"
+        if pinned_to is not None and self.mode != pinned_to and world > 1:
+            return f"a saved {self.mode!r} is not taken: nothing rides, so the ranks cannot agree on it"
+        return None
+
+    def held_by_all(self, observations: torch.Tensor) -> bool:
+        """Every rank's status for the batch shows this decision."""
+        return len(observations) > 0 and bool((observations == self.code).all())
+
+
+# -- the rule ----------------------------------------------------------------------------------------
+
+
+class WatchPhase(enum.Enum):
+    WATCHING = "watching"
+    TRYING = "trying"
+    KEPT = "kept"
+    BACK = "back"
+    PINNED = "pinned"
+
+
+FINAL = (WatchPhase.KEPT, WatchPhase.BACK, WatchPhase.PINNED)
+
+
+class StepWatch(StepTimes):
+    """The rule (see the module); a subclass names its modes, measures its parts of a step
+    (`_parts`) and words its decisions (`_switched_text`, `_verdict_text`, `_pinned_text`).
+
+    Args:
+        window: steps per observation of the share (the median is taken over them).
+        verify: steps timed in the new mode before the verdict, compared with as many steps before.
+        warmup: steps not observed at the start.
+        threshold: the ranks' mean share at which the other mode is tried, once it has held for
+            `window + 1` figures in a row.
+        settle: untimed steps after the switch.
+        margin: the gain the job must see for the new mode to be kept (0.05: the ranks' mean step
+            ratio at most 0.95); a rank slower by as much vetoes it.
+        sure: the quantile of its pairwise step ratios a rank publishes (0.5: the median; 0.75: a
+            gain shown by three pairs in four).
+        clock: seconds, monotonic (tests inject a fake one).
+    """
+
+    modes: ClassVar[tuple[str, str]] = ("start", "other")
+    """(the mode it starts in and goes back to, the mode it may try)."""
+    label: ClassVar[str] = "watch"
+    """What the report's notes name it by."""
+
+    def __init__(
+        self,
+        *,
+        window: int = 8,
+        verify: int = 20,
+        warmup: int = 8,
+        threshold: float = 0.5,
+        settle: int = 2,
+        margin: float = 0.05,
+        sure: float = 0.5,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if min(window, verify) < 3 or min(warmup, settle) < 0 or not (0 < threshold < 1 and 0 <= margin < 1):
+            raise ValueError(f"bad watch settings: window {window}, threshold {threshold}, margin {margin}")
+        if not 0 <= sure <= 1:
+            raise ValueError(f"bad watch settings: sure {sure}")
+        super().__init__(window=window, verify=verify, margin=margin, clock=clock)
+        self.threshold, self.settle = threshold, settle
+        self.warmup, self.sure = warmup, sure
+        """The settings (see Args), read by the words."""
+        self.partner: Any = None
+        """The other watch of the same steps: while it verifies (`tuning`), this one does not move."""
+        self.mode = self.modes[0]  # the mode in use
+        self.phase, self.alone = WatchPhase.WATCHING, False
+        """No ranks to agree with: each figure is decided on as soon as it is published."""
+        self._high = 0
+        """Consecutive figures (the ranks' mean share) at or above the threshold."""
+        self._restored: SavedDecision | None = None
+        """A decision loaded from a checkpoint, until every rank's word shows it (`load_state_dict`)."""
+        self._pending: str | None = None
+        self._published = self.steps = 0
+        """Training steps begun (`step` calls, and the pipeline's count while `settled`)."""
+        self.settled = False
+        """Decided and applied: `step` would only count the step, so until `load_state_dict` the
+        pipeline counts it and calls none of `step`, `step_ended`, `interrupt`."""
+        self.decisions: list[tuple[int, str]] = []
+        """(step, what was seen and done), in order."""
+        self.shares: list[float] = []
+        """The ranks' published shares at the switch, empty before it."""
+        self.ratios: list[float] = []
+        """The ranks' step ratios after/before the switch, at the verdict."""
+        self.note: Callable[[str], None] | None = None
+        """Told each decision's sentence (the rewrite report's notes)."""
+
+    # -- what a subclass provides: its parts of a step (seconds the other mode could hide since
+    # the last call; reset), whether steps are observed yet, and (not here) the words of its
+    # decisions: `_switched_text(share, clear)`, `_verdict_text(kept=)`, `_pinned_text(reason)`
+
+    def _parts(self) -> tuple[float, ...]:
+        return ()
+
+    def _observing(self) -> bool:
+        return True
+
+    # -- what the pipeline calls ---------------------------------------------------------------
+
+    def step(self) -> str:
+        """At the start of each training step: the mode to run it in."""
+        self.steps += 1
+        if self.phase in FINAL:  # once decided: no clock (`_forget_step` stopped it)
+            if self._pending is not None:
+                self.mode, self._pending, self._published = self._pending, None, 0
+            self.settled = self._restored is None
+            return self.mode
+        step_s, parts = self._timed(), self._parts()
+        if step_s is not None and self.steps > self.warmup + 1 and self._observing():
+            self._record(step_s, parts, watching=self.phase is WatchPhase.WATCHING)
+        if self._pending is not None:
+            self.mode, self._pending = self._pending, None
+        self._published = self._observation()
+        if self.alone and self._published:
+            self.received([self._published])
+        return self.mode
+
+    def interrupt(self) -> None:
+        """An eval step, or a step that ended abnormally: do not time across it."""
+        self._forget_step()
+        self._parts()
+
+    def settings(self) -> str:
+        """The settings, in one line, which the ranks check are alike before the first figure rides."""
+        names = ("window", "verify", "warmup", "threshold", "settle", "margin", "sure")
+        return f"{type(self).__name__}(" + ", ".join(f"{n}={getattr(self, n)}" for n in names) + ")"
+
+    @property
+    def publishing(self) -> bool:
+        """It has figures for the ranks to read (it watches, tries, or holds a loaded decision)."""
+        return (self.phase not in FINAL or self._restored is not None) and not self.alone
+
+    def observation(self) -> int:
+        """This rank's figure for the batch started now (`pipeline.ranks.riding.observed`; 0: none yet)."""
+        return self._published
+
+    def received(self, observations: torch.Tensor | list[int]) -> None:
+        """Every rank's figure for one batch (the same on every rank, a figure a rank): decide where
+        they suffice. Read with tensor operations, so its cost does not grow with the world."""
+        observations = torch.as_tensor(observations, dtype=torch.int64)
+        if self._restored is not None or bool((observations >= RESTORED[0]).any()):
+            if bool(observations.any()):  # all 0: no rank's status spoke for this watch
+                self._agree_restored(observations)
+        elif (
+            self._pending is None
+            and self.phase not in FINAL
+            and len(observations)
+            and bool(observations.all())
+        ):
+            self._decide_on((observations - 1) / 1000)  # 0: some rank has no figure yet
+
+    def _decide_on(self, values: torch.Tensor) -> None:
+        if self.phase is WatchPhase.WATCHING:
+            if self.partner is not None and self.partner.tuning:
+                self._high = 0  # the partner's switch changes the steps: start again after it
+                return
+            share = float(values.mean())
+            self._high = self._high + 1 if share >= self.threshold else 0
+            if self._high > self.window or (self._high and float(values.min()) >= 2 * self.threshold):
+                self._switch(values.tolist(), share)
+        elif self.phase is WatchPhase.TRYING:
+            self._verdict(values.tolist())
+
+    def pin(self, reason: str) -> None:
+        """Keep the start mode without watching (`reason` says why)."""
+        self.mode, self.phase, self._pending = self.modes[0], WatchPhase.PINNED, None
+        self._forget_step()
+        self._decide(self._pinned_text(reason))
+
+    def no_ride(self, reason: str) -> None:
+        """The ranks' figures cannot ride (`reason`): pinned, unless decided already."""
+        if self.phase not in FINAL:
+            self.pin(reason)
+
+    # -- what users read -----------------------------------------------------------------------
+
+    @property
+    def choice(self) -> str | None:
+        """The mode kept once the watch has ended (None while it watches or tries)."""
+        return self.mode if self.phase in FINAL else None
+
+    @property
+    def reason(self) -> str | None:
+        """The last decision, in words."""
+        return self.decisions[-1][1] if self.decisions else None
+
+    @property
+    def tuning(self) -> bool:
+        """The other mode runs only to be verified."""
+        return self.phase is WatchPhase.TRYING
+
+    @property
+    def medians_ms(self) -> dict[str, float]:
+        """This rank's median step before and after the switch, in ms (empty before a verdict)."""
+        return self._medians_ms(self.modes)
+
+    @property
+    def tuning_steps_by_schedule(self) -> dict[str, int]:
+        """Steps run in the other mode only to verify it (none where it was kept)."""
+        return {self.modes[1]: self.settle + len(self._after) + 1} if self.phase is WatchPhase.BACK else {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "schedule": self.mode}
+        """The decision and the world size it was taken at, to save with a checkpoint: a job that
+        loads it does not try again (a state saved while watching or trying: it watches afresh)."""
+        return {
+            "phase": self.phase.value,
+            "mode": self.mode,
+            "decisions": list(self.decisions),
+            "world_size": world_size(),
+        }
 
-    def __repr__(self) -> str:
-        return text.watch_repr(self)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a saved decision: with ranks, once every rank's word shows it (where any differs,
+        every rank drops it and watches afresh); alone, at the next step. A state saved while
+        watching, at another world size, or for the other mode where nothing rides leaves the watch
+        as it is (`SavedDecision.refused` says why).
 
-    def _switched_text(self, share: float, clear: bool) -> str:
-        waits, idle = self.parts or (0.0, 0.0)
-        return text.switched(self, share, waits, idle, clear=clear)
+        Raises:
+            ValueError: the state names a mode this watch does not have.
+        """
+        saved = SavedDecision.parse(state, self.modes, tuple(p.value for p in FINAL))
+        pinned = self.mode if self.phase is WatchPhase.PINNED else None
+        self.settled = False
+        if saved is None:
+            return
+        if (why := saved.refused(world_size(), pinned_to=pinned)) is not None:
+            self._decide(why)
+        elif self.alone or world_size() == 1:
+            self._take(saved)
+        else:
+            self._restored = saved
 
-    def _verdict_text(self, *, kept: bool) -> str:
-        return text.verdict(self, kept=kept)
+    def _take(self, saved: SavedDecision) -> None:
+        self.phase = WatchPhase(saved.phase)
+        self._pending = saved.mode if saved.mode != self.mode else None
+        self.decisions = list(saved.decisions)
+        self._forget_step()
 
-    def _pinned_text(self, reason: str) -> str:
-        return text.pinned(reason)
+    def _agree_restored(self, observations: torch.Tensor) -> None:
+        """Taken where every rank's word shows this rank's loaded decision (so by all), else dropped."""
+        saved, self._restored = self._restored, None
+        if saved is not None and saved.held_by_all(observations):
+            self._take(saved)
+            self._decide(f"took the saved decision ({saved.mode}): every rank holds it")
+        elif saved is not None:
+            self._decide("dropped the saved decision: not every rank holds it; watching afresh")
+
+    # -- its words (a subclass adds `_switched_text`, `_verdict_text`, `_pinned_text`) -----------
+
+    def _shares_text(self) -> str:
+        return ", ".join(f"{v:.0%}" for v in self.shares)
+
+    def _ratios_text(self) -> str:
+        """The job's step ratio after/before the switch (the ranks' mean) and each rank's."""
+        mean = sum(self.ratios) / len(self.ratios)
+        return f"{mean:.2f} (ranks: {', '.join(f'{r:.2f}' for r in self.ratios)})"
+
+    def _rule_text(self) -> str:
+        """What a verdict needs, and how this rank's steps fared."""
+        return (
+            f"the ranks' mean at most {1 - self.margin:.2f} and none {1 + self.margin:.2f} or more; a "
+            "rank's ratio is the median over every pair of a step after and a step before, the faster "
+            f"half of each side; this rank's step after was shorter in {self.faster_steps:.0%} of the pairs"
+        )
+
+    def _held_text(self, clear: bool) -> str:
+        """How the share held before the switch (`clear`: every rank's was twice the threshold at once)."""
+        if clear:
+            return f"at least {2 * self.threshold:.0%} on every rank: clear at the first figure"
+        return f"at least {self.threshold:.0%} for {self.window + 1} figures in a row"
+
+    def _verified_text(self) -> str:
+        return f"{self.settle} + {self.verify} steps (half as many where the steps after are clear)"
+
+    def _described(self, head: str, watched: str, unit: str, trying: str) -> str:
+        """While watching: what it watches (`watched`) and when it tries the other mode; after: each
+        decision, one a line (`trying`: the words for the mode being verified)."""
+        if self.phase is WatchPhase.WATCHING:
+            seen = self.share
+            seen_text = "not yet a full window" if seen is None else f"{seen:.0%} of the step on this rank"
+            return (
+                f"{head}; watching how long {watched} over the last {self.window} steps ({seen_text}; "
+                f"tries {self.modes[1]} once the ranks' mean has been at least {self.threshold:.0%} for "
+                f"{self.window + 1} {unit} in a row)"
+            )
+        lines = [head] + [f"  step {step}: {line}" for step, line in self.decisions]
+        if self.phase is WatchPhase.TRYING:
+            lines.append(f"  verifying over {self._verified_text()} {trying}")
+        return "\n".join(lines)
+
+    # -- the rule ------------------------------------------------------------------------------
+
+    def _observation(self) -> int:
+        if self._restored is not None:
+            return self._restored.code
+        if self.phase is WatchPhase.WATCHING:
+            return observed(self._share())
+        if self.phase is WatchPhase.TRYING and self.verified:
+            return observed(self.ratio(self.sure))
+        return 0
+
+    def _switch(self, shares: list[float], share: float) -> None:
+        self.shares = shares
+        self._pending, self.phase = self.modes[1], WatchPhase.TRYING
+        # the step that decides runs on in the start mode: its time is not the new mode's
+        self._start_verifying(self.settle + 1)
+        self._decide(self._switched_text(share, self._high <= self.window))  # before a full run: clear
+
+    def _verdict(self, ratios: list[float]) -> None:
+        # The ranks step in lockstep, so each rank's ratio measures the same job's step through its
+        # own clock: their mean is the job's, and a rank whose window was noisy does not undo a
+        # gain the others saw. A rank clearly slower after the switch (by `margin`) vetoes it.
+        self.ratios = ratios
+        kept = statistics.fmean(ratios) <= 1 - self.margin and max(ratios) < 1 + self.margin
+        if kept:
+            self.phase = WatchPhase.KEPT
+        else:
+            self._pending, self.phase = self.modes[0], WatchPhase.BACK
+        self._forget_step()  # decided: this step's end reads no clock either
+        self._decide(self._verdict_text(kept=kept))
+
+    def _decide(self, text: str) -> None:
+        self.decisions.append((self.steps, text))
+        if self.note is not None:
+            self.note(f"{self.label}, step {self.steps}: {text}")
