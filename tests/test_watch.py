@@ -48,7 +48,7 @@ def simulate(
             ran[r].append(schedule)
             figures.append(watch.observation())
             step_s, blocked_s = cost(r, schedule, step)
-            watch.waits.wait(_Blocks(clock, blocked_s))
+            watch.waits.timed(_Blocks(clock, blocked_s).wait)
             clock.now += step_s - blocked_s
             watch.step_ended()
         for watch in watches:

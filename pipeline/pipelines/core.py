@@ -153,7 +153,8 @@ class PipelineCore(TrainPipeline):
         if self._closed:
             raise RuntimeError("this pipeline was closed: build a new one to train again")
         lane = self._enter(dataloader_iter)
-        self._streams.poll()  # what the last step's streams are done with goes before this one copies
+        if not self._streams.inert:  # what the last step's streams are done with goes before this copies
+            self._streams.poll()
         try:
             output = self._advance(lane)
         except StopIteration as stop:  # from inside the step: the lane's end is `_ENDED`, not this
@@ -192,10 +193,11 @@ class PipelineCore(TrainPipeline):
         else:
             with self._step_context():
                 output = self._step(lane)
-        # the step queued every stream's last use of what was handed off for the batch (the
-        # caller's: backward, where autograd reads the saved inputs); the output leaves
-        self._streams.release(head)
-        self._streams.returned(output)
+        if not self._streams.inert:
+            # the step queued every stream's last use of what was handed off for the batch (the
+            # caller's: backward, where autograd reads the saved inputs); the output leaves
+            self._streams.release(head)
+            self._streams.returned(output)
         for ended in self._on_step_end:
             ended()
         lane.steps += 1
@@ -366,7 +368,8 @@ class PipelineCore(TrainPipeline):
                 copied = to_device_in_place(batch, self._device, streams)
             else:
                 copied = to_device(batch, self._device, non_blocking=True)
-            streams.produced(copied)
+            if not streams.inert:
+                streams.produced(copied)
         return copied
 
     def _forward(self, ctx: BatchContext, *, train: bool, input_dist: Any = None) -> tuple[Any, Any]:

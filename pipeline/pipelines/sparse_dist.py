@@ -291,9 +291,9 @@ class TrainPipelineSparseDist(PipelineCore):
         usable on the caller's: torchrec's subclass point, with its signature on this family;
         each step calls it before forward."""
         head, streams = self._lane.inflight[0], self._streams
-        # held for the caller's stream on behalf of the head batch, released after its step
-        streams.handoff(head.batch, streams.memcpy, head)
-        streams.consumed(head.batch)
+        if not streams.inert:  # held for the caller's stream for the head batch, released after its step
+            streams.handoff(head.batch, streams.memcpy, head)
+            streams.consumed(head.batch)
 
     # -- torchrec's methods, over our components ------------------------------------------------------
 

@@ -454,7 +454,11 @@ class Admission:
     def _hand_out(self, observations: torch.Tensor) -> None:
         """Every rank's figures for one batch (the observation fields of its status row), each watch
         the ones naming it (0 for a rank whose figure names the other: a figure missing, which
-        decides nothing but a loaded decision's fate). Tensor operations: no Python per rank."""
+        decides nothing but a loaded decision's fate). Tensor operations: no Python per rank; one
+        watch alone is named by every figure, which it takes as they are."""
+        if len(self._watches) == 1:
+            self._watches[0].received(observations)
+            return
         which, figures = observations >> _FIGURE_BITS, observations & _OBSERVED_MAX
         for i, watch in enumerate(self._watches):
             mine = torch.where(which == i, figures, 0)
@@ -476,7 +480,8 @@ class Admission:
             raise RuntimeError("a batch whose status rides has no status row among its splits all-to-alls")
         words = carrier.words()
         plain = pack(Status.HAVE, carrier.rows)
-        if words and words.count(plain) == len(words):
+        live = any(watch.publishing for watch in self._watches)
+        if words and not live and words.count(plain) == len(words):
             ctx.ticket.admitted = True  # every watch decided: every rank has it, counted in C
             return True
         row = carrier.row() if words else None

@@ -53,13 +53,14 @@ class BatchContext:
         request = self.input_dist_requests.pop(key, None)
         if request is None:
             return None
-        streams = self.streams
+        streams, clock, module_ctx = self.streams, self.wait_clock, self.module_contexts.pop(key)
+        if streams.inert:  # no streams: nothing to order or hold
+            with label(f"pipeline::input_dist::wait#{self.index}"):
+                return module_ctx, request.wait() if clock is None else clock.timed(request.wait)
         with label(f"pipeline::input_dist::wait#{self.index}"):
             with streams.use(streams.data_dist):
-                clock = self.wait_clock
-                data = request.wait() if clock is None else clock.wait(request)
+                data = request.wait() if clock is None else clock.timed(request.wait)
                 streams.produced(data)
-            module_ctx = self.module_contexts.pop(key)
             streams.handoff(data, streams.data_dist, self)
             streams.handoff(module_ctx, streams.data_dist, self)
         streams.consumed(data)

@@ -288,8 +288,9 @@ class InputDist:
             self._groups.place(own, rewrite.modules, ctx.index)
 
         with run_stage(streams, "input_dist::start", ctx.index, streams.data_dist):
-            streams.handoff(ctx.batch, streams.memcpy, ctx)
-            streams.consumed(ctx.batch)
+            if not streams.inert:
+                streams.handoff(ctx.batch, streams.memcpy, ctx)
+                streams.consumed(ctx.batch)
             requests, narrowed, narrow = {}, {}, self._narrow.sites
             for site, args, kwargs in rewrite.site_inputs(ctx.batch, ctx.postproc_results):
                 args, kwargs = site.module.preprocess_input(args, kwargs)
@@ -297,7 +298,7 @@ class InputDist:
                     args, kwargs = self._narrow.inputs(site, args, kwargs, narrowed, ctx.index)
                 module_ctx = ctx.module_contexts[site.key] = site.module.create_context()
                 requests[site.key] = site.module.input_dist(module_ctx, *args, **kwargs)
-            for result in ctx.postproc_results.values():
+            for result in ctx.postproc_results.values() if not streams.inert else ():
                 streams.produced(result)
             if self._attached.free_early:  # every module has its own permuted copy
                 self.freed_bytes += release_features(ctx.module_contexts.values(), originals(narrowed))

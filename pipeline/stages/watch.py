@@ -221,9 +221,6 @@ class WaitClock:
             self._started = None
             self.idle += max(0.0, (self._clock() - wall) - (self._cpu() - cpu))
 
-    def wait(self, request: Any) -> Any:
-        return self.timed(request.wait)
-
     def timed(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)`, its wall time added to `waited` where it runs on the pipeline's thread."""
         if threading.get_ident() != self.thread:
@@ -427,30 +424,32 @@ class StepWatch(StepTimes):
 
     def received(self, observations: torch.Tensor | list[int]) -> None:
         """Every rank's figure for one batch (the same on every rank, a figure a rank): decide where
-        they suffice. Read with tensor operations, so its cost does not grow with the world."""
+        they suffice. Two tensor operations (the least and greatest, the sum), so its cost does not
+        grow with the world; the figures become a list only when they decide."""
         observations = torch.as_tensor(observations, dtype=torch.int64)
-        if self._restored is not None or bool((observations >= RESTORED[0]).any()):
-            if bool(observations.any()):  # all 0: no rank's status spoke for this watch
+        if not len(observations):
+            return
+        low, high = (int(v) for v in torch.aminmax(observations))
+        if self._restored is not None or high >= RESTORED[0]:
+            if high:  # all 0: no rank's status spoke for this watch
                 self._agree_restored(observations)
-        elif (
-            self._pending is None
-            and self.phase not in FINAL
-            and len(observations)
-            and bool(observations.all())
-        ):
-            self._decide_on((observations - 1) / 1000)  # 0: some rank has no figure yet
+        elif self._pending is None and self.phase not in FINAL and low:  # 0: a rank has none yet
+            self._decide_on(observations, low)
 
-    def _decide_on(self, values: torch.Tensor) -> None:
+    def _decide_on(self, observations: torch.Tensor, low: int) -> None:
+        def values() -> list[float]:
+            return [(v - 1) / 1000 for v in observations.tolist()]
+
         if self.phase is WatchPhase.WATCHING:
             if self.partner is not None and self.partner.tuning:
                 self._high = 0  # the partner's switch changes the steps: start again after it
                 return
-            share = float(values.mean())
+            share = (int(observations.sum()) / len(observations) - 1) / 1000
             self._high = self._high + 1 if share >= self.threshold else 0
-            if self._high > self.window or (self._high and float(values.min()) >= 2 * self.threshold):
-                self._switch(values.tolist(), share)
+            if self._high > self.window or (self._high and (low - 1) / 1000 >= 2 * self.threshold):
+                self._switch(values(), share)
         elif self.phase is WatchPhase.TRYING:
-            self._verdict(values.tolist())
+            self._verdict(values())
 
     def pin(self, reason: str) -> None:
         """Keep the start mode without watching (`reason` says why)."""
