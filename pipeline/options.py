@@ -150,7 +150,7 @@ class PrefetchOptions:
     """True: the prefetch of batch i+1 is submitted right after forward of i (on CPU on a worker
     thread), overlapping backward and optimizer; False: just before forward of i+1; "auto": True
     on CUDA; on CPU False until `watch` sees from the steps that True is faster
-    (`pipeline.stages.prefetch_watch`)."""
+    (`pipeline.stages.prefetch.PrefetchWatch`)."""
     watch: PrefetchWatch | None = None
     """Under "auto" on CPU, the `pipeline.PrefetchWatch` that decides; None: `PrefetchWatch()`."""
 

@@ -111,7 +111,7 @@ def keys_message(details: list[Any], expected: list[tuple[str, list[str]]] | Non
     return (
         f"{'; '.join(parts)}, but the model was sharded for {_show(expected or [])} (the keys of the "
         "first batch). Every rank stopped before that batch. Fix the dataset (a feature renamed, "
-        "missing or added), or pass check_keys=False if the keys legitimately vary."
+        "missing or added), or pass ranks=RankOptions(check_keys=False) if the keys legitimately vary."
     )
 
 
@@ -124,7 +124,7 @@ def malformed_message(details: list[Any]) -> str:
     ]
     return (
         f"{'; '.join(parts)}. Every rank stopped before that batch entered a collective. Fix the "
-        "dataset or its collate function, or pass check_kjts=False to skip the check."
+        "dataset or its collate function, or pass ranks=RankOptions(check_kjts=False) to skip the check."
     )
 
 
@@ -138,7 +138,7 @@ def uneven_message(statuses: list[Status], position: int) -> str:
     return (
         f"uneven data: rank(s) {short} have {position} batches, rank(s) {long} at least "
         f"{position + 1}. Give every rank the same number of batches (drop_last, or pad the shards), "
-        'or pass on_uneven="stop" to train the common count.'
+        'or pass ranks=RankOptions(on_uneven="stop") to train the common count.'
     )
 
 
@@ -272,7 +272,9 @@ class Votes:
         if not self.distributed:
             return Vote(None, tensor)
         if rank_and_world()[1] > _MAX_WORLD:
-            raise RuntimeError(f"the ranks' vote counts up to {_MAX_WORLD} ranks; use agreement=False")
+            raise RuntimeError(
+                f"the ranks' vote counts up to {_MAX_WORLD} ranks; pass ranks=RankOptions(agreement=False)"
+            )
         return Vote(dist.all_reduce(tensor, group=self._own_group(), async_op=True), tensor)
 
     def forget_group(self) -> None:

@@ -296,8 +296,8 @@ def validating() -> bool:
 
 
 NO_RIDE = (
-    "the ranks' statuses do not ride on this pipeline's splits all-to-all (agreement=False, a class "
-    "that admits batches itself, or torchrec's collective checks), so the ranks have no shared "
+    "the ranks' statuses do not ride on this pipeline's splits all-to-all (RankOptions(agreement=False), "
+    "a class that admits batches itself, or torchrec's collective checks), so the ranks have no shared "
     "observations of their steps to decide on"
 )
 """Why a watch cannot agree with the other ranks (`StepWatch.no_ride`)."""
@@ -522,6 +522,6 @@ def _read(words: list[int], rows: int, index: int) -> tuple[list[Status], list[i
             f"after {rows} splits rows; at that row it read: {'; '.join(wrong) or 'nothing'}. The ranks' "
             "sharded modules must send the same number of splits per batch (the same KeyedJaggedTensor "
             "keys, weights on every rank or on none, the same variable-stride setting); or pass "
-            "agreement=False where every rank is known to have the same batches."
+            "ranks=RankOptions(agreement=False) where every rank is known to have the same batches."
         )
     return [Status(f.status) for f in fields], [f.observation for f in fields]

@@ -188,7 +188,8 @@ class InputDist:
             self.report.notes.append(text)
 
     def add_watch(self, watch: Any) -> None:
-        """Let another stage's watch (`pipeline.stages.prefetch_watch`) publish in the ranks' words."""
+        """Let another stage's watch (`pipeline.stages.prefetch.PrefetchWatch`) publish in the ranks'
+        words."""
         watch.note = self._note
         self._others.append(watch)
         if self._one_rank:
@@ -519,7 +520,8 @@ def _message(fqn: str, reason: str, pipeline_postproc: bool) -> str:
     return (
         f"sharded module {fqn!r} is not pipelined: {reason}. It runs its own forward, so its input "
         f"all-to-alls do not overlap the previous batch (training is unchanged). To pipeline it, "
-        f"pass arg_paths={{{fqn!r}: <path of its input in the batch>}}{postproc}; or strict=True "
+        f"pass rewrite=RewriteOptions(arg_paths={{{fqn!r}: <path of its input in the batch>}}){postproc}; "
+        "or strict=True "
         "to make this an error."
     )
 

@@ -170,7 +170,7 @@ def _widened_wait(inner: KJTAllToAllTensorsAwaitable, wait: Callable[[], Any]) -
     if not isinstance(splits, dict):
         raise RuntimeError(
             "torchrec's KJTAllToAllTensorsAwaitable has no _output_splits by label, so a receiver of "
-            "narrowed ids cannot tell its lengths from its ids; pass narrow_ids=False"
+            "narrowed ids cannot tell its lengths from its ids; pass InputDistOptions(narrow_ids=False)"
         )
     labels = list(splits)
     if "lengths" in labels and "values" in labels:
@@ -221,7 +221,10 @@ class NarrowIds:
         counts of their ids (called once, on every rank, whenever some site may be narrowed)."""
         self.sites = frozenset()
         if self._enabled is False:
-            self._note("ids are not narrowed (narrow_ids=False): the input all-to-all sends them as made")
+            self._note(
+                "ids are not narrowed (InputDistOptions(narrow_ids=False)): the input all-to-all sends "
+                "them as made"
+            )
             return
         if self._one_rank:
             self._note("ids are not narrowed: at one rank the input all-to-all moves nothing")
@@ -243,7 +246,8 @@ class NarrowIds:
                 if mean < NARROW_FROM:
                     refused[key] = (
                         f"about {mean:,.0f} ids a rank a batch, below {NARROW_FROM:,}: too few for the "
-                        "saving to outweigh the cost (narrow_ids=True narrows them all the same)"
+                        "saving to outweigh the cost (InputDistOptions(narrow_ids=True) narrows them all "
+                        "the same)"
                     )
         self.sites = frozenset(allowed) - refused.keys()
         if self.sites:
