@@ -20,9 +20,9 @@ BOXES = {
         1.6,
         "#dbe9f6",
         (
-            "pipelines/: the classes a user constructs, one family a module, each with its own step",
-            "base.py  sparse_dist.py  prefetch.py  fused.py  semi_sync.py  eval.py  staged.py",
-            "sparse_data_dist.py (SparseDataDistUtil)  pec.py  pt2.py  gradient_accumulation.py ...",
+            "pipelines/: the classes a user constructs; SparseDist's one step, overridden by hooks",
+            "sparse_dist.py (SparseDist, Lite, Eval)  lookups.py (Fused, EvalFused, PEC, SemiSync)",
+            "prefetch.py  in_backward.py  experimental.py  staged.py  pt2.py  base.py ...",
         ),
     ),
     "compat": (
@@ -33,8 +33,8 @@ BOXES = {
         "#f6e7db",
         (
             "compat/: only for torchrec",
-            "types.py  methods.py",
-            "data_loading.py  arguments.py",
+            "__init__.py (its types)",
+            "backward_injection.py data_loading.py",
         ),
     ),
     "core": (
@@ -44,21 +44,21 @@ BOXES = {
         1.4,
         "#dbe9f6",
         (
-            "core.py  PipelineCore: lanes,",
-            "progress / drain / reset; batch_stages.py:",
+            "pipelines/core.py  PipelineCore:",
+            "lanes, progress / drain / reset / close;",
             "copy, forward, backward, optimizer",
         ),
     ),
-    "idcore": (
+    "options": (
         9.3,
         5.7,
         4.4,
         1.4,
-        "#dbe9f6",
+        "#f2f2f2",
         (
-            "input_dist_core.py  InputDistCore",
-            "the SparseDist family's base: _build,",
-            "rewrite_report, detach, the schedule",
+            "options.py: RankOptions,",
+            "RewriteOptions, InputDistOptions,",
+            "PrefetchOptions (the one way in)",
         ),
     ),
     "ranks": (
@@ -68,12 +68,11 @@ BOXES = {
         2.3,
         "#e3f2da",
         (
-            "ranks/  (Ranks in protocol.py)",
-            "fetch -> Ticket (Status); loader state",
-            "riding.py  Admission: by vote or ride",
-            "rows.py  the word and its status row",
+            "ranks/: the agreement on each batch",
+            "protocol.py  Ranks, Lane, Ticket, Votes",
+            "riding.py  the status row; Admission",
+            "failure.py  a rank that fails",
             "kjt_check.py  keys, well-formed KJTs",
-            "votes.py failure.py lane.py status.py",
         ),
     ),
     "input_dist": (
@@ -84,11 +83,10 @@ BOXES = {
         "#dbe9f6",
         (
             "stages/input_dist.py  InputDist",
-            "attach / start / wait_splits / fill",
-            "attachment.py groups.py schedule.py",
-            "step_watch.py watch.py step_times.py",
-            "narrow.py: int32 ids on the wire",
-            "memory.py: torchrec's memory flags",
+            "fill / start_next / wait_splits",
+            "schedule.py  ScheduleWatch, groups",
+            "watch.py  the rule of the watches",
+            "narrow.py  int32 ids on the wire",
         ),
     ),
     "stages": (
@@ -98,10 +96,10 @@ BOXES = {
         2.3,
         "#dbe9f6",
         (
-            "stages/prefetch.py  PrefetchStage",
-            "prefetch_watch.py (ahead or inline)",
+            "stages/prefetch.py  PrefetchStage,",
+            "PrefetchWatch (ahead or inline)",
             "lookup.py  LookupStage",
-            "",
+            "stash.py  Stash, EmbeddingStash",
             "context.py  per-batch contexts",
         ),
     ),
@@ -114,7 +112,7 @@ BOXES = {
         (
             "stages/streams.py  Streams: every hand-off (handoff, consumed,",
             "produced) and the stages' labels: run_stage, pipeline::<stage>#<batch>",
-            "cuda_streams.py  CudaStreams    thread_streams.py  ThreadStreams",
+            "CudaStreams, ThreadStreams, KeepAlive",
             "tests/streamcheck/  RecordingStreams (proves hand-offs on CPU)",
         ),
     ),
@@ -136,12 +134,12 @@ BOXES = {
 
 ARROWS = [
     # (from, to, label): points on the boxes' edges
-    ((2.1, 7.6), (2.1, 7.15), "torchrec's methods"),
-    ((6.6, 7.6), (6.6, 7.15), "shared stages"),
-    ((11.5, 7.6), (11.5, 7.15), "the SparseDist family"),
+    ((2.1, 7.6), (2.1, 7.15), "torchrec's types"),
+    ((6.6, 7.6), (6.6, 7.15), "PipelineCore's stages"),
+    ((11.5, 7.6), (11.5, 7.15), "options objects"),
     ((5.2, 5.7), (4.0, 5.25), "fetch, admit, fail"),
-    ((10.2, 5.7), (8.6, 5.25), "owns an InputDist"),
-    ((12.6, 5.7), (12.6, 5.25), "prefetch, lookup"),
+    ((7.4, 5.7), (7.4, 5.25), "InputDist"),
+    ((8.9, 5.9), (10.6, 5.25), "prefetch, lookup, stash"),
     ((5.3, 4.05), (4.9, 4.05), ""),
     ((9.3, 4.05), (9.7, 4.05), ""),
     ((8.4, 2.9), (8.9, 2.35), "attach, detach"),

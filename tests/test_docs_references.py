@@ -1,5 +1,5 @@
 """Every reference a reader of the docs would follow exists: the repository paths they name, the
-dotted names of our packages (`pipeline.stages.watch.ScheduleWatch`), the `make` targets and the
+dotted names of our packages (`pipeline.stages.schedule.ScheduleWatch`), the `make` targets and the
 `python -m benchmarks` / `python -m timeline` subcommands, and every section a doc or the code names
 (`docs/pipeline.md, "Checkpointing"`) is a heading of that file. `python -m benchmarks --help` and
 docs/benchmarks.md's table list the same commands, and the doc lists the default loops `run --help`
@@ -401,14 +401,14 @@ def test_the_section_check_reports_what_is_missing():
     text = (
         'See docs/pipeline.md, "Checkpointing", and docs/reference.md ("PT2").\n'
         'Also docs/pipeline.md, "Input_dist schedules" and "No such\nsection".\n'
-        'The guide, docs/pipeline.md, "Predicting a pipeline\'s step", moved to benchmarks.md.\n'
-        'benchmarks.md, "Predicting a pipeline\'s step"; reference.md, "`execute_all_batches=False`".\n'
+        'The guide, docs/pipeline.md, "Over a 1 Gbit link", is in benchmarks.md.\n'
+        'benchmarks.md, "Over a 1 Gbit link"; reference.md, "`execute_all_batches=False`".\n'
         'docs/nowhere.md, "Anything".\n'
     )
     got = {(b.line, b.ref, b.why) for b in check_sections(text, "docs/synthetic.md")}
     assert got == {
         (2, 'docs/pipeline.md, "No such section"', "docs/pipeline.md has no such heading"),
-        (4, 'docs/pipeline.md, "Predicting a pipeline\'s step"', "docs/pipeline.md has no such heading"),
+        (4, 'docs/pipeline.md, "Over a 1 Gbit link"', "docs/pipeline.md has no such heading"),
         (6, "docs/nowhere.md", "no such Markdown file"),
     }, got
     docstring = '"""A note (docs/pipeline.md, "When a\n    rank fails")."""\n'
@@ -440,7 +440,7 @@ make lint
 .venv/bin/python -m benchmarks.no_such_module
 ```
 
-Fine: `pipeline/stages/watch.py`, `pipeline.stages.watch.ScheduleWatch`, `make test`, `python -m benchmarks
+Fine: `pipeline/stages/watch.py`, `pipeline.stages.schedule.ScheduleWatch`, `make test`, `python -m benchmarks
 run`, https://example.com/a/b.py, `~/.cache/torchrec-pipeline/costs-<host>.json`, `/tmp/x.py`,
 `out/bench/results.md`, `DIR/rank{r}.json`, [the pipeline doc](pipeline.md).
 """
