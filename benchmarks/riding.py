@@ -96,14 +96,17 @@ def riding(
             runs = [_one(world, watching, batches) for _ in range(rounds)]
             figures["watching" if watching else "decided"] = runs
         result["runs"][world] = figures
-        watching, decided = figures["watching"], figures["decided"]
-        spread = f"{min(decided):.1f}-{max(decided):.1f}"
         rows.append(
-            [world, f"{statistics.median(watching):.1f}", f"{statistics.median(decided):.1f}", spread]
+            [world]
+            + [
+                f"{statistics.median(runs):.1f} [{min(runs):.1f}, {max(runs):.1f}]"
+                for runs in (figures["watching"], figures["decided"])
+            ]
         )
-    columns = ["ranks", "watching us/batch", "decided us/batch", "decided (range over rounds)"]
+    columns = ["ranks", "watching us/batch", "decided us/batch"]
     print(text_table(columns, rows))
-    lines = [*stamp(command), "", f"{batches} batches a round, {rounds} rounds, process CPU time.", ""]
+    rounds_text = f"{batches} batches a round, {rounds} rounds, process CPU time: median [lowest, highest]."
+    lines = [*stamp(command), "", rounds_text, ""]
     lines += markdown_table(columns, rows)
     write(result, "\n".join(lines) + "\n", json_path=json, md_path=md)
     return 0
