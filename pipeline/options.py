@@ -12,11 +12,7 @@ import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from pipeline.stages.prefetch import PrefetchWatch
-    from pipeline.stages.schedule import ScheduleWatch
+from typing import Any
 
 __all__ = ["InputDistOptions", "PrefetchOptions", "RankOptions", "RewriteOptions", "TorchCompileConfig"]
 
@@ -117,7 +113,7 @@ class InputDistOptions:
     create one more process group per input_dist group. "auto" is a deprecated name of "adaptive"
     (a `DeprecationWarning` says so, once, when the options are made; the field then reads
     "adaptive")."""
-    watch: ScheduleWatch | None = None
+    watch: Any = None  # a ScheduleWatch (the options import nothing of the stages, which import them)
     """Under "adaptive", the `pipeline.ScheduleWatch` to use (its window, threshold, margin);
     None: `ScheduleWatch()` (its constants and their measurements: docs/reference.md, "The default
     schedule")."""
@@ -151,7 +147,7 @@ class PrefetchOptions:
     thread), overlapping backward and optimizer; False: just before forward of i+1; "auto": True
     on CUDA; on CPU False until `watch` sees from the steps that True is faster
     (`pipeline.stages.prefetch.PrefetchWatch`)."""
-    watch: PrefetchWatch | None = None
+    watch: Any = None  # a PrefetchWatch, as above
     """Under "auto" on CPU, the `pipeline.PrefetchWatch` that decides; None: `PrefetchWatch()`."""
 
     def __post_init__(self) -> None:

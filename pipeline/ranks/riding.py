@@ -54,7 +54,10 @@ from pipeline.ranks.protocol import RidingMismatchError, Status
 
 if TYPE_CHECKING:
     from pipeline.ranks.protocol import Lane, Ranks
-    from pipeline.stages.context import BatchContext
+
+BatchContext = Any
+"""A batch's context (`pipeline.stages.context.BatchContext`, a stage's type: the ranks read its
+`ticket`, `index`, `status_rides` and `splits_requests`, and do not import the stages)."""
 
 __all__ = [
     "NOTHING_PIPELINED",
