@@ -19,6 +19,7 @@ from rewrite.arginfo import (
     Pack,
     PathError,
     PostprocCall,
+    parse_path,
 )
 from rewrite.direct import find_kjts
 from rewrite.forwards import (
@@ -32,9 +33,8 @@ from rewrite.forwards import (
     PrefetchPipelinedForward,
     site_key,
 )
-from rewrite.model import Rewrite, rewrite_model
+from rewrite.model import Rewrite, outermost_sharded, rewrite_model, unwrap_model
 from rewrite.ops import CONSTRUCTORS, METHODS
-from rewrite.paths import parse_path
 from rewrite.record import record_calls
 from rewrite.replay import (
     fuse_splits_requests,
@@ -44,7 +44,6 @@ from rewrite.replay import (
     one_by_one,
 )
 from rewrite.report import ModuleReport, RewriteError, RewriteReport, SiteReport
-from rewrite.sharded import outermost_sharded, unwrap_model
 from rewrite.sites import CallSite, ExplicitInput, PipelinedModule, SiteInput
 from rewrite.trace import Tracer, trace_call_sites
 

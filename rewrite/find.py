@@ -21,10 +21,9 @@ from typing import Any, Literal
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from rewrite.arginfo import CallArgs, PathError
+from rewrite.arginfo import CallArgs, PathError, parse_path
 from rewrite.direct import match_direct
 from rewrite.forwards import site_key
-from rewrite.paths import parse_path
 from rewrite.record import ObservedCall, Recording
 from rewrite.report import ModuleReport, RewriteReport, SiteReport
 from rewrite.sites import ExplicitInput, SiteInput, difference, explicit_entries

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from torchrec.distributed.types import LazyNoWait
@@ -54,12 +55,12 @@ class BatchContext:
         if request is None:
             return None
         streams, clock, module_ctx = self.streams, self.wait_clock, self.module_contexts.pop(key)
-        if streams.inert:  # no streams: nothing to order or hold
-            with label(f"pipeline::input_dist::wait#{self.index}"):
-                return module_ctx, request.wait() if clock is None else clock.timed(request.wait)
+        wait = request.wait if clock is None else partial(clock.timed, request.wait)
         with label(f"pipeline::input_dist::wait#{self.index}"):
+            if streams.inert:  # no streams: nothing to order or hold
+                return module_ctx, wait()
             with streams.use(streams.data_dist):
-                data = request.wait() if clock is None else clock.timed(request.wait)
+                data = wait()
                 streams.produced(data)
             streams.handoff(data, streams.data_dist, self)
             streams.handoff(module_ctx, streams.data_dist, self)

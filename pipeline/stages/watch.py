@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 
+from pipeline.ranks.failure import rank_and_world
 from pipeline.ranks.riding import RESTORED, observed
 
 __all__ = ["QUICK", "SavedDecision", "StepTimes", "StepWatch", "WaitClock", "WatchPhase", "world_size"]
@@ -243,7 +243,7 @@ class WaitClock:
 
 def world_size() -> int:
     """The job's world size (1 without a process group)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return rank_and_world()[1]
 
 
 @dataclass(frozen=True, slots=True)
