@@ -413,9 +413,9 @@ class PipelineCore(TrainPipeline):
         """Make the copy stage's `batch` usable on the caller's stream (what `_wait_for_batch`
         does by default)."""
         streams = self._streams
-        # held for the caller's stream on behalf of the head batch, released after its step
-        streams.handoff(batch, streams.memcpy, self._lane.inflight[0])
-        streams.consumed(batch)
+        if not streams.inert:  # held for the caller's stream for the head batch, released after its step
+            streams.handoff(batch, streams.memcpy, self._lane.inflight[0])
+            streams.consumed(batch)
 
     def _backward_stage(self, ctx: BatchContext, losses: Any) -> None:
         """The backward stage of `ctx`'s batch: `_backward(losses)`, labelled."""

@@ -290,10 +290,7 @@ class TrainPipelineSparseDist(PipelineCore):
         """Make the head batch (`self.batches[0]`), copied to the device on the memcpy stream,
         usable on the caller's: torchrec's subclass point, with its signature on this family;
         each step calls it before forward."""
-        head, streams = self._lane.inflight[0], self._streams
-        if not streams.inert:  # held for the caller's stream for the head batch, released after its step
-            streams.handoff(head.batch, streams.memcpy, head)
-            streams.consumed(head.batch)
+        self._wait_copied(self._lane.inflight[0].batch)
 
     # -- torchrec's methods, over our components ------------------------------------------------------
 

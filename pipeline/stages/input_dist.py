@@ -299,7 +299,7 @@ class InputDist:
                     args, kwargs = self._narrow.inputs(site, args, kwargs, narrowed, ctx.index)
                 module_ctx = ctx.module_contexts[site.key] = site.module.create_context()
                 requests[site.key] = site.module.input_dist(module_ctx, *args, **kwargs)
-            for result in ctx.postproc_results.values() if not streams.inert else ():
+            for result in ctx.postproc_results.values():
                 streams.produced(result)
             if self._attached.free_early:  # every module has its own permuted copy
                 self.freed_bytes += release_features(ctx.module_contexts.values(), originals(narrowed))
