@@ -279,7 +279,8 @@ class TrainPipelineSparseDist(PipelineCore):
     def _backward_and_optimizer(self, ctx: BatchContext, losses: Any) -> None:
         """In training: backward of `ctx`'s batch, the replicas' sync, the optimizer step."""
         self._backward_stage(ctx, losses)
-        self._sync_replicas(ctx)
+        if self._dmp_collection_sync_interval_batches is not None:  # a DMPCollection's replicas
+            self._sync_replicas(ctx)
         self._optimizer_stage(ctx)
 
     def _enqueue_next(self, lane: Lane) -> bool:

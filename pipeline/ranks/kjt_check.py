@@ -105,9 +105,13 @@ class KJTCheck:
         if self._paths is None:
             self._tables = tables_of(self._model) if self._model is not None else {}
             self._paths = [(str(path), path) for path, _ in find_kjts(batch)]
-        found = [(text, kjt_at(batch, path)) for text, path in self._paths]
-        if any(kjt is None for _, kjt in found):
-            found = [(str(path), kjt) for path, kjt in find_kjts(batch)]
+        found = []
+        for text, path in self._paths:
+            kjt = kjt_at(batch, path)
+            if kjt is None:  # not where the first batch had one: walk this batch whole
+                found = [(str(path), kjt) for path, kjt in find_kjts(batch)]
+                break
+            found.append((text, kjt))
         for text, kjt in found:
             if (problem := self.check_kjt(kjt)) is not None:
                 return f"the KeyedJaggedTensor at {text or 'the batch'}, {problem}"

@@ -391,7 +391,10 @@ class Admission:
 
     def _figure(self) -> int:
         """The observation field of the next word: the figure of the watch whose turn it is."""
-        live = [i for i, w in enumerate(self._watches) if w.publishing]
+        live = []
+        for i, watch in enumerate(self._watches):
+            if watch.publishing:
+                live.append(i)
         if not live:
             return 0
         which = live[self._words % len(live)]
@@ -483,7 +486,9 @@ class Admission:
             raise RuntimeError("a batch whose status rides has no status row among its splits all-to-alls")
         words = carrier.words()
         plain = pack(Status.HAVE, carrier.rows)
-        live = any(watch.publishing for watch in self._watches)
+        live = False
+        for watch in self._watches:  # a settled watch publishes nothing
+            live = live or (not watch.settled and watch.publishing)
         if words and not live and words.count(plain) == len(words):
             ctx.ticket.admitted = True  # every watch decided: every rank has it, counted in C
             return True

@@ -112,14 +112,14 @@ class ScheduleWatch(StepWatch):
         """The schedule in use."""
         return self.mode
 
-    def step(self) -> str:
-        """At the start of each training step: the schedule to run it under."""
-        if self._pending is not None or self.phase not in FINAL:
-            self.waits.thread = threading.get_ident()
-        return super().step()
-
     def _parts(self) -> tuple[float, float]:
-        return self.waits.take()
+        # Called at each step while the watch watches or tries: the clock times the thread that
+        # steps, and hands over (waited, idle) since the last step, from zero again.
+        waits = self.waits
+        waits.thread = threading.get_ident()
+        parts = (waits.waited, waits.idle)
+        waits.waited = waits.idle = 0.0
+        return parts
 
     @property
     def active_clock(self) -> WaitClock | None:

@@ -73,6 +73,8 @@ class StepTimes:
         """Steps after a switch not to time yet."""
         self._samples: deque[tuple[float, tuple[float, ...]]] = deque(maxlen=window)
         """(step, parts) seconds of the last `window` observed steps in the start mode."""
+        self._shares: deque[float] = deque(maxlen=window)
+        """The share of each of them that the parts took (`share`'s median is over these)."""
         self._recent: deque[float] = deque(maxlen=verify)
         """The last `verify` observed step times in the start mode (what the steps after a switch
         are compared to)."""
@@ -89,23 +91,6 @@ class StepTimes:
     def _forget_step(self) -> None:
         self._last = self._ended = None
 
-    def _timed(self) -> float | None:
-        """At a step's start: the time of the step before it (None where it was not timed)."""
-        now, ended, self._ended = self.clock(), self._ended, None
-        step_s = ended - self._last if self._last is not None and ended is not None else None
-        self._last = now
-        return step_s
-
-    def _record(self, step_s: float, parts: tuple[float, ...], *, watching: bool) -> None:
-        """One observed step: in the start mode (`watching`), else after the switch."""
-        if watching:
-            self._samples.append((step_s, parts))
-            self._recent.append(step_s)
-        elif self._skip > 0:
-            self._skip -= 1
-        elif len(self._after) < self.verify:
-            self._after.append(step_s)
-
     def _start_verifying(self, skip: int) -> None:
         """At the switch: the steps before it are kept; the first `skip` after it are not timed."""
         self._before, self._after, self._skip = list(self._recent), [], skip
@@ -119,7 +104,7 @@ class StepTimes:
     def _share(self) -> float | None:
         if len(self._samples) < self.window:
             return None
-        return statistics.median(sum(p) / s if s > 0 else 0.0 for s, p in self._samples)
+        return statistics.median(self._shares)
 
     def median_part(self, i: int) -> float:
         """Of `share`, the median share of part `i` over the same window (0 before a full window)."""
@@ -230,12 +215,6 @@ class WaitClock:
             return fn(*args)
         finally:
             self.waited += self._clock() - start
-
-    def take(self) -> tuple[float, float]:
-        """(waited, idle) since the last take, and start again from zero."""
-        taken = (self.waited, self.idle)
-        self.waited = self.idle = 0.0
-        return taken
 
 
 # -- a decision saved with a checkpoint --------------------------------------------------------------
@@ -393,9 +372,20 @@ class StepWatch(StepTimes):
                 self.mode, self._pending, self._published = self._pending, None, 0
             self.settled = self._restored is None
             return self.mode
-        step_s, parts = self._timed(), self._parts()
-        if step_s is not None and self.steps > self.warmup + 1 and self._observing():
-            self._record(step_s, parts, watching=self.phase is WatchPhase.WATCHING)
+        # the step before this one, timed from its `step` to its `step_ended` (where both ran)
+        now, last, ended, self._ended = self.clock(), self._last, self._ended, None
+        self._last, parts = now, self._parts()
+        watching = self.phase is WatchPhase.WATCHING
+        if last is not None and ended is not None and self.steps > self.warmup + 1 and self._observing():
+            step_s = ended - last
+            if watching:  # a step in the start mode
+                self._samples.append((step_s, parts))
+                self._shares.append(sum(parts) / step_s if step_s > 0 else 0.0)
+                self._recent.append(step_s)
+            elif self._skip > 0:  # after the switch: not timed yet
+                self._skip -= 1
+            elif len(self._after) < self.verify:
+                self._after.append(step_s)
         if self._pending is not None:
             self.mode, self._pending = self._pending, None
         self._published = self._observation()
@@ -429,7 +419,8 @@ class StepWatch(StepTimes):
         observations = torch.as_tensor(observations, dtype=torch.int64)
         if not len(observations):
             return
-        low, high = (int(v) for v in torch.aminmax(observations))
+        low, high = torch.aminmax(observations)
+        low, high = int(low), int(high)
         if self._restored is not None or high >= RESTORED[0]:
             if high:  # all 0: no rank's status spoke for this watch
                 self._agree_restored(observations)
@@ -581,6 +572,7 @@ class StepWatch(StepTimes):
     # -- the rule ------------------------------------------------------------------------------
 
     def _observation(self) -> int:
+        """This rank's figure for the batch started now (`pipeline.ranks.riding.observed`)."""
         if self._restored is not None:
             return self._restored.code
         if self.phase is WatchPhase.WATCHING:
