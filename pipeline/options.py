@@ -177,3 +177,28 @@ class TorchCompileConfig:
             raise ValueError(f"backend must be a backend name or a callable; got {self.backend!r}")
         if not isinstance(self.compile_on_iter, int) or self.compile_on_iter < 0:
             raise ValueError(f"compile_on_iter must be an int >= 0; got {self.compile_on_iter!r}")
+
+
+_MOVED = {
+    "rewrite_method": "rewrite=RewriteOptions(method=",
+    "arg_paths": "rewrite=RewriteOptions(arg_paths=",
+    "input_dist_schedule": "input_dist=InputDistOptions(schedule=",
+    "narrow_ids": "input_dist=InputDistOptions(narrow_ids=",
+    "prefetch_ahead": "prefetch=PrefetchOptions(prefetch_ahead=",
+    "prefetch_watch": "prefetch=PrefetchOptions(watch=",
+    **{f.name: f"ranks=RankOptions({f.name}=" for f in dataclasses.fields(RankOptions)},
+}
+"""The keywords of earlier releases that are now fields of an options object, and where each went."""
+
+
+def moved_keyword(owner: str, keywords: dict[str, Any]) -> TypeError | None:
+    """The error for a pipeline `owner` given a keyword of an earlier release that is now an
+    options field (None where there is none): Python's words for an unknown keyword, and the field
+    that takes it now."""
+    for name in keywords:
+        if name in _MOVED:
+            return TypeError(
+                f"{owner}.__init__() got an unexpected keyword argument {name!r}: our options come "
+                f"as objects; pass {_MOVED[name]}...) (pipeline.options)"
+            )
+    return None

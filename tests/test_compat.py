@@ -187,3 +187,29 @@ def test_our_options_have_one_way_in_the_options_objects():
     for flat in ({"on_uneven": "error"}, {"input_dist_schedule": "early"}, {"narrow_ids": False}):
         with pytest.raises(TypeError, match="unexpected keyword"):  # not a second name of a field
             _echo_pipe("TrainPipelineSparseDist", **flat)
+
+
+@pytest.mark.parametrize(
+    ("name", "keyword", "where"),
+    [
+        ("TrainPipelineSparseDist", "input_dist_schedule", "input_dist=InputDistOptions(schedule="),
+        ("TrainPipelineSparseDist", "narrow_ids", "input_dist=InputDistOptions(narrow_ids="),
+        ("TrainPipelineBase", "rewrite_method", "rewrite=RewriteOptions(method="),
+        ("TrainPipelineSparseDist", "arg_paths", "rewrite=RewriteOptions(arg_paths="),
+        ("TrainPipelineSemiSync", "on_uneven", "ranks=RankOptions(on_uneven="),
+        ("TrainPipelineSparseDist", "peer_timeout", "ranks=RankOptions(peer_timeout="),
+        ("PrefetchTrainPipelineSparseDist", "prefetch_ahead", "prefetch=PrefetchOptions(prefetch_ahead="),
+        ("PrefetchTrainPipelineSparseDist", "prefetch_watch", "prefetch=PrefetchOptions(watch="),
+    ],
+)
+def test_a_keyword_of_an_earlier_release_says_which_options_field_took_it(name, keyword, where):
+    """A keyword that became an options field is refused as Python refuses any unknown keyword,
+    naming the field that takes it now; a keyword that never was one gets Python's own error."""
+    with pytest.raises(TypeError, match="unexpected keyword") as info:
+        _echo_pipe(name, **{keyword: None})
+    assert where in str(info.value), str(info.value)
+    with pytest.raises(TypeError, match="unexpected keyword") as info:
+        _echo_pipe(name, not_an_option=None)
+    assert "Options(" not in str(info.value), str(info.value)
+    # the constructor's signature is still the declared one (an editor and help() show it)
+    assert keyword not in inspect.signature(getattr(pipeline, name)).parameters

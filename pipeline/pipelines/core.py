@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from pipeline.compat import TrainPipeline, sync_interval
-from pipeline.options import RankOptions
+from pipeline.options import RankOptions, moved_keyword
 from pipeline.ranks import AgreedError, Lane, LaneState, Ranks, StopIterationInStepError
 from pipeline.ranks.protocol import capture, resume_state
 from pipeline.stages.context import BatchContext
@@ -62,6 +62,13 @@ class PipelineCore(TrainPipeline):
         lookahead: under `execute_all_batches=False`, the head batch runs only if this many
             batches follow it (torchrec's rule for the class of the same name).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Runs before Python binds the arguments to `__init__`: a keyword that an earlier release
+        # took and an options object holds now is named with where it went (else Python's error).
+        if (error := moved_keyword(cls.__name__, kwargs)) is not None:
+            raise error
+        return super().__new__(cls)
 
     def __init__(
         self,
