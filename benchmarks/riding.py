@@ -62,7 +62,7 @@ def _one(world: int, watching: bool, batches: int) -> float:
     from pipeline.stages.context import BatchContext
     from pipeline.stages.schedule import ScheduleWatch
 
-    watch = ScheduleWatch(window=8, threshold=0.99)  # watching for ever: the shares stay low
+    watch = ScheduleWatch(window=8, threshold=0.99, patience=0)  # watching for ever: the shares stay low
     admission = Admission(_Ranks(), True, watch=watch)
     admission._shape = [("pg", _ROWS, "cpu", True)]
     if not watching:

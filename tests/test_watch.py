@@ -203,6 +203,29 @@ def test_a_burst_of_waiting_is_not_a_steady_wait():
     assert "early" in ran[0]
 
 
+def test_a_watch_with_nothing_to_hide_ends_after_its_patience():
+    """20 % blocked (under the 40 % threshold) from the first figure: after 30 figures in a row
+    every rank pins torchrec's order at the same step, and its clocks stop. A burst over the
+    threshold (6 figures, too short to move it) starts the count again. Twin: patience 0 watches
+    for ever."""
+    quiet = lambda r, s, step: (0.010, 0.002)  # noqa: E731
+    watches, ran = simulate(100, quiet, patience=30)
+    assert all(s == ["late"] * 100 for s in ran)
+    assert all(w.phase is WatchPhase.PINNED and w.choice == "late" for w in watches)
+    (step, text), (other_step, _) = watches[0].decisions[-1], watches[1].decisions[-1]
+    assert step == other_step and "nothing to hide" in text and "30 figures" in text, text
+    assert watches[0].active_clock is None  # nothing is timed from then on
+
+    def burst(r, schedule, step):  # 60 % blocked on steps 30-34: 6 figures over 40 %
+        return (0.010, 0.006 if 30 <= step < 35 else 0.002)
+
+    (late, _), _ = simulate(100, burst, patience=30)
+    assert late.decisions[-1][0] > step + 12, late.decisions  # counted again after the burst
+
+    watches, _ = simulate(100, quiet, patience=0)
+    assert all(w.phase is WatchPhase.WATCHING for w in watches)
+
+
 def _slow_patch(r: int, schedule: str, step: int) -> tuple[float, float]:
     """Loopback-like: under late a 10 ms step blocks 30 %; from step 40 to 59 the machine is slow
     (16 ms, 60 % blocked: the ranks wait on each other). Early takes 12 ms: it does not pay."""

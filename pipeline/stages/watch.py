@@ -12,7 +12,8 @@ says it in full.
    of a step after and a step before the switch, the faster half of each side (`StepTimes.ratio`).
    The ranks step in lockstep, so they measure one job's step: kept where the ranks' mean ratio
    is at most `1 - margin` and no rank's is `1 + margin` or more; else every rank goes back, once.
-3. Kept, back or pinned: no clock runs any more.
+3. Kept, back or pinned: no clock runs any more. A watch whose ranks' mean share has stayed under
+   `threshold` for `patience` figures in a row ends pinned to the start mode: nothing to hide.
 
 A step is timed from `step` to `step_ended`: the time between two `progress()` calls is not a
 step's. The figures ride in the ranks' status words (`pipeline.ranks.riding`), so every rank decides
@@ -300,6 +301,8 @@ class StepWatch(StepTimes):
             ratio at most 0.95); a rank slower by as much vetoes it.
         sure: the quantile of its pairwise step ratios a rank publishes (0.5: the median; 0.75: a
             gain shown by three pairs in four).
+        patience: figures in a row under `threshold` after which the watch ends in the start mode
+            (nothing to hide: its clocks stop, and the step is the decided one); 0: it watches for ever.
         clock: seconds, monotonic (tests inject a fake one).
     """
 
@@ -318,23 +321,24 @@ class StepWatch(StepTimes):
         settle: int = 2,
         margin: float = 0.05,
         sure: float = 0.5,
+        patience: int = 256,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if min(window, verify) < 3 or min(warmup, settle) < 0 or not (0 < threshold < 1 and 0 <= margin < 1):
             raise ValueError(f"bad watch settings: window {window}, threshold {threshold}, margin {margin}")
-        if not 0 <= sure <= 1:
-            raise ValueError(f"bad watch settings: sure {sure}")
+        if not 0 <= sure <= 1 or patience < 0:
+            raise ValueError(f"bad watch settings: sure {sure}, patience {patience}")
         super().__init__(window=window, verify=verify, margin=margin, clock=clock)
         self.threshold, self.settle = threshold, settle
-        self.warmup, self.sure = warmup, sure
+        self.warmup, self.sure, self.patience = warmup, sure, patience
         """The settings (see Args), read by the words."""
         self.partner: Any = None
         """The other watch of the same steps: while it verifies (`tuning`), this one does not move."""
         self.mode = self.modes[0]  # the mode in use
         self.phase, self.alone = WatchPhase.WATCHING, False
         """No ranks to agree with: each figure is decided on as soon as it is published."""
-        self._high = 0
-        """Consecutive figures (the ranks' mean share) at or above the threshold."""
+        self._high = self._low = 0
+        """Consecutive figures (the ranks' mean share) at or above the threshold; below it."""
         self._restored: SavedDecision | None = None
         """A decision loaded from a checkpoint, until every rank's word shows it (`load_state_dict`)."""
         self._pending: str | None = None
@@ -400,7 +404,7 @@ class StepWatch(StepTimes):
 
     def settings(self) -> str:
         """The settings, in one line, which the ranks check are alike before the first figure rides."""
-        names = ("window", "verify", "warmup", "threshold", "settle", "margin", "sure")
+        names = ("window", "verify", "warmup", "threshold", "settle", "margin", "sure", "patience")
         return f"{type(self).__name__}(" + ", ".join(f"{n}={getattr(self, n)}" for n in names) + ")"
 
     @property
@@ -433,12 +437,18 @@ class StepWatch(StepTimes):
 
         if self.phase is WatchPhase.WATCHING:
             if self.partner is not None and self.partner.tuning:
-                self._high = 0  # the partner's switch changes the steps: start again after it
+                self._high = self._low = 0  # the partner's switch changes the steps: start again after it
                 return
             share = (int(observations.sum()) / len(observations) - 1) / 1000
-            self._high = self._high + 1 if share >= self.threshold else 0
+            high = share >= self.threshold
+            self._high, self._low = (self._high + 1, 0) if high else (0, self._low + 1)
             if self._high > self.window or (self._high and (low - 1) / 1000 >= 2 * self.threshold):
                 self._switch(values(), share)
+            elif self.patience and self._low >= self.patience:
+                self.pin(
+                    f"the ranks' mean share stayed under {self.threshold:.0%} for {self.patience} figures "
+                    "in a row: nothing to hide, so the watch ends (its clocks stop)"
+                )
         elif self.phase is WatchPhase.TRYING:
             self._verdict(values())
 
