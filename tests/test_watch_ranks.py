@@ -13,7 +13,7 @@ TIMEOUT = 150
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(pytest_timeout(TIMEOUT))]
 
 
-def _watched(rank: int, world_size: int, shares: tuple[float, ...]) -> dict:
+def _watched(rank: int, world_size: int, shares: tuple[float, ...], patience: int = 256) -> dict:
     import itertools
 
     import torch
@@ -30,7 +30,14 @@ def _watched(rank: int, world_size: int, shares: tuple[float, ...]) -> dict:
 
     counter = itertools.count()
     watch = Fixed(
-        window=3, verify=3, warmup=0, settle=0, margin=0.0, sure=0.0, clock=lambda: float(next(counter))
+        window=3,
+        verify=3,
+        warmup=0,
+        settle=0,
+        margin=0.0,
+        sure=0.0,
+        patience=patience,
+        clock=lambda: float(next(counter)),
     )
     ref, ref_opt = models.build(KIND, SHARDING)
     model, opt = models.build(KIND, SHARDING)
@@ -42,6 +49,8 @@ def _watched(rank: int, world_size: int, shares: tuple[float, ...]) -> dict:
     return {
         "ran": ran,
         "shares": watch.shares,
+        "phase": watch.phase.value,
+        "decisions": watch.decisions,
         "equal": len(got) == STEPS and models.bitwise_equal(expected, got),
         "params": models.bitwise_equal(ref.state_dict(), model.state_dict()),
     }
@@ -64,3 +73,17 @@ def test_every_rank_decides_from_the_mean_of_all_ranks_at_the_same_step(shares, 
         assert ("early" in r["ran"]) is moves, r["ran"]
         if moves:
             assert r["shares"] == pytest.approx(list(shares), abs=0.001)
+
+
+@pytest.mark.parametrize("shares", [(0.3, 0.3), (0.7, 0.0, 0.2), (0.7, 0.7, 0.0, 0.0)], ids=["2", "3", "4"])
+def test_a_job_with_nothing_to_hide_stops_watching_on_every_rank_at_the_same_step(shares):
+    """The ranks' mean stays under 40 % (one rank's share over it): after 5 figures every rank pins
+    torchrec's order at the same step, bit for bit as the plain loop. Twin: patience 0 watches on."""
+    ranks = run_ranks(_watched, len(shares), args=(shares, 5), timeout=TIMEOUT)
+    assert all(r["decisions"] == ranks[0]["decisions"] for r in ranks), [r["decisions"] for r in ranks]
+    for r in ranks:
+        assert r["equal"] and r["params"], "not bit for bit"
+        assert r["phase"] == "pinned" and r["ran"] == ["late"] * STEPS, r
+        assert "nothing to hide" in r["decisions"][-1][1], r["decisions"]
+    twin = run_ranks(_watched, len(shares), args=(shares, 0), timeout=TIMEOUT)
+    assert all(r["phase"] == "watching" for r in twin), [r["phase"] for r in twin]
