@@ -29,16 +29,8 @@ def _watched(rank: int, world_size: int, shares: tuple[float, ...], patience: in
             return shares[rank] if len(self._samples) >= self.window else None
 
     counter = itertools.count()
-    watch = Fixed(
-        window=3,
-        verify=3,
-        warmup=0,
-        settle=0,
-        margin=0.0,
-        sure=0.0,
-        patience=patience,
-        clock=lambda: float(next(counter)),
-    )
+    quick = {"window": 3, "verify": 3, "warmup": 0, "settle": 0, "margin": 0.0, "sure": 0.0}
+    watch = Fixed(**quick, patience=patience, clock=lambda: float(next(counter)))
     ref, ref_opt = models.build(KIND, SHARDING)
     model, opt = models.build(KIND, SHARDING)
     pipe = TrainPipelineSparseDist(model, opt, torch.device("cpu"), input_dist=InputDistOptions(watch=watch))
