@@ -7,6 +7,7 @@ each option has that one way in, and its default is declared here only.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 import warnings
 from dataclasses import dataclass
@@ -191,14 +192,20 @@ _MOVED = {
 """The keywords of earlier releases that are now fields of an options object, and where each went."""
 
 
-def moved_keyword(owner: str, keywords: dict[str, Any]) -> TypeError | None:
-    """The error for a pipeline `owner` given a keyword of an earlier release that is now an
+def moved_keyword(owner: type, keywords: dict[str, Any]) -> TypeError | None:
+    """The error for pipeline class `owner` given a keyword of an earlier release that is now an
     options field (None where there is none): Python's words for an unknown keyword, and the field
-    that takes it now."""
-    for name in keywords:
-        if name in _MOVED:
+    that takes it now. A keyword that `owner.__init__` declares (a user's subclass may) is its own."""
+    moved = [name for name in keywords if name in _MOVED]
+    if not moved:
+        return None
+    params = inspect.signature(owner.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    for name in moved:
+        if name not in params:
             return TypeError(
-                f"{owner}.__init__() got an unexpected keyword argument {name!r}: our options come "
-                f"as objects; pass {_MOVED[name]}...) (pipeline.options)"
+                f"{owner.__name__}.__init__() got an unexpected keyword argument {name!r}: our options "
+                f"come as objects; pass {_MOVED[name]}...) (pipeline.options)"
             )
     return None

@@ -213,3 +213,18 @@ def test_a_keyword_of_an_earlier_release_says_which_options_field_took_it(name, 
     assert "Options(" not in str(info.value), str(info.value)
     # the constructor's signature is still the declared one (an editor and help() show it)
     assert keyword not in inspect.signature(getattr(pipeline, name)).parameters
+
+
+def test_a_subclass_that_declares_an_earlier_keyword_takes_it_as_its_own():
+    """A user's subclass whose constructor declares `on_uneven=` (and maps it onto the options
+    object itself) is built as written; only a class that does not declare it is refused."""
+
+    class Migrating(pipeline.TrainPipelineSparseDist):
+        def __init__(self, model, optimizer, device, on_uneven: str = "stop") -> None:
+            super().__init__(model, optimizer, device, ranks=RankOptions(on_uneven=on_uneven))
+
+    model = _Echo()
+    pipe = Migrating(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"), on_uneven="error"
+    )
+    assert pipe._ranks._options == RankOptions(on_uneven="error")

@@ -66,7 +66,7 @@ class PipelineCore(TrainPipeline):
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Runs before Python binds the arguments to `__init__`: a keyword that an earlier release
         # took and an options object holds now is named with where it went (else Python's error).
-        if (error := moved_keyword(cls.__name__, kwargs)) is not None:
+        if (error := moved_keyword(cls, kwargs)) is not None:
             raise error
         return super().__new__(cls)
 
