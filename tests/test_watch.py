@@ -224,6 +224,9 @@ def test_a_watch_with_nothing_to_hide_ends_after_its_patience():
 
     watches, _ = simulate(100, quiet, patience=0)
     assert all(w.phase is WatchPhase.WATCHING for w in watches)
+    assert "ends after" not in repr(watches[0])
+    watches, _ = simulate(20, quiet, patience=30)  # still watching: `print(pipe.tuner)` says when it ends
+    assert "ends after 30 batches in a row under it" in repr(watches[0]), repr(watches[0])
 
 
 def _slow_patch(r: int, schedule: str, step: int) -> tuple[float, float]:

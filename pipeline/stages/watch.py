@@ -569,10 +569,11 @@ class StepWatch(StepTimes):
         if self.phase is WatchPhase.WATCHING:
             seen = self.share
             seen_text = "not yet a full window" if seen is None else f"{seen:.0%} of the step on this rank"
+            ends = f"; ends after {self.patience} {unit} in a row under it" if self.patience else ""
             return (
                 f"{head}; watching how long {watched} over the last {self.window} steps ({seen_text}; "
                 f"tries {self.modes[1]} once the ranks' mean has been at least {self.threshold:.0%} for "
-                f"{self.window + 1} {unit} in a row)"
+                f"{self.window + 1} {unit} in a row{ends})"
             )
         lines = [head] + [f"  step {step}: {line}" for step, line in self.decisions]
         if self.phase is WatchPhase.TRYING:
