@@ -14,7 +14,6 @@ batch i+1 during backward of i) and keeps that only where the steps after are fa
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -42,10 +41,6 @@ class PrefetchWatch(StepWatch):
         super().__init__(threshold=threshold, **settings)
         self.blocked = 0.0
         """Seconds the training thread blocked in the prefetch stage since the last step."""
-        self.ready: Callable[[], bool] | None = None
-        """Whether the kernels' caches are full (None: no kernel says; taken as full)."""
-        self.ready_at: int | None = None
-        """The step from which steps are observed (the caches full)."""
         self.alone_reason: str | None = None
 
     @property
@@ -56,11 +51,6 @@ class PrefetchWatch(StepWatch):
     def _parts(self) -> tuple[float]:
         blocked, self.blocked = self.blocked, 0.0
         return (blocked,)
-
-    def _observing(self) -> bool:
-        if self.ready_at is None and (self.ready is None or self.ready()):
-            self.ready_at = self.steps
-        return self.ready_at is not None
 
     def no_ride(self, reason: str) -> None:
         """Nothing rides: each rank decides from its own steps (the mode changes where the work

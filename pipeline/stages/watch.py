@@ -355,16 +355,18 @@ class StepWatch(StepTimes):
         """The ranks' step ratios after/before the switch, at the verdict."""
         self.note: Callable[[str], None] | None = None
         """Told each decision's sentence (the rewrite report's notes)."""
+        self.ready: Callable[[], bool] | None = None
+        """Whether the steps are like the job's steady ones yet (Prefetch: the kernels' caches are
+        full); None: from the first step after `warmup`."""
+        self.ready_at: int | None = None
+        """The step from which steps are observed (`ready` first said so)."""
 
     # -- what a subclass provides: its parts of a step (seconds the other mode could hide since
-    # the last call; reset), whether steps are observed yet, and (not here) the words of its
-    # decisions: `_switched_text(share, clear)`, `_verdict_text(kept=)`, `_pinned_text(reason)`
+    # the last call; reset), and (not here) the words of its decisions: `_switched_text(share,
+    # clear)`, `_verdict_text(kept=)`, `_pinned_text(reason)`
 
     def _parts(self) -> tuple[float, ...]:
         return ()
-
-    def _observing(self) -> bool:
-        return True
 
     # -- what the pipeline calls ---------------------------------------------------------------
 
@@ -380,7 +382,10 @@ class StepWatch(StepTimes):
         now, last, ended, self._ended = self.clock(), self._last, self._ended, None
         self._last, parts = now, self._parts()
         watching = self.phase is WatchPhase.WATCHING
-        if last is not None and ended is not None and self.steps > self.warmup + 1 and self._observing():
+        timed = last is not None and ended is not None and self.steps > self.warmup + 1
+        if timed and self.ready_at is None and (self.ready is None or self.ready()):
+            self.ready_at = self.steps  # the first step observed
+        if timed and self.ready_at is not None:
             step_s = ended - last
             if watching:  # a step in the start mode
                 self._samples.append((step_s, parts))
