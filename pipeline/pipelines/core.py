@@ -21,7 +21,7 @@ import os
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -39,6 +39,7 @@ _ENDED = object()
 """What `PipelineCore._advance` returns once the lane is empty (`progress()` then raises
 StopIteration: the one StopIteration it lets out)."""
 _NOTHING = contextlib.nullcontext()
+_Pipeline = TypeVar("_Pipeline", bound="PipelineCore")
 
 
 class PipelineCore(TrainPipeline):
@@ -63,9 +64,11 @@ class PipelineCore(TrainPipeline):
             batches follow it (torchrec's rule for the class of the same name).
     """
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+    def __new__(cls: type[_Pipeline], *args: Any, **kwargs: Any) -> _Pipeline:
         # Runs before Python binds the arguments to `__init__`: a keyword that an earlier release
         # took and an options object holds now is named with where it went (else Python's error).
+        # It returns an instance of `cls`, so a type checker still checks the call against
+        # `__init__`, whose signature an editor shows.
         if (error := moved_keyword(cls, kwargs)) is not None:
             raise error
         return super().__new__(cls)
