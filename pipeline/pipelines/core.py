@@ -21,7 +21,7 @@ import os
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,13 +33,15 @@ from pipeline.ranks.protocol import capture, resume_state
 from pipeline.stages.context import BatchContext
 from pipeline.stages.streams import Streams, label, run_stage, streams_for
 
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
+
 __all__ = ["PipelineCore", "to_device", "to_device_in_place"]
 
 _ENDED = object()
 """What `PipelineCore._advance` returns once the lane is empty (`progress()` then raises
 StopIteration: the one StopIteration it lets out)."""
 _NOTHING = contextlib.nullcontext()
-_Pipeline = TypeVar("_Pipeline", bound="PipelineCore")
 
 
 class PipelineCore(TrainPipeline):
@@ -64,7 +66,7 @@ class PipelineCore(TrainPipeline):
             batches follow it (torchrec's rule for the class of the same name).
     """
 
-    def __new__(cls: type[_Pipeline], *args: Any, **kwargs: Any) -> _Pipeline:
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         # Runs before Python binds the arguments to `__init__`: a keyword that an earlier release
         # took and an options object holds now is named with where it went (else Python's error).
         # It returns an instance of `cls`, so a type checker still checks the call against

@@ -277,7 +277,7 @@ class _Stage:
         self._use.__enter__()
         self._streams.stage_started(self._name)
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         try:
             self._use.__exit__(*exc)
         finally:

@@ -201,7 +201,7 @@ class WaitClock:
         if threading.get_ident() == self.thread:
             self._started = (self._clock(), self._cpu())
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._started is not None:
             wall, cpu = self._started
             self._started = None
