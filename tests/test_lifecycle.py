@@ -252,9 +252,10 @@ def _groups(rank: int, pipe_name: str) -> dict:
 
 def _adaptive(rank: int, pipe_name: str, verdict: str, schedule: str | None = None) -> dict:
     """The default schedule's watch, made to try early at once on a tiny model: every rank moves
-    at the same step, and back ("back") or not ("kept"), bit for bit across both switches. Its
-    clock counts its own calls, so that both ranks see equal steps: a ratio of 1 after the switch
-    ("back"), or, under "kept", a ratio that any verdict keeps. `schedule`: the
+    at the same step, and back ("back") or not ("kept"), bit for bit across both switches; or back,
+    then early again and back ("again": an unsure verdict tried once more), bit for bit across
+    four. Its clock counts its own calls, so that both ranks see equal steps: a ratio of 1 after the
+    switch ("back", "again"), or, under "kept", a ratio that any verdict keeps. `schedule`: the
     `input_dist_schedule` given beside the watch ("auto", the default's deprecated name; "late")."""
     import itertools
     import warnings
@@ -280,6 +281,8 @@ def _adaptive(rank: int, pipe_name: str, verdict: str, schedule: str | None = No
         threshold=0.0001,
         margin=0.5,
         sure=0.0,
+        retries=1 if verdict == "again" else 0,
+        backoff=1,
         clock=lambda: float(next(counter)),
     )
     with warnings.catch_warnings(record=True) as caught:
@@ -519,6 +522,23 @@ def test_default_schedule_moves_on_every_rank_at_once_and_stays_bit_for_bit(pool
         said = "kept early" if verdict == "kept" else "back to late"
         assert "trying early" in r["text"] and said in r["text"], r["text"]
         assert len(r["notes"]) == 2, r["notes"]  # the report says both decisions
+
+
+@pytest.mark.parametrize("pipe_name", PIPELINES[1:])
+def test_an_unsure_verdict_tries_early_again_on_every_rank_at_once_bit_for_bit(pool, pipe_name):
+    """Two trials of early, each going back: the ranks switch four times at the same steps, the
+    all-to-alls end on torchrec's groups, and the numbers are the plain loop's."""
+    ranks = _each(pool, "adaptive", pipe_name, "again")
+    assert ranks[0]["ran"] == ranks[1]["ran"], "the ranks switched at different steps"
+    for r in ranks:
+        assert r["equal"] and r["params"], "not bit for bit across four switches"
+        assert r["pipelined"], "a module fell back to its own forward"
+        ran = r["ran"]
+        runs = [s for i, s in enumerate(ran) if i == 0 or ran[i - 1] != s]
+        assert runs == ["late", "early", "late", "early", "late"], ran
+        assert r["phase"] == "back" and not r["on_own_group"]
+        assert "once more from step" in r["text"] and "no further try (2 tries)" in r["text"], r["text"]
+        assert len(r["notes"]) == 4, r["notes"]
 
 
 @pytest.mark.parametrize("pipe_name", PIPELINES[1:])

@@ -70,7 +70,7 @@ def test_a_step_that_blocks_in_the_prefetch_stage_runs_it_ahead_where_that_pays(
 
 
 def test_where_ahead_does_not_pay_it_goes_back_inline_once():
-    watches, ran = simulate(200, lambda r, m, s: (0.100, 0.040) if m == "inline" else (0.104, 0.0))
+    watches, ran = simulate(200, lambda r, m, s: (0.100, 0.040) if m == "inline" else (0.104, 0.0), retries=0)
     for watch, modes in zip(watches, ran, strict=True):
         assert watch.phase is WatchPhase.BACK and watch.mode == "inline"
         # settle, 10 verified steps (none shorter than before: clear), the step that reads the verdict

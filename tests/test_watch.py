@@ -87,7 +87,7 @@ def test_where_early_does_not_pay_it_goes_back_once_and_never_tries_again():
     def cost(r, schedule, step):
         return (0.100, 0.060) if schedule == "late" else (0.101, 0.010)
 
-    watches, ran = simulate(200, cost)
+    watches, ran = simulate(200, cost, retries=0)  # one trial (the default tries an unsure one again)
     for watch, schedules in zip(watches, ran, strict=True):
         assert watch.phase is WatchPhase.BACK and watch.schedule == "late"
         tried = schedules.count("early")
@@ -96,6 +96,48 @@ def test_where_early_does_not_pay_it_goes_back_once_and_never_tries_again():
         assert schedules[-100:] == ["late"] * 100
         assert watch.tuning_steps_by_schedule == {"early": tried}
     assert "back to late" in watches[0].reason and "no second try" in watches[0].reason
+
+
+def test_an_unsure_verdict_is_tried_again_later_and_a_clear_loss_is_final():
+    """Early 1 % slower: unsure (no rank 5 % slower), so every rank watches again and tries it after
+    32 steps, then 64, 3 trials in all, each going back; then never again. Early 10 % slower is a
+    clear loss: one trial. Its twin, `retries=0`, is the test above."""
+
+    def cost(slower):
+        return lambda r, schedule, step: (0.100, 0.060) if schedule == "late" else (slower, 0.010)
+
+    watches, ran = simulate(400, cost(0.101))
+    assert ran[0] == ran[1] and ran[0][-100:] == ["late"] * 100
+    for watch in watches:
+        assert watch.phase is WatchPhase.BACK and watch.tries == 3, watch
+        assert watch.tuning_steps_by_schedule == {"early": 3 * (2 + 10 + 1)}
+        _, (back, text), (again, _) = watch.decisions[:3]
+        assert "once more from step" in text and f"step {back + 32}" in text and "try 2 of at most 3" in text
+        assert again >= back + 32 and watch.decisions[3][0] > again  # the second verdict, then the third try
+        assert watch.decisions[5][0] >= watch.decisions[3][0] + 64, watch.decisions  # twice the wait
+    assert "no further try (3 tries)" in watches[0].reason
+    watches, ran = simulate(400, cost(0.110))
+    assert all(w.phase is WatchPhase.BACK and w.tries == 1 for w in watches)
+    assert ran[0].count("early") == 2 + 10 + 1 and "no second try" in watches[0].reason
+
+
+def test_a_gain_that_one_noisy_trial_missed_is_kept_at_the_next():
+    """Early pays 15 %, but through the first trial's steps the machine is slow under early (no
+    a 2 % loss shows: unsure). The next trial, 32 steps on, sees the gain and keeps early on every rank
+    at the same step. Twin: `retries=0` stays in torchrec's order for good."""
+
+    def cost(r, schedule, step):
+        if schedule == "late":
+            return 0.100, 0.060
+        return (0.102 if step < 60 else 0.085), 0.010
+
+    watches, ran = simulate(160, cost)
+    assert ran[0] == ran[1] and ran[0][-1] == "early"
+    assert all(w.phase is WatchPhase.KEPT and w.tries == 2 for w in watches), [w.reason for w in watches]
+    assert watches[0].ratios == pytest.approx([0.85, 0.85]) and "kept early" in watches[0].reason
+    assert watches[0].tuning_steps_by_schedule == {"early": 2 + 10 + 1}  # the first trial's
+    watches, ran = simulate(160, cost, retries=0)
+    assert ran[0][-100:] == ["late"] * 100 and all(w.phase is WatchPhase.BACK for w in watches)
 
 
 def test_nothing_changes_where_nothing_waits():
@@ -126,7 +168,7 @@ def test_noisy_steps_no_faster_after_the_switch_go_back():
             return (0.010 if step % 2 else 0.030), 0.008
         return (0.030 if step % 2 else 0.010), 0.001
 
-    watches, _ = simulate(80, cost)
+    watches, _ = simulate(80, cost, retries=0)
     for watch in watches:
         assert watch.ratios == pytest.approx([1.0, 1.0]) and watch.phase is WatchPhase.BACK, watch.reason
         assert watch.faster_steps < 0.8
@@ -183,7 +225,7 @@ def test_a_switch_that_does_not_pay_the_job_goes_back(step_ms):
     """A 5 % loss, also through a noisy clock; early 20 % faster on rank 0 and 25 % slower on rank 1
     (the job is slower); 10 % faster on one, 4 % slower on the other (the job's gain is under the
     margin): back, on every rank alike."""
-    watches, ran = simulate(120, _early(step_ms))
+    watches, ran = simulate(120, _early(step_ms), retries=0)
     assert ran[0] == ran[1] and "early" in ran[0] and ran[0][-1] == "late"
     assert all(w.phase is WatchPhase.BACK for w in watches), [w.ratios for w in watches]
 
@@ -281,7 +323,7 @@ def test_once_decided_neither_a_steps_start_nor_its_end_reads_the_clock(verdict)
         return clock()
 
     cost = _link_bound if verdict == "kept" else (lambda r, s, step: (0.100, 0.060))
-    watches, _ = simulate(20 if verdict == "pinned" else 80, cost, ranks=1)
+    watches, _ = simulate(20 if verdict == "pinned" else 80, cost, ranks=1, retries=0)
     watch = watches[0]
     if verdict == "pinned":
         watch.pin("a test")

@@ -13,7 +13,7 @@ TIMEOUT = 150
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(pytest_timeout(TIMEOUT))]
 
 
-def _watched(rank: int, world_size: int, shares: tuple[float, ...], patience: int = 256) -> dict:
+def _watched(rank: int, world_size: int, shares: tuple[float, ...], patience: int = 256, **settings) -> dict:
     import itertools
 
     import torch
@@ -29,7 +29,7 @@ def _watched(rank: int, world_size: int, shares: tuple[float, ...], patience: in
             return shares[rank] if len(self._samples) >= self.window else None
 
     counter = itertools.count()
-    quick = {"window": 3, "verify": 3, "warmup": 0, "settle": 0, "margin": 0.0, "sure": 0.0}
+    quick = {"window": 3, "verify": 3, "warmup": 0, "settle": 0, "margin": 0.0, "sure": 0.0, **settings}
     watch = Fixed(**quick, patience=patience, clock=lambda: float(next(counter)))
     ref, ref_opt = models.build(KIND, SHARDING)
     model, opt = models.build(KIND, SHARDING)
@@ -79,3 +79,27 @@ def test_a_job_with_nothing_to_hide_stops_watching_on_every_rank_at_the_same_ste
         assert "nothing to hide" in r["decisions"][-1][1], r["decisions"]
     twin = run_ranks(_watched, len(shares), args=(shares, 0), timeout=TIMEOUT)
     assert all(r["phase"] == "watching" for r in twin), [r["phase"] for r in twin]
+
+
+def _again(rank: int, world_size: int, shares: tuple[float, ...]) -> dict:
+    return _watched(rank, world_size, shares, margin=0.5, retries=1, backoff=1)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_an_unsure_verdict_is_tried_again_on_every_rank_at_the_same_steps(world):
+    """Every step as long after the switch as before (a ratio of 1): under a margin of 0.5 that is
+    unsure, so every rank goes back, tries early once more at the same step, and goes back for
+    good, bit for bit as the plain loop across the four switches."""
+    ranks = run_ranks(_again, world, args=((0.9,) * world,), timeout=TIMEOUT)
+    assert all(r["ran"] == ranks[0]["ran"] for r in ranks), [r["ran"] for r in ranks]
+    for r in ranks:
+        assert r["equal"] and r["params"], "not bit for bit across the switches"
+        ran = r["ran"]
+        assert [s for i, s in enumerate(ran) if i == 0 or ran[i - 1] != s] == [
+            "late",
+            "early",
+            "late",
+            "early",
+            "late",
+        ]
+        assert r["phase"] == "back" and len(r["decisions"]) == 4, r["decisions"]

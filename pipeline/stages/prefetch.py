@@ -31,7 +31,7 @@ __all__ = ["PrefetchStage", "PrefetchWatch", "prefetch_does_work"]
 class PrefetchWatch(StepWatch):
     """Whether the prefetch stage runs "inline" (from the start) or "ahead" (once verified faster).
     The Args are `StepWatch`'s; the defaults: window 8, verify 20, warmup 8, threshold 0.2, settle 2,
-    margin 0.05, sure 0.5, patience 256.
+    margin 0.05, sure 0.5, patience 256, retries 2, backoff 32.
     """
 
     modes: ClassVar[tuple[str, str]] = ("inline", "ahead")
@@ -78,7 +78,7 @@ class PrefetchWatch(StepWatch):
             )
         return (
             "prefetch runs inline again from the next step: the step ahead over the step inline was "
-            f"{shown} (kept needs {rule}); no second try in this job"
+            f"{shown} (kept needs {rule})"
         )
 
     def _pinned_text(self, reason: str) -> str:

@@ -11,7 +11,10 @@ says it in full.
    are clear: `StepTimes.verified`) and publishes its step ratio: the median ratio of every pair
    of a step after and a step before the switch, the faster half of each side (`StepTimes.ratio`).
    The ranks step in lockstep, so they measure one job's step: kept where the ranks' mean ratio
-   is at most `1 - margin` and no rank's is `1 + margin` or more; else every rank goes back, once.
+   is at most `1 - margin` and no rank's is `1 + margin` or more; else every rank goes back. Where
+   the verdict was unsure (no gain shown, no rank's ratio `1 + margin` or more: on a noisy machine
+   one window can hide a real gain), it watches again and tries once more after `backoff` steps,
+   then twice as many, at most `retries` times; a clear loss is final.
 3. Kept, back or pinned: no clock runs any more. A watch whose ranks' mean share has stayed under
    `threshold` for `patience` figures in a row ends pinned to the start mode: nothing to hide.
 
@@ -303,6 +306,9 @@ class StepWatch(StepTimes):
             gain shown by three pairs in four).
         patience: figures in a row under `threshold` after which the watch ends in the start mode
             (nothing to hide: its clocks stop, and the step is the decided one); 0: it watches for ever.
+        retries: trials after one whose verdict was unsure (not kept, yet no rank's ratio `1 + margin`
+            or more); 0: one trial, no second.
+        backoff: steps after an unsure verdict before the next trial may start (doubled after each).
         clock: seconds, monotonic (tests inject a fake one).
     """
 
@@ -322,15 +328,20 @@ class StepWatch(StepTimes):
         margin: float = 0.05,
         sure: float = 0.5,
         patience: int = 256,
+        retries: int = 2,
+        backoff: int = 32,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if min(window, verify) < 3 or min(warmup, settle) < 0 or not (0 < threshold < 1 and 0 <= margin < 1):
             raise ValueError(f"bad watch settings: window {window}, threshold {threshold}, margin {margin}")
-        if not 0 <= sure <= 1 or patience < 0:
-            raise ValueError(f"bad watch settings: sure {sure}, patience {patience}")
+        if not 0 <= sure <= 1 or min(patience, retries, backoff) < 0:
+            raise ValueError(
+                f"bad watch settings: sure {sure}, patience {patience}, retries {retries}, backoff {backoff}"
+            )
         super().__init__(window=window, verify=verify, margin=margin, clock=clock)
         self.threshold, self.settle = threshold, settle
         self.warmup, self.sure, self.patience = warmup, sure, patience
+        self.retries, self.backoff = retries, backoff
         """The settings (see Args), read by the words."""
         self.partner: Any = None
         """The other watch of the same steps: while it verifies (`tuning`), this one does not move."""
@@ -339,6 +350,12 @@ class StepWatch(StepTimes):
         """No ranks to agree with: each figure is decided on as soon as it is published."""
         self._high = self._low = 0
         """Consecutive figures (the ranks' mean share) at or above the threshold; below it."""
+        self.tries = 0
+        """Trials of the other mode begun."""
+        self._not_before = 0
+        """The step before which no trial begins (`backoff` after an unsure verdict)."""
+        self._tuned = 0
+        """Steps run in the other mode by trials that went back."""
         self._restored: SavedDecision | None = None
         """A decision loaded from a checkpoint, until every rank's word shows it (`load_state_dict`)."""
         self._pending: str | None = None
@@ -409,7 +426,18 @@ class StepWatch(StepTimes):
 
     def settings(self) -> str:
         """The settings, in one line, which the ranks check are alike before the first figure rides."""
-        names = ("window", "verify", "warmup", "threshold", "settle", "margin", "sure", "patience")
+        names = (
+            "window",
+            "verify",
+            "warmup",
+            "threshold",
+            "settle",
+            "margin",
+            "sure",
+            "patience",
+            "retries",
+            "backoff",
+        )
         return f"{type(self).__name__}(" + ", ".join(f"{n}={getattr(self, n)}" for n in names) + ")"
 
     @property
@@ -447,7 +475,8 @@ class StepWatch(StepTimes):
             share = (int(observations.sum()) / len(observations) - 1) / 1000
             high = share >= self.threshold
             self._high, self._low = (self._high + 1, 0) if high else (0, self._low + 1)
-            if self._high > self.window or (self._high and (low - 1) / 1000 >= 2 * self.threshold):
+            steady = self._high > self.window or (self._high and (low - 1) / 1000 >= 2 * self.threshold)
+            if steady and self.steps >= self._not_before:
                 self._switch(values(), share)
             elif self.patience and self._low >= self.patience:
                 self.pin(
@@ -492,8 +521,8 @@ class StepWatch(StepTimes):
 
     @property
     def tuning_steps_by_schedule(self) -> dict[str, int]:
-        """Steps run in the other mode only to verify it (none where it was kept)."""
-        return {self.modes[1]: self.settle + len(self._after) + 1} if self.phase is WatchPhase.BACK else {}
+        """Steps run in the other mode by trials that went back (none where the only trial was kept)."""
+        return {self.modes[1]: self._tuned} if self._tuned else {}
 
     def state_dict(self) -> dict[str, Any]:
         """The decision and the world size it was taken at, to save with a checkpoint: a job that
@@ -575,7 +604,7 @@ class StepWatch(StepTimes):
             seen = self.share
             seen_text = "not yet a full window" if seen is None else f"{seen:.0%} of the step on this rank"
             ends = f"; ends after {self.patience} {unit} in a row under it" if self.patience else ""
-            return (
+            head = (
                 f"{head}; watching how long {watched} over the last {self.window} steps ({seen_text}; "
                 f"tries {self.modes[1]} once the ranks' mean has been at least {self.threshold:.0%} for "
                 f"{self.window + 1} {unit} in a row{ends})"
@@ -598,7 +627,7 @@ class StepWatch(StepTimes):
         return 0
 
     def _switch(self, shares: list[float], share: float) -> None:
-        self.shares = shares
+        self.shares, self.tries = shares, self.tries + 1
         self._pending, self.phase = self.modes[1], WatchPhase.TRYING
         # the step that decides runs on in the start mode: its time is not the new mode's
         self._start_verifying(self.settle + 1)
@@ -608,14 +637,35 @@ class StepWatch(StepTimes):
         # The ranks step in lockstep, so each rank's ratio measures the same job's step through its
         # own clock: their mean is the job's, and a rank whose window was noisy does not undo a
         # gain the others saw. A rank clearly slower after the switch (by `margin`) vetoes it.
+        # An unsure verdict (no gain shown, no clear loss) is tried again later, after `backoff`
+        # steps and then twice as many: on a noisy machine one window can hide a real gain, and a
+        # trial that fails costs at most its `settle + verify + 1` steps.
         self.ratios = ratios
-        kept = statistics.fmean(ratios) <= 1 - self.margin and max(ratios) < 1 + self.margin
+        slower = max(ratios) >= 1 + self.margin
+        kept = statistics.fmean(ratios) <= 1 - self.margin and not slower
+        again = not (kept or slower) and self.tries <= self.retries
         if kept:
             self.phase = WatchPhase.KEPT
         else:
-            self._pending, self.phase = self.modes[0], WatchPhase.BACK
+            self._tuned += self.settle + len(self._after) + 1
+            self._pending, self.phase = self.modes[0], WatchPhase.WATCHING if again else WatchPhase.BACK
         self._forget_step()  # decided: this step's end reads no clock either
-        self._decide(self._verdict_text(kept=kept))
+        text = self._verdict_text(kept=kept)
+        if again:  # watch afresh: the figures from before this trial are not the steps to come
+            self._not_before = self.steps + self.backoff * 2 ** (self.tries - 1)
+            for seen in (self._samples, self._shares, self._recent):
+                seen.clear()
+            self._high = self._low = 0
+            text += (
+                f"; unsure (no rank's {1 + self.margin:.2f} or more), so it watches again and may try "
+                f"{self.modes[1]} once more from step {self._not_before} (try {self.tries + 1} of at most "
+                f"{self.retries + 1})"
+            )
+        elif not kept:
+            text += (
+                "; no second try in this job" if self.tries == 1 else f"; no further try ({self.tries} tries)"
+            )
+        self._decide(text)
 
     def _decide(self, text: str) -> None:
         self.decisions.append((self.steps, text))
