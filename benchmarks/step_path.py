@@ -6,7 +6,8 @@ torchrec's `train_pipeline/`.
 
 `--schedules`: `late` pins torchrec's order (no watch); `decided` is the default whose watch has
 decided (pinned before the first step: the state a verdict leaves, no clock runs); `adaptive` is the
-default while it still watches (on `demo` it watches for good: the share stays under the threshold).
+default while it still watches (on `demo` the share stays under the threshold, so at the counted
+step it watches still; it ends after `patience` figures under it).
 """
 
 from __future__ import annotations
