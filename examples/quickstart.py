@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trained {steps} batches, last loss {loss.item():.4f}")
         print(pipe.rewrite_report)  # which sharded modules are pipelined, and how
         print(pipe.tuner)  # what the default input_dist schedule saw and did
+    pipe.close()  # frees what the pipeline made: its threads and process groups
     dist.destroy_process_group()
     return 0
 

@@ -602,7 +602,11 @@ class StepWatch(StepTimes):
         decision, one a line (`trying`: the words for the mode being verified)."""
         if self.phase is WatchPhase.WATCHING:
             seen = self.share
-            seen_text = "not yet a full window" if seen is None else f"{seen:.0%} of the step on this rank"
+            seen_text = (
+                f"not yet a full window: the first {self.warmup} steps are not observed"
+                if seen is None
+                else f"{seen:.0%} of the step on this rank"
+            )
             ends = f"; ends after {self.patience} {unit} in a row under it" if self.patience else ""
             head = (
                 f"{head}; watching how long {watched} over the last {self.window} steps ({seen_text}; "
