@@ -78,6 +78,22 @@ def test_where_ahead_does_not_pay_it_goes_back_inline_once():
     assert "inline again" in watches[0].reason and "no second try" in watches[0].reason
 
 
+def test_an_unsure_verdict_tries_ahead_again_and_a_clear_loss_is_final():
+    """The schedule watch's second try holds here too: ahead 1 % slower is unsure, tried 3 times in
+    all (32 steps after the first verdict, then 64), each going back inline on every rank at once;
+    ahead 10 % slower is a clear loss, tried once."""
+    watches, ran = simulate(400, lambda r, m, s: (0.100, 0.040) if m == "inline" else (0.101, 0.0))
+    assert ran[0] == ran[1] and ran[0][-100:] == ["inline"] * 100
+    assert all(w.phase is WatchPhase.BACK and w.tries == 3 for w in watches), [w.reason for w in watches]
+    assert (
+        "once more from step" in watches[0].decisions[1][1]
+        and "no further try (3 tries)" in watches[0].reason
+    )
+    watches, ran = simulate(400, lambda r, m, s: (0.100, 0.040) if m == "inline" else (0.110, 0.0))
+    assert all(w.tries == 1 and w.phase is WatchPhase.BACK for w in watches)
+    assert ran[0].count("ahead") == 2 + 10 + 1 and "no second try" in watches[0].reason
+
+
 def test_a_share_clear_on_one_rank_only_waits_for_a_steady_run_of_figures():
     """The first figure decides only where every rank's share is twice the threshold: at 40 % and
     30 % (mean 35 %, over the threshold), the ranks wait for 9 figures in a row, as at any share."""
