@@ -164,8 +164,8 @@ _LIST += [
     # nothing was tuned): more tables with fewer ids, and wider rows with a larger dense part.
     _config("unseen-ids60", "network-bound, not tuned on", 768, 60, 8, 12, 20_000, (64, 32), (64,)),
     _config("unseen-wide", "network-bound, not tuned on", 512, 25, 32, 20, 50_000, (256, 128), (256, 128)),
-    # Two more, added with the verdict's second try and first run after it: many small tables, and a
-    # middle shape with a deeper dense part.
+    # Two more, first run once the verdict's second try was written, so nothing was tuned on them:
+    # many small tables, and a middle shape with a deeper dense part.
     _config("fresh-many", "not tuned on", 640, 15, 8, 40, 5_000, (32,), (32,)),
     _config("fresh-mid", "not tuned on", 384, 40, 16, 10, 30_000, (128, 64), (128, 64)),
 ]

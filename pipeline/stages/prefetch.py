@@ -30,8 +30,7 @@ __all__ = ["PrefetchStage", "PrefetchWatch", "prefetch_does_work"]
 
 class PrefetchWatch(StepWatch):
     """Whether the prefetch stage runs "inline" (from the start) or "ahead" (once verified faster).
-    The Args are `StepWatch`'s; the defaults: window 8, verify 20, warmup 8, threshold 0.2, settle 2,
-    margin 0.05, sure 0.5, patience 256, retries 2, backoff 32.
+    The Args and defaults are `StepWatch`'s, but the threshold: 0.2 here.
     """
 
     modes: ClassVar[tuple[str, str]] = ("inline", "ahead")

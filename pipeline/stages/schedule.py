@@ -93,9 +93,8 @@ class ScheduleWatch(StepWatch):
     """Chooses the input_dist schedule from the job's own steps: "late" (torchrec's order) until
     the training thread is blocked (input all-to-alls' waits, off the CPU in backward) for
     `threshold` of the step, steadily; then "early", kept only where it is verified faster
-    (`pipeline.stages.watch.StepWatch`, whose Args these are: window 8, verify 20, warmup 8,
-    threshold 0.4, settle 2, margin 0.05, sure 0.5, patience 256, retries 2, backoff 32). The
-    threshold comes from the corrected figure over 1 Gbit (docs/results/default-1gbit-run4.md):
+    (`pipeline.stages.watch.StepWatch`, whose Args and defaults these are, but the threshold: 0.4
+    here). The threshold comes from the corrected figure over 1 Gbit (docs/results/default-1gbit-run4.md):
     early paid 25 % at a share of 0.48, 6 % at 0.36, and lost 9 % at 0.26.
     """
 
