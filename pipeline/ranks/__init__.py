@@ -1,11 +1,6 @@
-"""Cross-rank agreement: how every rank learns, before a batch enters a collective, whether every
-other rank has it (uneven data, wrong keys, a malformed batch) and whether a peer failed.
-
-`protocol.py`: `Ranks`, the one owner of it (the statuses, the batches in flight per dataloader
-iterator, the votes); `riding.py`: the statuses riding on the splits all-to-all instead of a vote;
-`kjt_check.py`: the checks of a batch's KeyedJaggedTensors at fetch; `failure.py`: a rank that fails,
-and its peers.
-"""
+"""Cross-rank agreement: every rank learns, before a batch enters a collective, whether every other
+rank has it (uneven data, wrong keys, a malformed batch) and whether a peer failed (`protocol.py`:
+`Ranks`, its owner; `riding.py`, `kjt_check.py`, `failure.py`)."""
 
 from pipeline.ranks.failure import (
     CollectiveFailed,

@@ -1,15 +1,6 @@
 """A rank that fails inside `progress()`, and its peers: they end within seconds, saying which rank
-failed and why, instead of waiting for the process group's timeout.
-
-Errors are told apart by where they were raised, never by their text (`from_a_collective`): a
-collective's failure (the pipeline's own waits raise `CollectiveFailed`; torch.distributed's, DDP's
-and torchrec's raise from their code) means a peer failed, and this rank raises `PeerFailedError`
-quoting what the peers wrote. Anything else is this rank's own error: it writes it to the job's store
-and waits `failure_grace` for the others; if every rank failed at the same step the groups stay
-usable, else (`abort_on_error`) it destroys its process groups so that the peers' collectives fail
-and they read the store. An interrupt (KeyboardInterrupt, SystemExit, GeneratorExit) is neither: the
-pipeline drops its batches and lets it go. The store is the default group's; without one, a warning
-says the ranks still stop (when the failed rank's groups close), without the reason."""
+failed and why, instead of waiting for the process group's timeout (the cases: docs/pipeline.md,
+"When a rank fails"). Errors are told apart by where they were raised, never by their text."""
 
 from __future__ import annotations
 
@@ -37,14 +28,12 @@ class PeerFailedError(RuntimeError):
 
 
 class CollectiveFailed(RuntimeError):
-    """A collective the pipeline waits on itself (a vote, a gather) failed: a peer closed its
-    connection or did not come within the timeout. Raised from the collective's own error."""
+    """A collective the pipeline waits on itself (a vote, a gather) failed: a peer left or timed out."""
 
 
 class StopIterationInStepError(RuntimeError):
-    """A `StopIteration` raised inside a step, not at the dataloader's end; raised in its place, from
-    it. Let through, it would end this rank's loop alone while its peers wait in the step's
-    collectives; as an error the peers stop with `PeerFailedError` (compare PEP 479)."""
+    """A `StopIteration` raised inside a step, not by the dataloader's end, raised in its place: let
+    through, it would end this rank's loop alone while its peers wait in the step's collectives."""
 
     def __init__(self) -> None:
         super().__init__(
@@ -75,9 +64,8 @@ _COLLECTIVE_CODE: frozenset[str] | None = None
 
 
 def from_a_collective(error: BaseException) -> bool:
-    """Whether `error` is a collective's failure rather than this rank's own: `CollectiveFailed`,
-    `PeerFailedError`, torch's `DistError` (NCCL's), or an error whose innermost frame is in
-    `collective_code()` (gloo raises a plain RuntimeError there when a peer closes its connection)."""
+    """Whether `error` is a collective's failure, not this rank's own: `CollectiveFailed`,
+    `PeerFailedError`, NCCL's `DistError`, or an error raised in `collective_code()` (gloo's there)."""
     global _COLLECTIVE_CODE
     if isinstance(error, (CollectiveFailed, PeerFailedError, getattr(dist, "DistError", ()))):
         return True
@@ -92,8 +80,7 @@ def from_a_collective(error: BaseException) -> bool:
 
 
 def job_store() -> Any:
-    """The default process group's store; None without a process group, or (with a warning) without
-    a store."""
+    """The default process group's store; None without a group, or (with a warning) without a store."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     try:
@@ -113,14 +100,9 @@ _handled = 0  # agreed failures handled: alike on every rank, it names the next 
 
 
 class FailureSignal:
-    """Tells the peers that this rank failed, and finds out whether they did too: each failing rank
-    writes `rank<r>` (what it raised) and adds 1 to `count` in the job's store, then waits `grace` for
-    `count` to reach the world size. The store is held so it can be read after the groups are gone.
-
-    Args:
-        grace: seconds a failed rank waits for the others to fail too.
-        scope: keeps these keys apart from other signals' in the same store (tests).
-    """
+    """Tells the peers that this rank failed, and learns whether they did too: each failing rank
+    writes what it raised and counts itself in the job's store, held to be read after the groups are
+    gone, then waits `grace` seconds for every rank (`scope`: keys apart from other signals', tests)."""
 
     def __init__(self, *, grace: float, scope: str = "") -> None:
         self._grace, self._scope = grace, scope
@@ -164,14 +146,9 @@ class FailureSignal:
         return found
 
     def rendezvous(self, name: str, timeout: float) -> None:
-        """Wait until every rank reached `name` (each name once, in the same order on every rank),
-        polling the store, so that a blocking rendezvous after it (`dist.new_group`'s) is entered by
-        every rank or by none; raise as soon as a peer announced a failure, instead of waiting 300 s.
-
-        Raises:
-            PeerFailedError: a peer announced a failure (its text in the message), the store's host
-                is gone, or `timeout` seconds passed.
-        """
+        """Wait until every rank reached `name` (each name once, in the same order on every rank), so
+        that a blocking rendezvous after it (`dist.new_group`'s) is entered by every rank or by none; raises
+        `PeerFailedError` where a peer announced a failure, the store's host is gone, or `timeout` passed."""
         if self.store is None:
             return
         key = f"trainpipeline/{self._scope}rendezvous/{name}"
@@ -199,13 +176,9 @@ class FailureSignal:
                 self.store.delete_key(name)
 
     def fail(self, error: Exception, reset: Callable[[], None]) -> None:
-        """This rank raised `error` inside `progress()`: `reset()` its batches in flight and make
-        sure no peer is left waiting in a collective for it (announce, wait `grace` for the others,
-        and destroy the process groups unless every rank failed at the same step).
-
-        Raises:
-            PeerFailedError: the error is a collective's failure (`from_a_collective`): a peer's.
-        """
+        """This rank raised `error` inside `progress()`: `reset()` its batches in flight, announce it,
+        wait `grace` for the others, and destroy the process groups unless every rank failed at this step;
+        raises `PeerFailedError` where `error` is a collective's failure (`from_a_collective`): a peer's."""
         if not self.distributed:
             reset()
             return
@@ -252,8 +225,7 @@ class FailureSignal:
             return otherwise
 
     def _agreed(self) -> None:
-        """Every rank failed at this step: the next failure gets keys of its own; the last rank out
-        deletes these."""
+        """Every rank failed here: the next failure gets keys of its own; the last rank out deletes these."""
         global _handled
         ranks = [self._key(f"rank{r}") for r in range(self.world)]
         self._leave(self._key("count"), *ranks)
@@ -272,6 +244,5 @@ def _first_line(error: BaseException) -> str:
 
 
 def _note(error: BaseException, text: str) -> None:
-    """Add `text` to `error`'s notes (Python 3.11 and later)."""
     if hasattr(error, "add_note"):
         error.add_note(text)

@@ -1,10 +1,6 @@
-"""The per-batch checks of a batch's KeyedJaggedTensors at fetch, before they enter a collective.
-torchrec looks at the first batch only: a later batch with other keys would be embedded under the
-wrong tables without a word, and a malformed one fails deep inside input_dist or a kernel on one rank
-while the others wait. `KeyCheck` compares each batch's keys with the first batch's (status
-`BAD_KEYS`: every rank stops with `BatchKeysError`); `KJTCheck` checks lengths, weights and ids with a
-few reductions, no Python loop (status `MALFORMED`: every rank stops with `MalformedBatchError`). Both
-look each KJT up at the first batch's paths (`kjt_at`), since walking the batch costs ~60 us."""
+"""The checks of a batch's KeyedJaggedTensors at fetch, before they enter a collective (torchrec
+checks only the first batch): `KeyCheck` (keys) and `KJTCheck` (lengths, weights and ids, in a few
+reductions), both reading each KJT at the first batch's paths (`kjt_at`): walking a batch costs ~60 us."""
 
 from __future__ import annotations
 
@@ -24,9 +20,8 @@ _INT32_END = 2**31
 
 
 class InRange:
-    """The tensors a check proved to hold only values in [0, 2^31), by identity, while they live: the
-    narrowing casts them without its own pass. A tensor changed in place after the check would keep
-    its proof; nothing writes to the batch between the check and the narrowing."""
+    """Tensors a check proved to hold only values in [0, 2^31), by identity while they live, so that
+    the narrowing casts them unchecked; nothing writes to the batch between the check and the narrowing."""
 
     def __init__(self) -> None:
         # by id; an entry goes when its tensor dies, before its id can be reused
@@ -48,9 +43,8 @@ class Table:
 
 
 def tables_of(model: nn.Module) -> dict[str, Table]:
-    """The table each feature of `model`'s embedding modules (sharded or not) looks up: of one module's
-    tables the smallest, of several modules' the largest (no false alarm, at the price of a missed
-    one); managed-collision modules' features (raw ids) and virtual tables' are left out."""
+    """The table each feature of `model`'s embedding modules looks up: of one module's tables the
+    smallest, of several modules' the largest (no false alarm); managed-collision and virtual ones skipped."""
     remapped = [name for name, m in model.named_modules() if "ManagedCollision" in type(m).__name__]
     found: dict[str, Table] = {}
     for name, module in model.named_modules():
@@ -84,12 +78,8 @@ def table_configs(module: nn.Module) -> list[Any]:
 
 
 class KJTCheck:
-    """Checks every KeyedJaggedTensor of a batch: lengths, values, weights and ids.
-
-    Args:
-        model: the model the pipeline trains (its embedding modules' configs, read at the first
-            batch, give the tables).
-    """
+    """Checks every KeyedJaggedTensor of a batch (lengths, values, weights and ids), the tables read
+    from `model`'s embedding modules at the first batch."""
 
     def __init__(self, model: nn.Module | None) -> None:
         self._model = model
@@ -151,7 +141,6 @@ class KJTCheck:
 
     @staticmethod
     def _in_uniform(values: torch.Tensor, uniform: int) -> bool:
-        """Every id in [0, uniform), in one pass."""
         low, high = torch.aminmax(values)
         return int(low) >= 0 and int(high) < uniform
 
@@ -201,9 +190,8 @@ class KJTCheck:
 
 
 class KeyCheck:
-    """Compares each batch's KeyedJaggedTensor keys, per path in the batch, with the first batch's.
-    A batch is walked whole only where one differs (for the error's details); a KeyedJaggedTensor at
-    a path the first batch did not have is not looked for: the model reads none there."""
+    """Compares each batch's KeyedJaggedTensor keys, per path, with the first batch's (a KJT at a path
+    the first batch did not have is not looked for: the model reads none there)."""
 
     def __init__(self) -> None:
         self.expected: list[tuple[str, list[str]]] | None = None
@@ -240,7 +228,6 @@ def kjt_at(batch: Any, path: Any) -> KeyedJaggedTensor | None:
 
 
 def _per_key(lengths: torch.Tensor, strides: list[int]) -> list[int]:
-    """The number of values of each key."""
     if len(set(strides)) > 1:  # variable batch per key
         return [int(part.sum()) for part in torch.split(lengths, strides)]
     if not strides:

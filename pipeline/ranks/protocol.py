@@ -1,23 +1,7 @@
-"""`Ranks`: the one owner of the ranks' agreement on every batch, before it enters a collective.
-
-Every rank has a status for every batch position it fetches (`Status`), recorded in the batch's
-`Ticket`; every rank fetches in the same order, placeholders included. Each rank learns every
-rank's status before the batch's first collective: in steady state on that collective itself, the
-fused splits all-to-all (`carried` tickets, concluded at the splits wait: `pipeline.ranks.riding`),
-otherwise by a vote started at fetch (`Votes`) and waited a step later (`admit`).
-
-So uneven data ends on every rank at the shortest rank's count, a batch with wrong keys or a
-malformed KeyedJaggedTensor stops every rank with the same error, and a rank that raises makes its
-peers stop within seconds (`pipeline.ranks.failure`). A rank whose dataloader is exhausted keeps
-adding placeholders (no batch) until the end is agreed, so every rank holds as many batches in
-flight and issues the same collectives in order.
-
-A checkpoint needs no drain: a dataloader's own `state_dict()` is ahead of the model, by the
-batches in flight, so the pipeline captures it right before each fetch (`capture`, where the
-iterator is a `StatefulIterator`, e.g. torchdata's `StatefulDataLoader`) and keeps it on the
-batch's context; `resume_state` returns the one from before the oldest batch still in flight
-(docs/pipeline.md, "Checkpointing").
-"""
+"""`Ranks`, the one owner of the ranks' agreement on every batch before it enters a collective
+(docs/architecture.md, "Where the cross-rank rules live"): each rank's `Status` for each batch, in
+its `Ticket`, learnt by every rank from the splits all-to-all it rides on or from a vote (`Votes`);
+the batches in flight per dataloader iterator (`Lane`); and the loader's state before each fetch."""
 
 from __future__ import annotations
 
@@ -58,9 +42,6 @@ __all__ = [
 ]
 
 
-# -- what a rank says about a batch, and the errors every rank raises together -----------------------
-
-
 class Status(enum.IntEnum):
     """One rank's status for one batch position (an int, so that a vote can sum it in a tensor)."""
 
@@ -88,13 +69,13 @@ class BatchKeysError(AgreedError, ValueError):
 
 
 class RewriteMismatchError(AgreedError):
-    """The ranks found different call sites or programs for the model's sharded modules (a forward
-    whose calls depend on the data recorded differently): their input all-to-alls would not match."""
+    """The ranks found different call sites or programs for the sharded modules: their input
+    all-to-alls would not match."""
 
 
 class RidingMismatchError(AgreedError):
-    """The row read as a rank's status for a batch is not one: the ranks sent different numbers of
-    splits rows (their input all-to-alls do not match), or a row that is not a status word."""
+    """The row read as a rank's status for a batch is not a status word: the ranks' fused splits
+    all-to-alls do not match."""
 
 
 class MalformedBatchError(AgreedError, ValueError):
@@ -150,9 +131,6 @@ def warn_untrained(rank: int, count: int, statuses: list[Status], position: int)
         "`untrained_batches`.",
         stacklevel=4,
     )
-
-
-# -- the batches in flight from one dataloader iterator ----------------------------------------------
 
 
 class LaneState(enum.Enum):
@@ -211,9 +189,6 @@ class Lane:
             self.state = LaneState.DRAINING
 
 
-# -- votes: how many ranks have each status, by one small all_reduce ---------------------------------
-
-
 _BITS = 16
 """Bits of one status's count in the vote's int64."""
 _MAX_WORLD = (1 << (_BITS - 1)) - 1
@@ -229,12 +204,7 @@ class Vote:
     counts: dict[Status, int] | None = None
 
     def wait(self) -> dict[Status, int]:
-        """Per `Status`, how many ranks have it.
-
-        Raises:
-            CollectiveFailed: the vote's all_reduce failed (a peer closed its connection, or did not
-                vote within `peer_timeout`).
-        """
+        """Per `Status`, how many ranks have it; `CollectiveFailed` where a peer left or timed out."""
         if self.counts is None:
             if self.work is not None:
                 try:
@@ -248,14 +218,8 @@ class Vote:
 
 
 class Votes:
-    """Issues the votes on a gloo group of its own (created on first use, at the same call on every
-    rank), or locally when there is no process group of more than one rank.
-
-    Args:
-        timeout: how long a vote may wait for a peer before failing (a peer that hangs).
-        new_group: creates the group (`dist.new_group`'s keywords; `Ranks.new_group`, which does
-            not wait for a peer that failed).
-    """
+    """The votes, on a gloo group of its own (made at the first vote, on every rank), or local; a vote
+    fails after `timeout`; `new_group` makes the group (`Ranks.new_group`: it stops at a peer's failure)."""
 
     def __init__(self, *, timeout: timedelta, new_group: Callable[..., Any] = dist.new_group) -> None:
         self._timeout = timeout
@@ -287,16 +251,12 @@ class Votes:
         return self._group
 
     def gather(self, obj: Any) -> list[Any]:
-        """Every rank's `obj` (a rare, blocking exchange: only on the paths that report a batch
-        some rank lacks or rejects, which every rank enters at the same vote)."""
+        """Every rank's `obj` (a rare, blocking exchange, where every rank is at the same vote)."""
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(out, obj, group=self._own_group())
         return out
-
-
-# -- the protocol ------------------------------------------------------------------------------------
 
 
 _GROUP_IDS = itertools.count()
@@ -307,9 +267,7 @@ built in."""
 
 
 class OwnedGroups:
-    """The process groups one pipeline made (its votes' group, the input all-to-alls' own groups):
-    each is destroyed by `destroy` (a group retired) or `destroy_all` (`close()`, or the pipeline's
-    garbage collection). Holds nothing else, so that a finalizer may keep it."""
+    """The process groups one pipeline made; holds nothing else, so that its finalizer may keep it."""
 
     def __init__(self) -> None:
         self._groups: list[dist.ProcessGroup] = []
@@ -333,14 +291,8 @@ class OwnedGroups:
 
 
 class Ranks:
-    """Fetch, admission and failure across ranks, for one pipeline.
-
-    Args:
-        options: how the ranks agree (`RankOptions`).
-        model: the model trained (its embedding tables bound the ids `check_kjts` accepts).
-        next_batch: takes the next batch from an iterator, None at its end (a pipeline's
-            `_next_batch`, which a subclass may override); by default `next(iterator, None)`.
-    """
+    """Fetch, admission and failure across ranks, for one pipeline. `model`'s embedding tables bound the
+    ids `check_kjts` accepts; `next_batch` is the pipeline's `_next_batch` (None at the iterator's end)."""
 
     def __init__(
         self,
@@ -370,32 +322,20 @@ class Ranks:
         """Batches fetched whose status rides on their splits all-to-all instead of a vote (a batch
         counts in `votes` or here, never both)."""
         self.carrying = False
-        """Set by the input dist while a batch's status can ride on its fused splits all-to-all:
-        batches fetched meanwhile start no vote (`Ticket.carried`). Changed only at points every
-        rank reaches in the same order."""
+        """Set by the input dist while statuses can ride on the fused splits all-to-all: batches fetched
+        meanwhile start no vote. Changed only at points every rank reaches in the same order."""
 
     def new_group(self, **kwargs: Any) -> dist.ProcessGroup:
-        """`dist.new_group(**kwargs)`, entered only once every rank reached it.
-
-        Every rank must create the pipeline's process groups at the same point, but a rank whose
-        dataloader raised never gets there, and `dist.new_group` would wait for it for the store's
-        timeout (300 s). A rendezvous in the store first, which stops at a peer's failure
-        (`FailureSignal.rendezvous`), keeps that wait to a few milliseconds.
-
-        Raises:
-            PeerFailedError: a peer failed before reaching it (or none came within `peer_timeout`).
-        """
+        """`dist.new_group(**kwargs)` after a rendezvous in the store that stops at a peer's failure (a
+        rank whose dataloader raised never comes, and `dist.new_group` would wait 300 s for it): raises
+        `PeerFailedError` then, or where none came within `peer_timeout`."""
         timeout = self._options.peer_timeout.total_seconds()
         self._failure.rendezvous(f"group{next(_GROUP_IDS)}", timeout)
         return self.groups.add(dist.new_group(**kwargs))
 
     def fetch(self, lane: Lane) -> tuple[Any, Ticket] | None:
-        """Take the next batch of `lane` and publish this rank's status for it.
-
-        Returns:
-            `(batch, ticket)`, with batch None for a placeholder (this rank's data ended, the
-            others' may not have); None when nothing is to be added.
-        """
+        """Take `lane`'s next batch and record this rank's status for it: `(batch, ticket)`, batch None
+        for a placeholder (this rank's data ended, maybe not the others'); None when nothing is added."""
         batch, status = None, Status.EXHAUSTED
         if lane.state is LaneState.OPEN:
             try:
@@ -431,17 +371,11 @@ class Ranks:
         self.votes += 1
 
     def admit(self, lane: Lane, ctx: Any) -> bool:
-        """Learn every rank's status for `ctx`'s batch; call before its first collective.
-
-        Returns:
-            True: every rank has it. False: some rank's data ended there; `ctx` and everything
-            after it are dropped from the lane on every rank, and the lane is ENDED.
-
-        Raises:
-            BatchKeysError: some rank's batch has the wrong keys (on every rank).
-            MalformedBatchError: some rank's batch has a malformed KeyedJaggedTensor (on every rank).
-            UnevenDataError: the data ended unevenly and `on_uneven="error"` (on every rank).
-        """
+        """Learn every rank's status for `ctx`'s batch; call before its first collective. Returns True
+        where every rank has it, False where some rank's data ended there (`ctx` and all after it are
+        dropped from the lane on every rank, and the lane is ENDED). Raises, on every rank, `BatchKeysError`
+        or `MalformedBatchError` where some rank's batch has wrong keys or is malformed, and
+        `UnevenDataError` for uneven data under `on_uneven="error"`."""
         ticket: Ticket = ctx.ticket
         if ticket.admitted:
             return True
@@ -452,8 +386,8 @@ class Ranks:
         return self.conclude(lane, ctx, counts)
 
     def conclude(self, lane: Lane, ctx: Any, counts: dict[Status, int]) -> bool:
-        """`admit` once every rank's status is known (`counts`: how many ranks have each; a batch
-        whose status rode and every rank has is admitted by `Admission.conclude` alone)."""
+        """`admit` once every rank's status is known (`counts`: how many ranks have each); a riding batch
+        every rank has is admitted by `Admission.conclude` alone."""
         ticket: Ticket = ctx.ticket
         world = sum(counts.values())
         if counts.get(Status.HAVE, 0) == world:
@@ -481,20 +415,14 @@ class Ranks:
         return False
 
     def settle_votes(self) -> None:
-        """Wait for every vote started so far (they have normally arrived: each was started a step
-        earlier or during this one), so that none is in flight between two `progress()` calls, where
-        the caller may destroy the process groups.
-
-        Raises:
-            CollectiveFailed: a vote failed (a peer closed its connection, or `peer_timeout` passed).
-        """
+        """Wait for every vote started so far, so that none is in flight between two `progress()` calls,
+        where the caller may destroy the process groups; raises `CollectiveFailed` where one failed."""
         pending, self._pending = self._pending, []
         for vote in pending:
             vote.wait()
 
     def drop_votes(self) -> None:
-        """Forget the votes in flight without waiting (after a failure or an interrupt, where a peer
-        may never send its part)."""
+        """Forget the votes in flight without waiting (after a failure or an interrupt)."""
         self._pending = []
 
     def close(self) -> None:
@@ -504,17 +432,12 @@ class Ranks:
         self.groups.destroy_all()
 
     def gather(self, obj: Any) -> list[Any]:
-        """Every rank's `obj`, in rank order (a blocking exchange, once, where every rank reaches it
-        by construction; on the ranks' own group, which does not wait for a peer that failed)."""
+        """Every rank's `obj`, in rank order (blocking, where every rank reaches it by construction)."""
         return self._votes.gather(obj)
 
     def agree_on(self, what: str, text: str, advice: str | None = None) -> None:
-        """Check that every rank has the same `text` (once, before a collective that depends on it).
-        `advice`: what to do where they differ (by default, about the sharded modules' calls).
-
-        Raises:
-            RewriteMismatchError: on every rank, naming the ranks whose `text` differs.
-        """
+        """Check, once, that every rank has the same `text` before a collective that depends on it; raises
+        `RewriteMismatchError` on every rank where not, naming the ranks and `advice` (what to do)."""
         if not self.voting:
             return
         texts = self._votes.gather(text)
@@ -529,12 +452,8 @@ class Ranks:
             )
 
     def fail(self, error: BaseException, reset: Callable[[], None]) -> None:
-        """This rank raised inside `progress()`: `reset()` the batches in flight and, across ranks,
-        make sure no peer is left waiting (`abort_on_error`: `FailureSignal.fail`).
-
-        Raises:
-            PeerFailedError: the error came from a peer's failure (a collective broken by it).
-        """
+        """This rank raised inside `progress()`: `reset()` the batches in flight and, under
+        `abort_on_error`, leave no peer waiting (`FailureSignal.fail`, which may raise `PeerFailedError`)."""
         if self._options.abort_on_error:
             self._failure.fail(error, reset)
         else:
@@ -542,11 +461,8 @@ class Ranks:
 
 
 class StatefulIterator(Protocol):
-    """An iterator whose `state_dict()` says where its next item comes from.
-
-    `state_dict()` must return a snapshot (later `next()` calls must not change it): the pipeline
-    keeps one per batch in flight.
-    """
+    """An iterator whose `state_dict()` says where its next item comes from: a snapshot, which later
+    `next()` calls must not change (the pipeline keeps one per batch in flight)."""
 
     def __next__(self) -> Any: ...
 
@@ -560,16 +476,8 @@ def capture(iterator: Iterator[Any]) -> Any:
 
 
 def resume_state(iterator: Iterator[Any], inflight: Iterable[Any]) -> Any:
-    """The state to restore `iterator` to so that it yields the oldest untrained batch next.
-
-    Args:
-        iterator: the dataloader iterator given to `progress()`.
-        inflight: the contexts of its batches in flight, oldest first (each with `loader_state`).
-
-    Raises:
-        TypeError: `iterator` has no `state_dict()`: call `pipe.drain(iterator)` before saving
-            instead, then save the iterator's position by your own means.
-    """
+    """The state to restore `iterator` to so that it yields the oldest untrained batch next
+    (`inflight`: its batches' contexts, oldest first); a TypeError where it has no `state_dict()`."""
     if getattr(iterator, "state_dict", None) is None:
         raise TypeError(
             f"{type(iterator).__name__} has no state_dict(), so the pipeline cannot say where its "
