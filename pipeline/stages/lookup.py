@@ -1,6 +1,5 @@
-"""`LookupStage`: a batch's embedding lookup, run ahead of its forward (Fused: the plain loop's
-numbers; SemiSync: embeddings one step stale): per pipelined module, `compute_and_output_dist` on its
-input_dist result, the output all-to-all left in flight for forward (`rewrite.LookupPipelinedForward`)."""
+"""`LookupStage`: a batch's embedding lookup run ahead of its forward (Fused, PEC, SemiSync), the
+output all-to-all of each module's `compute_and_output_dist` left in flight for forward."""
 
 from __future__ import annotations
 
@@ -18,16 +17,9 @@ __all__ = ["LookupStage"]
 
 
 class LookupStage:
-    """Runs the lookup stage of a batch, ordered after the embedding update it must see.
-
-    Args:
-        streams: the pipeline's streams.
-        input_dist: the pipeline's input_dist (its modules, its splits wait).
-        model: the model (its mode says whether the lookup records gradients).
-        optimizer: the dense optimizer (whether it steps a pipelined module's parameters).
-        on_caller_stream: run on the caller's stream instead of data_dist (`emb_lookup_stream`).
-        forward_only: never record gradients (eval pipelines, in any model mode).
-    """
+    """Runs the lookup stage of a batch, ordered after the embedding update it must see. `optimizer`:
+    the dense optimizer (whether it steps a pipelined module's parameters); `on_caller_stream`: run on
+    the caller's stream, not data_dist; `forward_only`: never record gradients (eval pipelines)."""
 
     def __init__(
         self,
@@ -79,9 +71,8 @@ class LookupStage:
     def backward_and_step(
         self, losses: Any, backward: Callable[[Any], None], step: Callable[[], None]
     ) -> None:
-        """`backward(losses)`, then `step()`; the next lookup is ordered after backward (where the fused
-        embedding optimizers update the tables), or after the step where the dense optimizer also
-        updates a pipelined module."""
+        """`backward(losses)`, then `step()`; the next lookup is ordered after backward (the fused
+        embedding update), or after the step where the dense optimizer also updates a pipelined module."""
         backward(losses)
         if not self.shares_optimizer():
             self._fence()

@@ -1,23 +1,9 @@
-"""Narrowed ids: the KeyedJaggedTensor handed to a sharded module's input_dist carries int32 ids and
-lengths, so that the input all-to-all sends 4 bytes an id instead of 8.
-
-What: for each chosen call site of an embedding-bag collection whose every table has fewer than 2^31
-rows, a copy of the KJT with int32 ids and lengths; the batch itself is not touched. The numerics
-cannot change: the lookup widens what it receives (torchrec's batched kernels call
-`values().to(index_type)` and `offsets().to(offset_type)`, the feature processors `offsets().long()`;
-row-wise bucketizing keeps the dtype), so rows, sums and gradients are those of the int64 ids. The
-sites are chosen once, at the first pipelined batch, alike on every rank (an all-to-all's receiver
-allocates in its own dtype): never at one rank, nor for a table of 2^31 rows or more, a virtual one,
-or one on a kernel not known to widen (`decide`); by default only above `NARROW_FROM` ids a batch.
-
-A bad id is still caught. `narrow_kjt` takes the minimum and maximum of the ids and lengths (unless
-the malformed-batch check proved them in [0, 2^31): `KJTCheck.in_int32`), then casts; those in
-range cast exactly. An id outside is outside every table, and a plain cast could wrap it onto a valid
-row (2^32 + 3 to 3): it is saturated to -2^31 or 2^31 - 1 instead (sending it wide is no option: the
-other ranks send int32), so `check_kjts` or fbgemm's bounds check still sees it, and the rewrite
-report names the call site and batch. Only without `check_kjts`, row-wise may send a saturated id to
-another rank than the original's: out of range on both, fbgemm's zeroed lookup reads another shard's
-row 0 there."""
+"""Narrowed ids (docs/pipeline.md, "Narrowed ids"): the KeyedJaggedTensor handed to a sharded module's
+input_dist is a copy with int32 ids and lengths, so the input all-to-all sends 4 bytes an id instead
+of 8. The lookup widens them (torchrec's kernels call `values().to(index_type)`, the feature
+processors `offsets().long()`), so rows, sums and gradients are those of the int64 ids. The call
+sites are chosen once, at the first pipelined batch, alike on every rank, since an all-to-all's
+receiver allocates in its own dtype (`decide`, `NarrowIds.settle`)."""
 
 from __future__ import annotations
 
@@ -56,8 +42,7 @@ INT32_ROWS = 2**31
 """Tables below this many rows have every valid id in int32."""
 NARROW_FROM = 16384
 """Under the default, a call site is narrowed where the ranks' mean count of ids in its first
-pipelined batch is at least this: on 2 CPU ranks every config from 18,000 ids on ran as fast or
-faster narrowed, and the smaller ones slower (docs/results/narrow-small-loopback.md)."""
+pipelined batch is at least this (docs/results/narrow-small-loopback.md)."""
 _LOW, _HIGH = -(2**31), 2**31 - 1
 _INTEGERS = {torch.int32, torch.int64}
 _MODULES = (ShardedEmbeddingBagCollection, ShardedFeatureProcessedEmbeddingBagCollection)
@@ -100,8 +85,10 @@ class Narrowed:
 
 
 def narrow_kjt(kjt: KeyedJaggedTensor, proven: Container[torch.Tensor] | None = None) -> Narrowed:
-    """`kjt` with int32 ids and lengths, in a copy (`kjt` itself is not changed); a tensor in `proven`
-    (known in [0, 2^31)) is cast without a check."""
+    """`kjt` with int32 ids and lengths, in a copy; a tensor in `proven` (known in [0, 2^31)) is cast
+    unchecked. An id outside int32 is saturated, never wrapped onto a valid row (2^32 + 3 to 3), so
+    `check_kjts` or fbgemm's bounds check still sees it; without `check_kjts`, row-wise may send it to
+    another rank than the original's, whose zeroed lookup then reads that shard's row 0."""
     values, lengths = kjt.values(), kjt.lengths()
     if {values.dtype, lengths.dtype} - _INTEGERS or values.dtype == lengths.dtype == torch.int32:
         return Narrowed(kjt)
@@ -149,12 +136,9 @@ def receivers_can_widen() -> str | None:
 
 
 def widen_received(request: Any) -> Any:
-    """`request` (a module's values all-to-all, `KJTListAwaitable`), each of its KJT all-to-alls made
-    to widen the lengths it received to int64 where their ids number `RECEIVED_LIMIT` or more.
-
-    The receiver takes a running sum of every sender's lengths (`KeyedJaggedTensor.dist_init`, the
-    lookup's offsets) in their dtype, which in int32 wraps past 2^31; a count of ids below 2^31 proves
-    the sum fits (one size checked per all-to-all)."""
+    """`request` (a module's values all-to-all), each of its KJT all-to-alls made to widen the
+    lengths it received to int64 where their ids number `RECEIVED_LIMIT` or more: the receiver's running
+    sum of every sender's lengths (`dist_init`) would wrap past 2^31 in int32."""
     for inner in getattr(request, "awaitables", ()):
         if isinstance(inner, KJTAllToAllTensorsAwaitable) and hasattr(inner, "_output_tensors"):
             inner._wait_impl = functools.partial(_widened_wait, inner, inner._wait_impl)
@@ -184,17 +168,9 @@ def _widened_wait(inner: KJTAllToAllTensorsAwaitable, wait: Callable[[], Any]) -
 
 
 class NarrowIds:
-    """The input_dist stage's narrowing: which call sites are narrowed (`settle`) and, per batch,
-    their inputs narrowed (`inputs`).
-
-    Args:
-        enabled: `InputDistOptions.narrow_ids`: True, every site allowed; False, none; None, where
-            the ranks send at least `NARROW_FROM` ids a batch.
-        note: adds one sentence to the rewrite report.
-        one_rank: the world is one rank (nothing to save): nothing is narrowed.
-        proven: the tensors the malformed-batch check proved in [0, 2^31) (`KJTCheck.in_int32`).
-        untabled: the features whose ids index no table (`KJTCheck.untabled`), named in the report.
-    """
+    """The input_dist stage's narrowing: which call sites are narrowed (`settle`), and each batch's
+    inputs narrowed (`inputs`). `enabled`: `InputDistOptions.narrow_ids`; `note` adds a sentence to the
+    report; `proven` and `untabled`: `KJTCheck.in_int32` and `KJTCheck.untabled`."""
 
     def __init__(
         self,
@@ -216,9 +192,8 @@ class NarrowIds:
         sample: Callable[[], Iterable[tuple[Any, list[Any], dict[str, Any]]]],
         gather: Callable[[Any], list[Any]],
     ) -> None:
-        """Decide for each call site (`rewrite.CallSite`), and say so in the report. Under the default,
-        `sample()` gives each site's inputs in the first pipelined batch, and `gather` every rank's
-        counts of their ids (called once, on every rank, whenever some site may be narrowed)."""
+        """Decide for each call site (`rewrite.CallSite`) and say so in the report; `sample()` gives each
+        site's inputs in the first pipelined batch, `gather` every rank's counts of ids (on every rank)."""
         self.sites = frozenset()
         if self._enabled is False:
             self._note(
@@ -302,8 +277,7 @@ def _outside_int32(kjt: KeyedJaggedTensor) -> str | None:
 
 
 def every_rank(obj: Any) -> list[Any]:
-    """Every rank's `obj`, in rank order (an all-gather on the default group), for pipelines without
-    a ranks' protocol (`SparseDataDistUtil`)."""
+    """Every rank's `obj` (an all-gather on the default group), for `SparseDataDistUtil`."""
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out

@@ -1,16 +1,7 @@
-"""`PrefetchStage`: the prefetch stage of a batch, waiting for its input_dist and running each
-sharded module's `prefetch()` on the prefetch stream (a worker thread on CPU), ahead of forward where
-that pays (`PrefetchWatch`).
-
-`PrefetchWatch`: Prefetch's ahead-or-inline choice on CPU under `prefetch_ahead="auto"`, by the
-rule of `pipeline.stages.watch`. The stage starts inline (each module's `prefetch()` on the
-training thread just before forward: the plain loop's order, nothing competing for the cores) and
-the watch reads how long each step blocks in the prefetch stage, a clock around a wait the step
-makes anyway. Nothing is observed while the caches still fill (a kernel that can say so is asked:
-`caches_full()`), since a cold cache reads more than the steady state does. Where the stage takes
-`threshold` of the step, steadily, every rank runs it ahead on the worker thread (the prefetch of
-batch i+1 during backward of i) and keeps that only where the steps after are faster.
-"""
+"""`PrefetchStage`, a batch's prefetch stage: its input_dist waited, then each sharded module's
+`prefetch()`, on the prefetch stream (a worker thread on CPU); and `PrefetchWatch`, Prefetch's
+ahead-or-inline choice on CPU under `prefetch_ahead="auto"`, by the rule of `pipeline.stages.watch`
+(docs/tiered.md, "Ahead or inline")."""
 
 from __future__ import annotations
 
@@ -29,9 +20,8 @@ __all__ = ["PrefetchStage", "PrefetchWatch", "prefetch_does_work"]
 
 
 class PrefetchWatch(StepWatch):
-    """Whether the prefetch stage runs "inline" (from the start) or "ahead" (once verified faster).
-    The Args and defaults are `StepWatch`'s, but the threshold: 0.2 here.
-    """
+    """Whether the prefetch stage runs "inline" (from the start) or "ahead" (once verified faster);
+    `StepWatch`'s settings and defaults, but the threshold: 0.2."""
 
     modes: ClassVar[tuple[str, str]] = ("inline", "ahead")
     label: ClassVar[str] = "prefetch"
@@ -58,8 +48,6 @@ class PrefetchWatch(StepWatch):
             self.alone, self.alone_reason = True, reason
 
     def _switched_text(self, share: float, clear: bool) -> str:
-        """The move ahead: the ranks' shares that triggered it, when it began to observe, how long
-        it is verified."""
         return (
             f"the training thread blocked in the prefetch stage {share:.0%} of the step inline (median "
             f"over {self.window} steps, mean over {len(self.shares)} rank(s): {self._shares_text()}; "
@@ -68,7 +56,6 @@ class PrefetchWatch(StepWatch):
         )
 
     def _verdict_text(self, *, kept: bool) -> str:
-        """Ahead kept, or inline again: the job's ratio, every rank's, and the rule."""
         shown, rule = self._ratios_text(), self._rule_text()
         if kept:
             return (
@@ -84,7 +71,6 @@ class PrefetchWatch(StepWatch):
         return f"prefetch runs inline: {reason}"
 
     def __repr__(self) -> str:
-        """What `print(pipe.prefetch_watch)` shows."""
         head = f"prefetch: auto, running {self.mode}"
         if self.alone_reason is not None:
             head += f"; each rank decides alone ({self.alone_reason})"
@@ -94,17 +80,9 @@ class PrefetchWatch(StepWatch):
 
 
 class PrefetchStage:
-    """The prefetch stage of a batch: wait for its input_dist, then each module's `prefetch()`,
-    on the prefetch stream (a worker thread on CPU).
-
-    Args:
-        streams: the pipeline's streams.
-        input_dist: the pipeline's input_dist (its modules, and `clear_data_dist_inputs`).
-        ahead: `PrefetchOptions.prefetch_ahead`: True, False or "auto". "auto" runs ahead on CUDA
-            (the prefetch stream takes no host core); on CPU it starts inline and lets `watch`
-            move it ahead where the steps show that pays.
-        watch: under "auto" on CPU, the `PrefetchWatch` that decides (None: `PrefetchWatch()`).
-    """
+    """The prefetch stage of a batch: wait for its input_dist, then each module's `prefetch()`.
+    `ahead`: `PrefetchOptions.prefetch_ahead` ("auto": ahead on CUDA; on CPU inline, until `watch`, a
+    `PrefetchWatch` by default, moves it ahead)."""
 
     def __init__(
         self,
@@ -157,8 +135,7 @@ class PrefetchStage:
         self._streams.set_prefetch_on_worker(False)
 
     def submit_early(self, ctx: PrefetchBatchContext) -> None:
-        """Submit `ctx`'s prefetch before forward of the batch before it, where that runs on a
-        worker thread (under `ahead`)."""
+        """Under `ahead` on a worker thread: submit `ctx`'s prefetch before forward of the batch before it."""
         if self.ahead and self._streams.prefetch_on_worker:
             self.submit(ctx)
 
@@ -185,8 +162,7 @@ class PrefetchStage:
             watch.blocked += watch.clock() - start
 
     def start_step(self, training: bool) -> None:
-        """At the start of a step: under the watch, run this training step's stage ahead or inline
-        as it says (an eval step is not timed)."""
+        """At a step's start: under the watch, run this training step's stage ahead or inline as it says."""
         watch = self.watch
         if watch is None:
             return
@@ -222,9 +198,8 @@ _NO_PREFETCH = frozenset({"dense", "fused", "fused_uvm", "quant", "quant_uvm"})
 
 
 def prefetch_does_work(module: Any) -> bool:
-    """Whether `module.prefetch()` can move data: some table of it is on a kernel with a cache to
-    fill (UVM caching, key-value, SSD/DRAM virtual tables, or a custom kernel such as `tiered/`).
-    A module without a sharding plan is assumed to work."""
+    """Whether `module.prefetch()` can move data: some table is on a kernel with a cache to fill
+    (UVM caching, key-value, SSD/DRAM virtual tables, a custom one such as `tiered/`); without a plan, yes."""
     plan = getattr(module, "module_sharding_plan", None)
     if not isinstance(plan, dict) or not plan:
         return True

@@ -1,8 +1,6 @@
-"""Device memory lent to host memory between two uses (torchrec's memory stashing, ours). `Stash`
-copies storages to host memory, frees them, and gives them back; the tensors keep their identity,
-shape and views, and must not be read while stashed. On CUDA the copies run on the memcpy stream (host
-memory pinned); on CPU nothing is saved (the host copy is in the same memory), but the semantics hold.
-`EmbeddingStash` lends the marked embedding weights between their lookup and their kernel's backward."""
+"""Device memory lent to host memory between two uses (torchrec's memory stashing): `Stash` frees
+storages once copied to the host and gives them back, the tensors keeping their identity, shape and
+views (not to be read meanwhile); `EmbeddingStash` lends marked embedding weights from lookup to backward."""
 
 from __future__ import annotations
 
@@ -47,12 +45,8 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
 
 
 class Stash:
-    """Storages lent to host memory, and given back; each storage copied whole and once.
-
-    Args:
-        streams: the pipeline's streams (the copies run on `memcpy`).
-        name: for the profiler labels (`pipeline::stash::<name>`, `pipeline::restore::<name>`).
-    """
+    """Storages lent to host memory, and given back; each copied whole and once, on `streams.memcpy`
+    (`name` labels the profiler's `pipeline::stash::<name>` and `pipeline::restore::<name>`)."""
 
     def __init__(self, streams: Streams, name: str) -> None:
         self._streams, self._name = streams, name
@@ -147,16 +141,9 @@ def _on(tensor: torch.Tensor, device: torch.device) -> bool:
 
 
 class EmbeddingStash:
-    """Lends the marked embedding weights (`weights_dev` on CUDA, a CPU kernel's host weights) out
-    right after each lookup in a training step, or at `run_pending()` with `delay`, until `restore()`
-    or, at the latest, the backward of the lookup's output. Other forwards stash nothing.
-
-    Args:
-        streams: the pipeline's streams.
-        model: the model whose sharded modules' lookups are watched.
-        device: the pipeline's device (whose memory is freed).
-        delay: keep each stash pending until `run_pending()` (torchrec's `delay_stash`).
-    """
+    """Lends the marked embedding weights on `device` (`weights_dev` on CUDA, a CPU kernel's host
+    weights) from each lookup in a training step (with `delay`, from `run_pending()`) until `restore()`
+    or, at the latest, the backward of the lookup's output."""
 
     def __init__(self, streams: Streams, model: nn.Module, device: torch.device, *, delay: bool) -> None:
         self._stash = Stash(streams, "embeddings")

@@ -1,19 +1,8 @@
-"""Streams and cross-stream hand-offs, in one place (docs/reference.md, "Streams and hand-offs").
-
-Each stage runs on a stream: the copy on `memcpy`, the input all-to-all on `data_dist`, the
-prefetch on `prefetch`, forward/backward/optimizer on the caller's (read at each use, so that the
-work is ordered with the user's code around `progress()`). Every object made on one stream and used
-on another goes through `Streams.handoff`; `release` and `returned` end what it holds. The held
-object is kept alive by ordering, not `record_stream` (`KeepAlive`: each consumer records an event
-after its last use, and the reference goes once it completed, FSDP2's way); `record_stream` remains
-for what `returned` gives the caller, for a storage freed while a side stream still copies it
-(`free_after`), and inside torchrec's and fbgemm's own APIs. Implementations: `Streams` (CPU:
-no-ops), `CudaStreams`, `ThreadStreams` (CPU, the prefetch stream a worker thread, a hand-off
-waiting for the future of the work that made the object); the test double
-`tests.streamcheck.RecordingStreams` shares `OrderedStreams`' hand-off. Stages run under profiler
-labels `pipeline::<stage>#<batch index>` (`run_stage`, `label`; what the timeline tool reads), made
-only while a profiler records: a `record_function` costs 8-15 us even with none running.
-"""
+"""Streams and every cross-stream hand-off, in one place (docs/reference.md, "Streams and hand-offs"):
+`Streams` (CPU: no-ops), `OrderedStreams` with `CudaStreams`, `ThreadStreams` (CPU, the prefetch
+stream a worker thread), `KeepAlive`, and the stages' profiler labels (`run_stage`, `label`:
+`pipeline::<stage>#<batch index>`, what the timeline tool reads), made only while a profiler
+records: a `record_function` costs 8-15 us even with none running."""
 
 from __future__ import annotations
 
@@ -45,12 +34,9 @@ __all__ = [
 ]
 
 
-# -- profiler labels, and the streams' interface -----------------------------------------------------
-
-
 HANDOFFS = ("keep-alive", "record-stream")
 """How a hand-off keeps memory alive: "keep-alive" (`KeepAlive`) or "record-stream"
-(`Tensor.record_stream` on the consumer: the previous way, kept to measure the difference)."""
+(`Tensor.record_stream` on the consumer, kept to measure the difference)."""
 
 
 class Streams:
@@ -60,25 +46,22 @@ class Streams:
     data_dist: Any = None
     prefetch: Any = None
     inert: bool = True
-    """`use()` and `stage_started()` do nothing (no streams, no checking): a stage needs no
-    bookkeeping while no profiler records (`run_stage`)."""
+    """`use()` and `stage_started()` do nothing: with no profiler recording, a stage needs no
+    bookkeeping (`run_stage`)."""
 
     def current(self) -> Any:
         """The stream the caller is running on now (forward/backward/optimizer run there)."""
         return None
 
     def use(self, stream: Any):
-        """Context manager running the enclosed work on `stream`."""
         return nullcontext()
 
     def record(self, obj: Any, stream: Any) -> None:
-        """`record_stream(stream)` on every tensor of `obj` (see the module's docstring for where)."""
+        """`record_stream(stream)` on every tensor of `obj`."""
 
     def free_after(self, tensor: Any, stream: Any) -> None:
-        """`tensor`'s storage is freed next while `stream` still reads it (a stash's copy): its block
-        is not reused before the work queued on `stream` so far is done. A freed storage leaves no
-        object to keep alive, and ordering the caller's stream after the copy would stall it: this
-        is where `record_stream` stays under either hand-off."""
+        """`tensor`'s storage is freed next while `stream` still reads it (a stash's copy): its block is
+        not reused before `stream`'s work so far is done (`record_stream`, under either hand-off)."""
 
     def produced(self, obj: Any) -> None:
         """`obj` was just created on the current stream (a checking hook; no-op here)."""
@@ -100,12 +83,10 @@ class Streams:
         return False
 
     def set_prefetch_on_worker(self, enabled: bool) -> None:
-        """Run work submitted to the prefetch stream on the worker thread (True) or inline on the
-        calling thread (False); a no-op without a worker."""
+        """Run prefetch-stream work on the worker thread (True) or inline (False); no-op without one."""
 
     def submit(self, stream: Any, work: Callable[[], None]) -> Future:
-        """Run `work` on `stream` (enqueued or run now; on a thread-backed stream, later, in order,
-        on its thread); the returned future's `result()` waits for it on the host."""
+        """Run `work` on `stream` (on a worker stream later, in order); the future's `result()` waits."""
         done: Future = Future()
         with self.use(stream):
             work()
@@ -113,28 +94,20 @@ class Streams:
         return done
 
     def wait_all(self) -> None:
-        """Wait for all work submitted so far, and for the streams' last uses of what was
-        released (before a detach or a checkpoint); what batches in flight hold stays held.
-
-        Raises:
-            BaseException: the first error of that work that no hand-off raised yet.
-        """
+        """Wait for all work submitted so far and the streams' last uses of what was released (a detach, a
+        checkpoint), holding what batches in flight hold; raises the first error no hand-off raised yet."""
 
     def discard(self) -> None:
-        """Wait for all work submitted so far and drop its errors; release and drop everything
-        held (a reset after an exception, which drops every batch in flight)."""
+        """Wait for all work submitted so far, dropping its errors; release everything held (a reset)."""
 
     def close(self) -> None:
         """`discard`, then end the threads the streams run on (their pipeline's `close()`)."""
         self.discard()
 
     def handoff(self, obj: Any, producer: Any, owner: Hashable | None = None) -> None:
-        """Make `obj`, produced on stream `producer`, usable on the current stream.
-
-        Orders the current stream after everything enqueued on `producer` so far, and holds `obj`
-        for the current stream until `release(owner)`. Must be called after `obj` was produced and
-        before the current stream first uses it. `obj` None: only the order (a fence).
-        """
+        """Make `obj`, produced on stream `producer`, usable on the current stream: the current stream
+        waits for `producer`'s work so far and `obj` is held until `release(owner)`. Call after `obj` is
+        produced, before the current stream first uses it; `obj` None: only the order (a fence)."""
 
     def handoff_event(self, obj: Any, event: Any, consumer: Any, owner: Hashable | None = None) -> None:
         """`handoff` where the producer recorded `event` (None: none, or on the host): `consumer`
@@ -145,17 +118,15 @@ class Streams:
         return None
 
     def release(self, owner: Hashable) -> None:
-        """Every stream that took one of `owner`'s objects has queued its last use (the end of a
-        batch: after its backward, where autograd reads what forward saved; or its drop): each
-        records an event now; the objects go once it has completed (`KeepAlive`)."""
+        """`owner`'s consumer streams have queued their last use (its batch's end: after backward, where
+        autograd reads what forward saved; or its drop): each records an event; the objects go after it."""
 
     def returned(self, obj: Any) -> None:
-        """`obj` leaves the pipeline for the caller, who reads it on the current stream after any
-        point the pipeline can order: its tensors are recorded on that stream."""
+        """`obj` leaves the pipeline for the caller, who reads it on the current stream past any point
+        the pipeline can order: its tensors are recorded on that stream."""
 
     def poll(self) -> None:
-        """Drop what the streams are done with (queries only): before a step allocates, so that
-        the allocator can reuse it, as it would under `record_stream`."""
+        """Drop what the streams are done with (queries only), before a step allocates."""
 
     @property
     def kept(self) -> int:
@@ -165,14 +136,8 @@ class Streams:
 
 class OrderedStreams(Streams):
     """The hand-off of real or fake streams: a wait, then the object held (`KeepAlive`) or, under
-    `handoff="record-stream"`, recorded. `CudaStreams` and `tests.streamcheck.RecordingStreams`
-    supply the streams, the events and `record`.
-
-    Args:
-        new_event: makes an event with `record(stream)`, `wait(stream)`, `query()`, `synchronize()`.
-        handoff: one of `HANDOFFS`.
-        log: what `KeepAlive` reports each hold, release and drop to (a checking test double).
-    """
+    "record-stream", recorded; subclasses supply the streams and `record`. `new_event` makes an event
+    (`record`, `wait`, `query`, `synchronize`); `log` is a checking test double's (`KeepAlive`)."""
 
     inert = False
 
@@ -217,9 +182,8 @@ class OrderedStreams(Streams):
         self.keep_alive.release(owner)
 
     def returned(self, obj: Any) -> None:
-        # The caller may keep parts of a batch (labels) past the step and read them on its stream;
-        # memory another stream allocated must then wait for that stream at its free, which only
-        # record_stream can say. On memory the caller's stream allocated it is a no-op.
+        # the caller may read parts of a batch (labels) past the step: memory another stream allocated
+        # must wait for the caller's stream at its free, which only record_stream can say
         self.record(obj, self.current())
 
     def poll(self) -> None:
@@ -240,7 +204,6 @@ _NO_LABEL = nullcontext()
 
 
 def _recording() -> bool:
-    """Whether a profiler records (either flag: see the module's docstring)."""
     return _profiler_enabled() or autograd_profiler._is_profiler_enabled
 
 
@@ -251,16 +214,14 @@ def label(text: str) -> Any:
 
 def run_stage(streams: Streams, name: str, index: int, stream: Any = None) -> Any:
     """A context manager running the enclosed work as stage `name` of batch `index` on `stream`
-    (None: the current one). With inert streams and no profiler recording, a shared no-op: a step's
-    stages then cost one call each on the hot path."""
+    (None: the current one); with inert streams and no profiler, a shared no-op."""
     if streams.inert and not _recording():
         return _NO_LABEL
     return _Stage(streams, name, index, stream)
 
 
 class _Stage:
-    """A stage with work to do on entry: a label, a stream, a checking hook. A class, not a
-    generator: entering it costs one small object, no generator frame."""
+    """A stage with work on entry (a label, a stream, a check); a class costs no generator frame."""
 
     __slots__ = ("_index", "_label", "_name", "_stream", "_streams", "_use")
 
@@ -285,19 +246,10 @@ class _Stage:
                 self._label.__exit__(*exc)
 
 
-# -- KeepAlive ---------------------------------------------------------------------------------------
-
-
 class KeepAlive:
-    """Objects handed to consumer streams, held until an event each consumer recorded after its
-    last use has completed.
-
-    Args:
-        new_event: makes an event with `record(stream)`, `query()` and `synchronize()`
-            (`torch.cuda.Event`, or a test double's). Completed events are reused.
-        log: called with `("hold" | "release" | "drop", obj, consumer[, event])` for each object,
-            by a checking test double; None on the hot path.
-    """
+    """Objects handed to consumer streams, held until an event each consumer recorded after its last
+    use has completed. `new_event` makes an event (`record`, `query`, `synchronize`), reused once done;
+    `log` gets each `("hold" | "release" | "drop", obj, consumer[, event])` (a checking test double)."""
 
     def __init__(self, new_event: Callable[[], Any], log: Callable[[tuple], None] | None = None) -> None:
         self._new_event = new_event
@@ -315,8 +267,7 @@ class KeepAlive:
         """The most objects held at once."""
 
     def hold(self, obj: Any, consumer: Any, owner: Hashable) -> None:
-        """Keep `obj`, which stream `consumer` will read, until `owner` is released and the
-        consumer's event then has completed. Drops what completed so far first."""
+        """Keep `obj` for stream `consumer` until `owner` is released and that event completed."""
         if self._waiting:
             self.poll()
         self._held.setdefault(owner, []).append((obj, consumer))
@@ -326,9 +277,7 @@ class KeepAlive:
             self._log(("hold", obj, consumer))
 
     def release(self, owner: Hashable) -> None:
-        """Every consumer of `owner`'s objects has queued its last use: record an event on each
-        (now, on the host) and drop the objects once it has completed. Drops what completed so
-        far first."""
+        """Record an event now on each consumer of `owner`'s objects; they go once it completed."""
         self.poll()
         holds = self._held.pop(owner, None)
         if not holds:
@@ -354,8 +303,7 @@ class KeepAlive:
                 self._drop(consumer, *queue.popleft())
 
     def wait(self) -> None:
-        """Wait for every released object's event and drop it; held ones stay (their batches are
-        still in flight)."""
+        """Wait for every released object's event and drop it; held ones stay (batches in flight)."""
         for consumer, queue in self._released.items():
             while queue:
                 event, objs = queue.popleft()
@@ -363,8 +311,7 @@ class KeepAlive:
                 self._drop(consumer, event, objs)
 
     def release_all(self) -> None:
-        """Release every owner now and wait: nothing is kept afterwards (a reset drops every
-        batch in flight)."""
+        """Release every owner and wait: nothing is kept afterwards (a reset)."""
         for owner in list(self._held):
             self.release(owner)
         self.wait()
@@ -378,19 +325,9 @@ class KeepAlive:
                 self._log(("drop", obj, consumer))
 
 
-# -- CUDA --------------------------------------------------------------------------------------------
-
-
 class CudaStreams(OrderedStreams):
-    """Side streams on a CUDA device; copy and communication at high priority.
-
-    Args:
-        device: the CUDA device.
-        prefetch: make a prefetch stream.
-        data_dist: make a data_dist stream; without, input_dist runs on the caller's stream (no
-            memory pool of another stream).
-        handoff: one of `HANDOFFS` ("record-stream" is there to compare the two in-flight memories).
-    """
+    """Side streams on a CUDA device, copy and communication at high priority (without `data_dist`,
+    input_dist runs on the caller's stream); `handoff` is one of `HANDOFFS`."""
 
     def __init__(
         self,
@@ -404,7 +341,6 @@ class CudaStreams(OrderedStreams):
         high = torch.cuda.Stream.priority_range()[1]  # lowest number is the highest priority
         self.device = device
         self.memcpy = torch.cuda.Stream(device=device, priority=high)
-        # without: input_dist runs on the caller's stream (no memory pool of another stream)
         self.data_dist = torch.cuda.Stream(device=device, priority=high) if data_dist else None
         self.prefetch = torch.cuda.Stream(device=device) if prefetch else None
 
@@ -438,21 +374,14 @@ def _record_stream(obj: Any, stream: Any) -> None:
             _record_stream(getattr(obj, f.name), stream)
 
 
-# -- CPU, with the prefetch stream a worker thread ---------------------------------------------------
-
-
 _all_threads_profiled = False
 
 
 @contextmanager
 def profiling_all_threads() -> Iterator[None]:
-    """Declare that the active torch.profiler records every thread, i.e. was made with
-    `experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`.
-
-    Inside it, `ThreadStreams` keeps the prefetch stage on its worker thread while the profiler
-    runs, so the trace shows the overlap; outside it, the stage runs inline while profiling, since
-    a profiler started without that option drops the worker thread's events.
-    """
+    """Declare that the active torch.profiler records every thread (made with
+    `_ExperimentalConfig(profile_all_threads=True)`): inside it `ThreadStreams` keeps the prefetch stage
+    on its worker while profiling; outside, the stage runs inline then, or its events would be lost."""
     global _all_threads_profiled
     previous, _all_threads_profiled = _all_threads_profiled, True
     try:
@@ -462,7 +391,6 @@ def profiling_all_threads() -> Iterator[None]:
 
 
 def all_threads_profiled() -> bool:
-    """Whether the code runs inside `profiling_all_threads()`."""
     return _all_threads_profiled
 
 
@@ -475,7 +403,7 @@ class _WorkerStream:
         self._last: Future | None = None
         self._pending: deque[Future] = deque()
         """Work submitted since the last `wait_all` or `discard`, less what finished without error
-        (dropped at each submission: a training run submits one job a step, for days)."""
+        (dropped at each submission: a run submits a job a step, for days)."""
         self._local = threading.local()
 
     def submit(self, work: Callable[[], None]) -> Future:
@@ -511,8 +439,7 @@ class _WorkerStream:
             self._last.result()
 
     def wait_all(self) -> None:
-        """Wait for everything submitted so far; re-raise the first error among it. (An error a
-        hand-off already raised inside `progress()` was dropped by the reset that followed it.)"""
+        """Wait for everything submitted so far; re-raise the first error among it."""
         pending, self._pending, self._last = self._pending, deque(), None
         wait(pending)
         for job in pending:
@@ -520,8 +447,7 @@ class _WorkerStream:
                 raise job.exception()
 
     def discard(self) -> None:
-        """Wait for everything submitted so far and forget its errors: a later `join` raises only
-        what fails after this."""
+        """Wait for everything submitted so far and forget its errors."""
         pending, self._pending, self._last = self._pending, deque(), None
         wait(pending)
 
@@ -533,14 +459,8 @@ class _WorkerStream:
 
 
 class ThreadStreams(Streams):
-    """CPU streams where the prefetch stage runs on a worker thread.
-
-    On a CPU, a prefetch that waits (on the disk, on the all-to-all) overlaps the main thread's
-    backward only if it runs on another thread; CPU-bound work moved there competes with compute.
-    A hand-off of an object the worker produced waits for the work that produced it (its future;
-    other objects: for everything submitted so far), which is what `wait_stream` does on CUDA;
-    memory needs no recording on the host.
-    """
+    """CPU streams whose prefetch stream is a worker thread; a hand-off of what the worker produced
+    waits for the job that produced it (anything else: for all), as `wait_stream` does on CUDA."""
 
     def __init__(self) -> None:
         self.prefetch = _WorkerStream("prefetch")
@@ -556,8 +476,7 @@ class ThreadStreams(Streams):
 
     @property
     def prefetch_on_worker(self) -> bool:
-        # torch.profiler records only the threads it was started on, unless told otherwise: while it
-        # runs, work stays on the calling thread so that every stage keeps its label.
+        # a profiler records only the threads it started on: while it runs, stages stay on this one
         profiled = torch.autograd.profiler._is_profiler_enabled and not all_threads_profiled()
         return self._threaded and not profiled
 
@@ -589,8 +508,7 @@ class ThreadStreams(Streams):
             self._made_by[id(obj)] = job
 
     def handoff(self, obj: Any, producer: Any, owner: Hashable | None = None) -> None:
-        # Wait for the work that made `obj`, not for everything submitted since: the prefetch of
-        # batch i+1 may already be running when forward of i takes batch i's prefetched input.
+        # only the job that made `obj`: the prefetch of i+1 may already run as forward of i reads i's
         if isinstance(producer, _WorkerStream):
             job = self._made_by.pop(id(obj), None)
             if job is not None:
@@ -600,8 +518,7 @@ class ThreadStreams(Streams):
 
 
 def streams_for(device: torch.device, *, prefetch_thread: bool = False, data_dist: bool = True) -> Streams:
-    """Real streams on CUDA (without a data_dist stream unless `data_dist`); on CPU none, or a
-    prefetch worker thread if `prefetch_thread`."""
+    """Real streams on CUDA (data_dist only if `data_dist`); on CPU none, or a prefetch worker thread."""
     if device.type == "cuda":
         return CudaStreams(device, data_dist=data_dist)
     if prefetch_thread:
