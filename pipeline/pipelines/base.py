@@ -1,5 +1,4 @@
-"""TrainPipelineBase: the host-to-device copy of batch i+1 overlaps forward, backward and optimizer
-of batch i (stages and streams: `pipeline.stages`)."""
+"""TrainPipelineBase: the host-to-device copy of batch i+1 overlaps the compute of batch i."""
 
 from __future__ import annotations
 
@@ -20,19 +19,15 @@ class TrainPipelineBase(PipelineCore):
     """Overlaps the host-to-device copy of batch i+1 with forward/backward/optimizer of batch i.
 
     Args (torchrec's, in its order):
-        model: the model; in training mode `model(batch)` returns `(loss, output)`. In eval mode
-            `progress()` returns `output` of a `(loss, output)` pair, or whatever else it returns.
+        model: in training mode `model(batch)` returns `(loss, output)`; `progress()` returns `output`.
         optimizer: stepped after each training batch's backward.
         device: where batches are copied to.
-        custom_model_fwd: called with the batch instead of `model` (same return convention).
-        enable_inplace_copy_batch: allocate the device copy of a batch on the stream that uses it
-            and fill it on the copy stream (GPU; on CPU batches are not copied).
+        custom_model_fwd: called with the batch instead of `model`.
+        enable_inplace_copy_batch: allocate a batch's device copy on the stream that uses it (GPU).
 
     Keyword-only, ours:
-        execute_all_batches: torchrec's Base has no such option and runs every batch, and so
-            does ours under False (nothing follows the head batch that it would need).
-        streams: the streams to run on (tests pass `tests.streamcheck.RecordingStreams()`); None: CUDA
-            streams on a GPU, none on CPU.
+        execute_all_batches: accepted; every batch runs either way (torchrec's Base has no such option).
+        streams: the streams to run on; None: CUDA streams on a GPU, none on CPU.
         ranks: how the ranks agree on every batch, and fail (`RankOptions`).
     """
 

@@ -1,8 +1,6 @@
-"""torchrec's experimental SparseDist variants (its `experimental_pipelines`), but for those that act
-from an injection site in backward (`pipeline.pipelines.in_backward`): one pipeline for training and
-evaluation batches, a forward-only one with the sparse part on the host, and one that dispatches the
-copy of batch i+2 from a worker thread (docs/reference.md, "torchrec 1.9's unexported classes").
-"""
+"""torchrec's experimental SparseDist variants, but those acting from backward (`in_backward`): train
+and eval batches in one pipeline, eval with the sparse part on the host, and the copy of batch i+2
+dispatched from a worker thread (docs/reference.md, "torchrec 1.9's unexported classes")."""
 
 from __future__ import annotations
 
@@ -28,15 +26,10 @@ __all__ = ["EvalPipelineCPUSparse", "TrainEvalHybridPipelineBase", "TrainPipelin
 
 
 class TrainEvalHybridPipelineBase(TrainPipelineSparseDist):
-    """SparseDist that trains a batch if the model is in training mode at the `progress()` call
-    that returns it, else only evaluates it (forward under `no_grad`, nothing stepped).
-
-    Batches are kept per dataloader iterator: `progress(eval_it)` returns only `eval_it`'s batches
-    while the training batches in flight wait (torchrec's class, with one queue, returns them as its
-    first eval outputs). The arguments are `TrainPipelineSparseDist`'s; under
-    `execute_all_batches=False` a training iterator's last two batches are dropped, an eval pass
-    runs every batch (as torchrec's).
-    """
+    """SparseDist that trains a batch if the model is in training mode at the `progress()` that returns
+    it, else only evaluates it (forward under `no_grad`). Batches are kept per dataloader iterator:
+    `progress(eval_it)` returns only `eval_it`'s. Args: `TrainPipelineSparseDist`'s; under
+    `execute_all_batches=False` a training iterator's last two batches are dropped; an eval pass runs all."""
 
     def __init__(
         self,
@@ -93,7 +86,6 @@ class TrainEvalHybridPipelineBase(TrainPipelineSparseDist):
             lane.inflight.clear()  # a training iterator ended before this step's look-ahead: drop all
         self._input_dist.fill(lane, self._enqueue)
 
-    # the hooks: torchrec's `_state` at each point of the step, and the mode the batch ran in
     def _step_begins(self, ctx: BatchContext) -> None:
         self._state = PipelineState.IDLE
         super()._step_begins(ctx)
@@ -109,26 +101,18 @@ class TrainEvalHybridPipelineBase(TrainPipelineSparseDist):
 
 
 class EvalPipelineCPUSparse(TrainPipelineSparseDist):
-    """Forward-only pipeline: the sparse stage (input_dist, lookup, output all-to-all) of batch
-    i+`pipeline_depth` on the host, the copy of batch i+1 (batch and embeddings) and forward of i on
-    the device. Each output is the model's own `model(batch)` under `no_grad`, bit for bit.
+    """Forward-only: the sparse stage (input_dist, lookup, output all-to-all) of batch
+    i+`pipeline_depth` on the host; the copy of batch i+1 and its embeddings, and forward of i, on
+    `device`. Each output is the model's own under `no_grad`, bit for bit.
 
-    Args:
-        model: sharded modules on the host (any sharding that runs there), the dense part on `device`.
+    Args (torchrec's, in its order; the others as in `TrainPipelineSparseDist`):
+        model: sharded modules on the host, the dense part on `device`.
         optimizer: not used.
         device: where the batch, the embeddings and the dense forward go.
         execute_all_batches: accepted; every batch runs (as in torchrec's class).
-        apply_jit: not supported; must be False.
-        enable_inplace_copy_batch: allocate the device copies on the stream that uses them.
-        multi_thread: run the sparse stage on a worker thread, where it runs no collective
-            (data-parallel tables, one rank); otherwise on the calling thread, as the report notes.
-        pipeline_depth: 2 or 1 (batches whose sparse stage runs ahead of their forward).
-        streams: keyword-only, ours: the device's (the copy runs on its memcpy); None: a memcpy
-            stream on a GPU, none on CPU. The others are as in `TrainPipelineSparseDist`
-            (`input_dist`'s schedule is "late").
-
-    Raises:
-        ValueError: `pipeline_depth` not 1 or 2, or `apply_jit`.
+        multi_thread: run the sparse stage on a worker thread where it runs no collective.
+        pipeline_depth: 1 or 2 (else a ValueError): the batches whose sparse stage runs ahead.
+        streams: keyword-only, ours: the device's; None: a memcpy stream on a GPU, none on CPU.
     """
 
     def __init__(
@@ -262,7 +246,6 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist):
             job.result()
 
     def _to_device(self, ctx: HostLookupBatchContext) -> None:
-        """Copy the batch and embeddings of `ctx` to the device, on memcpy."""
         if ctx.on_device:
             return
         self._wait_sparse()
@@ -292,10 +275,9 @@ def _communicates(modules: list[Any]) -> bool:
 
 
 class TrainPipelineSparseDistT(TrainPipelineSparseDist):
-    """SparseDist with the copy of batch i+2 dispatched from a worker thread, so the caller's
-    thread does not spend its time issuing it; on CPU nothing is copied and no thread is used. The
-    arguments are `TrainPipelineSparseDist`'s (`enable_inplace_copy_batch`: the worker allocates).
-    """
+    """SparseDist with the copy of batch i+2 dispatched from a worker thread (on CPU nothing is copied
+    and no thread is used). Args: `TrainPipelineSparseDist`'s (`enable_inplace_copy_batch`: the worker
+    allocates)."""
 
     def __init__(
         self,

@@ -1,7 +1,5 @@
-"""Gradient accumulation around any pipeline, with torchrec 1.8's API and schedule: one optimizer
-step every `num_steps` batches, the dense gradients all-reduced once a group (docs/reference.md,
-"Gradient accumulation", says each rule).
-"""
+"""Gradient accumulation around any pipeline, with torchrec 1.8's API and schedule: one optimizer step
+every `num_steps` batches (docs/reference.md, "Gradient accumulation", says each rule)."""
 
 from __future__ import annotations
 
@@ -21,11 +19,8 @@ __all__ = ["GradientAccumulationConfig", "GradientAccumulationWrapper"]
 
 @dataclass(slots=True)
 class GradientAccumulationConfig:
-    """How many batches make one optimizer step (torchrec's fields and defaults, positional too).
-
-    Raises:
-        ValueError: `num_steps` or `num_warmup_steps` below 1.
-    """
+    """How many batches make one optimizer step (torchrec's fields and defaults, positional too);
+    `num_steps` or `num_warmup_steps` below 1 is a ValueError."""
 
     is_enabled: bool = False  # set by itself when num_steps > 1
     num_steps: int = 1  # batches per optimizer step
@@ -45,8 +40,7 @@ class GradientAccumulationConfig:
 
 class AccumulatingOptimizer:
     """The optimizer as the wrapped pipeline sees it: `zero_grad()` at a group's first batch only,
-    `step()` at its last only (`current_step`: the batch the pipeline runs); the rest is the
-    optimizer's."""
+    `step()` at its last only; the rest is the optimizer's."""
 
     def __init__(self, optimizer: Any, config: GradientAccumulationConfig) -> None:
         self.optimizer = optimizer
@@ -123,11 +117,10 @@ class GradientAccumulationWrapper(Generic[In, Out]):
         """One batch through the pipeline; the optimizer steps if it ends a group.
 
         Args:
-            dataloader_iter: the batches.
             is_last_batch: True for the last batch: it syncs, and the group steps after it.
 
         Raises:
-            StopIteration: the dataloader is exhausted; an unfinished group has stepped first.
+            StopIteration: the dataloader is exhausted; an unfinished group stepped first.
         """
         if not self._config.is_enabled:
             return self._pipeline.progress(dataloader_iter)
@@ -148,12 +141,8 @@ class GradientAccumulationWrapper(Generic[In, Out]):
         return output
 
     def drain(self, dataloader_iter: Iterator[In]) -> list[Out]:
-        """Refused: the pipeline's `drain()` would run batches past the accumulation's count.
-
-        Raises:
-            TypeError: always; checkpoint at a group's boundary (`current_step % num_steps == 0`)
-                with the pipeline's `dataloader_state()` instead, and save `current_step`.
-        """
+        """Refused with a TypeError: the pipeline's `drain()` would run batches past the accumulation's
+        count; checkpoint where `current_step % num_steps == 0`, with `dataloader_state()`."""
         raise TypeError(
             "GradientAccumulationWrapper.drain() is not supported: checkpoint when current_step is a "
             "multiple of num_steps, with dataloader_state() (no drain), and restore with set_step()"
@@ -168,8 +157,7 @@ class GradientAccumulationWrapper(Generic[In, Out]):
             self._pipeline.reset()
 
     def _flush(self) -> None:
-        """Step an unfinished group, its gradients first averaged over the ranks if its last backward
-        did not sync; the next batch starts a new group."""
+        """Step an unfinished group, its gradients first averaged over the ranks if it did not sync."""
         done = self.current_step
         if done % self._config.num_steps == 0:
             return

@@ -1,8 +1,5 @@
-"""The pipelines that act from an injection site in backward (torchrec's experimental variants): each
-runs SparseDist's step and overrides its hooks. `TrainPipelineSparseDistBwdOpt` runs the optimizer
-step inside backward; `TrainPipelineSparseDistOptStash` keeps the optimizer state in host memory
-between steps; `TrainPipelineSparseDistEmbStash` and `TrainPipelinePrefetchEMS` lend marked embedding
-weights to host memory between their lookup and their backward."""
+"""torchrec's experimental pipelines that act from an injection site in backward, on SparseDist's step
+(docs/reference.md, "Backward injection: BwdOpt, OptStash, EmbStash, PrefetchEMS")."""
 
 from __future__ import annotations
 
@@ -42,22 +39,14 @@ __all__ = [
 
 
 class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist):
-    """SparseDist whose optimizer stage runs inside backward, from the output all-to-all of
-    `site_fqn`, as soon as every gradient it applies is final there or later (`StepInBackward`).
+    """SparseDist whose optimizer stage runs inside backward, from the output all-to-all of `site_fqn`,
+    once every gradient it applies is final (`StepInBackward`): the plain loop's numbers, bit for bit.
+    `step_placement` says where it ran; under DDP (a DistributedModelParallel's dense part, by default)
+    that is the end of backward, and nothing overlaps.
 
-    Numerics: the plain loop's, bit for bit (torchrec's class steps at the site whatever the
-    gradients are there). `step_placement` says where the last step ran; under DDP (the dense part
-    of a DistributedModelParallel, by default) that is the end of backward, and nothing overlaps.
-    The rewrite report notes each placement other than the site the first time it happens.
-
-    Args (torchrec's, in its order; the rest, and our keyword-only ones, as in `TrainPipelineSparseDist`):
-        site_fqn: the sharded module whose output all-to-all's backward is the injection site, as
-            the user's model names it.
+    Args (torchrec's, in its order; the others, and ours, keyword-only, as in `TrainPipelineSparseDist`):
+        site_fqn: the sharded module whose output all-to-all's backward is the injection site.
         sharding_type: which of its output all-to-alls (one per sharding type).
-        dmp_collection_sync_interval_batches: the replicas sync after backward, as torchrec's.
-
-    Raises:
-        ValueError: `site_fqn` is not a module of the model.
     """
 
     def __init__(
@@ -162,16 +151,9 @@ def _reduced_by_ddp(model: nn.Module) -> set[int]:
 
 
 class StepInBackward:
-    """Runs `step` inside backward once the injection site is reached and every gradient it applies
-    is final: without DDP, when the post-accumulate-grad hook of every parameter of the optimizer has
-    fired after the site; where DDP reduces some of them, at the end of backward, after DDP's
-    all-reduce; else (site not reached, a gradient never came) at `finish()`.
-
-    Args:
-        model: the pipeline's model (its DDP wrappers hold gradients final only at backward's end).
-        optimizer: the optimizer whose parameters' gradients are waited for.
-        step: the optimizer stage.
-    """
+    """Runs `step` inside backward once the injection site is reached and every gradient it applies is
+    final: without DDP, once the post-accumulate-grad hook of each of `optimizer`'s parameters fired
+    after the site; where DDP reduces some, at backward's end, after its all-reduce; else at `finish()`."""
 
     def __init__(self, model: nn.Module, optimizer: Any, step: Callable[[], None]) -> None:
         self._step = step
@@ -244,14 +226,11 @@ class StepInBackward:
 
 
 class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist):
-    """SparseDist whose optimizer state is in host memory between optimizer steps, given back from
-    an injection site in backward (a fused embedding optimizer's ShardedTensors are not stashed).
+    """SparseDist whose dense optimizer state is in host memory between optimizer steps, given back from
+    an injection site in backward: the plain loop's numbers. Between two `progress()` calls the state
+    tensors are empty: call `detach()`, `drain()` or `reset()` before saving the optimizer's state.
 
-    Numerics: the plain loop's, bit for bit. Between two `progress()` calls the state tensors are
-    empty (their storage freed): `detach()`, `drain()` or `reset()` gives them back, so call one
-    before saving the optimizer's state. On CPU the host copy is in the same memory: nothing saved.
-
-    Args (torchrec's, in its order; the rest, and our keyword-only ones, as in `TrainPipelineSparseDist`):
+    Args (torchrec's, in its order; the others, and ours, keyword-only, as in `TrainPipelineSparseDist`):
         site_fqn: the sharded module whose output all-to-all's backward starts the restore.
         sharding_type: which of its output all-to-alls (one per sharding type).
         stash_min_bytes (ours): state tensors smaller than this stay (torchrec's threshold, 1 MiB).
@@ -357,9 +336,8 @@ def hook_embedding_stash(
     delay: bool,
     stash_site_fqn: str | None,
 ) -> None:
-    """Wire `stash` to `model`: the restore at `site` (a string: a PARAM_GRAD site on that module) in
-    backward; with `delay`, the pending stashes run at the forward of `stash_site_fqn`, or else at
-    `site` just before the restore (torchrec's order)."""
+    """Wire `stash` to `model`: the restore at `site` in backward; with `delay`, the pending stashes
+    at the forward of `stash_site_fqn`, or else at `site` just before the restore (torchrec's order)."""
     root = unwrap_model(model)
     if isinstance(site, str):
         site = InjectionSite(site, FirstGradTensorFinder(), InjectionTargetType.PARAM_GRAD)
@@ -372,20 +350,13 @@ def hook_embedding_stash(
 
 class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist):
     """SparseDist whose embedding weights marked `stash_weights=True` (a table config's flag) are in
-    host memory from their lookup until backward comes back to them (`EmbeddingStash`).
+    host memory from their lookup until backward comes back to them: the plain loop's numbers.
 
-    Numerics: the plain loop's, bit for bit. On CPU the host copy is in the same memory: nothing is
-    saved.
-
-    Args (torchrec's, in its order; the rest, and our keyword-only ones, as in `TrainPipelineSparseDist`):
-        site_fqn: where backward starts the restore: a module of the user's model (a hook on its
-            last trainable parameter's gradient, e.g. the over arch), or an `InjectionSite`.
-        delay_stash: stash at `stash_site_fqn`'s forward (or, without it, at the site in backward)
-            instead of right after the lookup.
-        stash_site_fqn: the module (run after the lookups) before whose forward delayed stashes run.
-
-    Raises:
-        ValueError: `site_fqn` (or `stash_site_fqn`) is not a module of the model.
+    Args (torchrec's, in its order; the others, and ours, keyword-only, as in `TrainPipelineSparseDist`):
+        site_fqn: where backward starts the restore: a module (a hook on its last trainable parameter's
+            gradient, e.g. the over arch), or an `InjectionSite`.
+        delay_stash: stash at `stash_site_fqn`'s forward (without one, at the site) instead of at once.
+        stash_site_fqn: the module, run after the lookups, before whose forward delayed stashes run.
     """
 
     def __init__(
@@ -455,13 +426,9 @@ class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist):
 
 
 class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash):
-    """EmbStash plus a prefetch stage: after forward of batch i the stashed weights come back and the
-    prefetch of batch i+1 is submitted, before backward of i. Numerics: the plain loop's, bit for bit.
-    Like torchrec's sharded modules (1.9.2), it stashes no UVM cache.
-
-    Args (torchrec's, in its order, then ours, keyword-only): as in `TrainPipelineSparseDistEmbStash`
-    (`streams`: on CPU by default a prefetch worker thread, as `PrefetchTrainPipelineSparseDist`'s).
-    """
+    """EmbStash plus a prefetch stage: after forward of batch i the weights come back and the prefetch
+    of batch i+1 is submitted, before backward of i; the plain loop's numbers. Args: as
+    `TrainPipelineSparseDistEmbStash`'s (`streams` None: on CPU a prefetch worker thread)."""
 
     def __init__(
         self,

@@ -1,7 +1,5 @@
-"""The pipelines that run a batch's embedding lookup ahead of its forward (`pipeline.stages.lookup`):
-`TrainPipelineFusedSparseDist`, its forward-only twin `EvalPipelineFusedSparseDist` and
-`TrainPipelinePEC` look batch i up at the start of step i, on SparseDist's step with the lookup placed
-by its hooks; `TrainPipelineSemiSync` looks batch i+1 up before backward of i, with a step of its own."""
+"""The pipelines that look a batch up ahead of its forward (`pipeline.stages.lookup`): Fused, EvalFused
+and PEC at the start of its step, by SparseDist's hooks; SemiSync a step earlier, in a step of its own."""
 
 from __future__ import annotations
 
@@ -45,19 +43,13 @@ def _lookup_stream(emb_lookup_stream: str) -> bool:
 
 
 class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
-    """SparseDist whose embedding lookup of batch i runs at the start of step i, ahead of forward.
+    """SparseDist whose embedding lookup of batch i runs at the start of step i, ahead of forward: the
+    plain loop's numbers, bit for bit (where the dense optimizer steps a sharded module's parameters,
+    the lookup waits for that step; torchrec's does not).
 
-    Numerics: the plain loop's, bit for bit, for fused embedding optimizers; where a sharded module
-    has parameters in the dense optimizer (feature processors) the lookup waits for the optimizer
-    step (torchrec's class does not, and warns that this case is not exact).
-
-    Args (torchrec's, in its order; the rest, and our keyword-only ones, as in `TrainPipelineSparseDist`):
+    Args (torchrec's, in its order; the others, and ours, keyword-only, as in `TrainPipelineSparseDist`):
         emb_lookup_stream: "data_dist" or "new": on the data_dist stream; "current": the caller's.
-        embedding_lookup_after_data_dist: look i up after the input_dist start of i+1 and the copy
-            of i+2, instead of first.
-
-    Raises:
-        ValueError: `emb_lookup_stream` is not one of `LOOKUP_STREAMS`.
+        embedding_lookup_after_data_dist: look i up after the input_dist start of i+1, not first.
     """
 
     def __init__(
@@ -136,17 +128,11 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
 
 
 class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
-    """Forward-only `TrainPipelineFusedSparseDist`; with `enable_embedding_lookup_prefetch` the lookup
-    of batch i+1 runs right after forward of i (on a GPU overlapping it, two batches' outputs alive).
-
-    Numerics: each output is the model's own for its batch (`model(batch)` under `no_grad`, in the
-    model's mode, left as it is), bit for bit; nothing is updated. `progress()` returns `output` of a
-    `(loss, output)` pair, any other return value as it is.
+    """Forward-only `TrainPipelineFusedSparseDist`: each output is the model's own under `no_grad`.
 
     Args (torchrec's, in its order, then its keyword; the others as in `TrainPipelineFusedSparseDist`,
-    `optimizer` not used; ours, keyword-only, as in `EvalPipelineSparseDist`):
-        enqueue_batch_after_forward: accepted; batch i+2 is copied before forward all the same, as by
-            torchrec's eval class.
+    `optimizer` unused; ours, keyword-only, as in `EvalPipelineSparseDist`):
+        enqueue_batch_after_forward: accepted; batch i+2 is copied before forward, as by torchrec's.
         enable_embedding_lookup_prefetch: look batch i+1 up right after forward of i.
     """
 
@@ -208,15 +194,9 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
 
 
 class TrainPipelinePEC(TrainPipelineSparseDist):
-    """SparseDist whose embedding lookup of batch i runs at the top of step i, for every sharded
-    module (torchrec 1.9's; docs/reference.md, "TrainPipelinePEC").
-
-    torchrec's class (CUDA only) splits each `ShardedPECEmbeddingCollection`'s ids by whether they
-    recur in the next batch; here each module is looked up whole, and a note in `rewrite_report`
-    names the PEC modules. Numerics: as `TrainPipelineFusedSparseDist`'s.
-
-    Args (torchrec's, in its order, then ours, keyword-only): as in `TrainPipelineSparseDist`.
-    """
+    """SparseDist whose embedding lookup of batch i runs at the top of step i (torchrec 1.9's;
+    docs/reference.md, "TrainPipelinePEC"); PEC modules are looked up whole, without torchrec's split of
+    their ids, and `rewrite_report` says so. Args: `TrainPipelineSparseDist`'s."""
 
     def __init__(
         self,
@@ -275,29 +255,15 @@ class TrainPipelinePEC(TrainPipelineSparseDist):
 
 
 class TrainPipelineSemiSync(TrainPipelineSparseDist):
-    """The embedding lookup of batch i+1 runs before backward of batch i, so it reads embeddings
-    one update stale (torchrec 1.8's semi-synchronous training).
+    """SparseDist whose embedding lookup of batch i+1 runs before backward of i, from `start_batch` on,
+    so it reads embeddings one update stale (torchrec 1.8's semi-synchronous training; docs/reference.md,
+    "TrainPipelineSemiSync"). A pipelined module whose parameters the dense optimizer steps changes after
+    the next lookup used it: a warning (an error under `strict`).
 
-    Per `progress()` returning batch i, from `start_batch` on: copy of i+3, input_dist of i+2,
-    forward of i, lookup of i+1, backward of i, optimizer step; before it the lookup of i+1 follows
-    the step (the plain loop's numerics). Batch k+1 is fetched, its vote started, before input_dist
-    of k starts, so that the vote has a step to arrive.
-
-    Numerics, for batch j (counting every batch fetched): forward sees the dense parameters of step
-    j-1 (with `stash_gradients`, the gradients of batch j-2) and, for j > `start_batch`, the
-    embeddings as updated by batch j-2, not j-1; bit for bit the plain loop with this staleness
-    (tests/test_family.py). `drain()` ends the chain. A pipelined module whose parameters the dense
-    optimizer steps (position weights) changes after the next lookup used it, which autograd
-    rejects: a warning (an error under `strict`).
-
-    Args (torchrec's, in its order; the rest, and our keyword-only ones, as in `TrainPipelineSparseDist`;
-    under `execute_all_batches=False` nothing is dropped, as in torchrec's class):
-        start_batch: index of the first batch whose successor is looked up before its backward.
-        stash_gradients: step the dense optimizer with the previous batch's gradients (torchrec's
-            "true" semi-sync).
-
-    Raises:
-        ValueError: `start_batch` is not an int >= 0.
+    Args (torchrec's, in its order; the others, and ours, keyword-only, as in `TrainPipelineSparseDist`;
+    `execute_all_batches=False` drops nothing, as torchrec's):
+        start_batch: index (an int >= 0) of the first batch whose successor is looked up before its backward.
+        stash_gradients: step the dense optimizer on the previous batch's gradients ("true" semi-sync).
     """
 
     def __init__(

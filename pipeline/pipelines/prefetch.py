@@ -1,9 +1,5 @@
-"""PrefetchTrainPipelineSparseDist: SparseDist plus a prefetch stage, so forward never waits on
-communication and each module's `prefetch()` (an embedding cache filled ahead, e.g. `tiered/`) runs
-for batch i+1 while batch i computes: on CUDA on the prefetch stream, on CPU on a worker thread
-(stages and streams: `pipeline.stages`; the prefetch stage: `pipeline.stages.prefetch`). Its step is
-SparseDist's, with the prefetch stage placed by the step's hooks.
-"""
+"""PrefetchTrainPipelineSparseDist: SparseDist's step with a prefetch stage (`pipeline.stages.prefetch`)
+placed by its hooks."""
 
 from __future__ import annotations
 
@@ -24,13 +20,11 @@ __all__ = ["PrefetchTrainPipelineSparseDist"]
 
 
 class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
-    """Adds a prefetch stage: the input_dist wait and each module's `prefetch()` run before
-    forward, on the prefetch stream, so forward never waits on communication.
+    """SparseDist plus a prefetch stage: the input_dist wait and each module's `prefetch()` of batch i+1
+    run before its forward, on the prefetch stream (on CPU a worker thread).
 
-    Args (torchrec's, in its order, then ours, keyword-only): as in `TrainPipelineSparseDist`
-    (under `execute_all_batches=False` the last two batches are dropped, as by torchrec's fixed
-    class; torchrec 1.8.0 drops four), and `prefetch`: when the stage runs (`PrefetchOptions`).
-    `streams` None: on CPU a prefetch worker thread.
+    Args (torchrec's, in its order, then ours, keyword-only): as in `TrainPipelineSparseDist`, and
+        prefetch: when the prefetch stage runs (`PrefetchOptions`).
     """
 
     def __init__(
@@ -69,7 +63,6 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
             rewrite=rewrite,
             input_dist=input_dist,
             ranks=ranks,
-            # CPU: the prefetch stream is a worker thread
             streams=streams if streams is not None else streams_for(device, prefetch_thread=True),
             forward="prefetch",
             context_type=PrefetchBatchContext,
@@ -89,21 +82,18 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
 
     @property
     def prefetch_reason(self) -> str | None:
-        """Under "auto" on CPU, once its watch has decided something: the last decision, in one line
-        with what was measured (each is also a note of the rewrite report)."""
+        """Under "auto" on CPU: its watch's last decision, in one line (also a note of the report)."""
         watch = self._prefetch.watch
         return watch.reason if watch is not None else None
 
     @property
     def prefetch_watch(self) -> PrefetchWatch | None:
-        """Under "auto" on CPU, the watch choosing ahead or inline: `print()` it to see what it saw
-        and did; `state_dict()`/`load_state_dict()` carry its decision across a restart."""
+        """Under "auto" on CPU, the watch choosing ahead or inline (`print()` it; `state_dict()`)."""
         return self._prefetch.watch
 
     @property
     def prefetch_mode(self) -> str | None:
-        """ "prefetch" (the prefetch stage runs), "sparse-dist" (no module has prefetch work: the
-        step is `TrainPipelineSparseDist`'s), or None before the first batch."""
+        """ "prefetch", or "sparse-dist" where no module's `prefetch()` moves data; None before a batch."""
         if self._with_stage is None:
             return None
         return "prefetch" if self._with_stage else "sparse-dist"
@@ -124,12 +114,10 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
                 "Prefetch pipeline runs TrainPipelineSparseDist's step, with no prefetch stage"
             )
 
-    # The hooks: SparseDist's where no module has prefetch work (`_with_stage` False).
-
     def _step_begins(self, ctx: BatchContext) -> None:
         if not self._with_stage:
             return super()._step_begins(ctx)
-        # under a trial: ahead or inline this step (the stage frees the sent inputs itself)
+        # the stage frees the sent inputs itself
         self._prefetch.start_step(self._model.training)
 
     def _before_forward(self, ctx: BatchContext, nxt: BatchContext | None) -> None:

@@ -1,6 +1,5 @@
-"""The PT2 pipelines: the model compiled by torch.compile after its first steps (`TrainPipelinePT2`),
-or SparseDist's backward under compiled autograd (`TrainPipelineSparseDistCompAutograd`). torchrec's
-dynamo settings are patched around the pipeline's own calls only, not left set for the process."""
+"""The PT2 pipelines, `TrainPipelinePT2` and `TrainPipelineSparseDistCompAutograd`; torchrec's dynamo
+settings are patched around the pipeline's own calls only, not left set for the process."""
 
 from __future__ import annotations
 
@@ -37,9 +36,8 @@ _MAX_DEPTH = 8
 
 
 def pt2_input_transformer(batch: Any) -> Any:
-    """`batch` with every KeyedJaggedTensor in it (in dataclass fields, dicts, lists, tuples, and
-    torchrec's `id_list_features`-style attributes) rebuilt by torchrec's `kjt_for_pt2_tracing`, so
-    that a batch with another number of ids does not recompile the model."""
+    """`batch` with every KeyedJaggedTensor in it (fields, dicts, lists, tuples) rebuilt by torchrec's
+    `kjt_for_pt2_tracing`, so that a batch with another number of ids does not recompile the model."""
     return _map_kjts(batch, kjt_for_pt2_tracing, 0)
 
 
@@ -115,13 +113,10 @@ class TrainPipelinePT2(TrainPipelineBase):
     """`TrainPipelineBase` with the model compiled by torch.compile from step `compile_on_iter` on.
 
     Args:
-        model: the model; `model(batch)` returns `(loss, output)` in training mode.
-        optimizer: stepped after each training batch's backward.
-        device: where batches are copied to.
+        model, optimizer, device: as in `TrainPipelineBase`.
         compile_configs: a `TorchCompileConfig` (ours or torchrec's); None: its defaults.
         pre_compile_fn, post_compile_fn: called with the model before and after it is compiled.
-        input_transformer: applied to each batch on the device before forward; None:
-            `pt2_input_transformer`.
+        input_transformer: applied to each batch on the device before forward (`pt2_input_transformer`).
         streams, ranks: keyword-only, ours, as in `TrainPipelineBase`.
     """
 
@@ -156,8 +151,8 @@ class TrainPipelinePT2(TrainPipelineBase):
 COMPILED_AUTOGRAD_DEFAULTS = {"backend": "inductor", "dynamic": True, "fullgraph": True}
 """torchrec's torch.compile arguments for the backward graph (fullgraph becomes False on CPU)."""
 
-# torchrec's compiled-autograd settings (but dynamo's inline_inbuilt_nn_modules, always on since torch
-# 2.6, and skip_fsdp_hooks, gone from torch 2.13)
+# torchrec's compiled-autograd settings, less dynamo's inline_inbuilt_nn_modules (always on since
+# torch 2.6) and skip_fsdp_hooks (gone from torch 2.13)
 _AUTOGRAD_FUNCTORCH = {"recompute_views": True, "cse": False}
 _AUTOGRAD_INDUCTOR = {
     "reorder_for_compute_comm_overlap": True,
@@ -166,18 +161,15 @@ _AUTOGRAD_INDUCTOR = {
 
 
 class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
-    """`TrainPipelineSparseDist` whose backward runs under compiled autograd, and whose forward and
-    backward use torchrec's synchronous collectives (which compiled autograd can trace).
+    """`TrainPipelineSparseDist` whose backward runs under compiled autograd, forward and backward on
+    torchrec's synchronous collectives (which compiled autograd can trace). A model holding a
+    DistributedDataParallel with the C++ reducer is refused (ValueError): build it under
+    `torch._dynamo.config.optimize_ddp = "python_reducer"`.
 
     Args:
         model, optimizer, device, ...: as in `TrainPipelineSparseDist` (torchrec's, in its order).
-        compiled_autograd_options: keyword-only, ours: torch.compile arguments for the backward
-            graph; None: the model's `_compiled_autograd_options` (torchrec's way), else
-            `COMPILED_AUTOGRAD_DEFAULTS` with fullgraph=False on CPU.
-
-    Raises:
-        ValueError: the model holds a DistributedDataParallel with the C++ reducer (build it under
-            `torch._dynamo.config.optimize_ddp = "python_reducer"`).
+        compiled_autograd_options: keyword-only, ours: torch.compile arguments for the backward graph;
+            None: the model's `_compiled_autograd_options`, else `COMPILED_AUTOGRAD_DEFAULTS`.
     """
 
     def __init__(

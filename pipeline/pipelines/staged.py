@@ -1,8 +1,5 @@
-"""`StagedTrainPipeline` runs the caller's own `PipelineStage`s on the batches ahead of the one it
-returns, each on its own stream; `SparseDataDistUtil` makes the input_dist stage, and optionally a
-prefetch or embedding lookup stage after it, and hands their results to the caller's forward
-(docs/reference.md, "StagedTrainPipeline").
-"""
+"""`StagedTrainPipeline` runs the caller's own `PipelineStage`s on the batches ahead, each on its
+stream; `SparseDataDistUtil` makes its input_dist stage (docs/reference.md, "StagedTrainPipeline")."""
 
 from __future__ import annotations
 
@@ -71,22 +68,15 @@ def util_streams(data_dist_stream: Any, prefetch_stream: Any, streams: Streams |
 
 
 class StagedTrainPipeline(TrainPipeline):
-    """Runs user-defined `PipelineStage`s on the next batches while the caller trains the current one.
-
-    With n stages, the `progress()` call that returns batch i runs stage 0 on batch i+n, ..., stage
-    n-1 on batch i+1; it returns what the stages in order make of each batch, in dataloader order,
-    then None for that iterator once the data ends (a new iterator fills again).
+    """Runs the caller's `PipelineStage`s on the next batches while the caller trains the current one:
+    the `progress()` call that returns batch i runs stage 0 on batch i+n, ..., stage n-1 on batch i+1.
 
     Args:
-        pipeline_stages: the stages, in the order they apply to a batch.
+        pipeline_stages: the stages (at least one), in the order they apply to a batch.
         debug_mode: log each stage as it runs.
         compute_stream: the stream forward runs on (CUDA); default: the current stream.
         on_flush_end: called once a flush (`set_flush(True)`) has emptied the pipeline.
-        streams: keyword-only, ours: the hand-offs between the stages' streams (tests pass a
-            `tests.streamcheck.RecordingStreams`); None: CUDA hand-offs if a stage has a CUDA stream.
-
-    Raises:
-        ValueError: no stage.
+        streams: keyword-only, ours: the stages' hand-offs; None: CUDA ones where a stage has a stream.
     """
 
     def __init__(
@@ -136,11 +126,10 @@ class StagedTrainPipeline(TrainPipeline):
         """Run every stage once (newest batch first) and return the oldest batch, ready for forward.
 
         Returns:
-            The output of the last stage for the next batch; None when the data has ended.
+            The last stage's output for it; None once the data ended (a new iterator fills again).
 
         Raises:
-            StopIterationInStepError: a stage raised StopIteration, which would otherwise end the
-                caller's loop on this rank alone.
+            StopIterationInStepError: a stage raised StopIteration (it would end this rank's loop alone).
         """
         try:
             return self._progress(dataloader_iter)
@@ -232,30 +221,24 @@ _CONTEXTS = {
 
 
 class SparseDataDistUtil:
-    """Makes the input_dist stage of a `StagedTrainPipeline` (and a prefetch or lookup stage after
-    it) and hands their results to forward.
-
-    Forward hooks on the model give the sharded modules the oldest started batch and, after forward,
+    """Makes the input_dist stage of a `StagedTrainPipeline` (and a prefetch or lookup stage after it);
+    forward hooks on the model give the sharded modules the oldest started batch and, after forward,
     wait for the splits of the batches started since (torchrec's "late" order).
 
     Args:
         model: the sharded model the caller runs on each batch `progress()` returns.
         data_dist_stream: the CUDA stream of the input all-to-alls; None (or a CPU stream) on CPU.
         apply_jit: not supported; must be False.
-        prefetch_stream: given (any stream, a CPU one on CPU): `prefetch` is a stage, right after
-            the input_dist stage (each module's `prefetch()`; the plain loop's numbers).
+        prefetch_stream: given (on CPU a CPU one): `prefetch` is a stage, right after input_dist's.
         pipeline_postproc: run parameter-free modules that transform the batch ahead.
-        embedding_lookup_stream: given: `start_embedding_lookup_stage()` is a stage, right after the
-            input_dist stage; it looks batch i+1 up before batch i's fused update, so embeddings are
-            one step stale (torchrec's semi-synchronous staged pipeline).
-        strict: fail on the first batch if a module cannot be pipelined (keyword-only from here).
+        embedding_lookup_stream: given (not with `prefetch_stream`): `start_embedding_lookup_stage()`
+            is a stage right after input_dist's, looking batch i+1 up before batch i's update
+            (embeddings one step stale).
+        strict: keyword-only from here: fail on the first batch if a module cannot be pipelined.
         rewrite: how the sharded modules' inputs are found.
-        input_dist: only its `narrow_ids` is read (the stages run torchrec's "late" order).
-        streams: the hand-offs of the stages' results to forward's stream (tests pass a
-            `tests.streamcheck.RecordingStreams`); None: CUDA hand-offs if `data_dist_stream` is CUDA.
-
-    Raises:
-        ValueError: both `prefetch_stream` and `embedding_lookup_stream`, or `apply_jit`.
+        input_dist: only its `narrow_ids` is read.
+        streams: the hand-offs of the stages' results to forward's stream; None: CUDA hand-offs if
+            `data_dist_stream` is CUDA.
     """
 
     def __init__(
@@ -358,8 +341,7 @@ class SparseDataDistUtil:
         """torchrec's fill callback of the prefetch stage, kept for its users; nothing to do."""
 
     def start_embedding_lookup(self, batch: Any) -> Any:
-        """The stage: look `batch` up after its input_dist and start its output all-to-all; returns
-        `batch`."""
+        """The stage: look `batch` up after its input_dist, starting its output all-to-all; returns it."""
         ctx = self._stage_context(batch, _Extra.LOOKUP, "start_embedding_lookup")
         self._lookup.run(ctx)
         return batch
@@ -438,11 +420,8 @@ class SparseDataDistUtil:
     def start_embedding_lookup_stage(
         self, name: str = "start_embedding_lookup", runnable: Callable[[Any], Any] | None = None
     ) -> PipelineStage:
-        """The `PipelineStage` of the embedding lookup (the last, right after input_dist's).
-
-        Raises:
-            ValueError: no `embedding_lookup_stream` was given.
-        """
+        """The `PipelineStage` of the embedding lookup (the last, right after input_dist's); a ValueError
+        without `embedding_lookup_stream`."""
         if self.embedding_lookup_stream is None:
             raise ValueError(
                 "start_embedding_lookup_stage() needs SparseDataDistUtil(..., embedding_lookup_stream=...)"
