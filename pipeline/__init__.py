@@ -1,10 +1,6 @@
-"""Pipelined training for sharded TorchRec models, a drop-in for torchrec's train_pipeline package.
-
-Every class (`pipeline.pipelines`; docs/pipeline.md, "Which pipeline", says which to use) is a
-torchrec `TrainPipeline` and takes torchrec's parameters in torchrec's order, then our options,
-keyword-only, as `pipeline.options` objects. torchrec's other public names of its train_pipeline
-package are here too. Stages and streams: `pipeline.stages`; agreement across ranks: `pipeline.ranks`.
-"""
+"""Pipelined training for sharded TorchRec models, a drop-in for torchrec's train_pipeline package:
+its public names, every pipeline a torchrec `TrainPipeline` taking torchrec's parameters, then our
+`pipeline.options` keyword-only (docs/pipeline.md, "Which pipeline", says which class to use)."""
 
 from pipeline.compat import In, ModelDetachedException, Out, PipelineState, StageOut, TrainPipeline
 from pipeline.compat.backward_injection import (

@@ -1,8 +1,6 @@
-"""The options of ours a user passes to a pipeline: one small keyword-only dataclass per component,
-each field documented and checked when the object is made. A pipeline takes torchrec's parameters,
-then these objects as keyword-only arguments (`ranks=`, `rewrite=`, `input_dist=`, `prefetch=`);
-each option has that one way in, and its default is declared here only.
-"""
+"""The options of ours a user passes to a pipeline, keyword-only (`ranks=`, `rewrite=`,
+`input_dist=`, `prefetch=`): one dataclass per component, each field's default declared and checked
+here only."""
 
 from __future__ import annotations
 
@@ -25,9 +23,8 @@ _PACKAGE = str(Path(__file__).resolve().parent)
 
 
 def _user_frame() -> int:
-    """The `stacklevel` of the first caller outside this package (and outside the dataclass
-    machinery that runs `__post_init__`: `replace`, the generated `__init__`), so that a warning
-    names the user's line."""
+    """The `stacklevel` of the first caller outside this package and the dataclass machinery, so
+    that a warning names the user's line."""
     level, frame = 2, sys._getframe(2)
     while frame is not None and (
         frame.f_code.co_filename.startswith(_PACKAGE)
@@ -65,14 +62,13 @@ class RankOptions:
     batches: uneven data then leaves a collective unmatched, as in torchrec."""
     abort_on_error: bool = True
     """When this rank raises inside `progress()`, record why in the store and, unless every rank
-    raised at the same step, destroy this process's process groups so that the peers stop within
-    seconds with `PeerFailedError`."""
+    raised at the same step, destroy this process's groups so that the peers stop with
+    `PeerFailedError`."""
     failure_grace: float = 2.0
     """Seconds a failed rank waits for the others to fail too before destroying its groups."""
     peer_timeout: timedelta = timedelta(minutes=5)
-    """How long a vote waits for a peer that neither votes nor fails. The first batch of every
-    dataloader iterator is voted on; later batches' statuses may ride on their splits all-to-all,
-    which waits as long as its process group's timeout."""
+    """How long a vote waits for a peer that neither votes nor fails (a riding status waits as long
+    as its process group's timeout)."""
 
     def __post_init__(self) -> None:
         _one_of("RankOptions.on_uneven", self.on_uneven, ("stop", "error"))
@@ -90,12 +86,10 @@ class RewriteOptions:
     """"auto" (explicit paths, then fx trace, then direct lookup where the trace fails, then a
     recording of the first batch's forward), or only "explicit", "trace", "direct" or "record"."""
     arg_paths: dict[str, Any] | None = None
-    """Explicit inputs per sharded module FQN (relative to the unwrapped model, as
-    `rewrite_report` names them): a path in the batch (`{"sparse_arch.ebc": "sparse"}`), a
-    torchrec-style `pipeline.ArgInfo` of attribute and item steps, or a function from a batch to
-    a list with one entry per call of the module in forward, each a KeyedJaggedTensor or an
-    `(args, kwargs)` pair (`{"ebc": lambda b: [b.history, b.candidates]}`), which the first
-    batch's real forward checks."""
+    """Explicit inputs per sharded module FQN (as `rewrite_report` names them): a path in the batch
+    (`{"sparse_arch.ebc": "sparse"}`), a torchrec `pipeline.ArgInfo`, or a function from a batch to a
+    list with one entry per call of the module, each a KeyedJaggedTensor or an `(args, kwargs)` pair
+    (`{"ebc": lambda b: [b.history, b.candidates]}`), checked against the first real forward."""
 
     def __post_init__(self) -> None:
         _one_of("RewriteOptions.method", self.method, ("auto", "explicit", "trace", "direct", "record"))
@@ -106,25 +100,20 @@ class InputDistOptions:
     """When the next batch's input all-to-alls run, on which process group, and in what width."""
 
     schedule: str = "adaptive"
-    """"adaptive" (the default): torchrec's order, moving to "early" where the host blocks on the
-    input all-to-alls for a large share of the step, kept only if the steps after are faster
-    (`pipeline.stages.watch`: no trial steps, no collective of its own, at most one try per job).
-    "late" pins torchrec's order (no extra process group); "early", "early-shared", "late-own" pin
-    that schedule (`pipeline.stages.schedule`). "early", "late-own", and "adaptive" where it moves,
-    create one more process group per input_dist group. "auto" is a deprecated name of "adaptive"
-    (a `DeprecationWarning` says so, once, when the options are made; the field then reads
-    "adaptive")."""
+    """"adaptive" (the default): torchrec's order, moving every rank to "early" where the host blocks on
+    the input all-to-alls and keeping it only if the steps after are faster (`pipeline.stages.watch`).
+    "late" pins torchrec's order; "early", "early-shared", "late-own" pin that schedule
+    (`pipeline.stages.schedule`). "early", "late-own", and "adaptive" where it moves, create one more
+    process group per input_dist group. "auto": a deprecated name of "adaptive" (warns once)."""
     watch: Any = None  # a ScheduleWatch (the options import nothing of the stages, which import them)
     """Under "adaptive", the `pipeline.ScheduleWatch` to use (its window, threshold, margin);
     None: `ScheduleWatch()` (its constants and their measurements: docs/reference.md, "The default
     schedule")."""
     narrow_ids: bool | None = None
-    """Send the ids (and int64 lengths) of a sharded module's KeyedJaggedTensor through the input
-    all-to-all as int32 where every table of the module has fewer than 2^31 rows: half the bytes,
-    the same rows (the lookup widens them), the batch untouched; an id outside int32 is never
-    wrapped to a valid row (`pipeline.stages.narrow`). None (the default): only where the ranks send
-    at least `NARROW_FROM` ids a batch to the module (below, the cost of the cast outweighs what it
-    saves); True: wherever the tables allow; False sends what the dataloader made."""
+    """Send a sharded module's ids and lengths through the input all-to-all as int32 where every
+    table of the module has fewer than 2^31 rows; the lookup widens them, so the numbers do not change
+    (`pipeline.stages.narrow`). None: only where the ranks send at least `NARROW_FROM` ids a batch;
+    True: wherever the tables allow; False: never."""
 
     def __post_init__(self) -> None:
         if self.schedule == "auto":
@@ -145,9 +134,8 @@ class PrefetchOptions:
 
     prefetch_ahead: bool | str = "auto"
     """True: the prefetch of batch i+1 is submitted right after forward of i (on CPU on a worker
-    thread), overlapping backward and optimizer; False: just before forward of i+1; "auto": True
-    on CUDA; on CPU False until `watch` sees from the steps that True is faster
-    (`pipeline.stages.prefetch.PrefetchWatch`)."""
+    thread); False: just before forward of i+1; "auto": True on CUDA, on CPU False until `watch` finds
+    True faster."""
     watch: Any = None  # a PrefetchWatch, as above
     """Under "auto" on CPU, the `pipeline.PrefetchWatch` that decides; None: `PrefetchWatch()`."""
 
@@ -169,8 +157,7 @@ class TorchCompileConfig:
     """torch.compile's backend: "inductor" (C++ kernels built with the machine's compiler on
     CPU), "aot_eager", or a callable."""
     compile_on_iter: int = 3
-    """`progress()` calls that run the model un-compiled before it is compiled (so that the first
-    steps can be profiled eagerly)."""
+    """`progress()` calls run un-compiled before the model is compiled."""
 
     def __post_init__(self) -> None:
         _one_of("dynamic", self.dynamic, (None, True, False))
@@ -193,9 +180,8 @@ _MOVED = {
 
 
 def moved_keyword(owner: type, keywords: dict[str, Any]) -> TypeError | None:
-    """The error for pipeline class `owner` given a keyword of an earlier release that is now an
-    options field (None where there is none): Python's words for an unknown keyword, and the field
-    that takes it now. A keyword that `owner.__init__` declares (a user's subclass may) is its own."""
+    """The TypeError for pipeline class `owner` given a keyword of an earlier release that is now an
+    options field, naming that field; None where there is none or `owner.__init__` declares it."""
     moved = [name for name in keywords if name in _MOVED]
     if not moved:
         return None

@@ -1,6 +1,6 @@
-"""What is here only for torchrec compatibility: torchrec's `TrainPipeline`, `In` (a batch), `Out` (an
-output), `StageOut`, `PipelineState` and `ModelDetachedException`, re-exported so that annotations and
-`except` clauses match torchrec's; and checks of torchrec arguments that mean something else here."""
+"""What is here only for torchrec: its `TrainPipeline`, `In`, `Out`, `StageOut`, `PipelineState` and
+`ModelDetachedException` re-exported (annotations and `except` clauses match torchrec's), and checks
+of torchrec arguments that mean something else here."""
 
 from __future__ import annotations
 
@@ -22,11 +22,8 @@ def refuse_jit(apply_jit: bool) -> None:
 
 
 def sync_interval(model: nn.Module, interval: int | None) -> int | None:
-    """`dmp_collection_sync_interval_batches` for `model`: None unless it is a DMPCollection.
-
-    Raises:
-        ValueError: not None or a positive int; or neither 1 nor None for another model.
-    """
+    """`dmp_collection_sync_interval_batches` for `model`: None unless it is a DMPCollection; a
+    ValueError where it is not None or a positive int, or neither 1 nor None for another model."""
     if interval is not None and (not isinstance(interval, int) or interval < 1):
         raise ValueError(
             f"dmp_collection_sync_interval_batches must be None or a positive int; got {interval!r}"

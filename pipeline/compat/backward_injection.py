@@ -1,6 +1,5 @@
-"""torchrec's backward-injection API (`torchrec.distributed.train_pipeline.backward_injection`, whose
-names, fields, defaults and errors these are; its own sites and finders are accepted too): run work at
-the point of backward that an `InjectionSite` names."""
+"""torchrec's backward-injection API (its names, fields, defaults and errors; its own sites and finders
+are accepted too): run work at the point of backward an `InjectionSite` names."""
 
 from __future__ import annotations
 
@@ -74,9 +73,8 @@ class FirstGradTensorFinder:
 @dataclass(frozen=True)
 class OutputDistTensorFinder:
     """The tensor whose gradient arrives when the backward of a sharded embedding module's output
-    all-to-all of `sharding_type` runs; None if that all-to-all is no tensor request (one rank, or
-    torchrec's sync collectives). Raises RuntimeError if the output is no sharded module's
-    awaitable or has no such all-to-all."""
+    all-to-all of `sharding_type` runs; None where that all-to-all is no tensor request (one rank, or
+    torchrec's sync collectives). Raises RuntimeError if the output has no such all-to-all."""
 
     sharding_type: ShardingType = ShardingType.TABLE_WISE
 
@@ -84,8 +82,7 @@ class OutputDistTensorFinder:
         self, module_input: Any, module_kwargs_input: Any, module_output: Any
     ) -> torch.Tensor | None:
         output = module_output[0] if isinstance(module_output, tuple) else module_output  # managed collision
-        # torchrec's private layout, duck-typed to match every variant: EBC awaitables keep
-        # `_awaitables`, EC awaitables `_awaitables_per_sharding`, each beside `_sharding_types`
+        # torchrec's private layout, duck-typed (EBC's `_awaitables`, EC's `_awaitables_per_sharding`)
         awaitables = getattr(output, "_awaitables", None)
         if awaitables is None:
             awaitables = getattr(output, "_awaitables_per_sharding", None)
@@ -107,7 +104,6 @@ class InjectionSite:
     Attributes:
         fqn: the module's fully qualified name in the user's model, e.g. "sparse_arch.ebc".
         tensor_finder: picks the tensor to hook (ACTIVATION only).
-        target_type: PARAM_GRAD or ACTIVATION.
         hook_position: PARAM_GRAD only: 0.0 the first parameter, 1.0 the last (the nearest hookable).
     """
 
@@ -133,9 +129,9 @@ def register_backward_hook(site: InjectionSite, model: nn.Module, hook_fn: _Grad
 def hook_backward(
     site: InjectionSite, model: nn.Module, hook_fn: _GradHook, *, active: Callable[[], bool] | None
 ) -> RemovableHandle:
-    """`register_backward_hook` for a pipeline's own work: with `active`, the hook does nothing
-    while `active()` is False, and an ACTIVATION site silently hooks nothing in a forward without
-    grad or without a tensor to hook (the pipeline then runs its work after backward)."""
+    """`register_backward_hook` for a pipeline's own work: the hook acts only while `active()`, and an
+    ACTIVATION site without a tensor to hook (no grad, one rank, sync collectives) hooks nothing: the
+    pipeline then runs its work after backward."""
     try:
         target = model.get_submodule(site.fqn)
     except AttributeError:
@@ -173,8 +169,6 @@ def hook_backward(
         tensor = site.tensor_finder(args, kwargs, output)
         if tensor is None and active is None:
             raise RuntimeError(f"register_backward_hook: no grad-requiring tensor in output of '{site.fqn}'.")
-        # a pipeline's site may have nothing to hook (one rank, or sync collectives: the output
-        # all-to-all has no gradient of its own); the pipeline then runs its work after backward
         if tensor is not None and (active is None or tensor.requires_grad):
             tensor.register_hook(hook_fn)
 

@@ -1,7 +1,6 @@
 """`DataLoadingThread`: torchrec's thread (same name, signature and behaviour) that loads and copies
-the next batch to the device, one batch ahead of the caller, while the caller trains on the current one.
-A batch whose error (or its cause) says `is_retryable` is skipped with a warning; any other error ends
-the loading and is raised by `get_next_batch()`."""
+the next batch to the device, one batch ahead of the caller; a batch whose error (or its cause) says
+`is_retryable` is skipped, any other error ends the loading and `get_next_batch()` raises it."""
 
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ class DataLoadingThread(threading.Thread, Generic[In]):
         dataloader_iter: the batches.
         to_device_non_blocking: the copy's `non_blocking`.
         memcpy_stream_priority: the priority of the stream made when `memcpy_stream` is None (CUDA).
-        memcpy_stream: the stream the copies run on; None: a new one on CUDA, none elsewhere.
+        memcpy_stream: the copies' stream; None: a new one on CUDA, none elsewhere.
     """
 
     def __init__(
@@ -94,7 +93,7 @@ class DataLoadingThread(threading.Thread, Generic[In]):
         return None
 
     def _load(self) -> tuple[Any] | None:
-        """The next batch, copied, in a 1-tuple; None at the end or on an error (kept for the caller)."""
+        """The next batch, copied, in a 1-tuple; None at the end or on an error (kept in `_error`)."""
         while True:
             try:
                 with label("pipeline::data_loading::fetch"):
