@@ -22,8 +22,11 @@ def refuse_jit(apply_jit: bool) -> None:
 
 
 def sync_interval(model: nn.Module, interval: int | None) -> int | None:
-    """`dmp_collection_sync_interval_batches` for `model`: None unless it is a DMPCollection; a
-    ValueError where it is not None or a positive int, or neither 1 nor None for another model."""
+    """`dmp_collection_sync_interval_batches` for `model`: None unless it is a DMPCollection.
+
+    Raises:
+        ValueError: not None or a positive int; or neither 1 nor None for another model.
+    """
     if interval is not None and (not isinstance(interval, int) or interval < 1):
         raise ValueError(
             f"dmp_collection_sync_interval_batches must be None or a positive int; got {interval!r}"

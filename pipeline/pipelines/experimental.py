@@ -113,6 +113,9 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist):
         multi_thread: run the sparse stage on a worker thread where it runs no collective.
         pipeline_depth: 1 or 2 (else a ValueError): the batches whose sparse stage runs ahead.
         streams: keyword-only, ours: the device's; None: a memcpy stream on a GPU, none on CPU.
+
+    Raises:
+        ValueError: `pipeline_depth` not 1 or 2, or `apply_jit`.
     """
 
     def __init__(

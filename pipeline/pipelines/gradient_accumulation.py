@@ -19,8 +19,11 @@ __all__ = ["GradientAccumulationConfig", "GradientAccumulationWrapper"]
 
 @dataclass(slots=True)
 class GradientAccumulationConfig:
-    """How many batches make one optimizer step (torchrec's fields and defaults, positional too);
-    `num_steps` or `num_warmup_steps` below 1 is a ValueError."""
+    """How many batches make one optimizer step (torchrec's fields and defaults, positional too).
+
+    Raises:
+        ValueError: `num_steps` or `num_warmup_steps` below 1.
+    """
 
     is_enabled: bool = False  # set by itself when num_steps > 1
     num_steps: int = 1  # batches per optimizer step
@@ -141,8 +144,12 @@ class GradientAccumulationWrapper(Generic[In, Out]):
         return output
 
     def drain(self, dataloader_iter: Iterator[In]) -> list[Out]:
-        """Refused with a TypeError: the pipeline's `drain()` would run batches past the accumulation's
-        count; checkpoint where `current_step % num_steps == 0`, with `dataloader_state()`."""
+        """Refused: the pipeline's `drain()` would run batches past the accumulation's count.
+
+        Raises:
+            TypeError: always; checkpoint at a group's boundary (`current_step % num_steps == 0`)
+                with the pipeline's `dataloader_state()` instead, and save `current_step`.
+        """
         raise TypeError(
             "GradientAccumulationWrapper.drain() is not supported: checkpoint when current_step is a "
             "multiple of num_steps, with dataloader_state() (no drain), and restore with set_step()"

@@ -47,6 +47,9 @@ class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist):
     Args (torchrec's, in its order; the others, and ours, keyword-only, as in `TrainPipelineSparseDist`):
         site_fqn: the sharded module whose output all-to-all's backward is the injection site.
         sharding_type: which of its output all-to-alls (one per sharding type).
+
+    Raises:
+        ValueError: `site_fqn` is not a module of the model.
     """
 
     def __init__(
@@ -357,6 +360,9 @@ class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist):
             gradient, e.g. the over arch), or an `InjectionSite`.
         delay_stash: stash at `stash_site_fqn`'s forward (without one, at the site) instead of at once.
         stash_site_fqn: the module, run after the lookups, before whose forward delayed stashes run.
+
+    Raises:
+        ValueError: `site_fqn` (or `stash_site_fqn`) is not a module of the model.
     """
 
     def __init__(

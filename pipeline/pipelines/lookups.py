@@ -50,6 +50,9 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
     Args (torchrec's, in its order; the others, and ours, keyword-only, as in `TrainPipelineSparseDist`):
         emb_lookup_stream: "data_dist" or "new": on the data_dist stream; "current": the caller's.
         embedding_lookup_after_data_dist: look i up after the input_dist start of i+1, not first.
+
+    Raises:
+        ValueError: `emb_lookup_stream` is not one of `LOOKUP_STREAMS`.
     """
 
     def __init__(
@@ -264,6 +267,9 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist):
     `execute_all_batches=False` drops nothing, as torchrec's):
         start_batch: index (an int >= 0) of the first batch whose successor is looked up before its backward.
         stash_gradients: step the dense optimizer on the previous batch's gradients ("true" semi-sync).
+
+    Raises:
+        ValueError: `start_batch` is not an int >= 0.
     """
 
     def __init__(

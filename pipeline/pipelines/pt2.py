@@ -170,6 +170,10 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
         model, optimizer, device, ...: as in `TrainPipelineSparseDist` (torchrec's, in its order).
         compiled_autograd_options: keyword-only, ours: torch.compile arguments for the backward graph;
             None: the model's `_compiled_autograd_options`, else `COMPILED_AUTOGRAD_DEFAULTS`.
+
+    Raises:
+        ValueError: the model holds a DistributedDataParallel with the C++ reducer (build it under
+            `torch._dynamo.config.optimize_ddp = "python_reducer"`).
     """
 
     def __init__(

@@ -77,6 +77,9 @@ class StagedTrainPipeline(TrainPipeline):
         compute_stream: the stream forward runs on (CUDA); default: the current stream.
         on_flush_end: called once a flush (`set_flush(True)`) has emptied the pipeline.
         streams: keyword-only, ours: the stages' hand-offs; None: CUDA ones where a stage has a stream.
+
+    Raises:
+        ValueError: no stage.
     """
 
     def __init__(
@@ -239,6 +242,9 @@ class SparseDataDistUtil:
         input_dist: only its `narrow_ids` is read.
         streams: the hand-offs of the stages' results to forward's stream; None: CUDA hand-offs if
             `data_dist_stream` is CUDA.
+
+    Raises:
+        ValueError: both `prefetch_stream` and `embedding_lookup_stream`, or `apply_jit`.
     """
 
     def __init__(
@@ -420,8 +426,11 @@ class SparseDataDistUtil:
     def start_embedding_lookup_stage(
         self, name: str = "start_embedding_lookup", runnable: Callable[[Any], Any] | None = None
     ) -> PipelineStage:
-        """The `PipelineStage` of the embedding lookup (the last, right after input_dist's); a ValueError
-        without `embedding_lookup_stream`."""
+        """The `PipelineStage` of the embedding lookup (the last, right after input_dist's).
+
+        Raises:
+            ValueError: no `embedding_lookup_stream` was given.
+        """
         if self.embedding_lookup_stream is None:
             raise ValueError(
                 "start_embedding_lookup_stage() needs SparseDataDistUtil(..., embedding_lookup_stream=...)"
