@@ -1,16 +1,5 @@
-"""`PipelineCore`: what every pipeline class shares, and only that. It keeps the batches in flight
-per dataloader iterator (`Lane`), runs `progress()` / `drain()` / `reset()` / `close()`, and has the
-stages every class runs on a batch: the copy (fetched through the ranks' protocol, then host to
-device on the memcpy stream), forward, backward, the replicas' sync and the optimizer step, each
-labelled (`run_stage`). The stages call torchrec's protected methods that a user's subclass
-overrides: `_next_batch` for every batch fetched, `_backward`, `_optimizer_step`, and
-`_wait_for_batch` (with torchrec's two signatures, one per class family).
-
-Lanes: batches are kept per dataloader iterator, so that `progress()` with another iterator (an
-eval loader) parks the batches in flight of the first one, and calling it again with the first
-resumes them: no batch is lost, repeated or run in the other loader's loop. Across ranks, every
-batch is admitted by the ranks' protocol (`pipeline.ranks.Ranks`) before its first collective.
-"""
+"""`PipelineCore`, what every pipeline shares: a `Lane` of batches in flight per dataloader iterator (an
+eval iterator parks the training ones, losing none), `progress()`, `drain()`, `close()` and the stages."""
 
 from __future__ import annotations
 
@@ -45,32 +34,25 @@ _NOTHING = contextlib.nullcontext()
 
 
 class PipelineCore(TrainPipeline):
-    """The machinery every pipeline class shares (a torchrec `TrainPipeline`). A class built on it
-    declares its constructor (torchrec's parameters, then our options, keyword-only), calls this
-    one, composes its components, and implements `_fill` (what must be in flight before a step)
-    and `_step` (one step).
+    """The base of every pipeline class (a torchrec `TrainPipeline`): a class calls this constructor,
+    composes its components and implements `_fill` and `_step`.
 
     Args:
         model: the model the pipeline runs.
         optimizer: stepped after each training batch's backward.
         device: where batches are copied to.
-        execute_all_batches: run the batches in flight once the dataloader ends (True), or drop
-            the last `lookahead` of them, as torchrec does (False).
+        execute_all_batches: run the batches in flight at the dataloader's end, or drop `lookahead` ones.
         custom_model_fwd: called with the batch instead of `model`.
         streams: the streams to run on; None: real streams on CUDA, none on CPU.
         ranks: how the ranks agree.
         enable_inplace_copy_batch: allocate the device copy on the stream that uses it (GPU).
         dmp_collection_sync_interval_batches: the replicas' sync interval of a `DMPCollection`.
         context_type: the per-batch context the class's stages need.
-        lookahead: under `execute_all_batches=False`, the head batch runs only if this many
-            batches follow it (torchrec's rule for the class of the same name).
+        lookahead: under `execute_all_batches=False`, the batches that must follow the head to run it.
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
-        # Runs before Python binds the arguments to `__init__`: a keyword that an earlier release
-        # took and an options object holds now is named with where it went (else Python's error).
-        # It returns an instance of `cls`, so a type checker still checks the call against
-        # `__init__`, whose signature an editor shows.
+        # runs before Python binds the keywords: a flat keyword of before is refused naming its option
         if (error := moved_keyword(cls, kwargs)) is not None:
             raise error
         return super().__new__(cls)
@@ -120,10 +102,8 @@ class PipelineCore(TrainPipeline):
         batches torchrec's `batches` and `contexts` show, and `_wait_for_batch` waits for."""
         self._next_index = 0
         self._closed = False
-        # A pipeline dropped without close(): its groups and threads go with it (the finalizer
-        # holds only them). Not at interpreter exit, where torch tears its groups down itself, nor
-        # in a forked child (a DataLoader worker collecting the parent's garbage), which has
-        # neither the groups' connections nor the threads.
+        # A pipeline dropped without close() releases its groups and threads, but not at interpreter
+        # exit (torch tears its groups down) nor in a forked child (a DataLoader worker), which has neither.
         self._finalizer = weakref.finalize(self, _release, self._ranks.groups, self._streams, os.getpid())
         self._finalizer.atexit = False
 
@@ -137,8 +117,7 @@ class PipelineCore(TrainPipeline):
 
     @property
     def optimizer(self) -> Any:
-        """The optimizer stepped after each training batch's backward (settable: a
-        `GradientAccumulationWrapper` puts its accumulating optimizer here)."""
+        """The optimizer stepped after each backward (settable: `GradientAccumulationWrapper` sets it)."""
         return self._optimizer
 
     @optimizer.setter
@@ -147,8 +126,7 @@ class PipelineCore(TrainPipeline):
 
     @property
     def untrained_batches(self) -> list[Any]:
-        """Batches this rank fetched but did not train because another rank's data ended first
-        (`on_uneven="stop"`), as copied to the device, in dataloader order."""
+        """Batches fetched but not trained, another rank's data having ended first (`on_uneven="stop"`)."""
         return self._ranks.untrained_batches
 
     # -- progress, and what ends it ---------------------------------------------------------------
@@ -161,6 +139,7 @@ class PipelineCore(TrainPipeline):
 
         Raises:
             StopIteration: every batch of `dataloader_iter` has been processed.
+            RuntimeError: the pipeline was closed.
         """
         if self._closed:
             raise RuntimeError("this pipeline was closed: build a new one to train again")
@@ -184,11 +163,10 @@ class PipelineCore(TrainPipeline):
             self._interrupted(interrupt)
             raise
         if output is _ENDED:
-            raise StopIteration  # the only StopIteration `progress()` lets out: this lane's end
+            raise StopIteration
         return output
 
     def _advance(self, lane: Lane) -> Any:
-        """`progress()`'s work: fill the lane and step it; `_ENDED` once it is empty."""
         draining = lane.state is LaneState.DRAINING
         if not (self._execute_all_batches or draining) and not self._look_ahead(lane):
             for ctx in lane.inflight:  # the dataloader ended before this step's look-ahead: drop all
@@ -206,8 +184,7 @@ class PipelineCore(TrainPipeline):
             with self._step_context():
                 output = self._step(lane)
         if not self._streams.inert:
-            # the step queued every stream's last use of what was handed off for the batch (the
-            # caller's: backward, where autograd reads the saved inputs); the output leaves
+            # the step queued every stream's last use of the batch's hand-offs (backward's included)
             self._streams.release(head)
             self._streams.returned(output)
         for ended in self._on_step_end:
@@ -217,16 +194,13 @@ class PipelineCore(TrainPipeline):
         return output
 
     def _interrupted(self, interrupt: BaseException) -> None:
-        """`progress()` was interrupted (Ctrl-C, a preemption's SIGTERM handler raising SystemExit):
-        not a failure. The job's own handler runs next (a checkpoint, collectives on its groups), so
-        the batches in flight are dropped and nothing is announced or destroyed; no vote is waited
-        for (a peer may be stopping at another step)."""
+        """Not a failure (Ctrl-C, SystemExit from a preemption): the job's own handler runs next, so the
+        batches in flight are dropped, nothing is destroyed, and no vote is waited for."""
         self.reset()
         self._ranks.drop_votes()
 
     def _fail(self, error: Exception) -> None:
-        """This rank raised `error` inside `progress()`: the failure path (`Ranks.fail`), which
-        makes sure no peer is left waiting in a collective for this rank."""
+        """This rank raised `error` in `progress()`: `Ranks.fail`, so no peer is left waiting for it."""
         try:
             self._ranks.fail(error, self.reset)
         finally:
@@ -235,10 +209,8 @@ class PipelineCore(TrainPipeline):
     def drain(self, dataloader_iter: Iterator[Any]) -> list[Any]:
         """Run every batch in flight from `dataloader_iter` without fetching another.
 
-        Call it on every rank at the same step before saving a checkpoint: the model, the optimizer
-        and the dataloader's state then agree (every batch fetched has been trained), so a run
-        resumed from them trains each batch exactly once. The next `progress(dataloader_iter)`
-        starts filling the pipeline again.
+        Call it on every rank at the same step before saving a checkpoint (docs/pipeline.md,
+        "Checkpointing"); the next `progress(dataloader_iter)` fills the pipeline again.
 
         Returns:
             The outputs of the batches it ran, oldest first.
@@ -255,13 +227,10 @@ class PipelineCore(TrainPipeline):
                 return outputs
 
     def dataloader_state(self, dataloader_iter: Iterator[Any]) -> Any:
-        """The state of `dataloader_iter` (which must have `state_dict()`) as of the oldest batch
-        fetched from it and not yet trained.
+        """The state of `dataloader_iter` as of the oldest batch fetched from it and not yet trained.
 
-        Call it between two `progress()` calls and save it with the model and optimizer: a run
-        restored from the three (the dataloader by `load_state_dict` of this state) trains every
-        batch exactly once, bit-for-bit as an uninterrupted run, with no `drain()` and no pipeline
-        fill (docs/pipeline.md, "Checkpointing").
+        Call it between two `progress()` calls and save it with the model and optimizer: a run restored
+        from the three trains every batch exactly once (docs/pipeline.md, "Checkpointing").
 
         Raises:
             TypeError: `dataloader_iter` has no `state_dict()` (use `drain()` instead).
@@ -278,12 +247,9 @@ class PipelineCore(TrainPipeline):
         self._lanes.clear()
 
     def close(self) -> None:
-        """Release everything the pipeline made: drop the batches in flight, restore the model,
-        destroy the process groups it created (the votes' group, the input all-to-alls' own groups)
-        and end its threads. Call it on every rank at the same step, when done with the pipeline; a
-        pipeline dropped without it releases the same at garbage collection. The job's own process
-        groups are left as they are. `progress()` raises afterwards.
-        """
+        """Release what the pipeline made: the batches in flight, the rewrite of the model, its process
+        groups (not the job's) and threads; `progress()` raises afterwards. Call it on every rank at
+        the same step (a pipeline dropped without it releases the same at garbage collection)."""
         if self._closed:
             return
         self._closed = True
@@ -296,7 +262,6 @@ class PipelineCore(TrainPipeline):
         self._finalizer.detach()
 
     def _enter(self, dataloader_iter: Iterator[Any]) -> Lane:
-        """The lane of `dataloader_iter` (opened on first use), whose step runs now."""
         lane = self._lanes.get(id(dataloader_iter))
         if lane is None or lane.iterator is not dataloader_iter:
             lane = self._lanes[id(dataloader_iter)] = Lane(dataloader_iter)
@@ -304,8 +269,7 @@ class PipelineCore(TrainPipeline):
         return lane
 
     def _look_ahead(self, lane: Lane) -> bool:
-        """Copy batches until `_lookahead` batches follow the head; False if the dataloader ends
-        first. Only copies: nothing is started on the batches that may be dropped."""
+        """Copy (and start nothing on) batches until `_lookahead` follow the head; False: the data ended."""
         while len(lane.inflight) <= self._lookahead:
             if not self._enqueue(lane):
                 return False
@@ -315,34 +279,25 @@ class PipelineCore(TrainPipeline):
     # -- torchrec's subclass points ---------------------------------------------------------------
 
     def _next_batch(self, dataloader_iter: Iterator[Any]) -> Any | None:
-        """The next batch of `dataloader_iter`, or None once it has ended.
-
-        Every batch the pipeline fetches comes from here. An override may skip batches (call
-        `super()._next_batch` again) or transform them; it must return None at the end, and only
-        there (None ends this rank's data; the ranks then agree on where the data ended).
-        """
+        """The next batch of `dataloader_iter`, or None once it has ended: every fetch comes here. An
+        override may skip or transform batches; it must return None at the end, and only there."""
         return next(dataloader_iter, None)
 
     def _backward(self, losses: torch.Tensor) -> None:
-        """Backward of the loss of the batch at the head (`losses`: what the model returned).
-
-        An override may scale or add to the loss; it must run backward once, since the optimizer
-        steps on the gradients it leaves.
-        """
+        """Backward of the head batch's `losses` (what the model returned). An override may scale or
+        add to the loss; it must run backward once, since the optimizer steps on its gradients."""
         # a scalar loss needs no sum (one kernel launch less), and the gradient is the same
         loss = losses if isinstance(losses, torch.Tensor) and losses.dim() == 0 else torch.sum(losses)
         loss.backward()
 
     def _optimizer_step(self) -> None:
-        """Step the optimizer after backward. An override may clip gradients first, skip a step
-        or step a learning-rate scheduler too."""
+        """Step the optimizer after backward; an override may clip gradients, skip or add a step."""
         self._optimizer.step()
 
     # -- the stages of a batch ----------------------------------------------------------------------
 
     def _enqueue(self, lane: Lane) -> bool:
-        """Fetch the next batch and copy it to the device, into the lane: the copy stage. False
-        when nothing was added."""
+        """The copy stage: the next batch fetched and copied into the lane (False: nothing added)."""
         ctx = self._fetch_and_copy(lane, in_place=self._inplace_copy)
         if ctx is None:
             return False
@@ -352,10 +307,8 @@ class PipelineCore(TrainPipeline):
     def _fetch_and_copy(
         self, lane: Lane, *, in_place: bool, worker: Executor | None = None
     ) -> BatchContext | None:
-        """The next batch of `lane` (`Ranks.fetch`, which records this rank's `Status` for it),
-        copied to the device in a new context (its batch is None for a placeholder); None when
-        nothing is to be added. With `worker`, a device copy is dispatched there: the context
-        holds the host batch and the job until `BatchContext.wait_copy`."""
+        """The next batch of `lane` (`Ranks.fetch`) copied in a new context (batch None: a placeholder);
+        None when nothing is to be added. With `worker`, the copy runs there (`BatchContext.wait_copy`)."""
         loader_state = capture(lane.iterator)  # a no-drain checkpoint resumes from here
         fetched = self._ranks.fetch(lane)
         if fetched is None:
@@ -385,10 +338,8 @@ class PipelineCore(TrainPipeline):
         return copied
 
     def _forward(self, ctx: BatchContext, *, train: bool, input_dist: Any = None) -> tuple[Any, Any]:
-        """The forward stage of `ctx`'s batch (waited for by `_wait_for_batch`); in training, after
-        `zero_grad`. With `input_dist`, its slot holds `ctx` for the hijacked forwards (whose calls
-        are checked after forward), and a forward the rewrite waits for runs unpipelined,
-        recorded. Returns `(losses or None, output)`."""
+        """The forward stage of `ctx`'s batch (in training, after `zero_grad`), with `ctx` in
+        `input_dist`'s slot for the hijacked forwards. Returns `(losses or None, output)`."""
         slot = input_dist.slot if input_dist is not None else None
         recording = input_dist.recording(ctx) if input_dist is not None else None
         streams = self._streams
@@ -410,8 +361,7 @@ class PipelineCore(TrainPipeline):
         if slot is not None and recording is None:
             slot.check_calls()  # a module called fewer times than it has call sites: no output
         if not training:
-            # torchrec returns `output` of `(loss, output)` in eval too; any other return value
-            # (a model that returns only predictions in eval) is passed through as it is.
+            # as torchrec: `output` of a `(loss, output)` pair, else the value as it is
             is_pair = isinstance(result, tuple) and len(result) == 2
             return None, result[1] if is_pair else result
         if not (isinstance(result, tuple) and len(result) == 2):
@@ -422,8 +372,7 @@ class PipelineCore(TrainPipeline):
         return result
 
     def _wait_copied(self, batch: Any) -> None:
-        """Make the copy stage's `batch` usable on the caller's stream (what `_wait_for_batch`
-        does by default)."""
+        """Make the copy stage's `batch` usable on the caller's stream."""
         streams = self._streams
         if not streams.inert:  # held for the caller's stream for the head batch, released after its step
             streams.handoff(batch, streams.memcpy, self._lane.inflight[0])
@@ -439,8 +388,7 @@ class PipelineCore(TrainPipeline):
                     self._backward(losses)
 
     def _sync_replicas(self, ctx: BatchContext) -> None:
-        """After backward: a `DMPCollection` (2D sharding) syncs its replicas' embeddings and
-        optimizer states every `dmp_collection_sync_interval_batches` batches, as torchrec's."""
+        """After backward, a `DMPCollection` syncs its replicas every sync interval, as torchrec's."""
         interval = self._dmp_collection_sync_interval_batches
         if interval is not None and ctx.index % interval == 0:
             with label("pipeline::dmp_collection_sync"):
@@ -453,8 +401,6 @@ class PipelineCore(TrainPipeline):
 
 
 def _release(groups: Any, streams: Streams, pid: int) -> None:
-    """A pipeline's process groups destroyed and its streams' threads ended (its finalizer), in
-    the process that made them."""
     if os.getpid() != pid:
         return
     groups.destroy_all()
@@ -462,13 +408,11 @@ def _release(groups: Any, streams: Streams, pid: int) -> None:
 
 
 # -- the copy: a batch of any shape to the device ---------------------------------------------------
-# A batch that implements torchrec's Pipelineable (`.to(device, non_blocking)`) moves itself; dicts,
-# lists, tuples, namedtuples and dataclasses are moved field by field, so a batch need not be a
-# torchrec type.
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
-    """`batch` with every tensor (and every object with `.to`) on `device`."""
+    """`batch` on `device`: an object with `.to` (torchrec's Pipelineable) moves itself; dicts, lists,
+    tuples, namedtuples and dataclasses are moved field by field."""
     if isinstance(batch, torch.Tensor) or (
         hasattr(batch, "to")
         and not isinstance(batch, (dict, list, tuple, type))
@@ -494,10 +438,7 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
 
 
 def to_device_in_place(batch: Any, device: torch.device, streams: Any) -> Any:
-    """`batch` on `device`, its tensors allocated on the current stream and filled on the memcpy
-    stream (torchrec's `enable_inplace_copy_batch`), so their memory belongs to the stream that
-    uses them. Objects with their own `.to` (a KeyedJaggedTensor) are copied on memcpy as usual.
-    Without a memcpy stream (CPU) this is `to_device`."""
+    """`batch` on `device`, allocated on the current stream (which uses it) and filled on memcpy."""
     memcpy = streams.memcpy
     if memcpy is None:
         return to_device(batch, device, non_blocking=True)
@@ -505,9 +446,8 @@ def to_device_in_place(batch: Any, device: torch.device, streams: Any) -> Any:
     out = _allocate(batch, device, streams, copies)
     current, fill = streams.current(), object()
     with streams.use(memcpy):
-        # The new blocks may be memory the current stream still reads: the fill waits for it. And
-        # the copies write memory the current stream owns: it is held until they are done, in
-        # case the batch is dropped before the current stream waits for them.
+        # The fill waits for the current stream, which may still read the new blocks' memory, and holds
+        # them until the copies are done, in case the batch is dropped before the stream waits for them.
         streams.handoff(out, current, fill)
         for dst, src in copies:
             dst.copy_(src, non_blocking=True)
@@ -516,8 +456,6 @@ def to_device_in_place(batch: Any, device: torch.device, streams: Any) -> Any:
 
 
 def _allocate(batch: Any, device: torch.device, streams: Any, copies: list) -> Any:
-    """`batch` with each tensor replaced by an empty one on `device` (on the current stream), the
-    pairs to copy appended to `copies`; objects with their own `.to` are moved on memcpy."""
     if isinstance(batch, torch.Tensor):
         out = torch.empty_like(batch, device=device)
         copies.append((out, batch))

@@ -1,20 +1,6 @@
-"""TrainPipelineSparseDist: the input_dist of the next batch runs ahead of forward, and the base of
-every class that torchrec derives from it. Its one step names every stage in order; a class that
-differs by a line or three overrides one of the step's named hooks (`_step_begins`,
-`_before_forward`, `_after_forward`, `_backward_and_optimizer`) instead of copying the step.
-
-Here too: torchrec's public methods of its `TrainPipelineSparseDist` family (fill, enqueue, start and
-wait the sparse data dist, dequeue...), so that a user's own `progress()` written for torchrec's
-classes trains here as it does there; and the two small classes of the family that torchrec keeps
-beside it: `TrainPipelineSparseDistLite` and `EvalPipelineSparseDist`.
-
-How torchrec's state maps onto ours: torchrec keeps two deques, `batches` and `contexts`; we keep
-one deque of contexts per dataloader iterator (a `Lane`), each context holding its batch.
-`contexts` is the deque of the lane in use (the iterator last given to `progress`,
-`fill_pipeline`, `enqueue_batch` or `copy_batch_to_gpu`) and `batches` a read-only view of its
-batches. Our own step does not call torchrec's methods: it calls the components by name, so they
-cost nothing per step.
-"""
+"""`TrainPipelineSparseDist`, whose one step has hooks its subclasses override (docs/architecture.md,
+"One SparseDist step, with named hooks"), with torchrec's public methods of the family, and the
+family's `TrainPipelineSparseDistLite` and `EvalPipelineSparseDist`."""
 
 from __future__ import annotations
 
@@ -47,21 +33,17 @@ class TrainPipelineSparseDist(PipelineCore):
         model: usually a DistributedModelParallel; returns `(loss, output)` in training mode.
         optimizer: stepped after each training batch's backward.
         device: where batches are copied to.
-        execute_all_batches: run the batches in flight once the dataloader is exhausted (True), or
-            drop the last two as torchrec does (False).
+        execute_all_batches: run the batches in flight at the dataloader's end, or drop the last two.
         apply_jit: not supported; must be False.
         context_type: accepted, unused (the per-batch contexts are internal).
-        pipeline_postproc: run parameter-free modules that transform the batch ahead with
-            input_dist, instead of leaving their sharded consumers unpipelined.
+        pipeline_postproc: run parameter-free modules that transform the batch ahead with input_dist.
         custom_model_fwd: called with the batch instead of `model`.
-        dmp_collection_sync_interval_batches: with a `DMPCollection` (2D sharding), sync its
-            replicas after every this many batches; None never. Other models: 1 or None.
+        dmp_collection_sync_interval_batches: a `DMPCollection`'s replica sync interval (None: never).
         enqueue_batch_after_forward: copy batch i+2 after forward of i instead of before it.
         enable_inplace_copy_batch: allocate the device copy on the stream that uses it (GPU).
         free_features_storage_early: free a batch's KJT storage once every module has its copy.
         clear_data_dist_inputs: free what the input all-to-alls sent before forward.
-        async_inplace_copy: accepted (torchrec 1.9 added it), no effect: torchrec dispatches the
-            in-place copy from a worker thread on a GPU under it; ours dispatches on the caller's.
+        async_inplace_copy: accepted, no effect (ours dispatches the copy on the caller's thread).
 
     Keyword-only, ours (`pipeline.options`):
         strict: fail on the first batch if a sharded module cannot be pipelined.
@@ -69,6 +51,9 @@ class TrainPipelineSparseDist(PipelineCore):
         input_dist: the input_dist schedule and the width of the ids sent (`InputDistOptions`).
         ranks: how the ranks agree on every batch, and fail (`RankOptions`).
         streams: the streams to run on; None: CUDA streams on a GPU, none on CPU.
+
+    Raises:
+        ValueError: `apply_jit`, or a sync interval other than 1 or None without a `DMPCollection`.
     """
 
     def __init__(
@@ -140,14 +125,9 @@ class TrainPipelineSparseDist(PipelineCore):
         forward_only: bool = False,
         riding: bool = True,
     ) -> None:
-        """The one construction of the family: each class's constructor passes what it takes and
-        what it fixes, by name. Besides the constructors' arguments: `forward`, which hijacked
-        forward the sharded modules get (`InputDist`); `context_type`, the per-batch context the
-        class's stages need; `lookahead`, how many batches must follow the head under
-        `execute_all_batches=False` (torchrec's rule for the class); `forward_only`, forward
-        without backward whatever the model's mode (the eval classes); `riding`, every batch is
-        admitted through the step's `InputDist.fill` and `start_next`, so its status may ride on its
-        splits (False: a class that admits its batches itself)."""
+        """The family's one construction. Besides the constructors' arguments: `forward` (`InputDist`'s),
+        `context_type` and `lookahead` (`PipelineCore`'s), `forward_only` (no backward, whatever the
+        model's mode) and `riding` (False: a class that admits its batches itself)."""
         refuse_jit(apply_jit)
         PipelineCore.__init__(
             self,
@@ -186,15 +166,13 @@ class TrainPipelineSparseDist(PipelineCore):
 
     @property
     def input_dist_schedule(self) -> str:
-        """The input_dist schedule in use, a name from `pipeline.stages.schedule.SCHEDULES` (under the
-        default, "adaptive", it may change once or twice: `tuner`)."""
+        """The input_dist schedule in use (under "adaptive" it may change: `tuner`)."""
         return self._input_dist.schedule
 
     @property
     def tuner(self) -> ScheduleWatch | None:
-        """Under the default ("adaptive"), the schedule watch: `print(pipe.tuner)` says what it
-        observed, at which step, what it kept and why (`choice`, `reason`, `decisions`). None where
-        the schedule is pinned."""
+        """Under "adaptive", the schedule watch (`print(pipe.tuner)` says what it saw and decided); None
+        where the schedule is pinned."""
         return self._input_dist.watch
 
     @property
@@ -208,9 +186,7 @@ class TrainPipelineSparseDist(PipelineCore):
         return self._input_dist.freed_bytes
 
     def detach(self) -> nn.Module:
-        """Restore every original forward; the next `progress()` re-attaches.
-
-        Batches in flight are kept and resume with the next `progress()` on their iterator.
+        """Restore every original forward; batches in flight resume at the next `progress()`, re-attached.
 
         Returns:
             The model, as it was before the pipeline touched it.
@@ -240,9 +216,7 @@ class TrainPipelineSparseDist(PipelineCore):
         self._input_dist.fill(lane, self._enqueue)
 
     def _step(self, lane: Lane) -> Any:
-        """The copy of batch i+2 (after forward of i under `enqueue_batch_after_forward`) and the
-        input_dist of i+1 overlap forward, backward and optimizer of i. The hooks, in order:
-        `_step_begins`, `_before_forward`, `_after_forward`, `_backward_and_optimizer`."""
+        """The copy of batch i+2 and the input_dist of i+1 overlap forward, backward and optimizer of i."""
         ctx, input_dist = lane.inflight[0], self._input_dist
         input_dist.choose_schedule(self._train and self._model.training)
         self._step_begins(ctx)
@@ -264,22 +238,19 @@ class TrainPipelineSparseDist(PipelineCore):
         return output
 
     def _step_begins(self, ctx: BatchContext) -> None:
-        """The step's first hook, before the copy of batch i+2 (`ctx`: batch i): under
-        `clear_data_dist_inputs`, what its input all-to-alls sent is freed."""
+        """First hook, before the copy of batch i+2 (`ctx`: batch i): `clear_data_dist_inputs` frees."""
         self._input_dist.release_inputs(ctx)
 
     def _before_forward(self, ctx: BatchContext, nxt: BatchContext | None) -> None:
-        """The step's hook once input_dist of batch i+1 (`nxt`, None if there is none) started,
-        before the head batch `ctx` is waited for and its forward runs."""
+        """Hook once input_dist of batch i+1 (`nxt`, None if none) started, before `ctx` is waited for."""
 
     def _after_forward(self, ctx: BatchContext, nxt: BatchContext | None, losses: Any) -> None:
-        """The step's hook after forward of `ctx` and the splits wait of `nxt` (None if the ranks
-        dropped it); `losses` None outside training."""
+        """Hook after forward of `ctx` and the splits wait of `nxt` (None: dropped); `losses` None in eval."""
 
     def _backward_and_optimizer(self, ctx: BatchContext, losses: Any) -> None:
         """In training: backward of `ctx`'s batch, the replicas' sync, the optimizer step."""
         self._backward_stage(ctx, losses)
-        if self._dmp_collection_sync_interval_batches is not None:  # a DMPCollection's replicas
+        if self._dmp_collection_sync_interval_batches is not None:
             self._sync_replicas(ctx)
         self._optimizer_stage(ctx)
 
@@ -288,17 +259,14 @@ class TrainPipelineSparseDist(PipelineCore):
         return self._enqueue(lane)
 
     def _wait_for_batch(self) -> None:
-        """Make the head batch (`self.batches[0]`), copied to the device on the memcpy stream,
-        usable on the caller's: torchrec's subclass point, with its signature on this family;
-        each step calls it before forward."""
+        """torchrec's subclass point: make the head batch usable on the caller's stream, before forward."""
         self._wait_copied(self._lane.inflight[0].batch)
 
     # -- torchrec's methods, over our components ------------------------------------------------------
 
     @property
     def contexts(self) -> deque[BatchContext]:
-        """The contexts of the batches in flight, oldest (batch i, the next forward's) first: the
-        pipeline's own deque, changed by `enqueue_batch` and `dequeue_batch`."""
+        """The contexts of the lane in use, oldest first: the deque torchrec's two deques map onto."""
         return self._lane.inflight if self._lane is not None else deque()
 
     @property
@@ -313,26 +281,21 @@ class TrainPipelineSparseDist(PipelineCore):
 
     @property
     def _model_attached(self) -> bool:
-        """The sharded modules' forwards are rewritten (False before the first batch and after
-        `detach()`; the next batch's input_dist attaches)."""
+        """The sharded modules' forwards are rewritten (False before the first batch and after `detach()`)."""
         return self._input_dist.rewrite is not None
 
     def fill_pipeline(self, dataloader_iter: Iterator[Any]) -> None:
-        """Put in flight what the next step needs (a no-op once full): for SparseDist, batch i
-        copied with its input_dist started and its splits waited, and batch i+1 copied. Sets the
-        module context to batch i's."""
+        """Put in flight what the next step needs (a no-op once full); the module context is batch i's."""
         lane = self._enter(dataloader_iter)
         self._fill(lane)
         if lane.inflight:
             self._set_module_context(lane.inflight[0])
 
     def enqueue_batch(self, dataloader_iter: Iterator[Any]) -> bool:
-        """Fetch the next batch, copy it to the device and add it, with its context, to
-        `batches` and `contexts`.
+        """Fetch the next batch, copy it to the device and add it to `batches` and `contexts`.
 
         Returns:
-            Whether a batch was added. Across ranks, a rank whose data ended adds a placeholder
-            (None in `batches`) while the ranks agree on where the data ends.
+            Whether a batch was added (a rank whose data ended adds a placeholder, None in `batches`).
 
         Raises:
             StopIteration: the data ended and `execute_all_batches` is False (torchrec's rule).
@@ -345,19 +308,16 @@ class TrainPipelineSparseDist(PipelineCore):
         return batch is not None
 
     def dequeue_batch(self) -> None:
-        """Remove the head batch (its step is done) and set the module context to the next one's;
-        what was handed off for the head batch is released (its backward is queued)."""
+        """Pop the head batch (its backward queued), releasing its hand-offs; set the next one's context."""
         contexts = self.contexts
         self._streams.release(contexts.popleft())
         self._input_dist.slot.current = contexts[0] if contexts else None
 
     def copy_batch_to_gpu(self, dataloader_iter: Iterator[Any]) -> tuple[Any, BatchContext | None]:
-        """Fetch the next batch (`_next_batch`) and copy it to the device, in a new context that
-        is not added to `contexts` (`enqueue_batch` adds it).
+        """Fetch the next batch and copy it to the device, in a new context not added to `contexts`.
 
         Returns:
-            `(batch, context)`; batch None when this rank's data ended (context None when nothing
-            more is to be added at all).
+            `(batch, context)`: batch None where this rank's data ended, context None: nothing added.
 
         Raises:
             StopIteration: the data ended and `execute_all_batches` is False.
@@ -376,9 +336,8 @@ class TrainPipelineSparseDist(PipelineCore):
         return batch, context
 
     def start_sparse_data_dist(self, batch: Any, context: BatchContext) -> None:
-        """Start the input all-to-alls of `context`'s batch (their splits), after the ranks
-        admitted it; on the first batch, rewrite the sharded modules first. A no-op for a None
-        batch, or a batch the ranks dropped (another rank's data ended there).
+        """Start the input all-to-alls of `context`'s batch (the first batch rewrites the model first),
+        once the ranks admitted it; a no-op for a None batch, or one the ranks dropped.
 
         Raises:
             ValueError: `batch` is not `context`'s (pass `self.batches[k], self.contexts[k]`).
@@ -398,8 +357,7 @@ class TrainPipelineSparseDist(PipelineCore):
         self._input_dist.wait_splits(context, self._lane)
 
     def clear_sparse_data_dist_inputs(self, context: BatchContext) -> None:
-        """Wait for the values all-to-alls of `context` and free the tensors they sent (what
-        `clear_data_dist_inputs=True` does before each forward)."""
+        """Wait for the values all-to-alls of `context` and free what they sent (`clear_data_dist_inputs`)."""
         self._input_dist.clear_inputs(context)
 
     def _set_module_context(self, context: BatchContext) -> None:
@@ -407,9 +365,8 @@ class TrainPipelineSparseDist(PipelineCore):
         self._input_dist.slot.current = context
 
     def register_backward_hook(self, site: InjectionSite, work: Callable[[Any], None]) -> None:
-        """Run `work(self)` during each backward at `site` (ours or torchrec's `InjectionSite`;
-        the FQN as the user's model names it, inside DistributedModelParallel), labelled
-        `pipeline::backward_hook::<fqn>`. As torchrec's, the hook stays for the pipeline's life."""
+        """Run `work(self)` during each backward at `site` (ours or torchrec's `InjectionSite`, the FQN as
+        the user's model names it), for the pipeline's life, as torchrec's."""
         label_text = f"pipeline::backward_hook::{site.fqn}"
 
         def run(grad: Any) -> None:
@@ -420,9 +377,7 @@ class TrainPipelineSparseDist(PipelineCore):
 
 
 class Batches(Sequence[Any]):
-    """torchrec's `batches`: the batches of `contexts`, oldest (the head, batch i) first; a
-    placeholder (this rank's data ended, another rank's may not have) is None, as in torchrec. A
-    batch whose copy runs on a worker is waited for when read (torchrec's `FutureDeque`)."""
+    """torchrec's `batches`, of `contexts`: oldest first, a placeholder None, a worker's copy waited for."""
 
     __slots__ = ("_contexts",)
 
@@ -444,25 +399,29 @@ class Batches(Sequence[Any]):
 
 
 class TrainPipelineSparseDistLite(TrainPipelineSparseDist):
-    """The copy of batch i+1 overlaps the step of batch i; input_dist of i runs before forward of
-    i: the memory of one batch and one set of input all-to-alls, for a step that waits on its
-    input_dist. On CUDA its input_dist runs on the caller's stream, as torchrec's does (no data_dist
-    stream, whose memory pool would hold another batch's worth).
+    """Only the copy of batch i+1 overlaps the step of i (issued before its backward; torchrec's, after);
+    input_dist of i runs before its forward, on the caller's stream: the memory of one batch. Every
+    batch runs; numerics: the plain loop's, bit for bit.
 
-    Per `progress()` call that returns batch i: input_dist of i (its splits all-to-all, waited, then
-    its values all-to-all, waited by forward), forward of i, the copy of i+1 (torchrec copies after
-    backward; here before it, so that on CUDA the copy overlaps backward and, across ranks,
-    backward's all-to-all orders the ranks after the fetch: no vote per batch), backward,
-    optimizer. Numerics: the plain loop's, bit for bit. Every batch runs (torchrec's class forces
-    `execute_all_batches`); `_state` follows torchrec's `PipelineState` (IDLE, CALL_FWD, CALL_BWD).
+    Args (torchrec's, in its order):
+        model: usually a DistributedModelParallel; returns `(loss, output)` in training mode.
+        optimizer: stepped after each batch's backward.
+        device: where batches are copied to.
+        apply_jit: not supported; must be False.
+        context_type: accepted, unused.
+        pipeline_postproc: run parameter-free modules that transform the batch ahead with input_dist.
+        custom_model_fwd: called with the batch instead of `model`.
+        enable_inplace_copy_batch: allocate the device copy on the stream that uses it (GPU).
+        free_features_storage_early: free a batch's KJT storage once every module has its copy.
+        clear_data_dist_inputs: free what the input all-to-alls sent before forward (torchrec's: nothing).
+        async_inplace_copy: accepted, no effect.
 
-    Args (torchrec's, in its order): as in `TrainPipelineSparseDist`; `clear_data_dist_inputs` frees
-    what the input all-to-alls sent once forward may start (torchrec's class accepts it and frees
-    nothing in its step); `async_inplace_copy` is accepted, with no effect.
-
-    Keyword-only, ours: as in `TrainPipelineSparseDist` (`input_dist`'s schedule is "late": there is
-    no next batch to schedule); `streams` None: a memcpy stream on a GPU (input_dist on the caller's
-    stream), none on CPU.
+    Keyword-only, ours:
+        strict: fail on the first batch if a sharded module cannot be pipelined.
+        rewrite: how the sharded modules' inputs are found (`RewriteOptions`).
+        input_dist: the width of the ids sent (`InputDistOptions`); the schedule is "late".
+        ranks: how the ranks agree on every batch, and fail (`RankOptions`).
+        streams: None: a memcpy stream on a GPU, none on CPU.
     """
 
     def __init__(
@@ -506,20 +465,17 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist):
         )
 
     def _fill(self, lane: Lane) -> None:
-        """Batch i copied and admitted by the ranks (its input_dist is its first collective)."""
+        """Batch i copied and admitted by the ranks."""
         if not lane.inflight:
             self._enqueue(lane)
         if lane.inflight:
             self._ranks.admit(lane, lane.inflight[0])  # a batch the ranks drop leaves the lane
 
     def _wait_for_batch(self) -> None:
-        """Make the head batch, copied on the memcpy stream, usable on the caller's. torchrec's Lite
-        overrides its parent's (it has no data_dist stream to wait on), so ours does too: a patch
-        of `TrainPipelineSparseDist._wait_for_batch` does not reach Lite there, nor here."""
+        """Lite's own, as torchrec's: a patch of the parent's `_wait_for_batch` does not reach Lite."""
         self._wait_copied(self._lane.inflight[0].batch)
 
     def _step(self, lane: Lane) -> Any:
-        """Its own step (no next batch in flight: nothing of SparseDist's step but forward)."""
         ctx, input_dist = lane.inflight[0], self._input_dist
         self._state = PipelineState.IDLE
         self._wait_for_batch()
@@ -541,18 +497,26 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist):
 class EvalPipelineSparseDist(TrainPipelineSparseDist):
     """Forward-only pipeline: input_dist of batch i+1 and the copy of batch i+2 overlap forward of i.
 
-    Numerics: each output is bit for bit the model's own output for that batch (`model(batch)` in
-    the same mode, under `no_grad`); no parameter changes. The model's mode is left as it is (as in
-    torchrec, call `model.eval()` first for eval-mode layers); forward always runs under `no_grad`
-    and `progress()` returns `output` of a `(loss, output)` pair, or any other return value as it is.
+    Each output is bit for bit `model(batch)` under `no_grad`, in the model's mode as it is (call
+    `model.eval()` first, as in torchrec); `progress()` returns `output` of a `(loss, output)` pair,
+    or any other return value as it is.
 
-    With the default "early-shared" schedule the splits of batch i+1 are waited for before forward
-    of i, so its values all-to-all runs during that forward; torchrec's order ("late") waits them
-    after forward, which leaves only the splits hidden. Without backward there are no collectives of
-    backward to queue behind the transfer, so the input all-to-alls stay on torchrec's process group.
+    Args (torchrec's, in its order):
+        model: the model, run forward only.
+        optimizer: not used.
+        device: where batches are copied to.
+        apply_jit: not supported; must be False.
+        pipeline_postproc: run parameter-free modules that transform the batch ahead with input_dist.
+        enable_inplace_copy_batch: allocate the device copy on the stream that uses it (GPU).
+        free_features_storage_early: free a batch's KJT storage once every module has its copy.
+        clear_data_dist_inputs: free what the input all-to-alls sent before forward.
 
-    Args (torchrec's, in its order, then ours, keyword-only): as in `TrainPipelineSparseDist`
-    (`optimizer` is not used); `input_dist` None: `InputDistOptions(schedule="early-shared")`.
+    Keyword-only, ours (as in `TrainPipelineSparseDist`):
+        strict: fail on the first batch if a sharded module cannot be pipelined.
+        rewrite: how the sharded modules' inputs are found (`RewriteOptions`).
+        input_dist: None: `InputDistOptions(schedule="early-shared")`, i+1's values during forward of i.
+        ranks: how the ranks agree on every batch, and fail (`RankOptions`).
+        streams: the streams to run on; None: CUDA streams on a GPU, none on CPU.
     """
 
     def __init__(

@@ -1,40 +1,5 @@
-"""Statuses riding on the splits all-to-all: whether each batch of an `InputDist` is trained, decided
-without a collective of its own (`Admission`).
-
-Once the sharded modules' splits all-to-alls are fused, a batch's first collective is that one
-all-to-all, which every rank issues anyway: each rank adds its status as one more row (the status
-row), and the splits wait reads every rank's before any values move. A rank without the batch (its
-data ended, or the batch is rejected) sends zero splits of the shape the others send, recorded from
-an earlier batch, with its status (`StatusOnly`). The first batch of every dataloader iterator is
-still voted on (`Ranks.fetch`), as is any batch fetched before the splits are fused; a pipeline that
-admits batches itself never lets statuses ride.
-
-A rank's entry in the status row (31 bits, so that torchrec's optional int32 check of the splits
-passes it; `pack`, `unpack`):
-
-    bits 0-1    status (`Status`, 0..3)
-    bits 2-7    TAG
-    bits 8-17   the sender's status row index (its splits rows before the status row), mod 1,024
-    bits 18-30  observation: bits 18-29 the figure (0 none, else round(1,000 x value) + 1, at
-                most 4,093; 4,094 and 4,095: a decision loaded from a checkpoint, `RESTORED`),
-                bit 30 which watch it belongs to (0 or 1)
-
-The tag and the row count let the receiver tell a status from a split: every receiver checks them
-against its own, and a mismatch (ranks sending different numbers of splits rows) raises
-`RidingMismatchError` on every rank, naming the ranks, never a misread status. The observation is
-one figure of the job's own steps (`pipeline.stages.watch`: the schedule watch's or the prefetch
-watch's, taking turns), so that the ranks agree on what the steps show without a collective of
-their own. The receiver's work does not grow with the world in Python: once every watch has
-decided, a batch every rank has costs one count of the row's plain entries, in C; while a watch is
-live, the row is read with tensor operations.
-
-`StatusSplits` is torchrec's fused splits awaitable (`FusedKJTListSplitsAwaitable`) with the status
-row after the splits, built through `rewrite.fuse_splits_requests(carrier=...)`. It and `StatusOnly`
-edit or mirror torchrec's private fields (`_awaitables`, `_lengths`, `_splits_awaitable`,
-`_output_tensor`), so `riding_fits` checks, before statuses ride, that the installed torchrec has
-them and that every input dist is one this code knows to issue nothing but its splits and values
-all-to-alls.
-"""
+"""Statuses riding on the fused splits all-to-all (docs/reference.md, "The status row"): whether a batch
+is trained, decided without a collective of its own (`Admission`)."""
 
 from __future__ import annotations
 
@@ -56,8 +21,7 @@ if TYPE_CHECKING:
     from pipeline.ranks.protocol import Lane, Ranks
 
 BatchContext = Any
-"""A batch's context (`pipeline.stages.context.BatchContext`, a stage's type: the ranks read its
-`ticket`, `index`, `status_rides` and `splits_requests`, and do not import the stages)."""
+"""`pipeline.stages.context.BatchContext`, which the ranks read without importing the stages."""
 
 __all__ = [
     "NOTHING_PIPELINED",
@@ -91,8 +55,7 @@ _ROWS = 1 << 10
 _FIGURE_BITS = 12
 _OBSERVED_MAX = (1 << _FIGURE_BITS) - 1
 RESTORED = (_OBSERVED_MAX - 1, _OBSERVED_MAX)
-"""The figure of a watch holding a decision loaded from a checkpoint, per mode (its start mode, the
-other): no observation reaches them."""
+"""The figure of a watch holding a decision loaded from a checkpoint, per mode: above any observation."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,13 +86,14 @@ def figure_of(observation: int) -> tuple[int, int]:
 
 
 _OBSERVATION = 18
-"""The observation field's first bit."""
 _SENT_ALIKE = (1 << _OBSERVATION) - 1
 """The bits of the status, the tag and the row count: alike on every rank that has the batch."""
 
 
 def pack(status: Status | int, rows: int, observation: int = 0) -> int:
-    """The word of `status` sent with `rows` splits rows before it (`observation`: `tagged()`)."""
+    """The word of `status` sent after `rows` splits rows (`observation`: `tagged()`), under 2^31 for
+    torchrec's optional int32 check of the splits: bits 0-1 the status, 2-7 `TAG`, 8-17 `rows` mod
+    1,024, 18-29 the figure (`observed`), 30 which watch."""
     return int(status) | TAG << 2 | (rows % _ROWS) << 8 | observation << _OBSERVATION
 
 
@@ -146,8 +110,7 @@ class _StatusRow:
     _splits_awaitable: Any
 
     def words(self) -> list[int]:
-        """Per rank, what it sent at this rank's status row (a status if the ranks sent alike). The
-        splits are waited once: torchrec's own wait then reads the same rows."""
+        """Per rank, what it sent at this rank's status row (the splits are waited here, once)."""
         awaitable = self._splits_awaitable
         received = awaitable.wait()
         if not isinstance(awaitable, NoWait):
@@ -158,23 +121,18 @@ class _StatusRow:
         return self._words
 
     def row(self) -> torch.Tensor:
-        """`words()` as a tensor on the host, once they arrived: the received splits' column of
-        this rank's status row, read without Python per rank."""
+        """`words()` as a tensor on the host, once they arrived."""
         if self._received is None:
             return torch.tensor(self._words, dtype=torch.int64)
         return self._received[:, self.rows].cpu()
 
 
 class StatusSplits(_StatusRow, FusedKJTListSplitsAwaitable):
-    """torchrec's fused splits all-to-all (built by `rewrite.fuse_splits_requests(carrier=...)`) with
-    one row more: this rank's word for the batch (`word(rows)`, from the number of splits rows before
-    it), which every rank receives (`words()`) before the values all-to-alls, which `wait()` starts,
-    are issued. The row rides on the last module's splits while the all-to-all is built and is left
-    out when the splits are read.
+    """torchrec's fused splits all-to-all with one row more, this rank's `word(rows)`, which every rank
+    reads (`words()`) before `wait()` issues the values all-to-alls (which do not see it).
 
     Raises:
-        RuntimeError: torchrec's fused awaitable is not of the shape this class edits (a torchrec
-            release that changed it; `riding_fits` checks for that first).
+        RuntimeError: torchrec's fused awaitable is not of the shape edited (`riding_fits` checks first).
     """
 
     def __init__(self, requests: list[Any], contexts: list[Any], pg: Any, word: Callable[[int], int]) -> None:
@@ -199,9 +157,8 @@ class StatusSplits(_StatusRow, FusedKJTListSplitsAwaitable):
 
 
 class StatusOnly(_StatusRow):
-    """What a rank without the batch sends where the others send their fused splits: `rows` rows
-    of zero splits (the shape the others send) and, where the others send `StatusSplits`, its
-    word."""
+    """What a rank without the batch sends where the others send their fused splits: `rows` rows of
+    zero splits and, where the others send `StatusSplits`, its word."""
 
     def __init__(self, pg: Any, rows: int, word: int | None, device: torch.device) -> None:
         world = pg.size()
@@ -217,9 +174,8 @@ class StatusOnly(_StatusRow):
 
 
 def splits_shape(fused: list[tuple[list[str], Any]]) -> list[tuple[Any, int, torch.device, bool]] | None:
-    """What one batch's `fuse_splits_requests(..., carrier=...)` sends, so that a rank without a batch
-    can send the same: per group, its process group, the number of splits rows, their device, and
-    whether the status rides there. None if no group spans every rank (the status cannot ride)."""
+    """Per group, what one batch's fused splits send (group, rows, device, whether the status rides),
+    for a rank without a batch to send alike; None if no group spans every rank."""
     shape, rides = [], False
     for _, awaitable in fused:
         for meta in getattr(awaitable, "_awaitables", ()):
@@ -233,9 +189,7 @@ def splits_shape(fused: list[tuple[list[str], Any]]) -> list[tuple[Any, int, tor
 
 
 def settle_splits(fused: list[tuple[list[str], Any]]) -> None:
-    """Wait for the splits all-to-all of each awaitable of a batch the ranks refused
-    (`fuse_splits_requests`' or `StatusOnly`), starting no values all-to-all: none is left in
-    flight, on any group."""
+    """Wait for every splits all-to-all of a refused batch, starting no values all-to-all."""
     for _, awaitable in fused:
         if getattr(awaitable, "_splits_awaitable", None) is not None:
             awaitable._splits_awaitable.wait()
@@ -255,9 +209,8 @@ _INPUT_DISTS = (
 
 
 def riding_fits(modules: list[nn.Module]) -> str | None:
-    """None if statuses can ride on these sharded modules' fused splits; else why not (the
-    pipeline then votes on every batch). Decided from the code alone, so the same on every rank
-    that runs the same torchrec and model."""
+    """None if statuses can ride on these modules' fused splits (torchrec has the fields riding edits, and
+    each input dist sends only its all-to-alls), else why not: alike on ranks of one torchrec and model."""
     names = set(FusedKJTListSplitsAwaitable.__init__.__code__.co_names)
     missing = [f for f in _AWAITABLE_FIELDS if f not in names]
     if missing:
@@ -320,11 +273,9 @@ NOTHING_PIPELINED = (
 
 
 class Admission:
-    """The one owner of whether a batch of an `InputDist` is trained, whichever way its status
-    arrives: by a vote before its first collective (`admit`, through `Ranks.admit`), or riding on
-    its splits all-to-all (`admit` lets it start, `conclude` decides at the splits wait). Where a
-    rank lacks the batch, both end in `Ranks.conclude`, which raises the same error on every rank
-    or drops the batch everywhere.
+    """Whether a batch of an `InputDist` is trained: by a vote before its first collective (`admit`),
+    or from the statuses riding on its splits all-to-all (`conclude`). Where a rank lacks the batch,
+    both end in `Ranks.conclude`: the same error on every rank, or the batch dropped everywhere.
 
     Args:
         ranks: the pipeline's ranks' protocol (None: no agreement, nothing rides, every batch runs).
@@ -336,8 +287,7 @@ class Admission:
         self._ranks = ranks
         self.enabled = enabled and ranks is not None and ranks.voting and not validating()
         self._watches: list[Any] = []
-        """The watches (`pipeline.stages.watch`) whose figures ride in the words, taking turns
-        where more than one publishes (at most two)."""
+        """The watches whose figures ride in the words, taking turns (at most two)."""
         self._words = 0
         """Words packed so far (whose turn it is)."""
         if watch is not None:
@@ -350,9 +300,8 @@ class Admission:
         """Batches some rank lacked, found out from statuses that rode (not from a vote)."""
 
     def check(self, modules: list[Any]) -> str | None:
-        """At every fused start, deciding once: whether statuses can ride on these modules' splits
-        (`riding_fits`); where they cannot, every batch is voted on from then on, the watch keeps
-        torchrec's order, and the reason is returned (for the rewrite report)."""
+        """At each fused start, deciding once, whether statuses can ride (`riding_fits`); where not, every
+        batch is voted on, the watches are pinned, and the reason is returned for the report."""
         if self.checked or not self.enabled:
             return None
         self.checked = True
@@ -366,9 +315,8 @@ class Admission:
         return f"the ranks vote on every batch; statuses do not ride on the splits all-to-all: {why}"
 
     def carrier(self, ctx: BatchContext) -> Callable[..., Any] | None:
-        """What builds `ctx`'s fused splits all-to-all with this rank's word in it (its status, its
-        row count, a watch's figure; HAVE for a batch already agreed on, so that the
-        shape is learnt), or None when statuses do not ride."""
+        """What builds `ctx`'s fused splits with this rank's word in it (HAVE for a batch voted on, so that
+        the shape is learnt); None when statuses do not ride."""
         if not self.enabled:
             return None
         figure = 0
@@ -402,9 +350,8 @@ class Admission:
         return tagged(which, self._watches[which].observation())
 
     def learn(self, fused: list[tuple[list[str], Any]]) -> None:
-        """After a fused start: what a rank without a batch must send from now on. Where no group
-        spans every rank (the same on every rank: it is the model's), nothing rides from now on and
-        the watches are told so."""
+        """After a fused start: what a rank without a batch must send from now on; where no group spans
+        every rank, nothing rides from now on and the watches are told so."""
         if not self.enabled:
             return
         self._shape = splits_shape(fused) if fused else None
@@ -420,9 +367,8 @@ class Admission:
             self._shape, self._ranks.carrying = None, False
 
     def admit(self, lane: Any, ctx: BatchContext) -> bool:
-        """Before `ctx`'s first collective: True if its input_dist may start, because every rank
-        has it (a vote) or because its status rides on its splits (`conclude` decides). False:
-        some rank lacks it, and it left the lane with the batches after it.
+        """Before `ctx`'s first collective: True if its input_dist may start (every rank has it, or its
+        status rides on its splits). False: some rank lacks it; it left the lane with those after it.
 
         Raises:
             AgreedError: on every rank, as `Ranks.admit` says.
@@ -430,8 +376,7 @@ class Admission:
         return self._ranks is None or self.provisional(ctx) or self._ranks.admit(lane, ctx)
 
     def without_batch(self, ctx: BatchContext) -> bool:
-        """At `ctx`'s start: whether its status rides (then marked on `ctx`) and this rank has no
-        batch to send, only its word (`status_only`)."""
+        """At `ctx`'s start: its status rides (marked on `ctx`) and this rank sends only its word."""
         if not self.provisional(ctx):
             return False
         ctx.status_rides = True
@@ -449,8 +394,7 @@ class Admission:
         )
 
     def status_only(self, ctx: BatchContext, current: Callable[[Any], Any]) -> list[tuple[list[str], Any]]:
-        """What a rank without `ctx`'s batch sends: zero splits on every group the others use
-        (`current` maps a recorded group to the one in use now) and its status where it rides."""
+        """What a rank without `ctx`'s batch sends on every group (`current`: the one in use now)."""
         status, figure = ctx.ticket.status, self._figure()
         return [
             ([], StatusOnly(current(pg), rows, pack(status, rows, figure) if carries else None, device))
@@ -458,10 +402,8 @@ class Admission:
         ]
 
     def _hand_out(self, observations: torch.Tensor) -> None:
-        """Every rank's figures for one batch (the observation fields of its status row), each watch
-        the ones naming it (0 for a rank whose figure names the other: a figure missing, which
-        decides nothing but a loaded decision's fate). Tensor operations: no Python per rank; one
-        watch alone is named by every figure, which it takes as they are."""
+        """Every rank's figures for one batch, to each watch those naming it (0 where a rank's names the
+        other: a missing figure decides nothing but a loaded decision's fate)."""
         if len(self._watches) == 1:
             self._watches[0].received(observations)
             return
@@ -472,10 +414,8 @@ class Admission:
                 watch.received(mine)
 
     def conclude(self, ctx: BatchContext, lane: Lane | None) -> bool:
-        """At the splits wait: where `ctx`'s status rode, read every rank's. Where every rank has the
-        batch it is admitted; otherwise the ranks' protocol decides (`Ranks.conclude`: it may raise
-        on every rank). False: some rank lacks the batch, which left `lane` with the batches after
-        it."""
+        """At the splits wait: where `ctx`'s status rode, read every rank's (`Ranks.conclude` may raise on
+        every rank). False: some rank lacks the batch, which left `lane` with those after it."""
         if not (ctx.status_rides and ctx.splits_requests):
             return True
         ctx.status_rides = False
@@ -515,8 +455,7 @@ def _read(words: list[int], rows: int, index: int) -> tuple[list[Status], list[i
     """Every rank's status and figure from the words read at this rank's status row `rows`.
 
     Raises:
-        RidingMismatchError: a rank's row there is not a status word of the same row count (on every
-            rank: each reads a wrong row, or a word whose count differs from its own).
+        RidingMismatchError: on every rank, where a rank's row there is no word of the same row count.
     """
     fields = [unpack(w) for w in words]
     wrong = [

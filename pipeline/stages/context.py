@@ -1,7 +1,5 @@
-"""Per-batch contexts: what one batch carries between the pipeline's stages, one per batch in flight
-(docs/reference.md, "Contexts"). They implement `rewrite.ForwardContext` for the hijacked forwards and
-own what is handed off for their batch (`Streams.handoff(obj, producer, ctx)`) until the pipeline
-releases it (`Streams.release(ctx)`) after the batch's backward, or when the batch is dropped."""
+"""Per-batch contexts (docs/reference.md, "Contexts"), the hijacked forwards' `rewrite.ForwardContext`;
+each owns its batch's hand-offs until `Streams.release(ctx)`, after its backward or when dropped."""
 
 from __future__ import annotations
 
@@ -49,8 +47,8 @@ class BatchContext:
             self.batch, self.copy_job = self.copy_job.result(), None
 
     def take_input_dist(self, key: str) -> tuple[Any, Any] | None:
-        """Pop call site `key`'s input_dist result, wait for it on data_dist and hand it (and the
-        module context) to the current stream. None if nothing is prepared under `key`."""
+        """Pop call site `key`'s input_dist result, waited on data_dist and handed (with its module
+        context) to the current stream; None if nothing is prepared under `key`."""
         request = self.input_dist_requests.pop(key, None)
         if request is None:
             return None

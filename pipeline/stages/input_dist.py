@@ -1,34 +1,5 @@
-"""`InputDist`: starts and waits the input all-to-alls of the pipelined sharded modules.
-
-Its life: `attach` rewrites the sharded modules on the first batch (`Attachment`); `start` launches
-each module's splits all-to-all for a batch (`input_dist::start`, fused into one collective per group
-from the second batch on); `wait_splits` waits for them and launches the values all-to-alls
-(`input_dist::splits`); the hijacked forwards take the values through the batch's context
-(`input_dist::wait`); `detach` restores the model. The schedule (`pipeline.stages.schedule`) says
-when the splits are waited, on which group.
-
-Here too, what the stage needs besides: the rewrite of the model's sharded modules as the stage
-holds it (`Attachment`), the warning when a module is not pipelined (`NotPipelinedWarning`), and
-torchrec's memory flags (`MemoryFlags`).
-
-The warning: on the first batch, once per module and pipeline, with the reason from the rewrite
-report and what to do. Such a module still trains correctly: it runs its own forward, input_dist
-included, so only its input all-to-alls are not overlapped. It goes to the "pipeline" logger
-(WARNING) and through `warnings.warn` as a `NotPipelinedWarning`, which a user may filter or make
-an error; `strict=True` fails instead.
-
-What torchrec's memory flags free, as torchrec frees it (`MemoryFlags`).
-
-- `free_features_storage_early`: a sharded module that permutes its input features keeps the
-  original KeyedJaggedTensor in its context (`early_releasable_inputs`) once told to
-  (`_free_features_storage_early`); after every pipelined module's input_dist has started, the
-  storage of those originals is released. The batch's KeyedJaggedTensor is empty afterwards: only
-  the hijacked forwards, which never read it, may see it.
-- `clear_data_dist_inputs`: the tensors an input all-to-all sent are released once it completed,
-  before forward, instead of when the awaitable is collected.
-
-Both return the bytes they freed, which the pipeline adds to `InputDist.freed_bytes`.
-"""
+"""`InputDist`, the stage that starts a batch's input all-to-alls and waits their splits; the rewrite
+as it holds it (`Attachment`), `NotPipelinedWarning` and torchrec's memory flags (`MemoryFlags`)."""
 
 from __future__ import annotations
 
@@ -76,12 +47,10 @@ class InputDist:
         rewrite: how the sharded modules' inputs are found (`RewriteOptions`).
         strict: fail on the first batch if a sharded module cannot be pipelined.
         pipeline_postproc: run parameter-free modules that transform the batch ahead.
-        schedule: the input_dist schedule, its watch, and whether ids are narrowed (`InputDistOptions`).
+        schedule: the schedule, its watch, and whether ids are narrowed (`InputDistOptions`).
         memory: torchrec's memory flags (`MemoryFlags`).
-        forward: which hijacked forward the sharded modules get: "input_dist" (wait for the values
-            all-to-all), "prefetch" or "lookup" (take that stage's output).
-        carry: a batch's status may ride on its fused splits all-to-all instead of a vote of its own
-            (only for pipelines that admit every batch through `fill` and `start_next`).
+        forward: the sharded modules' hijacked forward: "input_dist", "prefetch" or "lookup".
+        carry: statuses may ride on the fused splits (the pipeline admits through `fill`, `start_next`).
         ranks: the ranks' protocol: it admits each batch before its input_dist starts and creates
             the own groups (`Ranks.new_group`). None (`SparseDataDistUtil`): neither.
     """
@@ -117,8 +86,7 @@ class InputDist:
         self.schedule = "late" if schedule.schedule == "adaptive" else schedule.schedule
         """The schedule in use (under "adaptive", may change once or twice: `ScheduleWatch`)."""
         self._one_rank = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
-        """One rank: the input all-to-alls move nothing between ranks, so the splits are not fused
-        into an all-to-all of their own and every schedule does the same work."""
+        """One rank: the splits are not fused, and every schedule does the same work."""
         self.freed_bytes = 0
         """Bytes released by the memory flags so far."""
         self._ranks = ranks
@@ -172,8 +140,7 @@ class InputDist:
         return SCHEDULES[self.schedule].early_splits
 
     def choose_schedule(self, training: bool) -> None:
-        """At the start of a step: under "adaptive", let the watch pick this training step's
-        schedule (an eval step is not timed)."""
+        """Call at the start of each step: under "adaptive", the watch picks a training step's schedule."""
         watch = self.watch
         if watch is not None and watch.settled:  # decided for good: it only counts the step
             watch.steps += training
@@ -188,8 +155,7 @@ class InputDist:
             self.report.notes.append(text)
 
     def add_watch(self, watch: Any) -> None:
-        """Let another stage's watch (`pipeline.stages.prefetch.PrefetchWatch`) publish in the ranks'
-        words."""
+        """Let another stage's watch (`pipeline.stages.prefetch.PrefetchWatch`) publish in the words."""
         watch.note = self._note
         self._others.append(watch)
         if self._one_rank:
@@ -201,7 +167,7 @@ class InputDist:
         self._attached.use_forward(forward)
 
     def step_ended(self) -> None:
-        """A step ended: the watches stop its clock (the time until the next step is not a step's)."""
+        """Call when a step ended: the watches stop its clock."""
         for watch in filter(None, (self.watch, *self._others)):
             if not watch.settled:
                 watch.step_ended()
@@ -218,13 +184,13 @@ class InputDist:
 
     def recording(self, ctx: BatchContext) -> Any:
         """The context manager to run `ctx`'s forward in while the rewrite waits for a recorded one."""
-        rewrite = self._attached.rewrite  # the steady step: pipelined, nothing to record
+        rewrite = self._attached.rewrite
         steady = rewrite is not None and not rewrite.needs_recording
         return None if steady else self._attached.recording(ctx.batch)
 
     def _agree(self, rewrite: Rewrite, ctx: BatchContext) -> None:
-        """Once the rewrite is complete, at `ctx`'s batch: every rank must have found the same call
-        sites and have the same live watches' settings; then which sites narrow (`NarrowIds.settle`)."""
+        """Once the rewrite is complete: every rank must have found the same call sites and have the same
+        live watches' settings (else every rank raises); then which sites narrow."""
         if self._ranks is not None:
             self._ranks.agree_on("call sites of the sharded modules", rewrite.signature())
             live = [w.settings() for w in (self.watch, *self._others) if w is not None and w.publishing]
@@ -234,10 +200,8 @@ class InputDist:
         self._narrow.settle(rewrite.sites, sample, self._ranks.gather if self._ranks else every_rank)
 
     def _check_groups(self, rewrite: Rewrite, ctx: BatchContext) -> None:
-        """Once the input dists exist (the first fused start): where the watch could not move the
-        input all-to-alls, it is pinned now, saying why. Decided from the groups' config, which
-        every rank holds alike: their backend for the batch's device, and whether a group like
-        theirs can be made."""
+        """At the first fused start: pin the watch, saying why, where it could not move the input
+        all-to-alls (NCCL, or no group like theirs can be made); every rank decides alike."""
         if self.watch is None or self.watch.choice is not None:
             return
         inputs = rewrite.site_inputs(ctx.batch, ctx.postproc_results)
@@ -261,16 +225,16 @@ class InputDist:
         self._groups.close()
 
     def start(self, ctx: BatchContext) -> None:
-        """Launch the splits all-to-all of every pipelined call site for `ctx`'s batch (nothing while
-        the rewrite waits for a recorded forward: the batch is started by a later `fill`)."""
+        """Launch the splits all-to-alls of `ctx`'s batch (fused into one per group from the second batch
+        on); nothing while the rewrite waits for a recorded forward."""
         if ctx.started:
             return
-        own = SCHEDULES[self.schedule].own_group  # their own groups, or torchrec's
+        own = SCHEDULES[self.schedule].own_group
         if self._admission.without_batch(ctx):  # zero splits where the others send theirs
             self._groups.place(own, self.rewrite.modules, ctx.index)
             ctx.splits_requests, ctx.started = self._admission.status_only(ctx, self._groups.current), True
             return
-        if ctx.copy_job is not None:  # the device batch, its copy dispatched on a worker
+        if ctx.copy_job is not None:
             ctx.wait_copy()
         streams, rewrite = self._streams, self._attached.rewrite
         rewrite = rewrite if rewrite is not None else self.attach(ctx.batch)
@@ -279,7 +243,7 @@ class InputDist:
         if not self._attached.settled:
             self._attached.settle(rewrite, lambda r: self._agree(r, ctx))
         fused = not self._one_rank and (rewrite.fused or rewrite.fuse_splits())
-        if fused and not self._admission.checked:  # whether statuses can ride, decided once
+        if fused and not self._admission.checked:
             why = self._admission.check([pm.module for pm in rewrite.modules])
             rewrite.report.notes += [why] if why else []
         if fused and not self._groups_checked:
@@ -314,9 +278,8 @@ class InputDist:
             ctx.wait_clock = self.watch.active_clock
 
     def wait_splits(self, ctx: BatchContext, lane: Lane | None = None) -> bool:
-        """Wait for the splits all-to-all of `ctx` and launch its values all-to-alls (a no-op once
-        done). Where the batch's status rode on it, the ranks' statuses decide first
-        (`Ranks.conclude`); its `lane` is then needed, in case the ranks drop the batch.
+        """Wait for the splits all-to-all of `ctx` and launch its values all-to-alls (a no-op once done).
+        Where the batch's status rode on it, the ranks' statuses decide first: `lane` is then needed.
 
         Returns:
             False: some rank lacks the batch; it and the batches after it left `lane`.
@@ -341,8 +304,7 @@ class InputDist:
     # -- the next batch, within a step (the pipelines' steps call these by name) ---------------
 
     def fill(self, lane: Lane, enqueue: Callable[[Lane], bool]) -> None:
-        """Before a step: the head batch admitted, its input_dist started and its splits waited;
-        the batch after it copied (`enqueue`)."""
+        """Before a step: the head batch admitted, its input_dist started and splits waited; i+1 copied."""
         if not lane.inflight:
             enqueue(lane)
         head = lane.inflight[0] if lane.inflight else None
@@ -353,8 +315,8 @@ class InputDist:
             enqueue(lane)
 
     def start_next(self, lane: Lane) -> BatchContext | None:
-        """Admit batch i+1 (its input_dist is its first collective) and start its input_dist,
-        waiting for its splits now under an early schedule. None if there is no such batch."""
+        """Admit batch i+1 and start its input_dist (its splits waited now under an early schedule);
+        None if there is no such batch."""
         nxt = lane.inflight[1] if len(lane.inflight) > 1 else None
         if nxt is None or not self._admission.admit(lane, nxt):
             return None
@@ -364,8 +326,7 @@ class InputDist:
         return nxt
 
     def release_inputs(self, ctx: BatchContext) -> None:
-        """`clear_data_dist_inputs`: wait for `ctx`'s values all-to-alls and free what they sent
-        (before the batch's input is taken)."""
+        """`clear_data_dist_inputs`: wait for `ctx`'s values all-to-alls and free what they sent."""
         if self._memory.clear_data_dist_inputs and ctx.started:
             with self._streams.use(self._streams.data_dist):
                 self.freed_bytes += release_sent_inputs(ctx.input_dist_requests.values())
@@ -375,17 +336,9 @@ class InputDist:
 
 
 class Attachment:
-    """The rewrite of `model`'s sharded modules, made on the first batch and undone by `detach`.
-
-    Args:
-        model: the model whose sharded modules are rewritten.
-        slot: where the hijacked forwards read the context of the batch whose forward runs.
-        options: how the sharded modules' inputs are found (`RewriteOptions`).
-        strict: fail on the first batch if a sharded module cannot be pipelined.
-        pipeline_postproc: run parameter-free modules that transform the batch ahead.
-        forward: which hijacked forward the sharded modules get (see `InputDist`).
-        free_early: `free_features_storage_early` was asked for.
-    """
+    """The rewrite of `model`'s sharded modules, made on the first batch and undone by `detach`. Its
+    arguments are `InputDist`'s (`options`: its `rewrite`), `slot`, where the hijacked forwards read
+    the running batch's context, and `free_early`: `free_features_storage_early` was asked for."""
 
     def __init__(
         self,
@@ -409,7 +362,7 @@ class Attachment:
         """`free_features_storage_early` applies (every call site's input is a path in the batch)."""
         self._undo: list[Callable[[], None]] = []
         self._warned: set[str] = set()
-        """The sharded modules warned about as not pipelined (once each, not at a re-attach)."""
+        """The modules warned about as not pipelined (once each, not again at a re-attach)."""
 
     @property
     def report(self) -> RewriteReport | None:
@@ -417,12 +370,10 @@ class Attachment:
 
     @property
     def modules(self) -> list[PipelinedModule]:
-        """The pipelined sharded modules (none before the first batch)."""
         return self.rewrite.modules if self.rewrite is not None else []
 
     @property
     def sites(self) -> list[CallSite]:
-        """Every call of a pipelined sharded module in one forward (none before the first batch)."""
         return self.rewrite.sites if self.rewrite is not None else []
 
     def use_forward(self, forward: str) -> None:
@@ -436,8 +387,7 @@ class Attachment:
         self._forward = forward
 
     def attach(self, batch: Any) -> Rewrite:
-        """Rewrite the model's sharded modules, once, with `batch` as the sample. The rewrite may
-        wait for the first forward to be recorded (`recording`) before anything is pipelined."""
+        """Rewrite the sharded modules once, with `batch` as the sample (it may wait for `recording`)."""
         if self.rewrite is None:
             options = self._options
             self.rewrite = rewrite_model(
@@ -456,16 +406,14 @@ class Attachment:
         return self.rewrite
 
     def recording(self, batch: Any) -> Any:
-        """While the rewrite waits for a recorded forward: the context manager to run the forward of
-        `batch` in (unpipelined, the plain loop's numbers; it completes the rewrite). None
-        otherwise: the forward is pipelined, and its calls are to be checked after it."""
+        """While the rewrite waits for a recorded forward: the context manager to run `batch`'s forward
+        in, unpipelined (it completes the rewrite). None: the forward is pipelined."""
         rewrite = self.attach(batch)
         return rewrite.record(batch) if rewrite.needs_recording else None
 
     def settle(self, rewrite: Rewrite, check: Callable[[Rewrite], None]) -> None:
-        """Once the rewrite is complete: warn about each module not pipelined (once per module), run
-        the owner's `check` (it may raise on every rank), then apply `free_features_storage_early`
-        where forward never reads the features."""
+        """Once the rewrite is complete: warn about each module not pipelined, run `check` (it may raise
+        on every rank), then apply `free_features_storage_early` where safe."""
         self.settled = True
         warn_not_pipelined(rewrite.report, self._warned, pipeline_postproc=self._pipeline_postproc)
         check(rewrite)
@@ -475,8 +423,7 @@ class Attachment:
             self._undo.append(undo)
 
     def detach(self) -> None:
-        """Undo `free_features_storage_early` and restore every original forward; the next
-        `attach` rewrites again."""
+        """Undo `free_features_storage_early` and restore every original forward."""
         while self._undo:
             self._undo.pop()()
         if self.rewrite is not None:
@@ -489,18 +436,13 @@ class Attachment:
 
 
 class NotPipelinedWarning(UserWarning):
-    """A sharded module is not pipelined: it runs its own forward, without overlap."""
+    """A sharded module is not pipelined: it runs its own forward, without overlap (training is
+    unchanged). Warned once per module and pipeline, also to the "pipeline" logger."""
 
 
 def warn_not_pipelined(report: RewriteReport, warned: set[str], *, pipeline_postproc: bool) -> None:
-    """Warn about each module of `report` that is not pipelined and not in `warned` (then add it).
-
-    Args:
-        report: the rewrite's report.
-        warned: the modules this pipeline warned about already.
-        pipeline_postproc: the pipeline runs modules that transform the batch ahead (else the
-            message suggests it).
-    """
+    """Warn about each module of `report` not pipelined and not in `warned` (then add it); the message
+    suggests `pipeline_postproc` where it is off."""
     for module in report.not_pipelined:
         if module.fqn in warned:
             continue
@@ -531,18 +473,17 @@ def _message(fqn: str, reason: str, pipeline_postproc: bool) -> str:
 
 @dataclass(frozen=True, slots=True)
 class MemoryFlags:
-    """torchrec's two memory flags of the input_dist stage, as the constructors received them."""
+    """torchrec's two memory flags of the input_dist stage (docs/reference.md, "torchrec's flags on CPU")."""
 
     free_features_storage_early: bool = False
-    """Free the storage of a batch's KeyedJaggedTensor once every pipelined module's input_dist
-    has made its own permuted copy (torchrec's modules keep the original only while permuting)."""
+    """Free the storage of a batch's KeyedJaggedTensor once every pipelined module's input_dist has
+    its own permuted copy; the batch's KJT is empty afterwards."""
     clear_data_dist_inputs: bool = False
     """Before forward of a batch, wait for its input all-to-alls and free the tensors they sent."""
 
 
 def free_features_early(modules: Iterable[nn.Module]) -> Callable[[], None]:
-    """Tell each sharded module that knows the flag to keep its permuted-away input for release;
-    returns the undo function (for `detach()`)."""
+    """Tell each sharded module that knows the flag to keep its input for release; returns the undo."""
     changed = []
     for module in modules:
         if hasattr(module, "_free_features_storage_early") and not module._free_features_storage_early:
@@ -557,8 +498,7 @@ def free_features_early(modules: Iterable[nn.Module]) -> Callable[[], None]:
 
 
 def free_early_where_safe(rewrite: Any) -> Callable[[], None] | None:
-    """`free_features_early` on `rewrite`'s modules where forward never reads the batch's features
-    (every call site's input is a path in the batch); else a note in its report and None."""
+    """`free_features_early` where forward never reads the batch's features; else a note and None."""
     computed = [site.key for site in rewrite.sites if not site.args.is_path]
     if computed:
         rewrite.report.notes.append(
@@ -570,9 +510,8 @@ def free_early_where_safe(rewrite: Any) -> Callable[[], None] | None:
 
 
 def release_features(module_contexts: Iterable[Any], narrowed: Mapping[int, Any] | None = None) -> int:
-    """Free the original features the modules' contexts hold for release; returns the bytes.
-    Where a module held a narrowed copy (`pipeline.stages.narrow`), `narrowed` maps its id to the
-    batch's KJT, which is freed too, as it would have been without narrowing."""
+    """Free the original features the modules' contexts hold for release; returns the bytes. `narrowed`
+    maps a narrowed copy's id to the batch's KJT, freed too (`pipeline.stages.narrow`)."""
     size = 0
     originals = dict(narrowed or {})
     for module_ctx in module_contexts:

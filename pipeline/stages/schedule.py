@@ -1,22 +1,5 @@
-"""The input_dist schedules: when the splits all-to-all of batch i+1 is waited for, before forward of
-batch i ("early") or after it ("late", torchrec's order), and whether the input all-to-alls run on a
-process group of their own (`InputDistGroups`) or on torchrec's. Numerics are the same under every
-schedule. docs/reference.md, "Schedules", weighs them.
-
-The default, "adaptive", is `ScheduleWatch`: it runs torchrec's order ("late") and watches what the
-job's own steps show anyway: the step time, and the blocked share of it: the time the training
-thread is blocked in the input all-to-alls' waits (the splits wait and, in forward, the values
-wait), each read with a clock around a call the pipeline makes anyway, plus the time it spends off
-the CPU in backward (where, on CPU, backward's collectives queue behind the next batch's input
-all-to-all, and wait for the peers). Of the two, the second is most of the figure on a
-network-bound CPU job (38-49 % of the step against 1-3 % in the waits); both are time that the
-early schedule can hide. Where that share is large and steady, every rank moves to "early" (the
-splits waited before forward, the all-to-alls on a process group of their own, created at that
-step), and keeps it only where the steps after are faster: the rule of `pipeline.stages.watch`,
-whose constants come from measurements (docs/reference.md, "The default schedule"). Where the
-statuses cannot ride (one rank, `agreement=False`, a class that admits batches itself), on NCCL,
-or where nothing is pipelined, torchrec's order is kept (`pin`), saying why.
-"""
+"""The input_dist schedules (`SCHEDULES`; docs/reference.md, "Schedules"), the input all-to-alls' own
+process groups (`InputDistGroups`) and the default schedule's watch (`ScheduleWatch`)."""
 
 from __future__ import annotations
 
@@ -48,7 +31,7 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class Schedule:
-    """One input_dist schedule."""
+    """One input_dist schedule (results are bit for bit the same under each)."""
 
     early_splits: bool
     """Wait for the next batch's splits before forward (True) or after it (False)."""
@@ -90,13 +73,9 @@ def schedule_words(name: str) -> str:
 
 
 class ScheduleWatch(StepWatch):
-    """Chooses the input_dist schedule from the job's own steps: "late" (torchrec's order) until
-    the training thread is blocked (input all-to-alls' waits, off the CPU in backward) for
-    `threshold` of the step, steadily; then "early", kept only where it is verified faster
-    (`pipeline.stages.watch.StepWatch`, whose Args and defaults these are, but the threshold: 0.4
-    here). The threshold comes from the corrected figure over 1 Gbit (docs/results/default-1gbit-run4.md):
-    early paid 25 % at a share of 0.48, 6 % at 0.36, and lost 9 % at 0.26.
-    """
+    """The default schedule's watch: "late" until the training thread is blocked (input all-to-alls'
+    waits, off the CPU in backward) for `threshold` of the step, steadily; then "early", kept where
+    verified faster. Args: `pipeline.stages.watch.StepWatch`'s, but `threshold` 0.4."""
 
     modes: ClassVar[tuple[str, str]] = ("late", "early")
     label: ClassVar[str] = "input_dist schedule"
@@ -104,7 +83,7 @@ class ScheduleWatch(StepWatch):
     def __init__(self, *, threshold: float = 0.4, **settings: Any) -> None:
         super().__init__(threshold=threshold, **settings)
         self.waits = WaitClock(self.clock)
-        """Where the input_dist waits are timed (None-ed by `active_clock` once the watch ends)."""
+        """Where the input_dist waits are timed (`active_clock`)."""
 
     @property
     def schedule(self) -> str:
@@ -112,8 +91,7 @@ class ScheduleWatch(StepWatch):
         return self.mode
 
     def _parts(self) -> tuple[float, float]:
-        # Called at each step while the watch watches or tries: the clock times the thread that
-        # steps, and hands over (waited, idle) since the last step, from zero again.
+        # the clock times only the thread that steps
         waits = self.waits
         waits.thread = threading.get_ident()
         parts = (waits.waited, waits.idle)
@@ -127,8 +105,7 @@ class ScheduleWatch(StepWatch):
 
     @property
     def parts(self) -> tuple[float, float] | None:
-        """Of `share`, this rank's median share in the input all-to-alls' waits and off the CPU in
-        backward, over the same window (None before a full window)."""
+        """Of `share`, this rank's median share in the waits and off the CPU in backward (or None)."""
         if len(self._samples) < self.window:
             return None
         return self.median_part(0), self.median_part(1)
@@ -143,8 +120,6 @@ class ScheduleWatch(StepWatch):
         return self._described(head, watched, "batches", "under early")
 
     def _switched_text(self, share: float, clear: bool) -> str:
-        """The move to early: the ranks' blocked shares that triggered it, this rank's parts, what
-        the switch creates and how long it is verified (`clear`: at the first figure)."""
         waits, idle = self.parts or (0.0, 0.0)
         return (
             f"the training thread was blocked {share:.0%} of the step (median over {self.window} steps, "
@@ -156,7 +131,6 @@ class ScheduleWatch(StepWatch):
         )
 
     def _verdict_text(self, *, kept: bool) -> str:
-        """Early kept, or torchrec's order again: the job's ratio, every rank's, and the rule."""
         shown, rule = self._ratios_text(), self._rule_text()
         if kept:
             return (
@@ -175,9 +149,8 @@ class ScheduleWatch(StepWatch):
 
 
 def backend_on(pg: dist.ProcessGroup, device: torch.device) -> str:
-    """The backend that `pg` runs the collectives of tensors on `device` with ("gloo", "nccl", ...):
-    a group made with one backend uses it for every device; a mixed one ("cpu:gloo,cuda:nccl", or
-    `init_process_group()` with no backend) names one per device type."""
+    """The backend ("gloo", "nccl", ...) that `pg` runs collectives of tensors on `device` with; a
+    mixed group ("cpu:gloo,cuda:nccl") has one per device type."""
     config = str(dist.get_backend_config(pg))
     for part in config.split(","):
         kind, named, backend = part.partition(":")
@@ -189,9 +162,8 @@ def backend_on(pg: dist.ProcessGroup, device: torch.device) -> str:
 
 
 def made_like(pg: dist.ProcessGroup) -> dict[str, Any]:
-    """The `dist.new_group` keywords that make a group as `pg` was made: its backend, its timeout
-    and, on NCCL, a copy of its options (high-priority streams, the communicator's config; torch
-    writes the new group's name and ranks into the options it is given, so `pg`'s own are not)."""
+    """The `dist.new_group` keywords that make a group as `pg` was made: backend, timeout and, on NCCL,
+    a copy of its options (torch writes the new group's name and ranks into them, so never `pg`'s own)."""
     backend = dist.get_backend(pg)
     device = torch.device("cuda" if "nccl" in str(backend) else "cpu")
     options = pg._get_backend(device).options
@@ -205,26 +177,15 @@ def made_like(pg: dist.ProcessGroup) -> dict[str, Any]:
 
 
 class InputDistGroups:
-    """Process groups reserved for the input all-to-alls, one per group they were created on.
-
-    A process group runs its collectives in the order they were issued. The pipeline issues the
-    values all-to-all of batch i+1 before the backward of batch i, so on a shared group backward's
-    embedding all-to-all and DDP's all-reduce would queue behind it. On a group of its own it runs
-    alongside them. Each group is made like the one it copies (`made_like`: its backend, timeout and
-    options), when the schedule first moves the all-to-alls (all ranks reach `place` at the same
-    batch: the schedule changes at a step every rank decides alike), and said in `note`. When the
-    schedule moves them back, the group is destroyed at the third batch start after that, once the
-    batches started on it have been through forward (an undo by `detach` keeps it: batches in
-    flight may still use it).
-
-    Only groups spanning every rank get their own: creating a copy of a subgroup would need every
-    rank to know every other rank's subgroups. Subgroups keep sharing.
-    The cost is one more communicator per group: on NCCL, its buffers on every GPU.
+    """The input all-to-alls' own process groups, one per whole-world group they run on (subgroups
+    keep sharing: a copy would need every rank to know every other's subgroups). Each is made like
+    its original (`made_like`) when the schedule first moves the all-to-alls, which every rank does
+    at the same batch; on NCCL it is one more communicator, with buffers on every GPU.
 
     Args:
-        new_group: creates a group (`dist.new_group`, or the ranks' protocol's, which does not wait
-            for a peer that failed).
+        new_group: creates a group (the ranks' protocol's does not wait for a peer that failed).
         note: told, in a sentence, when a group is made or destroyed (the rewrite report's notes).
+        destroy: destroys a group.
     """
 
     def __init__(
@@ -243,20 +204,18 @@ class InputDistGroups:
         self._batch = 0
         """The batch being placed (what the notes name)."""
         self.at_rest: bool | None = False
-        """`place(own)` with this `own` has nothing to do (None: a retirement is due); the caller
-        may skip the call."""
+        """`place(own)` with this `own` has nothing to do, so may be skipped (None: a retirement is due)."""
 
     def place(self, own: bool, modules: list[Any], batch: int) -> None:
-        """At the start of `batch`: the pipelined `modules`' input all-to-alls on their own groups
-        (`own`) or on torchrec's."""
+        """At the start of `batch`, on every rank alike: the pipelined `modules`' input all-to-alls on
+        their own groups (`own`) or on torchrec's."""
         self._batch = batch
         if own and self._undo is None:
             self._retire_at = None
             self._undo = self.install([pm.module for pm in modules])
         elif not own and self._undo is not None:
             self.restore()
-            # Batches started on them may be in flight (one to three, by class): destroyed at the
-            # third start from now, after they have all been through forward.
+            # batches started on them may be in flight (up to three): destroyed once past forward
             self._retire_at = batch + 3
         elif not own and self._retire_at is not None and batch >= self._retire_at:
             self._retire_at = None
@@ -271,7 +230,6 @@ class InputDistGroups:
             self._rest()
 
     def _rest(self) -> None:
-        """`at_rest` from the state: on their own groups, on torchrec's, or a retirement due."""
         self.at_rest = True if self._undo is not None else (False if self._retire_at is None else None)
 
     def own_group(self, pg: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -292,9 +250,8 @@ class InputDistGroups:
         return own
 
     def uncopyable(self, groups: list[dist.ProcessGroup]) -> str | None:
-        """Why a group of their own could not be made like one of `groups` (`made_like` reads the
-        group's options from torch's private fields), or None. Asked before the schedule may move,
-        so that the move cannot fail; the same on every rank (it reads the job's groups only)."""
+        """Why no group could be made like one of `groups` (`made_like` reads torch's private fields),
+        or None; the same on every rank. Ask before the schedule may move, so the move cannot fail."""
         for pg in groups:
             if pg.size() == dist.get_world_size():
                 try:
@@ -311,8 +268,7 @@ class InputDistGroups:
             self._say(f"input_dist, batch {self._batch}: destroyed the input all-to-alls' own process group")
 
     def close(self) -> None:
-        """The all-to-alls back on torchrec's groups, and their own groups destroyed (`close()`:
-        no batch is in flight any more)."""
+        """The all-to-alls back on torchrec's groups and their own destroyed; only with no batch in flight."""
         self.restore()
         self._retire_at = None
         self._destroy()
@@ -323,9 +279,8 @@ class InputDistGroups:
             self.note(text)
 
     def install(self, modules: list[nn.Module]) -> Callable[[], None]:
-        """Move the modules' KJT all-to-alls to their own groups; returns the undo function.
-
-        Collectives already issued keep the group they were issued on."""
+        """Move the modules' KJT all-to-alls to their own groups (collectives already issued keep theirs);
+        returns the undo function."""
         moved = []
         for a2a in (a for m in modules for a in kjt_all_to_alls(m)):
             moved.append((a2a, a2a._pg))
@@ -338,8 +293,7 @@ class InputDistGroups:
         return undo
 
     def current(self, pg: Any) -> Any:
-        """The group that the all-to-alls made on (or moved to) `pg` use now: its own twin while
-        they are moved (`place`), else the original."""
+        """The group the all-to-alls of `pg` use now: its twin while they are moved, else the original."""
         for original, own in self._made:
             if pg is original or pg is own:
                 return own if self._undo is not None else original

@@ -1,32 +1,6 @@
-"""`StepWatch`: one rule for a choice the pipeline makes from the job's own steps, shared by the
-default input_dist schedule (`pipeline.stages.schedule.ScheduleWatch`) and Prefetch's ahead-or-inline
-choice on CPU (`pipeline.stages.prefetch.PrefetchWatch`); docs/reference.md, "The default schedule",
-says it in full.
-
-1. Watching, in the start mode: each rank publishes the median share of its last `window` steps
-   that the other mode could hide (`_parts`); once the ranks' mean has reached `threshold` for
-   `window + 1` figures in a row (or for one, where every rank's is twice `threshold`), every rank
-   moves to the other mode at its next step.
-2. Trying: after `settle` untimed steps, each rank times `verify` steps (half as many where they
-   are clear: `StepTimes.verified`) and publishes its step ratio: the median ratio of every pair
-   of a step after and a step before the switch, the faster half of each side (`StepTimes.ratio`).
-   The ranks step in lockstep, so they measure one job's step: kept where the ranks' mean ratio
-   is at most `1 - margin` and no rank's is `1 + margin` or more; else every rank goes back. Where
-   the verdict was unsure (no gain shown, no rank's ratio `1 + margin` or more: on a noisy machine
-   one window can hide a real gain), it watches again and tries once more after `backoff` steps,
-   then twice as many, at most `retries` times; a clear loss is final.
-3. Kept, back or pinned: no clock runs any more. A watch whose ranks' mean share has stayed under
-   `threshold` for `patience` figures in a row ends pinned to the start mode: nothing to hide.
-
-A step is timed from `step` to `step_ended`: the time between two `progress()` calls is not a
-step's. The figures ride in the ranks' status words (`pipeline.ranks.riding`), so every rank decides
-from the same figures at the same step; the settings are agreed once (`settings`), and a decision
-loaded from a checkpoint takes effect only once every rank's word shows it (`load_state_dict`). A
-watch with no ranks to agree with decides from its own figure (`alone`).
-
-Here too: what a watch has seen of the job's steps (`StepTimes`), a clock of the time the training
-thread is blocked in a step (`WaitClock`), and a decision as a checkpoint holds it (`SavedDecision`).
-"""
+"""`StepWatch`, the rule by which every rank moves at once between two modes from what the steps show
+(docs/reference.md, "The default schedule"; `ScheduleWatch` and `PrefetchWatch` follow it); also
+`StepTimes` (the steps seen), `WaitClock` (the time blocked in a step) and `SavedDecision`."""
 
 from __future__ import annotations
 
@@ -55,40 +29,29 @@ QUICK = 10
 
 
 class StepTimes:
-    """The steps observed in the start mode and the steps verified after a switch.
-
-    Args:
-        window: steps per observation of the share (the median is taken over them).
-        verify: steps timed in the new mode before the verdict, compared with as many steps before
-            (half as many where those are clear: `verified`).
-        margin: the gain that makes the steps after clearly faster (0.05: 5 %).
-        clock: seconds, monotonic (tests inject a fake one).
-    """
+    """The steps observed in the start mode and the steps verified after a switch (Args: `StepWatch`'s)."""
 
     def __init__(self, *, window: int, verify: int, margin: float, clock: Callable[[], float]) -> None:
         self.window, self.verify, self.margin = window, verify, margin
         self.clock = clock
-        """Seconds, monotonic: what every time this watch sees is read from."""
         self._last: float | None = None
         """When the step under way began (None: not timed)."""
         self._ended: float | None = None
-        """When it ended (`step_ended`)."""
         self._skip = 0
         """Steps after a switch not to time yet."""
         self._samples: deque[tuple[float, tuple[float, ...]]] = deque(maxlen=window)
         """(step, parts) seconds of the last `window` observed steps in the start mode."""
         self._shares: deque[float] = deque(maxlen=window)
-        """The share of each of them that the parts took (`share`'s median is over these)."""
+        """The share of each of them that the parts took."""
         self._recent: deque[float] = deque(maxlen=verify)
-        """The last `verify` observed step times in the start mode (what the steps after a switch
-        are compared to)."""
+        """The last `verify` observed step times, which the steps after a switch are compared to."""
         self._before: list[float] = []
         """`_recent` as it was at the switch."""
         self._after: list[float] = []
         """The verified step times after the switch."""
 
     def step_ended(self) -> None:
-        """At the end of each step (after the optimizer): what the step is timed to."""
+        """Call at the end of each step, after the optimizer: the time to the next `step` is not a step's."""
         if self._last is not None:
             self._ended = self.clock()
 
@@ -101,8 +64,7 @@ class StepTimes:
 
     @property
     def share(self) -> float | None:
-        """This rank's median share over the last `window` observed steps in the start mode (None
-        before a full window)."""
+        """This rank's median share over the last `window` observed steps (None before a full window)."""
         return self._share()
 
     def _share(self) -> float | None:
@@ -118,15 +80,12 @@ class StepTimes:
 
     @property
     def reference(self) -> float:
-        """The median of the faster half of the steps before the switch (s; their median where
-        there are fewer than 4): what the quick verdict (`verified`) compares each step after with."""
+        """The median of the faster half of the steps before the switch (s), for `verified`."""
         return statistics.median(_faster_half(self._before))
 
     @property
     def verified(self) -> bool:
-        """The verification window after the switch is full, or its first half is clear and holds
-        `QUICK` steps or more: every step of it shorter than `reference` by `margin` or more, or none
-        shorter than `reference` (by chance alone, either once in 2^10 or less)."""
+        """The window after the switch is full, or its first half (`QUICK` steps or more) is clear."""
         after = self._after
         if not self._before or len(after) < min(self.verify, max(QUICK, self.verify // 2)):
             return False
@@ -137,25 +96,18 @@ class StepTimes:
 
     @property
     def faster_steps(self) -> float:
-        """The share of (step after, step before) pairs, each side's faster half, in which the step
-        after is shorter; 0 before `verified`."""
+        """The share of (after, before) step pairs whose step after is shorter (0 before `verified`)."""
         if not self.verified:
             return 0.0
         after, before = _faster_half(self._after), _faster_half(self._before)
         return sum(a < b for a in after for b in before) / (len(after) * len(before))
 
     def ratio(self, sure: float) -> float:
-        """This rank's step ratio after/before the switch (once `verified`): the `sure` quantile of
-        the ratios of every (step after, step before) pair, each side's faster half. At 0.5 it is
-        the median pairwise ratio: at most 1 - margin where more than half the pairs show the gain.
-        Both sides are read alike, so a slow patch of the machine on either side is left out the
-        same way, and the steps after are not held to a reference biased low."""
+        """This rank's step ratio after/before the switch: the `sure` quantile over (after, before) pairs."""
         after, before = _faster_half(self._after), _faster_half(self._before)
         return _quantile(sorted(a / b for a in after for b in before), sure)
 
     def _medians_ms(self, modes: tuple[str, str]) -> dict[str, float]:
-        """This rank's median step before and after the switch, in ms, by mode, each side's faster
-        half (empty before `verified`)."""
         if not self.verified:
             return {}
         return {modes[0]: 1e3 * self.reference, modes[1]: 1e3 * statistics.median(_faster_half(self._after))}
@@ -171,7 +123,6 @@ def _faster_half(steps: list[float]) -> list[float]:
 
 
 def _quantile(ordered: list[float], q: float) -> float:
-    """The `q` quantile of `ordered` (sorted), interpolated between neighbours."""
     position = q * (len(ordered) - 1)
     low = int(position)
     high = min(low + 1, len(ordered) - 1)
@@ -182,12 +133,8 @@ def _quantile(ordered: list[float], q: float) -> float:
 
 
 class WaitClock:
-    """Adds up how long the pipeline's own thread blocks in a step: in `wait(request)` (the input
-    all-to-alls' waits) and, used as a context manager around backward, the wall time its thread
-    spends off the CPU there (on
-    CPU, where torchrec's backward waits for its all-to-alls, which on a shared process group queue
-    behind the next batch's input all-to-all). Waits on other threads (a prefetch worker) are not
-    the step's."""
+    """Adds up how long `thread` blocks in a step: in `timed` calls and, as a context manager around
+    backward, off the CPU there (other threads' waits are not the step's)."""
 
     __slots__ = ("_clock", "_cpu", "_started", "idle", "thread", "waited")
 
@@ -246,8 +193,7 @@ class SavedDecision:
     def parse(
         cls, state: dict[str, Any], modes: tuple[str, str], final: tuple[str, ...]
     ) -> SavedDecision | None:
-        """The decision in `state` (a `state_dict()`), or None where it holds none (empty, or saved
-        while watching or trying: phases not in `final`).
+        """The decision in `state` (a `state_dict()`); None where empty or saved in a phase not in `final`.
 
         Raises:
             ValueError: the state names a mode that is not one of `modes`.
@@ -261,9 +207,7 @@ class SavedDecision:
         return cls(state["phase"], mode, decisions, state.get("world_size"), RESTORED[modes.index(mode)])
 
     def refused(self, world: int, *, pinned_to: str | None) -> str | None:
-        """Why a watch of a `world`-rank job does not take it (None: it may): taken at another world
-        size (an elastic restart watches afresh), or the other mode for a watch `pinned_to` a mode
-        because nothing rides (the ranks could not agree on it; at one rank there is none to)."""
+        """Why a watch of a `world`-rank job (`pinned_to` a mode where nothing rides) does not take it."""
         if self.world_size is not None and self.world_size != world:
             return f"a decision saved at world size {self.world_size} is not taken at {world}: watching again"
         if pinned_to is not None and self.mode != pinned_to and world > 1:
@@ -290,26 +234,24 @@ FINAL = (WatchPhase.KEPT, WatchPhase.BACK, WatchPhase.PINNED)
 
 
 class StepWatch(StepTimes):
-    """The rule (see the module); a subclass names its modes, measures its parts of a step
-    (`_parts`) and words its decisions (`_switched_text`, `_verdict_text`, `_pinned_text`).
+    """The rule of the module. A subclass names its `modes`, measures its parts of a step (`_parts`)
+    and words its decisions (`_switched_text(share, clear)`, `_verdict_text(kept=)`, `_pinned_text`).
 
     Args:
         window: steps per observation of the share (the median is taken over them).
-        verify: steps timed in the new mode before the verdict, compared with as many steps before.
+        verify: steps timed in the new mode before the verdict, compared with as many before.
         warmup: steps not observed at the start.
-        threshold: the ranks' mean share at which the other mode is tried, once it has held for
-            `window + 1` figures in a row.
+        threshold: the ranks' mean share that, held `window + 1` figures in a row, starts a trial.
         settle: untimed steps after the switch.
-        margin: the gain the job must see for the new mode to be kept (0.05: the ranks' mean step
-            ratio at most 0.95); a rank slower by as much vetoes it.
-        sure: the quantile of its pairwise step ratios a rank publishes (0.5: the median; 0.75: a
-            gain shown by three pairs in four).
-        patience: figures in a row under `threshold` after which the watch ends in the start mode
-            (nothing to hide: its clocks stop, and the step is the decided one); 0: it watches for ever.
-        retries: trials after one whose verdict was unsure (not kept, yet no rank's ratio `1 + margin`
-            or more); 0: one trial, no second.
-        backoff: steps after an unsure verdict before the next trial may start (doubled after each).
+        margin: kept at a mean step ratio of at most `1 - margin`; a rank at `1 + margin` vetoes.
+        sure: the quantile of its pairwise step ratios a rank publishes (0.5: the median).
+        patience: figures in a row under `threshold` that end the watch in the start mode (0: never).
+        retries: further trials after an unsure verdict (not kept, no rank `1 + margin` or more).
+        backoff: steps after an unsure verdict before the next trial (doubled after each).
         clock: seconds, monotonic (tests inject a fake one).
+
+    Raises:
+        ValueError: a setting is out of range.
     """
 
     modes: ClassVar[tuple[str, str]] = ("start", "other")
@@ -342,10 +284,9 @@ class StepWatch(StepTimes):
         self.threshold, self.settle = threshold, settle
         self.warmup, self.sure, self.patience = warmup, sure, patience
         self.retries, self.backoff = retries, backoff
-        """The settings (see Args), read by the words."""
         self.partner: Any = None
         """The other watch of the same steps: while it verifies (`tuning`), this one does not move."""
-        self.mode = self.modes[0]  # the mode in use
+        self.mode = self.modes[0]
         self.phase, self.alone = WatchPhase.WATCHING, False
         """No ranks to agree with: each figure is decided on as soon as it is published."""
         self._high = self._low = 0
@@ -355,15 +296,14 @@ class StepWatch(StepTimes):
         self._not_before = 0
         """The step before which no trial begins (`backoff` after an unsure verdict)."""
         self._tuned = 0
-        """Steps run in the other mode by trials that went back."""
         self._restored: SavedDecision | None = None
         """A decision loaded from a checkpoint, until every rank's word shows it (`load_state_dict`)."""
         self._pending: str | None = None
         self._published = self.steps = 0
         """Training steps begun (`step` calls, and the pipeline's count while `settled`)."""
         self.settled = False
-        """Decided and applied: `step` would only count the step, so until `load_state_dict` the
-        pipeline counts it and calls none of `step`, `step_ended`, `interrupt`."""
+        """Decided and applied: until `load_state_dict` the pipeline counts the steps itself and calls
+        none of `step`, `step_ended`, `interrupt`."""
         self.decisions: list[tuple[int, str]] = []
         """(step, what was seen and done), in order."""
         self.shares: list[float] = []
@@ -373,42 +313,37 @@ class StepWatch(StepTimes):
         self.note: Callable[[str], None] | None = None
         """Told each decision's sentence (the rewrite report's notes)."""
         self.ready: Callable[[], bool] | None = None
-        """Whether the steps are like the job's steady ones yet (Prefetch: the kernels' caches are
-        full); None: from the first step after `warmup`."""
+        """Whether the steps are steady yet (Prefetch: the caches are full); None: after `warmup`."""
         self.ready_at: int | None = None
         """The step from which steps are observed (`ready` first said so)."""
 
-    # -- what a subclass provides: its parts of a step (seconds the other mode could hide since
-    # the last call; reset), and (not here) the words of its decisions: `_switched_text(share,
-    # clear)`, `_verdict_text(kept=)`, `_pinned_text(reason)`
-
     def _parts(self) -> tuple[float, ...]:
+        """Seconds of each part the other mode could hide since the last call (then reset)."""
         return ()
 
     # -- what the pipeline calls ---------------------------------------------------------------
 
     def step(self) -> str:
-        """At the start of each training step: the mode to run it in."""
+        """Call at the start of each training step; returns the mode to run it in."""
         self.steps += 1
-        if self.phase in FINAL:  # once decided: no clock (`_forget_step` stopped it)
+        if self.phase in FINAL:  # decided: no clock runs
             if self._pending is not None:
                 self.mode, self._pending, self._published = self._pending, None, 0
             self.settled = self._restored is None
             return self.mode
-        # the step before this one, timed from its `step` to its `step_ended` (where both ran)
         now, last, ended, self._ended = self.clock(), self._last, self._ended, None
         self._last, parts = now, self._parts()
         watching = self.phase is WatchPhase.WATCHING
         timed = last is not None and ended is not None and self.steps > self.warmup + 1
         if timed and self.ready_at is None and (self.ready is None or self.ready()):
-            self.ready_at = self.steps  # the first step observed
+            self.ready_at = self.steps
         if timed and self.ready_at is not None:
             step_s = ended - last
-            if watching:  # a step in the start mode
+            if watching:
                 self._samples.append((step_s, parts))
                 self._shares.append(sum(parts) / step_s if step_s > 0 else 0.0)
                 self._recent.append(step_s)
-            elif self._skip > 0:  # after the switch: not timed yet
+            elif self._skip > 0:
                 self._skip -= 1
             elif len(self._after) < self.verify:
                 self._after.append(step_s)
@@ -450,9 +385,7 @@ class StepWatch(StepTimes):
         return self._published
 
     def received(self, observations: torch.Tensor | list[int]) -> None:
-        """Every rank's figure for one batch (the same on every rank, a figure a rank): decide where
-        they suffice. Two tensor operations (the least and greatest, the sum), so its cost does not
-        grow with the world; the figures become a list only when they decide."""
+        """Decide from every rank's figure for one batch, given alike on every rank, so all decide alike."""
         observations = torch.as_tensor(observations, dtype=torch.int64)
         if not len(observations):
             return
@@ -525,8 +458,7 @@ class StepWatch(StepTimes):
         return {self.modes[1]: self._tuned} if self._tuned else {}
 
     def state_dict(self) -> dict[str, Any]:
-        """The decision and the world size it was taken at, to save with a checkpoint: a job that
-        loads it does not try again (a state saved while watching or trying: it watches afresh)."""
+        """The decision and the world size it was taken at, to save with a checkpoint."""
         return {
             "phase": self.phase.value,
             "mode": self.mode,
@@ -535,10 +467,8 @@ class StepWatch(StepTimes):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take a saved decision: with ranks, once every rank's word shows it (where any differs,
-        every rank drops it and watches afresh); alone, at the next step. A state saved while
-        watching, at another world size, or for the other mode where nothing rides leaves the watch
-        as it is (`SavedDecision.refused` says why).
+        """Take a saved decision: with ranks, once every rank's word shows it (else all watch afresh);
+        alone, at the next step; a state that `SavedDecision.parse` or `refused` rejects changes nothing.
 
         Raises:
             ValueError: the state names a mode this watch does not have.
@@ -562,7 +492,6 @@ class StepWatch(StepTimes):
         self._forget_step()
 
     def _agree_restored(self, observations: torch.Tensor) -> None:
-        """Taken where every rank's word shows this rank's loaded decision (so by all), else dropped."""
         saved, self._restored = self._restored, None
         if saved is not None and saved.held_by_all(observations):
             self._take(saved)
@@ -570,18 +499,16 @@ class StepWatch(StepTimes):
         elif saved is not None:
             self._decide("dropped the saved decision: not every rank holds it; watching afresh")
 
-    # -- its words (a subclass adds `_switched_text`, `_verdict_text`, `_pinned_text`) -----------
+    # -- its words ---------------------------------------------------------------------------
 
     def _shares_text(self) -> str:
         return ", ".join(f"{v:.0%}" for v in self.shares)
 
     def _ratios_text(self) -> str:
-        """The job's step ratio after/before the switch (the ranks' mean) and each rank's."""
         mean = sum(self.ratios) / len(self.ratios)
         return f"{mean:.2f} (ranks: {', '.join(f'{r:.2f}' for r in self.ratios)})"
 
     def _rule_text(self) -> str:
-        """What a verdict needs, and how this rank's steps fared."""
         return (
             f"the ranks' mean at most {1 - self.margin:.2f} and none {1 + self.margin:.2f} or more; a "
             "rank's ratio is the median over every pair of a step after and a step before, the faster "
@@ -589,7 +516,7 @@ class StepWatch(StepTimes):
         )
 
     def _held_text(self, clear: bool) -> str:
-        """How the share held before the switch (`clear`: every rank's was twice the threshold at once)."""
+        """How the share held before the switch (`clear`: every rank's twice the threshold at once)."""
         if clear:
             return f"at least {2 * self.threshold:.0%} on every rank: clear at the first figure"
         return f"at least {self.threshold:.0%} for {self.window + 1} figures in a row"
@@ -598,8 +525,7 @@ class StepWatch(StepTimes):
         return f"{self.settle} + {self.verify} steps (half as many where the steps after are clear)"
 
     def _described(self, head: str, watched: str, unit: str, trying: str) -> str:
-        """While watching: what it watches (`watched`) and when it tries the other mode; after: each
-        decision, one a line (`trying`: the words for the mode being verified)."""
+        """`print(watch)`: what it watches and when it tries the other mode, then each decision."""
         if self.phase is WatchPhase.WATCHING:
             seen = self.share
             seen_text = (
@@ -621,7 +547,6 @@ class StepWatch(StepTimes):
     # -- the rule ------------------------------------------------------------------------------
 
     def _observation(self) -> int:
-        """This rank's figure for the batch started now (`pipeline.ranks.riding.observed`)."""
         if self._restored is not None:
             return self._restored.code
         if self.phase is WatchPhase.WATCHING:
@@ -638,12 +563,7 @@ class StepWatch(StepTimes):
         self._decide(self._switched_text(share, self._high <= self.window))  # before a full run: clear
 
     def _verdict(self, ratios: list[float]) -> None:
-        # The ranks step in lockstep, so each rank's ratio measures the same job's step through its
-        # own clock: their mean is the job's, and a rank whose window was noisy does not undo a
-        # gain the others saw. A rank clearly slower after the switch (by `margin`) vetoes it.
-        # An unsure verdict (no gain shown, no clear loss) is tried again later, after `backoff`
-        # steps and then twice as many: on a noisy machine one window can hide a real gain, and a
-        # trial that fails costs at most its `settle + verify + 1` steps.
+        # the ranks step in lockstep: their mean ratio is the job's, and one noisy rank undoes no gain
         self.ratios = ratios
         slower = max(ratios) >= 1 + self.margin
         kept = statistics.fmean(ratios) <= 1 - self.margin and not slower
