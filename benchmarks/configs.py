@@ -170,6 +170,8 @@ _LIST += [
     _config("fresh-mid", "not tuned on", 384, 40, 16, 10, 30_000, (128, 64), (128, 64)),
     # Shaped before the threshold of 0.35 first ran, so nothing was tuned on it: a deeper bottom MLP.
     _config("fresh-deep", "not tuned on", 448, 30, 16, 16, 40_000, (256, 128, 64), (128, 64)),
+    # Shaped before the threshold of 0.25 first ran: many narrow tables, a small batch.
+    _config("fresh-small", "not tuned on", 320, 35, 12, 24, 10_000, (64, 32), (64,)),
 ]
 NETWORK_BOUND = ("net-ids120", "input-dist-heavy", "sweep-1g-ids100-dense", "sweep-1g-ids30")
 """The configs where the input all-to-all dominates over 1 Gbit; each has an `-int32` twin."""

@@ -75,12 +75,12 @@ def schedule_words(name: str) -> str:
 class ScheduleWatch(StepWatch):
     """The default schedule's watch: "late" until the training thread is blocked (input all-to-alls'
     waits, off the CPU in backward) for `threshold` of the step, steadily; then "early", kept where
-    verified faster. Args: `pipeline.stages.watch.StepWatch`'s, but `threshold` 0.35."""
+    verified faster. Args: `pipeline.stages.watch.StepWatch`'s, but `threshold` 0.25."""
 
     modes: ClassVar[tuple[str, str]] = ("late", "early")
     label: ClassVar[str] = "input_dist schedule"
 
-    def __init__(self, *, threshold: float = 0.35, **settings: Any) -> None:
+    def __init__(self, *, threshold: float = 0.25, **settings: Any) -> None:
         super().__init__(threshold=threshold, **settings)
         self.waits = WaitClock(self.clock)
         """Where the input_dist waits are timed (`active_clock`)."""
