@@ -187,6 +187,33 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.parametrize("case", ["mixed", "scores-on-thresholds", "one-label", "several-updates"])
+def test_the_examples_auc_is_torchmetrics_binned_auroc_bit_for_bit(case):
+    """The example computes its AUC itself (importing torchmetrics would import matplotlib, which
+    writes under HOME): the same value as torchmetrics' `BinaryAUROC(thresholds=200)`, to the bit."""
+    from torchmetrics.classification import BinaryAUROC
+
+    from examples.dlrm.report import BinnedAUC
+
+    gen = torch.Generator().manual_seed(len(case))
+    ours, theirs = BinnedAUC(torch.device("cpu")), BinaryAUROC(thresholds=200, validate_args=False)
+    for _ in range(3 if case == "several-updates" else 1):
+        logits = torch.randn(2000, generator=gen) * 2
+        scores = torch.sigmoid(logits)
+        if case == "scores-on-thresholds":  # a score equal to a threshold counts at or above it
+            scores = torch.linspace(0, 1, 200)[torch.randint(0, 200, (2000,), generator=gen)]
+        labels = (torch.rand(2000, generator=gen) < torch.sigmoid(logits)).float()
+        if case == "one-label":
+            labels = torch.ones(2000)
+        ours.update(scores, labels)
+        theirs.update(scores, labels)
+    expected = theirs.compute()
+    assert torch.equal(ours.compute(), expected), (ours.compute(), expected)
+    ours.reset()
+    ours.update(torch.tensor([0.2, 0.8]), torch.tensor([0.0, 1.0]))
+    assert float(ours.compute()) == 1.0, "reset left the earlier scores in"
+
+
 def test_malformed_line_through_the_script_exits_2_without_traceback(tmp_path):
     lines = FIXTURE.read_text().splitlines(keepends=True)
     lines[30] = "\t".join(lines[30].split("\t")[:20]) + "\n"

@@ -5,9 +5,10 @@ trains with a pipeline's defaults and
 - our code starts no process on any rank (none during the run, none left after it). Each start is
   attributed to the Python stack that made it (an audit hook, tests/quiet_probe/). The only ones
   allowed come from the example's own imports, with none of our code on the stack: torch's CUDA
-  build runs `/sbin/ldconfig -p` (ctypes.util.find_library) on `import torch`, and matplotlib,
-  which torchmetrics imports where it is installed, runs `fc-list` to build its font cache. A
-  process that no rank's Python started (the run is also watched through /proc) fails the test;
+  build runs `/sbin/ldconfig -p` (ctypes.util.find_library) on `import torch`. (The example computes
+  its AUC itself: torchmetrics would import matplotlib, which starts `fc-list` and writes a font
+  cache under HOME.) A process that no rank's Python started (the run is also watched through
+  /proc) fails the test;
 - nothing is written under `HOME`, and nothing in the working directory but the file the user named;
 - the library's own source has no subprocess, file lock, home-directory path or multiprocessing on
   the training path, and `import pipeline` imports neither the cost model nor the benchmarks.
@@ -114,9 +115,6 @@ def test_a_job_under_torchrun_starts_no_process_and_writes_nothing_unasked(tmp_p
         QUIET_PROBE_LOG=str(tmp_path / "starts.jsonl"),
         XDG_CACHE_HOME=str(home / ".cache"),  # where a cache under the home directory would go
         TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),  # torch's own, outside the check
-        # the example's AUC comes from torchmetrics, which imports matplotlib where it is installed
-        # (the dev venv has it), and matplotlib writes its font cache under HOME: not ours
-        MPLCONFIGDIR=str(tmp_path / "matplotlib"),
     )
     cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", str(ROOT / "examples/dlrm/train.py")]
     cmd += ["--pipeline", pipe, "--input-dist-schedule", schedule, "--steps", "30", *SMALL]

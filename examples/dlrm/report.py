@@ -16,16 +16,50 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchmetrics.classification import BinaryAUROC
 from tqdm import tqdm
 
 from examples.dlrm.config import TrainConfig
 
-__all__ = ["Reporter"]
+__all__ = ["BinnedAUC", "Reporter"]
 
 # Binned AUC keeps a fixed-size state, so syncing it is one small collective however many samples
-# it saw; 200 bins put its error well below run-to-run noise.
+# it saw; 200 thresholds put its error well below run-to-run noise.
 _AUC_BINS = 200
+
+
+class BinnedAUC:
+    """The area under the ROC curve of every rank's scores (the sigmoid of the logits) at `_AUC_BINS`
+    thresholds from 0 to 1, by the trapezoidal rule: the value torchmetrics' `BinaryAUROC(thresholds=
+    200)` gives, computed here so that the example imports neither torchmetrics nor, through it,
+    matplotlib (which writes a font cache under HOME and starts `fc-list`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._thresholds = torch.linspace(0, 1, _AUC_BINS, device=device)
+        self._counts = torch.zeros(2, _AUC_BINS + 1, dtype=torch.int64, device=device)
+        """[label, j]: the scores of that label with exactly j thresholds at or below them."""
+
+    @torch.no_grad()
+    def update(self, scores: torch.Tensor, labels: torch.Tensor) -> None:
+        scores = scores.flatten().to(self._thresholds.dtype).contiguous()
+        below = torch.searchsorted(self._thresholds, scores, right=True)
+        index = labels.flatten().long() * (_AUC_BINS + 1) + below
+        self._counts += torch.bincount(index, minlength=2 * (_AUC_BINS + 1)).view(2, -1)
+
+    @torch.no_grad()
+    def compute(self) -> torch.Tensor:
+        """Over every rank's scores since the last `reset` (a collective where a group is initialized)."""
+        counts = self._counts.clone()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(counts)
+        # a score is at or above threshold k when more than k thresholds are at or below it
+        at_or_above = counts.flip(1).cumsum(1).flip(1)[:, 1:]
+        totals = counts.sum(1, keepdim=True).expand_as(at_or_above).clone()
+        totals[totals == 0] = 1
+        fpr, tpr = (at_or_above.float() / totals.float()).flip(1)
+        return torch.trapz(tpr, fpr)
+
+    def reset(self) -> None:
+        self._counts.zero_()
 
 
 class Reporter:
@@ -50,8 +84,8 @@ class Reporter:
         self._device = device
         self._verbose = rank == 0 and config.show_progress
         self._bar = tqdm(total=total_steps, unit="step", disable=not self._verbose, mininterval=0.5)
-        self._train_auc = BinaryAUROC(thresholds=_AUC_BINS, validate_args=False).to(device)
-        self._eval_auc = BinaryAUROC(thresholds=_AUC_BINS, validate_args=False).to(device)
+        self._train_auc = BinnedAUC(device)
+        self._eval_auc = BinnedAUC(device)
         self.losses: list[torch.Tensor] = []
         """This rank's loss at every training step, on the device."""
         self.eval_losses: list[list[float]] = []
