@@ -65,8 +65,7 @@ class BenchConfig:
     """Tables on disk (`tiered` kernel, cold store) with this fraction of each shard's rows cached
     in RAM (on CUDA: torchrec's UVM-caching kernel, that fraction in HBM); None: tables in RAM."""
     id_skew: float | None = None
-    """Ids from a power law with this exponent (hot rows spread over the table by a hash); None:
-    uniform."""
+    """Ids from a power law with this exponent (hot rows spread over the table by a hash); None: uniform."""
     id_dtype: str = "int64"
     """What the dataloader makes: "int64" ids (and int32 lengths), or "int32" ids and lengths."""
     gpu_memory_gib: float | None = None
@@ -160,18 +159,19 @@ for _name, _link, *_shape in _POINTS:
     _LIST.append(_config(f"sweep-{_name}", f"over {_link or 'loopback'}", *_shape[:4], 10_000, *_shape[4:]))
 _LIST += [
     _config("net-ids120", "ids: 98 % of the a2a", 1024, 120, 4, 16, 10_000, (16,), (16,), sharding_types=_TW),
-    # Two network-bound shapes the default's constants were not chosen on (to check its verdict where
-    # nothing was tuned): more tables with fewer ids, and wider rows with a larger dense part.
+    # Network-bound shapes nothing was tuned on: more tables with fewer ids; wider rows, more dense.
     _config("unseen-ids60", "network-bound, not tuned on", 768, 60, 8, 12, 20_000, (64, 32), (64,)),
     _config("unseen-wide", "network-bound, not tuned on", 512, 25, 32, 20, 50_000, (256, 128), (256, 128)),
-    # Two more, first run once the verdict's second try was written, so nothing was tuned on them:
-    # many small tables, and a middle shape with a deeper dense part.
+    # First run once the verdict's second try was written: many small tables; a deeper dense part.
     _config("fresh-many", "not tuned on", 640, 15, 8, 40, 5_000, (32,), (32,)),
     _config("fresh-mid", "not tuned on", 384, 40, 16, 10, 30_000, (128, 64), (128, 64)),
     # Shaped before the threshold of 0.35 first ran, so nothing was tuned on it: a deeper bottom MLP.
     _config("fresh-deep", "not tuned on", 448, 30, 16, 16, 40_000, (256, 128, 64), (128, 64)),
-    # Shaped before the threshold of 0.25 first ran: many narrow tables, a small batch.
+    # Shaped before the threshold of 0.25 first ran: many narrow tables, a small batch; then, at 0.25
+    # before their first run, long bags on few tables and a heavier dense part.
     _config("fresh-small", "not tuned on", 320, 35, 12, 24, 10_000, (64, 32), (64,)),
+    _config("fresh-long", "not tuned on", 512, 80, 8, 8, 20_000, (128, 64), (64,)),
+    _config("fresh-dense", "not tuned on", 256, 20, 16, 20, 10_000, (512, 256), (256, 128)),
 ]
 NETWORK_BOUND = ("net-ids120", "input-dist-heavy", "sweep-1g-ids100-dense", "sweep-1g-ids30")
 """The configs where the input all-to-all dominates over 1 Gbit; each has an `-int32` twin."""
