@@ -150,6 +150,9 @@ RECEIVED_LIMIT = INT32_ROWS
 
 
 def _widened_wait(inner: KJTAllToAllTensorsAwaitable, wait: Callable[[], Any]) -> Any:
+    # the wrapper on the instance refers back to it: dropped at the wait, so that no reference cycle
+    # holds the received tensors until the garbage collector's next full pass
+    inner.__dict__.pop("_wait_impl", None)
     splits = getattr(inner, "_output_splits", None)
     if not isinstance(splits, dict):
         raise RuntimeError(
