@@ -119,7 +119,7 @@ def train(
             str(trace) if trace.exists() else f"no trace: the run ended before step {config.warmup_steps + 2}"
         )
     return TrainResult(
-        losses=[float(x) for x in torch.stack(reporter.losses).tolist()] if reporter.losses else [],
+        losses=reporter.losses,
         eval_losses=reporter.eval_losses,
         summary=summary,
     )

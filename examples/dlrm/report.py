@@ -86,8 +86,11 @@ class Reporter:
         self._bar = tqdm(total=total_steps, unit="step", disable=not self._verbose, mininterval=0.5)
         self._train_auc = BinnedAUC(device)
         self._eval_auc = BinnedAUC(device)
-        self.losses: list[torch.Tensor] = []
-        """This rank's loss at every training step, on the device."""
+        self.losses: list[float] = []
+        """This rank's loss at every reported training step, on the host (`finish` reports the last)."""
+        self._unreported: list[torch.Tensor] = []
+        """The losses since the last report, still on the device: a report moves them to `losses`, so
+        the device holds one interval's, however long the run."""
         self.eval_losses: list[list[float]] = []
         """This rank's loss at every batch of every eval pass."""
         self._step = 0
@@ -111,7 +114,7 @@ class Reporter:
         if self._first_step is None:  # before this method's own first-call costs (the AUC's)
             self._first_step = time.perf_counter() - self._started
         loss, logits, labels = output
-        self.losses.append(loss.detach())
+        self._unreported.append(loss.detach())
         self._train_auc.update(torch.sigmoid(logits.detach()), labels)
         self._step += 1
         self._since_report += 1
@@ -188,7 +191,10 @@ class Reporter:
         self._bar.close()
 
     def _report(self) -> None:
-        recent = torch.stack(self.losses[-self._since_report :]).sum().item()
+        interval = torch.stack(self._unreported)
+        recent = interval.sum().item()
+        self.losses += interval.tolist()
+        self._unreported.clear()
         loss = _global_mean(recent, self._since_report, self._device)
         auc = float(self._train_auc.compute())
         self._train_auc.reset()
