@@ -53,8 +53,7 @@ class BinnedAUC:
             dist.all_reduce(counts)
         # a score is at or above threshold k when more than k thresholds are at or below it
         at_or_above = counts.flip(1).cumsum(1).flip(1)[:, 1:]
-        totals = counts.sum(1, keepdim=True).expand_as(at_or_above).clone()
-        totals[totals == 0] = 1
+        totals = counts.sum(1, keepdim=True).clamp(min=1)  # no scores of a label: its rate is 0
         fpr, tpr = (at_or_above.float() / totals.float()).flip(1)
         return torch.trapz(tpr, fpr)
 
@@ -94,7 +93,6 @@ class Reporter:
         self.eval_losses: list[list[float]] = []
         """This rank's loss at every batch of every eval pass."""
         self._step = 0
-        self._since_report = 0
         self._started = time.perf_counter()
         self._interval_start = self._started
         self._measure_start: float | None = None  # end of warm-up
@@ -117,7 +115,6 @@ class Reporter:
         self._unreported.append(loss.detach())
         self._train_auc.update(torch.sigmoid(logits.detach()), labels)
         self._step += 1
-        self._since_report += 1
         self._bar.update(1)
         if self._step >= self._config.warmup_steps:
             # No device sync per step (it would stall the pipeline's queue on GPU): a host-side
@@ -130,7 +127,7 @@ class Reporter:
             self._step_end, self._paused_in_step = now, 0.0
         if self._step == self._config.warmup_steps:
             self._measure_start = self._step_end
-        if self._since_report == self._config.log_every:
+        if len(self._unreported) == self._config.log_every:
             self._report()
 
     def eval_pass(self, outputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
@@ -160,7 +157,7 @@ class Reporter:
 
     def finish(self) -> dict[str, Any]:
         """Report the last partial interval and return the summary, the same on every rank."""
-        if self._since_report:
+        if self._unreported:
             self._report()
         self._bar.close()
         _sync(self._device)
@@ -192,14 +189,14 @@ class Reporter:
 
     def _report(self) -> None:
         interval = torch.stack(self._unreported)
-        recent = interval.sum().item()
+        steps, recent = len(self._unreported), interval.sum().item()
         self.losses += interval.tolist()
         self._unreported.clear()
-        loss = _global_mean(recent, self._since_report, self._device)
+        loss = _global_mean(recent, steps, self._device)
         auc = float(self._train_auc.compute())
         self._train_auc.reset()
         now = time.perf_counter()
-        step_ms = 1000 * (now - self._interval_start) / self._since_report
+        step_ms = 1000 * (now - self._interval_start) / steps
         rate = self._config.batch_size * 1000 / step_ms
         self._last.update(train_loss=loss, train_auc=auc)
         self._bar.set_postfix(loss=f"{loss:.4f}", auc=f"{auc:.3f}")
@@ -207,7 +204,6 @@ class Reporter:
             f"step {self._step} | loss {loss:.4f} | auc {auc:.4f} | "
             f"{rate:,.0f} samples/s | {step_ms:.1f} ms/step"
         )
-        self._since_report = 0
         self._interval_start = now
 
     def write(self, line: str) -> None:
