@@ -2,8 +2,8 @@
 ride on the splits all-to-all, at world sizes no machine here runs (8 to 1,024 ranks, simulated).
 
 Per batch a rank does two things besides the all-to-all itself, which torchrec's pipeline issues too:
-it packs its word into the splits (`Admission.carrier`), and at the splits wait it reads every rank's
-word (`Admission.conclude`). This times both, in one process, on the words that `world` ranks would
+it packs its word into the splits (`Admission.status_splits`), and at the splits wait it reads every rank's
+word (`Admission.read_statuses`). This times both, in one process, on the words that `world` ranks would
 send: while a watch is live (every word carries a figure, each is read and handed to the watch) and
 once every watch has decided (every word is the plain "have it" word, checked in one pass in C).
 Process CPU time per batch, median over rounds; no ranks, no network.
@@ -27,7 +27,7 @@ _ROWS = 17
 
 
 class _Carrier:
-    """The fused splits awaitable's face to `conclude`: the words, already received, as the real
+    """The fused splits awaitable's face to `read_statuses`: the words, already received, as the real
     one has them: the all-to-all's output tensor and torchrec's own list of it (both made outside
     our code: the collective writes the one, torchrec's splits wait makes the other)."""
 
@@ -44,14 +44,14 @@ class _Carrier:
 
 
 class _Ranks:
-    """The ranks' protocol as `Admission` reads it; `conclude` is the real one (unbound)."""
+    """The ranks' protocol as `Admission` reads it; `admit_from_counts` is the real one (unbound)."""
 
     voting, carrying = True, True
 
-    def conclude(self, lane: Any, ctx: Any, counts: Any) -> bool:
+    def admit_from_counts(self, lane: Any, ctx: Any, counts: Any) -> bool:
         from pipeline.ranks.protocol import Ranks
 
-        return Ranks.conclude(self, lane, ctx, counts)
+        return Ranks.admit_from_counts(self, lane, ctx, counts)
 
 
 def _one(world: int, watching: bool, batches: int) -> float:
@@ -78,10 +78,10 @@ def _one(world: int, watching: bool, batches: int) -> float:
     for i in range(batches):
         ticket = Ticket(position=i, status=Status.HAVE, carried=True)
         ctx = BatchContext(index=i, streams=None, ticket=ticket, status_rides=True)
-        make = admission.carrier(ctx)
+        make = admission.status_splits(ctx)
         make.keywords["word"](_ROWS)
         ctx.splits_requests = [([], _Carrier(words, received))]
-        if not admission.conclude(ctx, lane):
+        if not admission.read_statuses(ctx, lane):
             raise RuntimeError("a batch every rank has was refused")
     return (time.process_time() - start) / batches * 1e6
 

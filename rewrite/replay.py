@@ -13,7 +13,7 @@ can send the splits of every module on one process group in a single all-to-all
 (`FusedKJTListSplitsAwaitable`). Input dists are created lazily on a module's first input, so this is
 installed after the first batch (`Replay.fuse_splits`). The ranks' protocol can have the collective
 of the first group spanning every rank built by a subclass of its own
-(`fuse_splits_requests(carrier=...)`: the status row of `pipeline.ranks.riding`); this module knows
+(`fuse_splits_requests(status_splits=...)`: the status row of `pipeline.ranks.riding`); this module knows
 nothing of it.
 """
 
@@ -203,12 +203,12 @@ def fuse_splits_requests(
     requests: dict[str, Any],
     module_contexts: dict[str, Any],
     *,
-    carrier: Callable[..., Any] | None = None,
+    status_splits: Callable[..., Any] | None = None,
 ) -> list[tuple[list[str], Any]]:
     """One splits all-to-all per process group, over every module using that group (`names, awaitable`
     pairs whose `wait()` returns the values awaitables in `names` order). Before the input dists are
     patched (`install_fused_splits`) a module's splits request is already issued: `one_by_one` wraps
-    those instead. With `carrier` (a subclass of torchrec's fused awaitable taking the same
+    those instead. With `status_splits` (a subclass of torchrec's fused awaitable taking the same
     keywords, e.g. the ranks' `pipeline.ranks.riding.StatusSplits`), the first group spanning every
     rank is fused by it instead."""
     groups: dict[int, tuple[Any, list[str]]] = {}
@@ -226,9 +226,9 @@ def fuse_splits_requests(
             "contexts": [module_contexts[n] for n in names],
             "pg": pg,
         }
-        if carrier is not None and pg is not None and pg.size() == dist.get_world_size():
-            fused.append((names, carrier(**inputs)))
-            carrier = None
+        if status_splits is not None and pg is not None and pg.size() == dist.get_world_size():
+            fused.append((names, status_splits(**inputs)))
+            status_splits = None
         else:
             fused.append((names, FusedKJTListSplitsAwaitable(**inputs)))
     return fused

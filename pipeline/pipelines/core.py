@@ -144,7 +144,7 @@ class PipelineCore(TrainPipeline):
         if self._closed:
             raise RuntimeError("this pipeline was closed: build a new one to train again")
         lane = self._enter(dataloader_iter)
-        if not self._streams.inert:  # what the last step's streams are done with goes before this copies
+        if not self._streams.in_order:  # what the last step's streams are done with goes before this copies
             self._streams.poll()
         try:
             output = self._advance(lane)
@@ -183,7 +183,7 @@ class PipelineCore(TrainPipeline):
         else:
             with self._step_context():
                 output = self._step(lane)
-        if not self._streams.inert:
+        if not self._streams.in_order:
             # the step queued every stream's last use of the batch's hand-offs (backward's included)
             self._streams.release(head)
             self._streams.returned(output)
@@ -333,7 +333,7 @@ class PipelineCore(TrainPipeline):
                 copied = to_device_in_place(batch, self._device, streams)
             else:
                 copied = to_device(batch, self._device, non_blocking=True)
-            if not streams.inert:
+            if not streams.in_order:
                 streams.produced(copied)
         return copied
 
@@ -374,7 +374,7 @@ class PipelineCore(TrainPipeline):
     def _wait_copied(self, batch: Any) -> None:
         """Make the copy stage's `batch` usable on the caller's stream."""
         streams = self._streams
-        if not streams.inert:  # held for the caller's stream for the head batch, released after its step
+        if not streams.in_order:  # held for the caller's stream for the head batch, released after its step
             streams.handoff(batch, streams.memcpy, self._lane.inflight[0])
             streams.consumed(batch)
 
@@ -384,8 +384,7 @@ class PipelineCore(TrainPipeline):
             if ctx.wait_clock is None:
                 self._backward(losses)
             else:  # the default schedule watches how long backward waits off the CPU
-                with ctx.wait_clock:
-                    self._backward(losses)
+                ctx.wait_clock.off_cpu(self._backward, losses)
 
     def _sync_replicas(self, ctx: BatchContext) -> None:
         """After backward, a `DMPCollection` syncs its replicas every sync interval, as torchrec's."""

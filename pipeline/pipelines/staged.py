@@ -55,7 +55,7 @@ def util_streams(data_dist_stream: Any, prefetch_stream: Any, streams: Streams |
     """The streams of a `SparseDataDistUtil`'s stages: `streams` (with the stages' streams set) if
     given; else CUDA streams if `data_dist_stream` is one; else none, or a prefetch worker thread."""
     if streams is not None:
-        if data_dist_stream is not None and not streams.inert:
+        if data_dist_stream is not None and not streams.in_order:
             streams.data_dist = data_dist_stream
         return streams
     if device_stream(data_dist_stream):

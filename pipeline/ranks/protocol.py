@@ -383,11 +383,11 @@ class Ranks:
             self._vote(ticket)
             self.carried -= 1
         counts = ticket.vote.wait() if ticket.vote is not None else {ticket.status: 1}
-        return self.conclude(lane, ctx, counts)
+        return self.admit_from_counts(lane, ctx, counts)
 
-    def conclude(self, lane: Lane, ctx: Any, counts: dict[Status, int]) -> bool:
+    def admit_from_counts(self, lane: Lane, ctx: Any, counts: dict[Status, int]) -> bool:
         """`admit` once every rank's status is known (`counts`: how many ranks have each); a riding batch
-        every rank has is admitted by `Admission.conclude` alone."""
+        every rank has is admitted by `Admission.read_statuses` alone."""
         ticket: Ticket = ctx.ticket
         world = sum(counts.values())
         if counts.get(Status.HAVE, 0) == world:

@@ -274,8 +274,8 @@ NOTHING_PIPELINED = (
 
 class Admission:
     """Whether a batch of an `InputDist` is trained: by a vote before its first collective (`admit`),
-    or from the statuses riding on its splits all-to-all (`conclude`). Where a rank lacks the batch,
-    both end in `Ranks.conclude`: the same error on every rank, or the batch dropped everywhere.
+    or from the statuses riding on its splits all-to-all (`read_statuses`). Where a rank lacks the batch,
+    both end in `Ranks.admit_from_counts`: the same error on every rank, or the batch dropped everywhere.
 
     Args:
         ranks: the pipeline's ranks' protocol (None: no agreement, nothing rides, every batch runs).
@@ -314,7 +314,7 @@ class Admission:
                 watch.no_ride(NO_RIDE)
         return f"the ranks vote on every batch; statuses do not ride on the splits all-to-all: {why}"
 
-    def carrier(self, ctx: BatchContext) -> Callable[..., Any] | None:
+    def status_splits(self, ctx: BatchContext) -> Callable[..., Any] | None:
         """What builds `ctx`'s fused splits with this rank's word in it (HAVE for a batch voted on, so that
         the shape is learnt); None when statuses do not ride."""
         if not self.enabled:
@@ -373,16 +373,16 @@ class Admission:
         Raises:
             AgreedError: on every rank, as `Ranks.admit` says.
         """
-        return self._ranks is None or self.provisional(ctx) or self._ranks.admit(lane, ctx)
+        return self._ranks is None or self.status_in_splits(ctx) or self._ranks.admit(lane, ctx)
 
     def without_batch(self, ctx: BatchContext) -> bool:
         """At `ctx`'s start: its status rides (marked on `ctx`) and this rank sends only its word."""
-        if not self.provisional(ctx):
+        if not self.status_in_splits(ctx):
             return False
         ctx.status_rides = True
         return ctx.ticket.status is not Status.HAVE
 
-    def provisional(self, ctx: BatchContext) -> bool:
+    def status_in_splits(self, ctx: BatchContext) -> bool:
         """`ctx`'s status rides on its splits: it starts before the ranks' statuses are known."""
         ticket = ctx.ticket
         return (
@@ -413,38 +413,38 @@ class Admission:
             if bool(mine.any()):
                 watch.received(mine)
 
-    def conclude(self, ctx: BatchContext, lane: Lane | None) -> bool:
-        """At the splits wait: where `ctx`'s status rode, read every rank's (`Ranks.conclude` may raise on
-        every rank). False: some rank lacks the batch, which left `lane` with those after it."""
+    def read_statuses(self, ctx: BatchContext, lane: Lane | None) -> bool:
+        """At the splits wait: where `ctx`'s status rode, read every rank's (`Ranks.admit_from_counts` may
+        raise on every rank). False: some rank lacks the batch, which left `lane` with those after it."""
         if not (ctx.status_rides and ctx.splits_requests):
             return True
         ctx.status_rides = False
-        for _, carrier in ctx.splits_requests:
-            if getattr(carrier, "carries", False):
+        for _, status_row in ctx.splits_requests:
+            if getattr(status_row, "carries", False):
                 break
         else:
             raise RuntimeError("a batch whose status rides has no status row among its splits all-to-alls")
-        words = carrier.words()
-        plain = pack(Status.HAVE, carrier.rows)
+        words = status_row.words()
+        plain = pack(Status.HAVE, status_row.rows)
         live = False
         for watch in self._watches:  # a settled watch publishes nothing
             live = live or (not watch.settled and watch.publishing)
         if words and not live and words.count(plain) == len(words):
             ctx.ticket.admitted = True  # every watch decided: every rank has it, counted in C
             return True
-        row = carrier.row() if words else None
+        row = status_row.row() if words else None
         if row is not None and bool(((row & _SENT_ALIKE) == plain).all()):
             ctx.ticket.admitted = True  # every rank has it; the figures of a live watch ride
             self._hand_out(row >> _OBSERVATION)
             return True
-        statuses, figures = _read(words, carrier.rows, ctx.index)  # some rank lacks it, or a mismatch
+        statuses, figures = _read(words, status_row.rows, ctx.index)  # some rank lacks it, or a mismatch
         self._hand_out(torch.tensor(figures, dtype=torch.int64))
         counts = Counter(statuses)
         if counts[Status.HAVE] < sum(counts.values()):  # refused: wait for every group's splits first
             settle_splits(ctx.splits_requests)
         if lane is None:
             raise RuntimeError("a batch whose status rode on its splits was waited for without its lane")
-        if self._ranks.conclude(lane, ctx, counts):
+        if self._ranks.admit_from_counts(lane, ctx, counts):
             return True
         ctx.splits_requests = []
         self.refused += 1

@@ -55,7 +55,7 @@ class BatchContext:
         streams, clock, module_ctx = self.streams, self.wait_clock, self.module_contexts.pop(key)
         wait = request.wait if clock is None else partial(clock.timed, request.wait)
         with label(f"pipeline::input_dist::wait#{self.index}"):
-            if streams.inert:  # no streams: nothing to order or hold
+            if streams.in_order:  # no streams: nothing to order or hold
                 return module_ctx, wait()
             with streams.use(streams.data_dist):
                 data = wait()

@@ -249,11 +249,11 @@ class InputDist:
         if fused and not self._groups_checked:
             self._groups_checked = True
             self._check_groups(rewrite, ctx)
-        if fused and own is not self._groups.at_rest:  # else nothing to move or retire
+        if fused and own is not self._groups.on_own:  # else nothing to move or retire
             self._groups.place(own, rewrite.modules, ctx.index)
 
         with run_stage(streams, "input_dist::start", ctx.index, streams.data_dist):
-            if not streams.inert:
+            if not streams.in_order:
                 streams.handoff(ctx.batch, streams.memcpy, ctx)
                 streams.consumed(ctx.batch)
             requests, narrowed, narrow = {}, {}, self._narrow.sites
@@ -268,8 +268,10 @@ class InputDist:
             if self._attached.free_early:  # every module has its own permuted copy
                 self.freed_bytes += release_features(ctx.module_contexts.values(), originals(narrowed))
             if fused:
-                carrier = self._admission.carrier(ctx)
-                ctx.splits_requests = fuse_splits_requests(requests, ctx.module_contexts, carrier=carrier)
+                status_splits = self._admission.status_splits(ctx)
+                ctx.splits_requests = fuse_splits_requests(
+                    requests, ctx.module_contexts, status_splits=status_splits
+                )
                 self._admission.learn(ctx.splits_requests)
             else:
                 ctx.splits_requests = one_by_one(requests)
@@ -285,14 +287,14 @@ class InputDist:
             False: some rank lacks the batch; it and the batches after it left `lane`.
         """
         with run_stage(self._streams, "input_dist::splits", ctx.index, self._streams.data_dist):
-            # The whole wait is timed: where the status rides, `conclude` is where it blocks.
+            # The whole wait is timed: where the status rides, `read_statuses` is where it blocks.
             clock = ctx.wait_clock
             if clock is None:
                 return self._wait_splits(ctx, lane)
             return clock.timed(self._wait_splits, ctx, lane)
 
     def _wait_splits(self, ctx: BatchContext, lane: Lane | None) -> bool:
-        if not self._admission.conclude(ctx, lane):
+        if not self._admission.read_statuses(ctx, lane):
             return False
         narrowed = self._narrow.sites
         for names, request in ctx.splits_requests:

@@ -203,8 +203,9 @@ class InputDistGroups:
         """The batch at whose start the groups moved back from are destroyed (`place`)."""
         self._batch = 0
         """The batch being placed (what the notes name)."""
-        self.at_rest: bool | None = False
-        """`place(own)` with this `own` has nothing to do, so may be skipped (None: a retirement is due)."""
+        self.on_own: bool | None = False
+        """The all-to-alls are on their own groups (True) or on torchrec's with none to destroy (False):
+        `place(own)` with this `own` has nothing to do. None: a destruction is due."""
 
     def place(self, own: bool, modules: list[Any], batch: int) -> None:
         """At the start of `batch`, on every rank alike: the pipelined `modules`' input all-to-alls on
@@ -230,7 +231,7 @@ class InputDistGroups:
             self._rest()
 
     def _rest(self) -> None:
-        self.at_rest = True if self._undo is not None else (False if self._retire_at is None else None)
+        self.on_own = True if self._undo is not None else (False if self._retire_at is None else None)
 
     def own_group(self, pg: dist.ProcessGroup) -> dist.ProcessGroup:
         """The group reserved for all-to-alls originally on `pg` (`pg` itself for subgroups)."""

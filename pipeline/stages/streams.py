@@ -45,9 +45,9 @@ class Streams:
     memcpy: Any = None
     data_dist: Any = None
     prefetch: Any = None
-    inert: bool = True
-    """`use()` and `stage_started()` do nothing: with no profiler recording, a stage needs no
-    bookkeeping (`run_stage`)."""
+    in_order: bool = True
+    """No streams: stages run in program order, so `use()` and `stage_started()` do nothing and,
+    with no profiler recording, a stage needs no bookkeeping (`run_stage`)."""
 
     def current(self) -> Any:
         """The stream the caller is running on now (forward/backward/optimizer run there)."""
@@ -139,7 +139,7 @@ class OrderedStreams(Streams):
     "record-stream", recorded; subclasses supply the streams and `record`. `new_event` makes an event
     (`record`, `wait`, `query`, `synchronize`); `log` is a checking test double's (`KeepAlive`)."""
 
-    inert = False
+    in_order = False
 
     def __init__(
         self, new_event: Callable[[], Any], *, handoff: str, log: Callable[[tuple], None] | None = None
@@ -214,8 +214,8 @@ def label(text: str) -> Any:
 
 def run_stage(streams: Streams, name: str, index: int, stream: Any = None) -> Any:
     """A context manager running the enclosed work as stage `name` of batch `index` on `stream`
-    (None: the current one); with inert streams and no profiler, a shared no-op."""
-    if streams.inert and not _recording():
+    (None: the current one); with streams in order and no profiler, a shared no-op."""
+    if streams.in_order and not _recording():
         return _NO_LABEL
     return _Stage(streams, name, index, stream)
 

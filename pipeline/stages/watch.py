@@ -133,10 +133,10 @@ def _quantile(ordered: list[float], q: float) -> float:
 
 
 class WaitClock:
-    """Adds up how long `thread` blocks in a step: in `timed` calls and, as a context manager around
-    backward, off the CPU there (other threads' waits are not the step's)."""
+    """Adds up how long `thread` blocks in a step: the input all-to-alls' waits (`timed`) and the time
+    off the CPU in backward (`off_cpu`); other threads' waits are not the step's."""
 
-    __slots__ = ("_clock", "_cpu", "_started", "idle", "thread", "waited")
+    __slots__ = ("_clock", "_cpu", "idle", "thread", "waited")
 
     def __init__(self, clock: Callable[[], float], cpu: Callable[[], float] = time.thread_time) -> None:
         self._clock, self._cpu = clock, cpu
@@ -145,17 +145,6 @@ class WaitClock:
         self.idle = 0.0
         """Seconds off the CPU within backward."""
         self.thread: int | None = None
-        self._started: tuple[float, float] | None = None
-
-    def __enter__(self) -> None:
-        if threading.get_ident() == self.thread:
-            self._started = (self._clock(), self._cpu())
-
-    def __exit__(self, *exc: object) -> None:
-        if self._started is not None:
-            wall, cpu = self._started
-            self._started = None
-            self.idle += max(0.0, (self._clock() - wall) - (self._cpu() - cpu))
 
     def timed(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)`, its wall time added to `waited` where it runs on the pipeline's thread."""
@@ -166,6 +155,17 @@ class WaitClock:
             return fn(*args)
         finally:
             self.waited += self._clock() - start
+
+    def off_cpu(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` (backward), its wall time less its CPU time added to `idle` where it runs on the
+        pipeline's thread."""
+        if threading.get_ident() != self.thread:
+            return fn(*args)
+        wall, cpu = self._clock(), self._cpu()
+        try:
+            return fn(*args)
+        finally:
+            self.idle += max(0.0, (self._clock() - wall) - (self._cpu() - cpu))
 
 
 # -- a decision saved with a checkpoint --------------------------------------------------------------
@@ -394,30 +394,26 @@ class StepWatch(StepTimes):
         if self._restored is not None or high >= RESTORED[0]:
             if high:  # all 0: no rank's status spoke for this watch
                 self._agree_restored(observations)
-        elif self._pending is None and self.phase not in FINAL and low:  # 0: a rank has none yet
-            self._decide_on(observations, low)
-
-    def _decide_on(self, observations: torch.Tensor, low: int) -> None:
-        def values() -> list[float]:
-            return [(v - 1) / 1000 for v in observations.tolist()]
-
-        if self.phase is WatchPhase.WATCHING:
-            if self.partner is not None and self.partner.tuning:
-                self._high = self._low = 0  # the partner's switch changes the steps: start again after it
-                return
-            share = (int(observations.sum()) / len(observations) - 1) / 1000
-            high = share >= self.threshold
-            self._high, self._low = (self._high + 1, 0) if high else (0, self._low + 1)
-            steady = self._high > self.window or (self._high and (low - 1) / 1000 >= 2 * self.threshold)
-            if steady and self.steps >= self._not_before:
-                self._switch(values(), share)
-            elif self.patience and self._low >= self.patience:
-                self.pin(
-                    f"the ranks' mean share stayed under {self.threshold:.0%} for {self.patience} figures "
-                    "in a row: nothing to hide, so the watch ends (its clocks stop)"
-                )
-        elif self.phase is WatchPhase.TRYING:
-            self._verdict(values())
+            return
+        if self._pending is not None or self.phase in FINAL or not low:  # 0: a rank has none yet
+            return
+        if self.phase is WatchPhase.TRYING:
+            self._verdict([(v - 1) / 1000 for v in observations.tolist()])
+            return
+        if self.partner is not None and self.partner.tuning:
+            self._high = self._low = 0  # the partner's switch changes the steps: start again after it
+            return
+        share = (int(observations.sum()) / len(observations) - 1) / 1000
+        high_share = share >= self.threshold
+        self._high, self._low = (self._high + 1, 0) if high_share else (0, self._low + 1)
+        steady = self._high > self.window or (self._high and (low - 1) / 1000 >= 2 * self.threshold)
+        if steady and self.steps >= self._not_before:
+            self._switch([(v - 1) / 1000 for v in observations.tolist()], share)
+        elif self.patience and self._low >= self.patience:
+            self.pin(
+                f"the ranks' mean share stayed under {self.threshold:.0%} for {self.patience} figures "
+                "in a row: nothing to hide, so the watch ends (its clocks stop)"
+            )
 
     def pin(self, reason: str) -> None:
         """Keep the start mode without watching (`reason` says why)."""
