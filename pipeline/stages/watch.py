@@ -387,7 +387,8 @@ class StepWatch(StepTimes):
     def received(self, observations: torch.Tensor | list[int]) -> None:
         """Decide from every rank's figure for one batch, given alike on every rank, so all decide alike."""
         observations = torch.as_tensor(observations, dtype=torch.int64)
-        if not len(observations):
+        ranks = observations.numel()  # not len(): a tensor's __len__ is a Python call
+        if not ranks:
             return
         low, high = torch.aminmax(observations)
         low, high = int(low), int(high)
@@ -403,7 +404,7 @@ class StepWatch(StepTimes):
         if self.partner is not None and self.partner.tuning:
             self._high = self._low = 0  # the partner's switch changes the steps: start again after it
             return
-        share = (int(observations.sum()) / len(observations) - 1) / 1000
+        share = (int(observations.sum()) / ranks - 1) / 1000
         high_share = share >= self.threshold
         self._high, self._low = (self._high + 1, 0) if high_share else (0, self._low + 1)
         steady = self._high > self.window or (self._high and (low - 1) / 1000 >= 2 * self.threshold)
