@@ -154,7 +154,7 @@ class PipelineCore(TrainPipeline):
             raise error from stop
         except AgreedError:
             self.reset()  # every rank raises it at the same step: the process group is fine
-            self._ranks.settle_votes()
+            self._ranks.wait_votes()
             raise
         except Exception as e:
             self._fail(e)
@@ -175,7 +175,7 @@ class PipelineCore(TrainPipeline):
         self._fill(lane)
         if not lane.inflight:
             del self._lanes[id(lane.iterator)]
-            self._ranks.settle_votes()
+            self._ranks.wait_votes()
             return _ENDED
         head = lane.inflight[0]
         if self._step_context is None:
@@ -190,7 +190,7 @@ class PipelineCore(TrainPipeline):
         for ended in self._on_step_end:
             ended()
         lane.steps += 1
-        self._ranks.settle_votes()  # nothing in flight between calls: the caller may tear down
+        self._ranks.wait_votes()  # nothing in flight between calls: the caller may tear down
         return output
 
     def _interrupted(self, interrupt: BaseException) -> None:

@@ -314,7 +314,7 @@ class Ranks:
         self.untrained_batches: list[Any] = []
         """Batches this rank fetched but did not train because another rank's data ended first."""
         self._pending: list[Vote] = []
-        """Votes started since the last `settle_votes`."""
+        """Votes started since the last `wait_votes`."""
         self.votes = 0
         """Votes started (one per batch fetched, placeholders included, while `voting`, unless
         the batch's status rides on its splits all-to-all)."""
@@ -414,7 +414,7 @@ class Ranks:
             warn_untrained(self._failure.rank, len(untrained), statuses, ticket.position)
         return False
 
-    def settle_votes(self) -> None:
+    def wait_votes(self) -> None:
         """Wait for every vote started so far, so that none is in flight between two `progress()` calls,
         where the caller may destroy the process groups; raises `CollectiveFailed` where one failed."""
         pending, self._pending = self._pending, []

@@ -37,11 +37,11 @@ __all__ = [
     "observed",
     "pack",
     "riding_fits",
-    "settle_splits",
     "splits_shape",
     "tagged",
     "unpack",
     "validating",
+    "wait_refused_splits",
 ]
 
 
@@ -188,7 +188,7 @@ def splits_shape(fused: list[tuple[list[str], Any]]) -> list[tuple[Any, int, tor
     return shape if rides else None
 
 
-def settle_splits(fused: list[tuple[list[str], Any]]) -> None:
+def wait_refused_splits(fused: list[tuple[list[str], Any]]) -> None:
     """Wait for every splits all-to-all of a refused batch, starting no values all-to-all."""
     for _, awaitable in fused:
         if getattr(awaitable, "_splits_awaitable", None) is not None:
@@ -441,7 +441,7 @@ class Admission:
         self._hand_out(torch.tensor(figures, dtype=torch.int64))
         counts = Counter(statuses)
         if counts[Status.HAVE] < sum(counts.values()):  # refused: wait for every group's splits first
-            settle_splits(ctx.splits_requests)
+            wait_refused_splits(ctx.splits_requests)
         if lane is None:
             raise RuntimeError("a batch whose status rode on its splits was waited for without its lane")
         if self._ranks.admit_from_counts(lane, ctx, counts):

@@ -240,8 +240,8 @@ class InputDist:
         rewrite = rewrite if rewrite is not None else self.attach(ctx.batch)
         if rewrite.needs_recording:
             return
-        if not self._attached.settled:
-            self._attached.settle(rewrite, lambda r: self._agree(r, ctx))
+        if not self._attached.accepted:
+            self._attached.accept(rewrite, lambda r: self._agree(r, ctx))
         fused = not self._one_rank and (rewrite.fused or rewrite.fuse_splits())
         if fused and not self._admission.checked:
             why = self._admission.check([pm.module for pm in rewrite.modules])
@@ -358,8 +358,8 @@ class Attachment:
         self._forward, self._asked_free_early = forward, free_early
         self.rewrite: Rewrite | None = None
         """The rewrite, from the first batch until `detach`."""
-        self.settled = False
-        """The complete rewrite was checked (`settle`)."""
+        self.accepted = False
+        """The complete rewrite was checked (`accept`)."""
         self.free_early = False
         """`free_features_storage_early` applies (every call site's input is a path in the batch)."""
         self._undo: list[Callable[[], None]] = []
@@ -404,7 +404,7 @@ class Attachment:
                 strict=self._strict,
                 record=True,
             )
-            self.settled = False
+            self.accepted = False
         return self.rewrite
 
     def recording(self, batch: Any) -> Any:
@@ -413,10 +413,10 @@ class Attachment:
         rewrite = self.attach(batch)
         return rewrite.record(batch) if rewrite.needs_recording else None
 
-    def settle(self, rewrite: Rewrite, check: Callable[[Rewrite], None]) -> None:
+    def accept(self, rewrite: Rewrite, check: Callable[[Rewrite], None]) -> None:
         """Once the rewrite is complete: warn about each module not pipelined, run `check` (it may raise
         on every rank), then apply `free_features_storage_early` where safe."""
-        self.settled = True
+        self.accepted = True
         warn_not_pipelined(rewrite.report, self._warned, pipeline_postproc=self._pipeline_postproc)
         check(rewrite)
         undo = free_early_where_safe(rewrite) if self._asked_free_early else None
@@ -431,7 +431,7 @@ class Attachment:
         if self.rewrite is not None:
             self.rewrite.restore()
             self.rewrite = None
-        self.settled = self.free_early = False
+        self.accepted = self.free_early = False
 
 
 # -- a module not pipelined --------------------------------------------------------------------------
