@@ -46,8 +46,10 @@ class Streams:
     data_dist: Any = None
     prefetch: Any = None
     in_order: bool = True
-    """No streams: stages run in program order, so `use()` and `stage_started()` do nothing and,
-    with no profiler recording, a stage needs no bookkeeping (`run_stage`)."""
+    """No device streams: copy, input_dist and compute run in program order on the calling thread,
+    so their hand-offs, `use()` and `stage_started()` have nothing to order and, with no profiler
+    recording, a stage needs no bookkeeping (`run_stage`). A prefetch worker thread (`ThreadStreams`)
+    orders its own hand-offs, which are not skipped."""
 
     def current(self) -> Any:
         """The stream the caller is running on now (forward/backward/optimizer run there)."""

@@ -396,7 +396,7 @@ class StepWatch(StepTimes):
             if high:  # all 0: no rank's status spoke for this watch
                 self._agree_restored(observations)
             return
-        if self._pending is not None or self.phase in FINAL or not low:  # 0: a rank has none yet
+        if self._pending is not None or self.phase in FINAL or not low:  # low 0: a rank has no figure yet
             return
         if self.phase is WatchPhase.TRYING:
             self._verdict([(v - 1) / 1000 for v in observations.tolist()])
