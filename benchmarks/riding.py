@@ -26,7 +26,7 @@ _ROWS = 17
 """Splits rows a rank sends before its word (any count: the word's row index)."""
 
 
-class _Carrier:
+class _ReceivedStatusSplits:
     """The fused splits awaitable's face to `read_statuses`: the words, already received, as the real
     one has them: the all-to-all's output tensor and torchrec's own list of it (both made outside
     our code: the collective writes the one, torchrec's splits wait makes the other)."""
@@ -80,7 +80,7 @@ def _one(world: int, watching: bool, batches: int) -> float:
         ctx = BatchContext(index=i, streams=None, ticket=ticket, status_rides=True)
         make = admission.status_splits(ctx)
         make.keywords["word"](_ROWS)
-        ctx.splits_requests = [([], _Carrier(words, received))]
+        ctx.splits_requests = [([], _ReceivedStatusSplits(words, received))]
         if not admission.read_statuses(ctx, lane):
             raise RuntimeError("a batch every rank has was refused")
     return (time.process_time() - start) / batches * 1e6
