@@ -7,6 +7,7 @@ import abc
 import contextlib
 import dataclasses
 import os
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
@@ -18,9 +19,9 @@ from torch import nn
 from pipeline.compat import TrainPipeline, sync_interval
 from pipeline.options import RankOptions, moved_keyword
 from pipeline.ranks import AgreedError, Lane, LaneState, Ranks, StopIterationInStepError
-from pipeline.ranks.protocol import capture, resume_state
+from pipeline.ranks.protocol import resume_state
 from pipeline.stages.context import BatchContext
-from pipeline.stages.streams import Streams, label, run_stage, streams_for
+from pipeline.stages.streams import Streams, label, profiling, run_stage, streams_for
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11
@@ -143,7 +144,10 @@ class PipelineCore(TrainPipeline):
         """
         if self._closed:
             raise RuntimeError("this pipeline was closed: build a new one to train again")
-        lane = self._enter(dataloader_iter)
+        lane = self._lanes.get(id(dataloader_iter))
+        if lane is None or lane.iterator is not dataloader_iter:
+            lane = self._enter(dataloader_iter)
+        self._lane = lane
         if not self._streams.in_order:  # what the last step's streams are done with goes before this copies
             self._streams.poll()
         try:
@@ -190,7 +194,8 @@ class PipelineCore(TrainPipeline):
         for ended in self._on_step_end:
             ended()
         lane.steps += 1
-        self._ranks.wait_votes()  # nothing in flight between calls: the caller may tear down
+        if self._ranks.pending_votes:  # nothing in flight between calls: the caller may tear down
+            self._ranks.wait_votes()
         return output
 
     def _interrupted(self, interrupt: BaseException) -> None:
@@ -309,7 +314,7 @@ class PipelineCore(TrainPipeline):
     ) -> BatchContext | None:
         """The next batch of `lane` (`Ranks.fetch`) copied in a new context (batch None: a placeholder);
         None when nothing is to be added. With `worker`, the copy runs there (`BatchContext.wait_copy`)."""
-        loader_state = capture(lane.iterator)  # a no-drain checkpoint resumes from here
+        loader_state = lane.iterator_state() if lane.iterator_state is not None else None
         fetched = self._ranks.fetch(lane)
         if fetched is None:
             return None
@@ -317,7 +322,9 @@ class PipelineCore(TrainPipeline):
         ctx = self._context_type(index=self._next_index, streams=self._streams, ticket=ticket)
         ctx.loader_state = loader_state
         self._next_index += 1
-        if batch is not None and (worker is None or self._on_host):
+        if batch is not None and self._on_host and self._streams.in_order and not profiling():
+            ctx.batch = batch  # `_copy_stage` on the host, with nothing to order or label: the batch
+        elif batch is not None and (worker is None or self._on_host):
             ctx.batch = self._copy_stage(ctx.index, batch, in_place)
         elif batch is not None:
             ctx.batch, ctx.copy_job = batch, worker.submit(self._copy_stage, ctx.index, batch, in_place)
@@ -381,10 +388,16 @@ class PipelineCore(TrainPipeline):
     def _backward_stage(self, ctx: BatchContext, losses: Any) -> None:
         """The backward stage of `ctx`'s batch: `_backward(losses)`, labelled."""
         with run_stage(self._streams, "backward", ctx.index):
-            if ctx.wait_clock is None:
+            clock = ctx.wait_clock
+            if clock is None or clock.thread != threading.get_ident():
                 self._backward(losses)
-            else:  # the default schedule watches how long backward waits off the CPU
-                ctx.wait_clock.off_cpu(self._backward, losses)
+                return
+            # the default schedule watches how long backward waits off the CPU (`WaitClock.off_cpu`)
+            wall, cpu = clock.now(), clock.cpu()
+            try:
+                self._backward(losses)
+            finally:
+                clock.idle += max(0.0, (clock.now() - wall) - (clock.cpu() - cpu))
 
     def _sync_replicas(self, ctx: BatchContext) -> None:
         """After backward, a `DMPCollection` syncs its replicas every sync interval, as torchrec's."""

@@ -20,7 +20,7 @@ from pipeline.ranks import Lane
 from pipeline.stages.context import BatchContext, TrainPipelineContext
 from pipeline.stages.input_dist import InputDist, MemoryFlags
 from pipeline.stages.schedule import ScheduleWatch
-from pipeline.stages.streams import Streams, label, streams_for
+from pipeline.stages.streams import Streams, label, run_stage, streams_for
 from rewrite import RewriteReport, unwrap_model
 
 __all__ = ["Batches", "EvalPipelineSparseDist", "TrainPipelineSparseDist", "TrainPipelineSparseDistLite"]
@@ -213,7 +213,9 @@ class TrainPipelineSparseDist(PipelineCore):
     # -- the step -----------------------------------------------------------------------------------
 
     def _fill(self, lane: Lane) -> None:
-        self._input_dist.fill(lane, self._enqueue)
+        inflight = lane.inflight
+        if len(inflight) < 2 or not inflight[0].started:  # else full: `InputDist.fill` would do nothing
+            self._input_dist.fill(lane, self._enqueue)
 
     def _step(self, lane: Lane) -> Any:
         """The copy of batch i+2 and the input_dist of i+1 overlap forward, backward and optimizer of i."""
@@ -239,7 +241,8 @@ class TrainPipelineSparseDist(PipelineCore):
 
     def _step_begins(self, ctx: BatchContext) -> None:
         """First hook, before the copy of batch i+2 (`ctx`: batch i): `clear_data_dist_inputs` frees."""
-        self._input_dist.release_inputs(ctx)
+        if self._clear_data_dist_inputs:
+            self._input_dist.release_inputs(ctx)
 
     def _before_forward(self, ctx: BatchContext, nxt: BatchContext | None) -> None:
         """Hook once input_dist of batch i+1 (`nxt`, None if none) started, before `ctx` is waited for."""
@@ -252,15 +255,16 @@ class TrainPipelineSparseDist(PipelineCore):
         self._backward_stage(ctx, losses)
         if self._dmp_collection_sync_interval_batches is not None:
             self._sync_replicas(ctx)
-        self._optimizer_stage(ctx)
+        with run_stage(self._streams, "optimizer", ctx.index):  # `_optimizer_stage`, without a call
+            self._optimizer_step()
 
-    def _enqueue_next(self, lane: Lane) -> bool:
-        """How the step copies batch i+2 (`TrainPipelineSparseDistT` dispatches it elsewhere)."""
-        return self._enqueue(lane)
+    _enqueue_next = PipelineCore._enqueue
+    """How the step copies batch i+2: `_enqueue` (`TrainPipelineSparseDistT` dispatches it elsewhere)."""
 
     def _wait_for_batch(self) -> None:
         """torchrec's subclass point: make the head batch usable on the caller's stream, before forward."""
-        self._wait_copied(self._lane.inflight[0].batch)
+        if not self._streams.in_order:  # else nothing to wait for (`_wait_copied`)
+            self._wait_copied(self._lane.inflight[0].batch)
 
     # -- torchrec's methods, over our components ------------------------------------------------------
 

@@ -129,7 +129,10 @@ class KJTCheck:
             return None
         limits, tabled_keys, uniform, in_int32 = self._limits.get(tuple(keys)) or self._limits_of(keys)
         problem, proven = None, in_int32
-        if uniform is None or not self._in_uniform(values, uniform):
+        if uniform is not None:  # one bound for every key: a min and a max decide
+            low, high = torch.aminmax(values)
+            in_uniform = int(low) >= 0 and int(high) < uniform
+        if uniform is None or not in_uniform:
             problem, proven = self._range_problem(
                 keys, values, lengths, strides, limits, tabled_keys, uniform
             )
@@ -138,11 +141,6 @@ class KJTCheck:
             self.in_int32.add(values)  # ids below their tables' rows (or 2^31); lengths at most n
             self.in_int32.add(lengths)
         return problem
-
-    @staticmethod
-    def _in_uniform(values: torch.Tensor, uniform: int) -> bool:
-        low, high = torch.aminmax(values)
-        return int(low) >= 0 and int(high) < uniform
 
     def _range_problem(
         self,

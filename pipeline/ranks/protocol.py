@@ -37,7 +37,6 @@ __all__ = [
     "UnevenDataError",
     "Vote",
     "Votes",
-    "capture",
     "resume_state",
 ]
 
@@ -182,6 +181,12 @@ class Lane:
     """Batches and placeholders fetched so far (the same count on every rank)."""
     steps: int = 0
     """Batches of this iterator run so far."""
+    iterator_state: Callable[[], Any] | None = field(init=False)
+    """The iterator's `state_dict`, read before each fetch (a no-drain checkpoint resumes from there);
+    None if it keeps no state."""
+
+    def __post_init__(self) -> None:
+        self.iterator_state = getattr(self.iterator, "state_dict", None)
 
     def drain(self) -> None:
         """Fetch nothing more; what is in flight still runs."""
@@ -313,7 +318,7 @@ class Ranks:
         """The process groups this pipeline made (`new_group`), freed by `close()`."""
         self.untrained_batches: list[Any] = []
         """Batches this rank fetched but did not train because another rank's data ended first."""
-        self._pending: list[Vote] = []
+        self.pending_votes: list[Vote] = []
         """Votes started since the last `wait_votes`."""
         self.votes = 0
         """Votes started (one per batch fetched, placeholders included, while `voting`, unless
@@ -367,7 +372,7 @@ class Ranks:
 
     def _vote(self, ticket: Ticket) -> None:
         ticket.vote = self._votes.vote(ticket.status)
-        self._pending.append(ticket.vote)
+        self.pending_votes.append(ticket.vote)
         self.votes += 1
 
     def admit(self, lane: Lane, ctx: Any) -> bool:
@@ -417,13 +422,13 @@ class Ranks:
     def wait_votes(self) -> None:
         """Wait for every vote started so far, so that none is in flight between two `progress()` calls,
         where the caller may destroy the process groups; raises `CollectiveFailed` where one failed."""
-        pending, self._pending = self._pending, []
+        pending, self.pending_votes = self.pending_votes, []
         for vote in pending:
             vote.wait()
 
     def drop_votes(self) -> None:
         """Forget the votes in flight without waiting (after a failure or an interrupt)."""
-        self._pending = []
+        self.pending_votes = []
 
     def close(self) -> None:
         """Forget the votes in flight and destroy every process group this pipeline made."""
@@ -467,12 +472,6 @@ class StatefulIterator(Protocol):
     def __next__(self) -> Any: ...
 
     def state_dict(self) -> Any: ...
-
-
-def capture(iterator: Iterator[Any]) -> Any:
-    """The state of `iterator` before its next item is fetched; None if it keeps no state."""
-    state_dict = getattr(iterator, "state_dict", None)
-    return state_dict() if state_dict is not None else None
 
 
 def resume_state(iterator: Iterator[Any], inflight: Iterable[Any]) -> Any:

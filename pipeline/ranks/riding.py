@@ -108,6 +108,9 @@ class _StatusRow:
 
     rows: int
     _splits_awaitable: Any
+    received_rows: torch.Tensor | None = None
+    """Once `words()` waited: every rank's splits rows as one host tensor, rank by row (None where
+    torchrec's awaitable keeps no output tensor: the words only)."""
 
     def words(self) -> list[int]:
         """Per rank, what it sent at this rank's status row (the splits are waited here, once)."""
@@ -116,15 +119,9 @@ class _StatusRow:
         if not isinstance(awaitable, NoWait):
             self._splits_awaitable = NoWait(received)
             output = getattr(awaitable, "_output_tensor", None)
-            self._received = output.view(awaitable.num_workers, -1) if output is not None else None
+            self.received_rows = output.view(awaitable.num_workers, -1) if output is not None else None
         self._words = received[self.rows] if self.rows < len(received) else []  # too few: reported
         return self._words
-
-    def row(self) -> torch.Tensor:
-        """`words()` as a tensor on the host, once they arrived."""
-        if self._received is None:
-            return torch.tensor(self._words, dtype=torch.int64)
-        return self._received[:, self.rows].cpu()
 
 
 class StatusSplits(_StatusRow, FusedKJTListSplitsAwaitable):
@@ -347,7 +344,8 @@ class Admission:
             return 0
         which = live[self._words % len(live)]
         self._words += 1
-        return tagged(which, self._watches[which].observation())
+        figure = self._watches[which].observation()
+        return which << _FIGURE_BITS | figure if figure else 0  # `tagged`, without a call
 
     def learn(self, fused: list[tuple[list[str], Any]]) -> None:
         """After a fused start: what a rank without a batch must send from now on; where no group spans
@@ -373,25 +371,21 @@ class Admission:
         Raises:
             AgreedError: on every rank, as `Ranks.admit` says.
         """
-        return self._ranks is None or self.status_in_splits(ctx) or self._ranks.admit(lane, ctx)
+        if self._ranks is None:
+            return True
+        ticket = ctx.ticket  # its status rides on its splits: it starts before the statuses are known
+        rides = ticket is not None and ticket.carried and ticket.vote is None and not ticket.admitted
+        return (rides and self._shape is not None) or self._ranks.admit(lane, ctx)
 
     def without_batch(self, ctx: BatchContext) -> bool:
-        """At `ctx`'s start: its status rides (marked on `ctx`) and this rank sends only its word."""
-        if not self.status_in_splits(ctx):
+        """At `ctx`'s start: its status rides on its splits (marked on `ctx`) and this rank sends only
+        its word."""
+        ticket = ctx.ticket  # as in `admit`
+        rides = ticket is not None and ticket.carried and ticket.vote is None and not ticket.admitted
+        if not (rides and self._shape is not None):
             return False
         ctx.status_rides = True
-        return ctx.ticket.status is not Status.HAVE
-
-    def status_in_splits(self, ctx: BatchContext) -> bool:
-        """`ctx`'s status rides on its splits: it starts before the ranks' statuses are known."""
-        ticket = ctx.ticket
-        return (
-            self._shape is not None
-            and ticket is not None
-            and ticket.carried
-            and ticket.vote is None
-            and not ticket.admitted
-        )
+        return ticket.status is not Status.HAVE
 
     def status_only(self, ctx: BatchContext, current: Callable[[Any], Any]) -> list[tuple[list[str], Any]]:
         """What a rank without `ctx`'s batch sends on every group (`current`: the one in use now)."""
@@ -432,10 +426,19 @@ class Admission:
         if words and not live and words.count(plain) == len(words):
             ctx.ticket.admitted = True  # every watch decided: every rank has it, counted in C
             return True
-        row = status_row.row() if words else None
+        received = status_row.received_rows
+        if not words:
+            row = None
+        elif received is None:
+            row = torch.tensor(words, dtype=torch.int64)
+        else:
+            row = received[:, status_row.rows].cpu()
         if row is not None and bool(((row & _SENT_ALIKE) == plain).all()):
             ctx.ticket.admitted = True  # every rank has it; the figures of a live watch ride
-            self._hand_out(row >> _OBSERVATION)
+            if len(self._watches) == 1:  # `_hand_out`'s one watch, without a call
+                self._watches[0].received(row >> _OBSERVATION)
+            else:
+                self._hand_out(row >> _OBSERVATION)
             return True
         statuses, figures = _read(words, status_row.rows, ctx.index)  # some rank lacks it, or a mismatch
         self._hand_out(torch.tensor(figures, dtype=torch.int64))

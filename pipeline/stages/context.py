@@ -4,14 +4,16 @@ each owns its batch's hand-offs until `Streams.release(ctx)`, after its backward
 from __future__ import annotations
 
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from torch.profiler import record_function
 from torchrec.distributed.types import LazyNoWait
 
 from pipeline.ranks.protocol import Ticket
-from pipeline.stages.streams import Streams, label
+from pipeline.stages.streams import Streams, profiling
 
 __all__ = [
     "BatchContext",
@@ -54,7 +56,8 @@ class BatchContext:
             return None
         streams, clock, module_ctx = self.streams, self.wait_clock, self.module_contexts.pop(key)
         wait = request.wait if clock is None else partial(clock.timed, request.wait)
-        with label(f"pipeline::input_dist::wait#{self.index}"):
+        # `label`, without a call or a string where no profiler records
+        with record_function(f"pipeline::input_dist::wait#{self.index}") if profiling() else _NO_LABEL:
             if streams.in_order:  # no streams: nothing to order or hold
                 return module_ctx, wait()
             with streams.use(streams.data_dist):
@@ -78,6 +81,8 @@ class BatchContext:
             self.streams.consumed(result)
         return result
 
+
+_NO_LABEL = nullcontext()
 
 TrainPipelineContext = BatchContext  # torchrec's name; `context_type=` is accepted
 

@@ -4,6 +4,7 @@ as it holds it (`Attachment`), `NotPipelinedWarning` and torchrec's memory flags
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from pipeline.stages.schedule import (
     backend_on,
 )
 from pipeline.stages.streams import Streams, run_stage
+from pipeline.stages.watch import FINAL
 from rewrite import CallSite, ContextSlot, PipelinedModule, Rewrite, RewriteReport, rewrite_model
 from rewrite.replay import fuse_splits_requests, kjt_all_to_alls, one_by_one
 
@@ -276,8 +278,9 @@ class InputDist:
             else:
                 ctx.splits_requests = one_by_one(requests)
         ctx.started = True
-        if self.watch is not None and not self.watch.settled:
-            ctx.wait_clock = self.watch.active_clock
+        watch = self.watch
+        if watch is not None and watch.phase not in FINAL:  # its `active_clock`, read without a call
+            ctx.wait_clock = watch.waits
 
     def wait_splits(self, ctx: BatchContext, lane: Lane | None = None) -> bool:
         """Wait for the splits all-to-all of `ctx` and launch its values all-to-alls (a no-op once done).
@@ -287,11 +290,16 @@ class InputDist:
             False: some rank lacks the batch; it and the batches after it left `lane`.
         """
         with run_stage(self._streams, "input_dist::splits", ctx.index, self._streams.data_dist):
-            # The whole wait is timed: where the status rides, `read_statuses` is where it blocks.
+            # The whole wait is timed (`WaitClock.timed`, in place): where the status rides,
+            # `read_statuses` is where it blocks.
             clock = ctx.wait_clock
-            if clock is None:
+            if clock is None or clock.thread != threading.get_ident():
                 return self._wait_splits(ctx, lane)
-            return clock.timed(self._wait_splits, ctx, lane)
+            start = clock.now()
+            try:
+                return self._wait_splits(ctx, lane)
+            finally:
+                clock.waited += clock.now() - start
 
     def _wait_splits(self, ctx: BatchContext, lane: Lane | None) -> bool:
         if not self._admission.read_statuses(ctx, lane):

@@ -28,6 +28,7 @@ __all__ = [
     "ThreadStreams",
     "all_threads_profiled",
     "label",
+    "profiling",
     "profiling_all_threads",
     "run_stage",
     "streams_for",
@@ -205,19 +206,20 @@ class OrderedStreams(Streams):
 _NO_LABEL = nullcontext()
 
 
-def _recording() -> bool:
+def profiling() -> bool:
+    """A profiler records (labels are worth their cost)."""
     return _profiler_enabled() or autograd_profiler._is_profiler_enabled
 
 
 def label(text: str) -> Any:
     """A context manager labelling the enclosed work `text` while a profiler records (else a no-op)."""
-    return record_function(text) if _recording() else _NO_LABEL
+    return record_function(text) if profiling() else _NO_LABEL
 
 
 def run_stage(streams: Streams, name: str, index: int, stream: Any = None) -> Any:
     """A context manager running the enclosed work as stage `name` of batch `index` on `stream`
     (None: the current one); with streams in order and no profiler, a shared no-op."""
-    if streams.in_order and not _recording():
+    if streams.in_order and not profiling():
         return _NO_LABEL
     return _Stage(streams, name, index, stream)
 
@@ -233,7 +235,7 @@ class _Stage:
         self._use: Any = None
 
     def __enter__(self) -> None:
-        if _recording():
+        if profiling():
             self._label = record_function(f"pipeline::{self._name}#{self._index}")
             self._label.__enter__()
         self._use = self._streams.use(self._stream)

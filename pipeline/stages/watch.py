@@ -134,12 +134,13 @@ def _quantile(ordered: list[float], q: float) -> float:
 
 class WaitClock:
     """Adds up how long `thread` blocks in a step: the input all-to-alls' waits (`timed`) and the time
-    off the CPU in backward (`off_cpu`); other threads' waits are not the step's."""
+    off the CPU in backward (`off_cpu`); other threads' waits are not the step's. The step's own two
+    uses (`InputDist.wait_splits`, `PipelineCore._backward_stage`) do the same in place, without a call."""
 
-    __slots__ = ("_clock", "_cpu", "idle", "thread", "waited")
+    __slots__ = ("cpu", "idle", "now", "thread", "waited")
 
     def __init__(self, clock: Callable[[], float], cpu: Callable[[], float] = time.thread_time) -> None:
-        self._clock, self._cpu = clock, cpu
+        self.now, self.cpu = clock, cpu
         self.waited = 0.0
         """Seconds blocked in the input all-to-alls' waits."""
         self.idle = 0.0
@@ -150,22 +151,22 @@ class WaitClock:
         """`fn(*args)`, its wall time added to `waited` where it runs on the pipeline's thread."""
         if threading.get_ident() != self.thread:
             return fn(*args)
-        start = self._clock()
+        start = self.now()
         try:
             return fn(*args)
         finally:
-            self.waited += self._clock() - start
+            self.waited += self.now() - start
 
     def off_cpu(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` (backward), its wall time less its CPU time added to `idle` where it runs on the
         pipeline's thread."""
         if threading.get_ident() != self.thread:
             return fn(*args)
-        wall, cpu = self._clock(), self._cpu()
+        wall, cpu = self.now(), self.cpu()
         try:
             return fn(*args)
         finally:
-            self.idle += max(0.0, (self._clock() - wall) - (self._cpu() - cpu))
+            self.idle += max(0.0, (self.now() - wall) - (self.cpu() - cpu))
 
 
 # -- a decision saved with a checkpoint --------------------------------------------------------------
