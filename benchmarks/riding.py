@@ -34,13 +34,10 @@ class _ReceivedStatusSplits:
     carries = True
 
     def __init__(self, words: list[int], received: torch.Tensor) -> None:
-        self.words_sent, self.received, self.rows = words, received, _ROWS
+        self.words_sent, self.received_rows, self.rows = words, received, _ROWS
 
     def words(self) -> list[int]:
         return self.words_sent
-
-    def row(self) -> torch.Tensor:
-        return self.received[:, self.rows]
 
 
 class _Ranks:
@@ -95,13 +92,9 @@ def riding(
         for watching in (True, False):
             runs = [_one(world, watching, batches) for _ in range(rounds)]
             figures["watching" if watching else "decided"] = runs
-        result["runs"][world] = figures
+        result["runs"][world] = figures  # watching, then decided: the columns' order
         rows.append(
-            [world]
-            + [
-                f"{statistics.median(runs):.1f} [{min(runs):.1f}, {max(runs):.1f}]"
-                for runs in (figures["watching"], figures["decided"])
-            ]
+            [world, *(f"{statistics.median(r):.1f} [{min(r):.1f}, {max(r):.1f}]" for r in figures.values())]
         )
     columns = ["ranks", "watching us/batch", "decided us/batch"]
     print(text_table(columns, rows))

@@ -207,6 +207,13 @@ def one_warmup_per_config() -> None:
     assert gpu.warmup_of("gpu-uvm") == 20, "on CUDA, Prefetch behind the UVM cache runs no watch"
 
 
+def riding_reads_its_stand_in_as_the_pipeline_does() -> None:
+    """`python -m benchmarks riding`'s received status row is read by the real `read_statuses`."""
+    from benchmarks.riding import _one
+
+    assert _one(8, True, 3) > 0 and _one(8, False, 3) > 0
+
+
 CHECKS: dict[str, Callable[[], None]] = {
     n: f
     for n, f in list(globals().items())

@@ -36,6 +36,7 @@ SELFCHECKS = (
     "tiered_distance",
     "rounds_and_variants",
     "one_warmup_per_config",
+    "riding_reads_its_stand_in_as_the_pipeline_does",
 )
 TINY = ["--steps", "2", "--warmup", "2", "--rounds", "1"]
 
