@@ -295,6 +295,8 @@ class Admission:
         """What the last fused splits all-to-all sent (`splits_shape`): while known, statuses ride."""
         self.refused = 0
         """Batches some rank lacked, found out from statuses that rode (not from a vote)."""
+        self._plain_row: tuple[tuple[int, int], torch.Tensor] = ((0, 0), torch.zeros(0, dtype=torch.int64))
+        """((word, ranks), that word once per rank): the row read when every rank has the batch."""
 
     def check(self, modules: list[Any]) -> str | None:
         """At each fused start, deciding once, whether statuses can ride (`riding_fits`); where not, every
@@ -426,20 +428,22 @@ class Admission:
         if words and not live and words.count(plain) == len(words):
             ctx.ticket.admitted = True  # every watch decided: every rank has it, counted in C
             return True
-        received = status_row.received_rows
-        if not words:
-            row = None
-        elif received is None:
-            row = torch.tensor(words, dtype=torch.int64)
-        else:
-            row = received[:, status_row.rows].cpu()
-        if row is not None and bool(((row & _SENT_ALIKE) == plain).all()):
-            ctx.ticket.admitted = True  # every rank has it; the figures of a live watch ride
-            if len(self._watches) == 1:  # `_hand_out`'s one watch, without a call
-                self._watches[0].received(row >> _OBSERVATION)
-            else:
-                self._hand_out(row >> _OBSERVATION)
-            return True
+        if words:  # the row of every rank's word as a tensor: the one the all-to-all wrote, if kept
+            received = status_row.received_rows
+            row = (
+                torch.tensor(words, dtype=torch.int64)
+                if received is None
+                else received[:, status_row.rows].cpu()
+            )
+            if self._plain_row[0] != (plain, len(words)):  # `plain` once per rank, made once
+                self._plain_row = ((plain, len(words)), torch.full_like(row, plain))
+            if torch.equal(row & _SENT_ALIKE, self._plain_row[1]):
+                ctx.ticket.admitted = True  # every rank has it; the figures of a live watch ride
+                if len(self._watches) == 1:  # `_hand_out`'s one watch, without a call
+                    self._watches[0].received(row >> _OBSERVATION)
+                else:
+                    self._hand_out(row >> _OBSERVATION)
+                return True
         statuses, figures = _read(words, status_row.rows, ctx.index)  # some rank lacks it, or a mismatch
         self._hand_out(torch.tensor(figures, dtype=torch.int64))
         counts = Counter(statuses)
