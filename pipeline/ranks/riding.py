@@ -373,21 +373,25 @@ class Admission:
         Raises:
             AgreedError: on every rank, as `Ranks.admit` says.
         """
-        if self._ranks is None:
-            return True
-        ticket = ctx.ticket  # its status rides on its splits: it starts before the statuses are known
-        rides = ticket is not None and ticket.carried and ticket.vote is None and not ticket.admitted
-        return (rides and self._shape is not None) or self._ranks.admit(lane, ctx)
+        return self._ranks is None or self.status_in_splits(ctx) or self._ranks.admit(lane, ctx)
 
     def without_batch(self, ctx: BatchContext) -> bool:
-        """At `ctx`'s start: its status rides on its splits (marked on `ctx`) and this rank sends only
-        its word."""
-        ticket = ctx.ticket  # as in `admit`
-        rides = ticket is not None and ticket.carried and ticket.vote is None and not ticket.admitted
-        if not (rides and self._shape is not None):
+        """At `ctx`'s start: its status rides (marked on `ctx`) and this rank sends only its word."""
+        if not self.status_in_splits(ctx):
             return False
         ctx.status_rides = True
-        return ticket.status is not Status.HAVE
+        return ctx.ticket.status is not Status.HAVE
+
+    def status_in_splits(self, ctx: BatchContext) -> bool:
+        """`ctx`'s status rides on its splits: it starts before the ranks' statuses are known."""
+        ticket = ctx.ticket
+        return (
+            self._shape is not None
+            and ticket is not None
+            and ticket.carried
+            and ticket.vote is None
+            and not ticket.admitted
+        )
 
     def status_only(self, ctx: BatchContext, current: Callable[[Any], Any]) -> list[tuple[list[str], Any]]:
         """What a rank without `ctx`'s batch sends on every group (`current`: the one in use now)."""

@@ -4,7 +4,6 @@ each owns its batch's hand-offs until `Streams.release(ctx)`, after its backward
 from __future__ import annotations
 
 from concurrent.futures import Future
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -13,7 +12,7 @@ from torch.profiler import record_function
 from torchrec.distributed.types import LazyNoWait
 
 from pipeline.ranks.protocol import Ticket
-from pipeline.stages.streams import Streams, profiling
+from pipeline.stages.streams import NO_LABEL, Streams, profiling
 
 __all__ = [
     "BatchContext",
@@ -57,7 +56,7 @@ class BatchContext:
         streams, clock, module_ctx = self.streams, self.wait_clock, self.module_contexts.pop(key)
         wait = request.wait if clock is None else partial(clock.timed, request.wait)
         # `label`, without a call or a string where no profiler records
-        with record_function(f"pipeline::input_dist::wait#{self.index}") if profiling() else _NO_LABEL:
+        with record_function(f"pipeline::input_dist::wait#{self.index}") if profiling() else NO_LABEL:
             if streams.in_order:  # no streams: nothing to order or hold
                 return module_ctx, wait()
             with streams.use(streams.data_dist):
@@ -81,8 +80,6 @@ class BatchContext:
             self.streams.consumed(result)
         return result
 
-
-_NO_LABEL = nullcontext()
 
 TrainPipelineContext = BatchContext  # torchrec's name; `context_type=` is accepted
 

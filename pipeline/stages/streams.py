@@ -21,6 +21,7 @@ from torch.profiler import record_function
 
 __all__ = [
     "HANDOFFS",
+    "NO_LABEL",
     "CudaStreams",
     "KeepAlive",
     "OrderedStreams",
@@ -203,7 +204,8 @@ class OrderedStreams(Streams):
         return self.keep_alive.size
 
 
-_NO_LABEL = nullcontext()
+NO_LABEL = nullcontext()
+"""The shared no-op that `label` and `run_stage` give where nothing is to be labelled or ordered."""
 
 
 def profiling() -> bool:
@@ -213,14 +215,14 @@ def profiling() -> bool:
 
 def label(text: str) -> Any:
     """A context manager labelling the enclosed work `text` while a profiler records (else a no-op)."""
-    return record_function(text) if profiling() else _NO_LABEL
+    return record_function(text) if profiling() else NO_LABEL
 
 
 def run_stage(streams: Streams, name: str, index: int, stream: Any = None) -> Any:
     """A context manager running the enclosed work as stage `name` of batch `index` on `stream`
     (None: the current one); with streams in order and no profiler, a shared no-op."""
     if streams.in_order and not profiling():
-        return _NO_LABEL
+        return NO_LABEL
     return _Stage(streams, name, index, stream)
 
 
