@@ -3,7 +3,6 @@ stream; `SparseDataDistUtil` makes its input_dist stage (docs/reference.md, "Sta
 
 from __future__ import annotations
 
-import enum
 import logging
 import sys
 from collections import deque
@@ -210,17 +209,8 @@ class StagedTrainPipeline(TrainPipeline):
         return output, done
 
 
-class _Extra(enum.Enum):  # the stage after input_dist, if any
-    NONE = "input_dist"
-    PREFETCH = "prefetch"
-    LOOKUP = "lookup"
-
-
-_CONTEXTS = {
-    _Extra.NONE: BatchContext,
-    _Extra.PREFETCH: PrefetchBatchContext,
-    _Extra.LOOKUP: LookupBatchContext,
-}
+# the batches' context, by the stage that follows input_dist ("input_dist": none)
+_CONTEXTS = {"input_dist": BatchContext, "prefetch": PrefetchBatchContext, "lookup": LookupBatchContext}
 
 
 class SparseDataDistUtil:
@@ -267,8 +257,8 @@ class SparseDataDistUtil:
                 "SparseDataDistUtil: pass prefetch_stream or embedding_lookup_stream, not both "
                 "(the lookup stage already waits for input_dist; a prefetch before it adds nothing)"
             )
-        extra = _Extra.LOOKUP if embedding_lookup_stream is not None else _Extra.NONE
-        self._extra = _Extra.PREFETCH if prefetch_stream is not None else extra
+        extra = "lookup" if embedding_lookup_stream is not None else "input_dist"
+        self._extra = "prefetch" if prefetch_stream is not None else extra  # as `_CONTEXTS` names it
         self.model = model
         self.data_dist_stream = data_dist_stream
         self.prefetch_stream = prefetch_stream
@@ -286,13 +276,13 @@ class SparseDataDistUtil:
             schedule=InputDistOptions(
                 schedule="late", narrow_ids=(input_dist or InputDistOptions()).narrow_ids
             ),
-            forward=self._extra.value,
+            forward=self._extra,
         )
         self._prefetch: PrefetchStage | None = None
         self._lookup: LookupStage | None = None
-        if self._extra is _Extra.PREFETCH:
+        if self._extra == "prefetch":
             self._prefetch = PrefetchStage(streams, self._input_dist, ahead=PrefetchOptions().prefetch_ahead)
-        elif self._extra is _Extra.LOOKUP:
+        elif self._extra == "lookup":
             # the staged pipeline makes the stage's stream current: the lookup runs on the caller's
             self._lookup = LookupStage(streams, self._input_dist, model, None, on_caller_stream=True)
         self._contexts: deque[BatchContext] = deque()  # input_dist started; the next forward's first
@@ -318,7 +308,7 @@ class SparseDataDistUtil:
                 self.model.register_forward_hook(self._after_forward, always_call=True),
             ]
         self._contexts.append(ctx)
-        if self._extra is not _Extra.NONE:
+        if self._extra != "input_dist":
             self._awaiting_stage.append(ctx)
         return batch
 
@@ -337,7 +327,7 @@ class SparseDataDistUtil:
 
     def prefetch(self, batch: Any) -> Any:
         """The stage: each module's `prefetch()` for `batch` after its input_dist; returns `batch`."""
-        ctx = self._stage_context(batch, _Extra.PREFETCH, "prefetch")
+        ctx = self._stage_context(batch, "prefetch", "prefetch")
         if ctx.started:  # else the forward that is recorded starts it, and its prefetch
             self._input_dist.wait_splits(ctx)
             self._prefetch.submit(ctx, self._forward_stream)
@@ -348,14 +338,14 @@ class SparseDataDistUtil:
 
     def start_embedding_lookup(self, batch: Any) -> Any:
         """The stage: look `batch` up after its input_dist, starting its output all-to-all; returns it."""
-        ctx = self._stage_context(batch, _Extra.LOOKUP, "start_embedding_lookup")
+        ctx = self._stage_context(batch, "lookup", "start_embedding_lookup")
         self._lookup.run(ctx)
         return batch
 
-    def _stage_context(self, batch: Any, extra: _Extra, name: str) -> BatchContext:
+    def _stage_context(self, batch: Any, extra: str, name: str) -> BatchContext:
         """The context of `batch`, the oldest whose prefetch/lookup stage has not run."""
-        if self._extra is not extra:
-            arg = "prefetch_stream" if extra is _Extra.PREFETCH else "embedding_lookup_stream"
+        if self._extra != extra:
+            arg = "prefetch_stream" if extra == "prefetch" else "embedding_lookup_stream"
             raise ValueError(f"SparseDataDistUtil.{name} is a stage only when {arg} is given")
         if not self._awaiting_stage or self._awaiting_stage[0].batch is not batch:
             raise ValueError(
@@ -375,7 +365,7 @@ class SparseDataDistUtil:
                 self._lookup.run(ctx)
         if ctx is not None and self._awaiting_stage and self._awaiting_stage[0] is ctx:
             raise RuntimeError(
-                f"SparseDataDistUtil was given a {self._extra.value} stream, but the {self._extra.value} "
+                f"SparseDataDistUtil was given a {self._extra} stream, but the {self._extra} "
                 "stage did not run for this batch: put it in the StagedTrainPipeline's stages, right "
                 "after start_sparse_data_dist_stage()"
             )
