@@ -38,24 +38,24 @@ _MAX_DEPTH = 8
 def pt2_input_transformer(batch: Any) -> Any:
     """`batch` with every KeyedJaggedTensor in it (fields, dicts, lists, tuples) rebuilt by torchrec's
     `kjt_for_pt2_tracing`, so that a batch with another number of ids does not recompile the model."""
-    return _map_kjts(batch, kjt_for_pt2_tracing, 0)
+    return _map_kjts(batch, 0)
 
 
-def _map_kjts(value: Any, fn: Callable[[KeyedJaggedTensor], KeyedJaggedTensor], depth: int) -> Any:
+def _map_kjts(value: Any, depth: int) -> Any:
     if isinstance(value, KeyedJaggedTensor):
-        return fn(value)
+        return kjt_for_pt2_tracing(value)
     if depth >= _MAX_DEPTH or isinstance(value, (torch.Tensor, str, bytes, int, float)) or value is None:
         return value
     if isinstance(value, dict):
-        return type(value)((k, _map_kjts(v, fn, depth + 1)) for k, v in value.items())
+        return type(value)((k, _map_kjts(v, depth + 1)) for k, v in value.items())
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_map_kjts(v, fn, depth + 1) for v in value)
+        return type(value)(_map_kjts(v, depth + 1) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = [f.name for f in dataclasses.fields(value) if f.init]
-        return dataclasses.replace(value, **{n: _map_kjts(getattr(value, n), fn, depth + 1) for n in fields})
+        return dataclasses.replace(value, **{n: _map_kjts(getattr(value, n), depth + 1) for n in fields})
     for name in ("id_list_features", "id_score_list_features"):  # torchrec's own batch classes
         if isinstance(getattr(value, name, None), KeyedJaggedTensor):
-            setattr(value, name, fn(getattr(value, name)))
+            setattr(value, name, kjt_for_pt2_tracing(getattr(value, name)))
     return value
 
 
@@ -162,9 +162,7 @@ _AUTOGRAD_INDUCTOR = {
 
 class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
     """`TrainPipelineSparseDist` whose backward runs under compiled autograd, forward and backward on
-    torchrec's synchronous collectives (which compiled autograd can trace). A model holding a
-    DistributedDataParallel with the C++ reducer is refused (ValueError): build it under
-    `torch._dynamo.config.optimize_ddp = "python_reducer"`.
+    torchrec's synchronous collectives (which compiled autograd can trace).
 
     Args:
         model, optimizer, device, ...: as in `TrainPipelineSparseDist` (torchrec's, in its order).
