@@ -127,8 +127,8 @@ class GradientAccumulationWrapper(Generic[In, Out]):
         """
         if not self._config.is_enabled:
             return self._pipeline.progress(dataloader_iter)
-        step, config = self.current_step, self._config
-        sync = bool(is_last_batch) or step < config.num_warmup_steps or (step + 1) % config.num_steps == 0
+        warmup = self.current_step < self._config.num_warmup_steps
+        sync = bool(is_last_batch) or warmup or self._optimizer.ends_group()
         try:
             with contextlib.ExitStack() as no_sync:
                 for ddp in [] if sync else self._ddp_modules():
