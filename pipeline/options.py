@@ -182,16 +182,11 @@ _MOVED = {
 def moved_keyword(owner: type, keywords: dict[str, Any]) -> TypeError | None:
     """The TypeError for pipeline class `owner` given a keyword of an earlier release that is now an
     options field, naming that field; None where there is none or `owner.__init__` declares it."""
-    moved = [name for name in keywords if name in _MOVED]
-    if not moved:
-        return None
     params = inspect.signature(owner.__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    moved = [name for name in keywords if name in _MOVED and name not in params]
+    if not moved or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return None
-    for name in moved:
-        if name not in params:
-            return TypeError(
-                f"{owner.__name__}.__init__() got an unexpected keyword argument {name!r}: our options "
-                f"come as objects; pass {_MOVED[name]}...) (pipeline.options)"
-            )
-    return None
+    return TypeError(
+        f"{owner.__name__}.__init__() got an unexpected keyword argument {moved[0]!r}: our options "
+        f"come as objects; pass {_MOVED[moved[0]]}...) (pipeline.options)"
+    )
