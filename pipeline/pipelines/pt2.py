@@ -222,7 +222,6 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
 
 @contextlib.contextmanager
 def _compiled_autograd(compiler: Callable[..., Any]) -> Iterator[None]:
-    """The context of each step: sync collectives, compiled autograd, torchrec's settings."""
     with (
         torch._dynamo.config.patch(DYNAMO_SETTINGS),
         torch._functorch.config.patch(_AUTOGRAD_FUNCTORCH),
