@@ -386,8 +386,7 @@ class StepWatch(StepTimes):
             self._high = self._low = 0  # the partner's switch changes the steps: start again after it
             return
         share = (int(observations.sum()) / ranks - 1) / 1000
-        high_share = share >= self.threshold
-        self._high, self._low = (self._high + 1, 0) if high_share else (0, self._low + 1)
+        self._high, self._low = (self._high + 1, 0) if share >= self.threshold else (0, self._low + 1)
         steady = self._high > self.window or (self._high and (low - 1) / 1000 >= 2 * self.threshold)
         if steady and self.steps >= self._not_before:
             self._switch([(v - 1) / 1000 for v in observations.tolist()], share)
