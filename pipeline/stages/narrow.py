@@ -217,7 +217,7 @@ class NarrowIds:
             counts = dict.fromkeys(allowed, 0)
             for site, args, kwargs in sample():
                 if site.key in counts:
-                    counts[site.key] += _ids_in([*args, *kwargs.values()])
+                    counts[site.key] += sum(kjt.values().numel() for kjt in kjts_in([(site, args, kwargs)]))
             every = gather([counts[key] for key in allowed])
             for i, key in enumerate(allowed):
                 mean = sum(rank[i] for rank in every) / len(every)
@@ -284,10 +284,6 @@ def every_rank(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-def _ids_in(values: list[Any]) -> int:
-    return sum(v.values().numel() for v in values if isinstance(v, KeyedJaggedTensor))
 
 
 def kjts_in(inputs: Iterable[tuple[Any, list[Any], dict[str, Any]]]) -> Iterator[KeyedJaggedTensor]:

@@ -55,17 +55,9 @@ class PrefetchWatch(StepWatch):
             f"trying it ahead on its worker thread from the next step, verified over {self._verified_text()}"
         )
 
-    def _verdict_text(self, *, kept: bool) -> str:
-        shown, rule = self._ratios_text(), self._rule_text()
-        if kept:
-            return (
-                "prefetch runs ahead on its worker thread: the step ahead over the step inline was "
-                f"{shown} ({rule})"
-            )
-        return (
-            "prefetch runs inline again from the next step: the step ahead over the step inline was "
-            f"{shown} (kept needs {rule})"
-        )
+    def _verdict_head(self, *, kept: bool) -> str:
+        runs = "ahead on its worker thread" if kept else "inline again from the next step"
+        return f"prefetch runs {runs}: the step ahead over the step inline"
 
     def _pinned_text(self, reason: str) -> str:
         return f"prefetch runs inline: {reason}"

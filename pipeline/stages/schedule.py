@@ -130,15 +130,11 @@ class ScheduleWatch(StepWatch):
             f"verified over {self._verified_text()}"
         )
 
-    def _verdict_text(self, *, kept: bool) -> str:
-        shown, rule = self._ratios_text(), self._rule_text()
+    def _verdict_head(self, *, kept: bool) -> str:
         if kept:
-            return (
-                f"kept {schedule_words('early')}: the step under it over the step before was {shown} ({rule})"
-            )
+            return f"kept {schedule_words('early')}: the step under it over the step before"
         return (
-            f"back to {schedule_words('late')} from the next step: the step under early over the step "
-            f"before was {shown} (kept needs {rule})"
+            f"back to {schedule_words('late')} from the next step: the step under early over the step before"
         )
 
     def _pinned_text(self, reason: str) -> str:

@@ -21,7 +21,6 @@ class _Lent:
     storage: torch.UntypedStorage
     nbytes: int
     host: torch.UntypedStorage
-    device: torch.device
     restored: bool = False
 
 
@@ -73,10 +72,10 @@ class Stash:
                 pin = storage.device.type == "cuda"
                 host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin).untyped_storage()
                 host.copy_(storage, non_blocking=host.is_pinned())
-                added.append(_Lent(storage, storage.nbytes(), host, tensor.device))
+                added.append(_Lent(storage, storage.nbytes(), host))
             for lent in added:
                 if streams.memcpy is not None:  # the block is not reused before its copy is done
-                    view = torch.empty(0, dtype=torch.uint8, device=lent.device).set_(lent.storage)
+                    view = torch.empty(0, dtype=torch.uint8, device=lent.storage.device).set_(lent.storage)
                     streams.free_after(view, streams.memcpy)
                 _resize(lent.storage, 0)
         self._lent += added

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import enum
+import inspect
 import statistics
 import threading
 import time
@@ -58,10 +59,6 @@ class StepTimes:
     def _forget_step(self) -> None:
         self._last = self._ended = None
 
-    def _start_verifying(self, skip: int) -> None:
-        """At the switch: the steps before it are kept; the first `skip` after it are not timed."""
-        self._before, self._after, self._skip = list(self._recent), [], skip
-
     @property
     def share(self) -> float | None:
         """This rank's median share over the last `window` observed steps (None before a full window)."""
@@ -106,11 +103,6 @@ class StepTimes:
         """This rank's step ratio after/before the switch: the `sure` quantile over (after, before) pairs."""
         after, before = _faster_half(self._after), _faster_half(self._before)
         return _quantile(sorted(a / b for a in after for b in before), sure)
-
-    def _medians_ms(self, modes: tuple[str, str]) -> dict[str, float]:
-        if not self.verified:
-            return {}
-        return {modes[0]: 1e3 * self.reference, modes[1]: 1e3 * statistics.median(_faster_half(self._after))}
 
 
 def _faster_half(steps: list[float]) -> list[float]:
@@ -236,7 +228,7 @@ FINAL = (WatchPhase.KEPT, WatchPhase.BACK, WatchPhase.PINNED)
 
 class StepWatch(StepTimes):
     """The rule of the module. A subclass names its `modes`, measures its parts of a step (`_parts`)
-    and words its decisions (`_switched_text(share, clear)`, `_verdict_text(kept=)`, `_pinned_text`).
+    and words its decisions (`_switched_text(share, clear)`, `_verdict_head(kept=)`, `_pinned_text`).
 
     Args:
         window: steps per observation of the share (the median is taken over them).
@@ -275,16 +267,16 @@ class StepWatch(StepTimes):
         backoff: int = 32,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        if min(window, verify) < 3 or min(warmup, settle) < 0 or not (0 < threshold < 1 and 0 <= margin < 1):
-            raise ValueError(f"bad watch settings: window {window}, threshold {threshold}, margin {margin}")
-        if not 0 <= sure <= 1 or min(patience, retries, backoff) < 0:
-            raise ValueError(
-                f"bad watch settings: sure {sure}, patience {patience}, retries {retries}, backoff {backoff}"
-            )
         super().__init__(window=window, verify=verify, margin=margin, clock=clock)
         self.threshold, self.settle = threshold, settle
         self.warmup, self.sure, self.patience = warmup, sure, patience
         self.retries, self.backoff = retries, backoff
+        if (
+            min(window, verify) < 3
+            or min(warmup, settle, patience, retries, backoff) < 0
+            or not (0 < threshold < 1 and 0 <= margin < 1 and 0 <= sure <= 1)
+        ):
+            raise ValueError(f"bad watch settings: {self.settings()}")
         self.partner: Any = None
         """The other watch of the same steps: while it verifies (`tuning`), this one does not move."""
         self.mode = self.modes[0]
@@ -334,13 +326,12 @@ class StepWatch(StepTimes):
             return self.mode
         now, last, ended, self._ended = self.clock(), self._last, self._ended, None
         self._last, parts = now, self._parts()
-        watching = self.phase is WatchPhase.WATCHING
         timed = last is not None and ended is not None and self.steps > self.warmup + 1
         if timed and self.ready_at is None and (self.ready is None or self.ready()):
             self.ready_at = self.steps
         if timed and self.ready_at is not None:
             step_s = ended - last
-            if watching:
+            if self.phase is WatchPhase.WATCHING:
                 self._samples.append((step_s, parts))
                 self._shares.append(sum(parts) / step_s if step_s > 0 else 0.0)
                 self._recent.append(step_s)
@@ -362,18 +353,7 @@ class StepWatch(StepTimes):
 
     def settings(self) -> str:
         """The settings, in one line, which the ranks check are alike before the first figure rides."""
-        names = (
-            "window",
-            "verify",
-            "warmup",
-            "threshold",
-            "settle",
-            "margin",
-            "sure",
-            "patience",
-            "retries",
-            "backoff",
-        )
+        names = [n for n in inspect.signature(StepWatch.__init__).parameters if n not in ("self", "clock")]
         return f"{type(self).__name__}(" + ", ".join(f"{n}={getattr(self, n)}" for n in names) + ")"
 
     @property
@@ -406,8 +386,7 @@ class StepWatch(StepTimes):
             self._high = self._low = 0  # the partner's switch changes the steps: start again after it
             return
         share = (int(observations.sum()) / ranks - 1) / 1000
-        high_share = share >= self.threshold
-        self._high, self._low = (self._high + 1, 0) if high_share else (0, self._low + 1)
+        self._high, self._low = (self._high + 1, 0) if share >= self.threshold else (0, self._low + 1)
         steady = self._high > self.window or (self._high and (low - 1) / 1000 >= 2 * self.threshold)
         if steady and self.steps >= self._not_before:
             self._switch([(v - 1) / 1000 for v in observations.tolist()], share)
@@ -448,7 +427,10 @@ class StepWatch(StepTimes):
     @property
     def medians_ms(self) -> dict[str, float]:
         """This rank's median step before and after the switch, in ms (empty before a verdict)."""
-        return self._medians_ms(self.modes)
+        if not self.verified:
+            return {}
+        after = statistics.median(_faster_half(self._after))
+        return {self.modes[0]: 1e3 * self.reference, self.modes[1]: 1e3 * after}
 
     @property
     def tuning_steps_by_schedule(self) -> dict[str, int]:
@@ -472,10 +454,10 @@ class StepWatch(StepTimes):
             ValueError: the state names a mode this watch does not have.
         """
         saved = SavedDecision.parse(state, self.modes, tuple(p.value for p in FINAL))
-        pinned = self.mode if self.phase is WatchPhase.PINNED else None
         self.settled = False
         if saved is None:
             return
+        pinned = self.mode if self.phase is WatchPhase.PINNED else None
         if (why := saved.refused(world_size(), pinned_to=pinned)) is not None:
             self._decide(why)
         elif self.alone or world_size() == 1:
@@ -502,16 +484,18 @@ class StepWatch(StepTimes):
     def _shares_text(self) -> str:
         return ", ".join(f"{v:.0%}" for v in self.shares)
 
-    def _ratios_text(self) -> str:
+    def _verdict_text(self, *, kept: bool) -> str:
+        """The verdict: the subclass's `_verdict_head` (what runs now, which steps it compared), the ratios
+        and the rule they were held to."""
         mean = sum(self.ratios) / len(self.ratios)
-        return f"{mean:.2f} (ranks: {', '.join(f'{r:.2f}' for r in self.ratios)})"
-
-    def _rule_text(self) -> str:
-        return (
+        rule = (
             f"the ranks' mean at most {1 - self.margin:.2f} and none {1 + self.margin:.2f} or more; a "
             "rank's ratio is the median over every pair of a step after and a step before, the faster "
             f"half of each side; this rank's step after was shorter in {self.faster_steps:.0%} of the pairs"
         )
+        shown = f"{mean:.2f} (ranks: {', '.join(f'{r:.2f}' for r in self.ratios)})"
+        head = self._verdict_head(kept=kept)
+        return f"{head} was {shown} ({rule})" if kept else f"{head} was {shown} (kept needs {rule})"
 
     def _held_text(self, clear: bool) -> str:
         """How the share held before the switch (`clear`: every rank's twice the threshold at once)."""
@@ -556,8 +540,9 @@ class StepWatch(StepTimes):
     def _switch(self, shares: list[float], share: float) -> None:
         self.shares, self.tries = shares, self.tries + 1
         self._pending, self.phase = self.modes[1], WatchPhase.TRYING
-        # the step that decides runs on in the start mode: its time is not the new mode's
-        self._start_verifying(self.settle + 1)
+        # the steps before are kept; the step that decides runs on in the start mode: its time is not
+        # the new mode's, nor are the `settle` steps after it
+        self._before, self._after, self._skip = list(self._recent), [], self.settle + 1
         self._decide(self._switched_text(share, self._high <= self.window))  # before a full run: clear
 
     def _verdict(self, ratios: list[float]) -> None:
