@@ -121,7 +121,8 @@ class FailureSignal:
         if self.store is None:
             return False
         key, deadline = self._key("count"), time.monotonic() + self._grace
-        while not self.store.check([key]) or int(self.store.get(key)) < self.world:  # check: get would wait
+        # `check` first: `get` would wait for a key no rank made yet
+        while not self.store.check([key]) or int(self.store.get(key)) < self.world:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.02)
