@@ -190,7 +190,7 @@ class Votes:
 
     def vote(self, status: Status) -> Vote:
         """Start this rank's vote for the next batch; every rank calls it once per batch, in order."""
-        tensor = torch.tensor([1 << (_BITS * list(Status).index(status))], dtype=torch.int64)
+        tensor = torch.tensor([1 << (_BITS * status)], dtype=torch.int64)
         if not self.distributed:
             return Vote(None, tensor)
         if rank_and_world()[1] > _MAX_WORLD:

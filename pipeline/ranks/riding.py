@@ -244,25 +244,24 @@ def validating() -> bool:
 # -- admission ---------------------------------------------------------------------------------------
 
 
+# Why a watch cannot agree with the other ranks, or has nothing to decide (its `no_ride`):
+
 NO_RIDE = (
     "the ranks' statuses do not ride on this pipeline's splits all-to-all (RankOptions(agreement=False), "
     "a class that admits batches itself, or torchrec's collective checks), so the ranks have no shared "
     "observations of their steps to decide on"
 )
-"""Why a watch cannot agree with the other ranks (`StepWatch.no_ride`)."""
 
 NO_FULL_GROUP = (
     "no splits all-to-all of this model spans every rank (2D sharding: each runs on a subgroup), so "
     "the ranks' statuses do not ride on it and the ranks have no shared observations of their steps"
 )
-"""Why a watch cannot agree with the other ranks where no fused splits group spans every rank."""
 
 NOTHING_PIPELINED = (
     "no sharded module is pipelined (the rewrite report says why for each): their input all-to-alls "
     "run inside forward, so no splits all-to-all of the pipeline carries the ranks' statuses and "
     "there is no schedule to choose"
 )
-"""Why a watch has nothing to decide where the rewrite pipelined no module."""
 
 
 class Admission:
