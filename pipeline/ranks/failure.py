@@ -4,6 +4,7 @@ failed and why, instead of waiting for the process group's timeout (the cases: d
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Callable
@@ -50,6 +51,7 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+@functools.cache
 def collective_code() -> frozenset[str]:
     """The source files of torch.distributed's, DDP's and torchrec's communication modules."""
     import torch.nn.parallel.distributed as ddp
@@ -60,13 +62,9 @@ def collective_code() -> frozenset[str]:
     return frozenset(m.__file__ for m in (distributed_c10d, ddp, comm_ops, dist_data))
 
 
-_COLLECTIVE_CODE: frozenset[str] | None = None
-
-
 def from_a_collective(error: BaseException) -> bool:
     """Whether `error` is a collective's failure, not this rank's own: `CollectiveFailed`,
     `PeerFailedError`, NCCL's `DistError`, or an error raised in `collective_code()` (gloo's there)."""
-    global _COLLECTIVE_CODE
     if isinstance(error, (CollectiveFailed, PeerFailedError, getattr(dist, "DistError", ()))):
         return True
     frame = error.__traceback__
@@ -74,9 +72,7 @@ def from_a_collective(error: BaseException) -> bool:
         return False
     while frame.tb_next is not None:
         frame = frame.tb_next
-    if _COLLECTIVE_CODE is None:
-        _COLLECTIVE_CODE = collective_code()
-    return frame.tb_frame.f_code.co_filename in _COLLECTIVE_CODE
+    return frame.tb_frame.f_code.co_filename in collective_code()
 
 
 def job_store() -> Any:
@@ -124,17 +120,13 @@ class FailureSignal:
         """Wait up to `grace` seconds for every rank to announce a failure of this generation."""
         if self.store is None:
             return False
-        deadline = time.monotonic() + self._grace
-        while self._failed() < self.world:
+        key, deadline = self._key("count"), time.monotonic() + self._grace
+        # `check` first: `get` would wait for a key no rank made yet
+        while not self.store.check([key]) or int(self.store.get(key)) < self.world:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.02)
         return True
-
-    def _failed(self) -> int:
-        """How many ranks announced a failure of this generation (read without making the key)."""
-        key = self._key("count")
-        return int(self.store.get(key)) if self.store.check([key]) else 0
 
     def peer_failures(self) -> list[str]:
         """What the peers that failed in this generation wrote (empty if none)."""

@@ -117,8 +117,8 @@ class KJTCheck:
             return f"keys {keys}: {lengths.numel()} lengths do not split into {split}"
         if lengths.numel() and int(lengths.min()) < 0:
             at = int((lengths < 0).nonzero()[0])
-            key, sample = _locate(keys, strides, at)
-            return f"key {key!r}: negative length {int(lengths[at])} at sample {sample}"
+            key_index, sample = _locate(strides, at)
+            return f"key {keys[key_index]!r}: negative length {int(lengths[at])} at sample {sample}"
         total = int(lengths.sum())
         if total != n:
             return _sum_problem(keys, _per_key(lengths, strides), n)
@@ -128,51 +128,28 @@ class KJTCheck:
         if not n:
             return None
         limits, tabled_keys, uniform, in_int32 = self._limits.get(tuple(keys)) or self._limits_of(keys)
-        problem, proven = None, in_int32
+        in_range = False
         if uniform is not None:  # one bound for every key: a min and a max decide
             low, high = torch.aminmax(values)
-            in_uniform = int(low) >= 0 and int(high) < uniform
-        if uniform is None or not in_uniform:
-            problem, proven = self._range_problem(
-                keys, values, lengths, strides, limits, tabled_keys, uniform
-            )
-            proven = proven and in_int32
-        if problem is None and proven and n < _INT32_END:
+            in_range = int(low) >= 0 and int(high) < uniform
+        if not in_range:  # find the first id outside its table, per key
+            per_key = torch.tensor(_per_key(lengths, strides))
+            over = values >= torch.repeat_interleave(limits, per_key, output_size=n)
+            tabled = torch.repeat_interleave(tabled_keys, per_key, output_size=n)
+            bad = (values < 0) | (over & tabled)
+            if bool(bad.any()):
+                at = int(bad.nonzero()[0])
+                entry = int(torch.searchsorted(torch.cumsum(lengths, 0), at, right=True))  # `at`'s length
+                key_index, sample = _locate(strides, entry)
+                table = self._tables.get(keys[key_index]) if self._tables else None
+                where = f"the {table.rows} rows of table {table.name!r}" if table else "every table (below 0)"
+                return f"key {keys[key_index]!r}: id {int(values[at])} at sample {sample} is outside {where}"
+            # past 2^31, a feature without a table has no problem, but no proof
+            in_range = not bool((over & ~tabled).any())
+        if in_range and in_int32 and n < _INT32_END:
             self.in_int32.add(values)  # ids below their tables' rows (or 2^31); lengths at most n
             self.in_int32.add(lengths)
-        return problem
-
-    def _range_problem(
-        self,
-        keys: list[str],
-        values: torch.Tensor,
-        lengths: torch.Tensor,
-        strides: list[int],
-        limits: torch.Tensor,
-        tabled_keys: torch.Tensor,
-        uniform: int | None,
-    ) -> tuple[str | None, bool]:
-        """The first id outside its table (None if none), and whether every id is in [0, 2^31) (past
-        it, a feature without a table has no problem, but no proof)."""
-        if uniform is not None:
-            per_value = torch.full_like(values, uniform, dtype=torch.int64)
-            past = values >= per_value
-            beyond = None
-        else:
-            per_key = torch.tensor(_per_key(lengths, strides))
-            per_value = torch.repeat_interleave(limits, per_key, output_size=values.numel())
-            tabled = torch.repeat_interleave(tabled_keys, per_key, output_size=values.numel())
-            over = values >= per_value
-            past, beyond = over & tabled, over & ~tabled
-        bad = (values < 0) | past
-        if bool(bad.any()):
-            at = int(bad.nonzero()[0])
-            key_index, sample = _value_owner(lengths, strides, at)
-            table = self._tables.get(keys[key_index]) if self._tables else None
-            where = f"the {table.rows} rows of table {table.name!r}" if table else "every table (below 0)"
-            problem = f"key {keys[key_index]!r}: id {int(values[at])} at sample {sample} is outside {where}"
-            return problem, False
-        return None, beyond is None or not bool(beyond.any())
+        return None
 
     def _limits_of(self, keys: list[str]) -> tuple[torch.Tensor, torch.Tensor, int | None, bool]:
         """Per key, its table's rows (2^31 without a table) and whether it has one; the rows shared
@@ -233,23 +210,13 @@ def _per_key(lengths: torch.Tensor, strides: list[int]) -> list[int]:
     return lengths.view(len(strides), strides[0]).sum(1).tolist() if strides[0] else [0] * len(strides)
 
 
-def _locate(keys: list[str], strides: list[int], at: int) -> tuple[str, int]:
-    """The key and sample of entry `at` of the lengths."""
-    for key, stride in zip(keys, strides, strict=True):
-        if at < stride:
-            return key, at
-        at -= stride
-    raise IndexError(at)
-
-
-def _value_owner(lengths: torch.Tensor, strides: list[int], at: int) -> tuple[int, int]:
-    """(key index, sample) of value `at` (lengths known non-negative and summing to the values)."""
-    entry = int(torch.searchsorted(torch.cumsum(lengths, 0), at, right=True))
+def _locate(strides: list[int], entry: int) -> tuple[int, int]:
+    """(key index, sample) of entry `entry` of the lengths."""
     for index, stride in enumerate(strides):
         if entry < stride:
             return index, entry
         entry -= stride
-    raise IndexError(at)
+    raise IndexError(entry)
 
 
 def _sum_problem(keys: list[str], per_key: list[int], n: int) -> str:

@@ -81,55 +81,8 @@ class MalformedBatchError(AgreedError, ValueError):
     """A batch's KeyedJaggedTensor is malformed (`pipeline.ranks.kjt_check`)."""
 
 
-def keys_message(details: list[Any], expected: list[tuple[str, list[str]]] | None) -> str:
-    """The key error's text, from every rank's `(rank, position, found keys or None, ...)`."""
-    bad = [d for d in details if d is not None and d[2] is not None]
-    parts = [
-        f"batch {position} of rank {rank}'s dataloader has keys {_show(found)}"
-        for rank, position, found, *_ in bad
-    ]
-    return (
-        f"{'; '.join(parts)}, but the model was sharded for {_show(expected or [])} (the keys of the "
-        "first batch). Every rank stopped before that batch. Fix the dataset (a feature renamed, "
-        "missing or added), or pass ranks=RankOptions(check_keys=False) if the keys legitimately vary."
-    )
-
-
-def malformed_message(details: list[Any]) -> str:
-    """The malformed-batch error's text, from every rank's `(rank, position, _, problem or None)`."""
-    parts = [
-        f"batch {position} of rank {rank}'s dataloader: {problem}"
-        for rank, position, _, problem in (d for d in details if d is not None)
-        if problem is not None
-    ]
-    return (
-        f"{'; '.join(parts)}. Every rank stopped before that batch entered a collective. Fix the "
-        "dataset or its collate function, or pass ranks=RankOptions(check_kjts=False) to skip the check."
-    )
-
-
 def _show(keys: list[tuple[str, list[str]]]) -> str:
-    return ", ".join(f"{keys} at {path or 'the batch'}" for path, keys in keys) or "no KeyedJaggedTensor"
-
-
-def uneven_message(statuses: list[Status], position: int) -> str:
-    short = [r for r, s in enumerate(statuses) if s == Status.EXHAUSTED]
-    long = [r for r, s in enumerate(statuses) if s != Status.EXHAUSTED]
-    return (
-        f"uneven data: rank(s) {short} have {position} batches, rank(s) {long} at least "
-        f"{position + 1}. Give every rank the same number of batches (drop_last, or pad the shards), "
-        'or pass ranks=RankOptions(on_uneven="stop") to train the common count.'
-    )
-
-
-def warn_untrained(rank: int, count: int, statuses: list[Status], position: int) -> None:
-    short = [r for r, s in enumerate(statuses) if s == Status.EXHAUSTED]
-    warnings.warn(
-        f"rank {rank}: {count} batch(es) fetched but not trained: rank(s) {short} ran out of data "
-        f"after {position} batches, so every rank stopped there. They are in the pipeline's "
-        "`untrained_batches`.",
-        stacklevel=4,
-    )
+    return ", ".join(f"{found} at {path or 'the batch'}" for path, found in keys) or "no KeyedJaggedTensor"
 
 
 class LaneState(enum.Enum):
@@ -237,7 +190,7 @@ class Votes:
 
     def vote(self, status: Status) -> Vote:
         """Start this rank's vote for the next batch; every rank calls it once per batch, in order."""
-        tensor = torch.tensor([1 << (_BITS * list(Status).index(status))], dtype=torch.int64)
+        tensor = torch.tensor([1 << (_BITS * status)], dtype=torch.int64)
         if not self.distributed:
             return Vote(None, tensor)
         if rank_and_world()[1] > _MAX_WORLD:
@@ -400,10 +353,29 @@ class Ranks:
             return True
         if counts.get(Status.BAD_KEYS, 0) or counts.get(Status.MALFORMED, 0):
             mine = (self._failure.rank, ticket.position, ticket.found_keys, ticket.problem)
-            details = self._votes.gather(mine) if self.voting else [mine]
+            details = self._votes.gather(mine) if self.voting else [mine]  # every rank's
             if counts.get(Status.BAD_KEYS, 0):
-                raise BatchKeysError(keys_message(details, self.keys.expected if self.keys else None))
-            raise MalformedBatchError(malformed_message(details))
+                found = "; ".join(
+                    f"batch {position} of rank {rank}'s dataloader has keys {_show(keys)}"
+                    for rank, position, keys, _ in details
+                    if keys is not None
+                )
+                expected = self.keys.expected if self.keys else None
+                raise BatchKeysError(
+                    f"{found}, but the model was sharded for {_show(expected or [])} (the keys of the "
+                    "first batch). Every rank stopped before that batch. Fix the dataset (a feature renamed, "
+                    "missing or added), or pass ranks=RankOptions(check_keys=False) if the keys legitimately "
+                    "vary."
+                )
+            problems = "; ".join(
+                f"batch {position} of rank {rank}'s dataloader: {problem}"
+                for rank, position, _, problem in details
+                if problem is not None
+            )
+            raise MalformedBatchError(
+                f"{problems}. Every rank stopped before that batch entered a collective. Fix the dataset "
+                "or its collate function, or pass ranks=RankOptions(check_kjts=False) to skip the check."
+            )
         dropped = list(lane.inflight)[lane.inflight.index(ctx) :]
         for _ in dropped:
             lane.inflight.pop()
@@ -411,12 +383,23 @@ class Ranks:
         if counts.get(Status.EXHAUSTED, 0) == world:
             return False  # every rank ended here: even data
         statuses = self._votes.gather(ticket.status) if self.voting else [ticket.status]
+        short = [r for r, s in enumerate(statuses) if s == Status.EXHAUSTED]
         if self._options.on_uneven == "error":
-            raise UnevenDataError(uneven_message(statuses, ticket.position))
+            long = [r for r, s in enumerate(statuses) if s != Status.EXHAUSTED]
+            raise UnevenDataError(
+                f"uneven data: rank(s) {short} have {ticket.position} batches, rank(s) {long} at least "
+                f"{ticket.position + 1}. Give every rank the same number of batches (drop_last, or pad the "
+                'shards), or pass ranks=RankOptions(on_uneven="stop") to train the common count.'
+            )
         untrained = [c.batch for c in dropped if c.ticket.status != Status.EXHAUSTED]
         if untrained:
             self.untrained_batches.extend(untrained)
-            warn_untrained(self._failure.rank, len(untrained), statuses, ticket.position)
+            warnings.warn(
+                f"rank {self._failure.rank}: {len(untrained)} batch(es) fetched but not trained: rank(s) "
+                f"{short} ran out of data after {ticket.position} batches, so every rank stopped there. "
+                "They are in the pipeline's `untrained_batches`.",
+                stacklevel=3,
+            )
         return False
 
     def wait_votes(self) -> None:

@@ -120,8 +120,7 @@ class _StatusRow:
             self._splits_awaitable = NoWait(received)
             output = getattr(awaitable, "_output_tensor", None)
             self.received_rows = output.view(awaitable.num_workers, -1) if output is not None else None
-        self._words = received[self.rows] if self.rows < len(received) else []  # too few: reported
-        return self._words
+        return received[self.rows] if self.rows < len(received) else []  # too few: reported
 
 
 class StatusSplits(_StatusRow, FusedKJTListSplitsAwaitable):
@@ -192,10 +191,7 @@ def wait_refused_splits(fused: list[tuple[list[str], Any]]) -> None:
             awaitable._splits_awaitable.wait()
 
 
-_FIELDS_USED = {
-    KJTAllToAll: ("_pg", "_splits", "_splits_cumsum", "_stagger"),
-}
-_AWAITABLE_FIELDS = ("_awaitables", "_lengths", "_splits_awaitable")
+_A2A_FIELDS = ("_pg", "_splits", "_splits_cumsum", "_stagger")
 _INPUT_DISTS = (
     "TwSparseFeaturesDist",
     "RwSparseFeaturesDist",
@@ -208,14 +204,14 @@ _INPUT_DISTS = (
 def riding_fits(modules: list[nn.Module]) -> str | None:
     """None if statuses can ride on these modules' fused splits (torchrec has the fields riding edits, and
     each input dist sends only its all-to-alls), else why not: alike on ranks of one torchrec and model."""
-    names = set(FusedKJTListSplitsAwaitable.__init__.__code__.co_names)
-    missing = [f for f in _AWAITABLE_FIELDS if f not in names]
-    if missing:
-        return f"torchrec's FusedKJTListSplitsAwaitable no longer sets {', '.join(missing)}"
-    names = set(SplitsAllToAllAwaitable.__init__.__code__.co_names)
-    missing = [f for f in ("_output_tensor", "num_workers") if f not in names]
-    if missing:
-        return f"torchrec's SplitsAllToAllAwaitable no longer sets {', '.join(missing)}"
+    fields_set = (  # the fields riding reads or edits, by the torchrec class whose __init__ sets them
+        (FusedKJTListSplitsAwaitable, ("_awaitables", "_lengths", "_splits_awaitable")),
+        (SplitsAllToAllAwaitable, ("_output_tensor", "num_workers")),
+    )
+    for cls, fields in fields_set:
+        missing = [f for f in fields if f not in cls.__init__.__code__.co_names]
+        if missing:
+            return f"torchrec's {cls.__name__} no longer sets {', '.join(missing)}"
     for module in modules:
         for child in module.modules():
             for input_dist in getattr(child, "_input_dists", None) or []:
@@ -229,7 +225,7 @@ def riding_fits(modules: list[nn.Module]) -> str | None:
                     continue
                 if not isinstance(a2a, KJTAllToAll):
                     return f"input dist {kind.__qualname__} sends with {type(a2a).__qualname__}"
-                absent = [f for f in _FIELDS_USED[KJTAllToAll] if not hasattr(a2a, f)]
+                absent = [f for f in _A2A_FIELDS if not hasattr(a2a, f)]
                 if absent:
                     return f"torchrec's KJTAllToAll has no {', '.join(absent)}"
     return None
@@ -248,25 +244,24 @@ def validating() -> bool:
 # -- admission ---------------------------------------------------------------------------------------
 
 
+# Why a watch cannot agree with the other ranks, or has nothing to decide (its `no_ride`):
+
 NO_RIDE = (
     "the ranks' statuses do not ride on this pipeline's splits all-to-all (RankOptions(agreement=False), "
     "a class that admits batches itself, or torchrec's collective checks), so the ranks have no shared "
     "observations of their steps to decide on"
 )
-"""Why a watch cannot agree with the other ranks (`StepWatch.no_ride`)."""
 
 NO_FULL_GROUP = (
     "no splits all-to-all of this model spans every rank (2D sharding: each runs on a subgroup), so "
     "the ranks' statuses do not ride on it and the ranks have no shared observations of their steps"
 )
-"""Why a watch cannot agree with the other ranks where no fused splits group spans every rank."""
 
 NOTHING_PIPELINED = (
     "no sharded module is pipelined (the rewrite report says why for each): their input all-to-alls "
     "run inside forward, so no splits all-to-all of the pipeline carries the ranks' statuses and "
     "there is no schedule to choose"
 )
-"""Why a watch has nothing to decide where the rewrite pipelined no module."""
 
 
 class Admission:
