@@ -21,7 +21,7 @@ from pipeline.options import RankOptions, moved_keyword
 from pipeline.ranks import AgreedError, Lane, LaneState, Ranks, StopIterationInStepError
 from pipeline.ranks.protocol import resume_state
 from pipeline.stages.context import BatchContext
-from pipeline.stages.streams import Streams, label, profiling, run_stage, streams_for
+from pipeline.stages.streams import NO_LABEL, Streams, label, profiling, run_stage, streams_for
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11
@@ -31,7 +31,6 @@ __all__ = ["PipelineCore", "to_device", "to_device_in_place"]
 _ENDED = object()
 """What `PipelineCore._advance` returns once the lane is empty (`progress()` then raises
 StopIteration: the one StopIteration it lets out)."""
-_NOTHING = contextlib.nullcontext()
 
 
 class PipelineCore(TrainPipeline):
@@ -359,7 +358,7 @@ class PipelineCore(TrainPipeline):
             with (
                 run_stage(streams, "forward", ctx.index),
                 torch.set_grad_enabled(training),
-                recording or _NOTHING,
+                recording or NO_LABEL,
             ):
                 result = self._model_fwd(ctx.batch)
         finally:
@@ -425,21 +424,15 @@ def _release(groups: Any, streams: Streams, pid: int) -> None:
 def to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
     """`batch` on `device`: an object with `.to` (torchrec's Pipelineable) moves itself; dicts, lists,
     tuples, namedtuples and dataclasses are moved field by field."""
-    if isinstance(batch, torch.Tensor) or (
-        hasattr(batch, "to")
-        and not isinstance(batch, (dict, list, tuple, type))
-        and not dataclasses.is_dataclass(batch)
-    ):
-        return batch.to(device=device, non_blocking=non_blocking)
     if isinstance(batch, dict):
         return type(batch)((k, to_device(v, device, non_blocking)) for k, v in batch.items())
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple takes its fields apart
         return type(batch)(*(to_device(v, device, non_blocking) for v in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(v, device, non_blocking) for v in batch)
+    if hasattr(batch, "to") and not isinstance(batch, type):  # a tensor, or a Pipelineable (dataclass or not)
+        return batch.to(device=device, non_blocking=non_blocking)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        if hasattr(batch, "to"):  # a Pipelineable dataclass, e.g. torchrec's Batch
-            return batch.to(device=device, non_blocking=non_blocking)
         changes = {
             f.name: to_device(getattr(batch, f.name), device, non_blocking)
             for f in dataclasses.fields(batch)

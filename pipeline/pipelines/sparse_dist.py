@@ -362,7 +362,7 @@ class TrainPipelineSparseDist(PipelineCore):
 
     def clear_sparse_data_dist_inputs(self, context: BatchContext) -> None:
         """Wait for the values all-to-alls of `context` and free what they sent (`clear_data_dist_inputs`)."""
-        self._input_dist.clear_inputs(context)
+        self._input_dist.release_inputs(context)
 
     def _set_module_context(self, context: BatchContext) -> None:
         """Make the hijacked forwards read `context` (the batch whose forward runs next)."""

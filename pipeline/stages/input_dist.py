@@ -370,7 +370,8 @@ class Attachment:
         """The complete rewrite was checked (`accept`)."""
         self.free_early = False
         """`free_features_storage_early` applies (every call site's input is a path in the batch)."""
-        self._undo: list[Callable[[], None]] = []
+        self._undo: Callable[[], None] | None = None
+        """Undoes `free_features_storage_early` (set where it applies)."""
         self._warned: set[str] = set()
         """The modules warned about as not pipelined (once each, not again at a re-attach)."""
 
@@ -427,15 +428,14 @@ class Attachment:
         self.accepted = True
         warn_not_pipelined(rewrite.report, self._warned, pipeline_postproc=self._pipeline_postproc)
         check(rewrite)
-        undo = free_early_where_safe(rewrite) if self._asked_free_early else None
-        self.free_early = undo is not None
-        if undo is not None:
-            self._undo.append(undo)
+        self._undo = free_early_where_safe(rewrite) if self._asked_free_early else None
+        self.free_early = self._undo is not None
 
     def detach(self) -> None:
         """Undo `free_features_storage_early` and restore every original forward."""
-        while self._undo:
-            self._undo.pop()()
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
         if self.rewrite is not None:
             self.rewrite.restore()
             self.rewrite = None
@@ -457,25 +457,21 @@ def warn_not_pipelined(report: RewriteReport, warned: set[str], *, pipeline_post
         if module.fqn in warned:
             continue
         warned.add(module.fqn)
-        message = _message(module.fqn, module.reason or "no reason recorded", pipeline_postproc)
+        fqn, reason = module.fqn, module.reason or "no reason recorded"
+        postproc = (
+            ""
+            if pipeline_postproc
+            else "; pipeline_postproc=True, if its input comes out of a parameter-free module that "
+            "transforms the batch"
+        )
+        message = (
+            f"sharded module {fqn!r} is not pipelined: {reason}. It runs its own forward, so its input "
+            "all-to-alls do not overlap the previous batch (training is unchanged). To pipeline it, pass "
+            f"rewrite=RewriteOptions(arg_paths={{{fqn!r}: <path of its input in the batch>}}){postproc}; "
+            "or strict=True to make this an error."
+        )
         logger.warning(message)
         warnings.warn(message, NotPipelinedWarning, stacklevel=2)
-
-
-def _message(fqn: str, reason: str, pipeline_postproc: bool) -> str:
-    postproc = (
-        ""
-        if pipeline_postproc
-        else "; pipeline_postproc=True, if its input comes out of a parameter-free module that "
-        "transforms the batch"
-    )
-    return (
-        f"sharded module {fqn!r} is not pipelined: {reason}. It runs its own forward, so its input "
-        f"all-to-alls do not overlap the previous batch (training is unchanged). To pipeline it, "
-        f"pass rewrite=RewriteOptions(arg_paths={{{fqn!r}: <path of its input in the batch>}}){postproc}; "
-        "or strict=True "
-        "to make this an error."
-    )
 
 
 # -- torchrec's memory flags -------------------------------------------------------------------------
@@ -492,23 +488,9 @@ class MemoryFlags:
     """Before forward of a batch, wait for its input all-to-alls and free the tensors they sent."""
 
 
-def free_features_early(modules: Iterable[nn.Module]) -> Callable[[], None]:
-    """Tell each sharded module that knows the flag to keep its input for release; returns the undo."""
-    changed = []
-    for module in modules:
-        if hasattr(module, "_free_features_storage_early") and not module._free_features_storage_early:
-            module._free_features_storage_early = True
-            changed.append(module)
-
-    def undo() -> None:
-        for module in changed:
-            module._free_features_storage_early = False
-
-    return undo
-
-
 def free_early_where_safe(rewrite: Any) -> Callable[[], None] | None:
-    """`free_features_early` where forward never reads the batch's features; else a note and None."""
+    """Where forward never reads the batch's features: tell each sharded module that knows the flag to
+    keep its input for release, and return the undo; else a note and None."""
     computed = [site.key for site in rewrite.sites if not site.args.is_path]
     if computed:
         rewrite.report.notes.append(
@@ -516,7 +498,19 @@ def free_early_where_safe(rewrite: Any) -> Callable[[], None] | None:
             f"{', '.join(computed)} from the batch's tensors, which freeing would break"
         )
         return None
-    return free_features_early(pm.module for pm in rewrite.modules)
+    changed = [
+        pm.module
+        for pm in rewrite.modules
+        if hasattr(pm.module, "_free_features_storage_early") and not pm.module._free_features_storage_early
+    ]
+    for module in changed:
+        module._free_features_storage_early = True
+
+    def undo() -> None:
+        for module in changed:
+            module._free_features_storage_early = False
+
+    return undo
 
 
 def release_features(module_contexts: Iterable[Any], narrowed: Mapping[int, Any] | None = None) -> int:

@@ -79,7 +79,7 @@ class Streams:
     @property
     def has_prefetch_worker(self) -> bool:
         """Whether the prefetch stream is a worker thread (`ThreadStreams`)."""
-        return False
+        return isinstance(self.prefetch, _WorkerStream)
 
     @property
     def prefetch_on_worker(self) -> bool:
@@ -406,7 +406,6 @@ class _WorkerStream:
     def __init__(self, name: str) -> None:
         self.name = name
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pipeline-{name}")
-        self._last: Future | None = None
         self._pending: deque[Future] = deque()
         """Work submitted since the last `wait_all` or `discard`, less what finished without error
         (dropped at each submission: a run submits a job a step, for days)."""
@@ -430,7 +429,6 @@ class _WorkerStream:
         while pending and pending[0].done() and pending[0].exception() is None:
             pending.popleft()
         self._executor.submit(run)
-        self._last = job
         pending.append(job)
         return job
 
@@ -440,21 +438,22 @@ class _WorkerStream:
         return getattr(self._local, "job", None)
 
     def join(self) -> None:
-        """Wait for everything submitted so far; re-raises the error of the last work."""
-        if self._last is not None:
-            self._last.result()
+        """Wait for everything submitted so far; re-raises the error of the last work (the last is
+        pending unless it, and so all before it, finished without error)."""
+        if self._pending:
+            self._pending[-1].result()
 
     def wait_all(self) -> None:
         """Wait for everything submitted so far; re-raise the first error among it."""
-        pending, self._pending, self._last = self._pending, deque(), None
-        wait(pending)
+        pending = self._pending
+        self.discard()
         for job in pending:
             if job.exception() is not None:
                 raise job.exception()
 
     def discard(self) -> None:
         """Wait for everything submitted so far and forget its errors."""
-        pending, self._pending, self._last = self._pending, deque(), None
+        pending, self._pending = self._pending, deque()
         wait(pending)
 
     def close(self) -> None:
@@ -472,10 +471,6 @@ class ThreadStreams(Streams):
         self.prefetch = _WorkerStream("prefetch")
         self._threaded = True  # False: work submitted to the prefetch stream runs inline
         self._made_by: dict[int, Future] = {}  # id of an object the worker produced -> its job
-
-    @property
-    def has_prefetch_worker(self) -> bool:
-        return True
 
     def set_prefetch_on_worker(self, enabled: bool) -> None:
         self._threaded = enabled
