@@ -96,10 +96,9 @@ class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist):
             ranks=ranks,
             streams=streams,
         )
-        self._in_backward = StepInBackward(model, optimizer, self._step_head)
-        self._on_reset.append(self._in_backward.disarm)
+        in_backward = self._in_backward = StepInBackward(model, optimizer, self._step_head)
+        self._on_reset.append(in_backward.disarm)
         site = InjectionSite(site_fqn, OutputDistTensorFinder(sharding_type), InjectionTargetType.ACTIVATION)
-        in_backward = self._in_backward
         hook_backward(
             site, unwrap_model(model), lambda grad: in_backward.at_site(), active=lambda: in_backward.armed
         )

@@ -102,7 +102,6 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
             self._streams, self._input_dist, model, optimizer, on_caller_stream=on_caller
         )
         self._lookup_first = not embedding_lookup_after_data_dist
-        self._lookup_ahead = False
 
     def start_embedding_lookup(self, batch: Any, context: BatchContext) -> None:
         """Look `context`'s batch up for its forward (a no-op for a None batch or once done)."""
@@ -119,10 +118,6 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
 
     def _before_forward(self, ctx: BatchContext, nxt: BatchContext | None) -> None:
         self._lookup.run(ctx)  # a no-op when it ran first
-
-    def _after_forward(self, ctx: BatchContext, nxt: BatchContext | None, losses: Any) -> None:
-        if nxt is not None and self._lookup_ahead:
-            self._lookup.run(nxt)
 
     def _backward_and_optimizer(self, ctx: BatchContext, losses: Any) -> None:
         self._lookup.backward_and_step(
@@ -189,6 +184,10 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
         )
         self._lookup_ahead = enable_embedding_lookup_prefetch
         self._lookup_first = enable_embedding_lookup_prefetch or not embedding_lookup_after_data_dist
+
+    def _after_forward(self, ctx: BatchContext, nxt: BatchContext | None, losses: Any) -> None:
+        if nxt is not None and self._lookup_ahead:
+            self._lookup.run(nxt)
 
 
 class TrainPipelinePEC(TrainPipelineSparseDist):
