@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -169,12 +170,9 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist):
         self._job: Future | None = None  # the sparse stage running on the worker
         self._on_reset.append(lambda: self._wait_sparse(discard=True))
         self._on_reset.append(self._dense.discard)  # the dropped batches' copies
-        self._on_close.append(self._close_dense)
-
-    def _close_dense(self) -> None:
-        self._dense.close()
+        self._on_close.append(self._dense.close)
         if self._worker is not None:
-            self._worker.shutdown(wait=True)
+            self._on_close.append(partial(self._worker.shutdown, wait=True))
 
     def _fill(self, lane: Lane) -> None:
         """Batch i through the sparse stage and the copy; with depth 2, batch i+1's sparse stage."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from enum import Enum
+from functools import partial
 from typing import Any
 
 import torch
@@ -95,10 +96,9 @@ class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist):
             ranks=ranks,
             streams=streams,
         )
-        self._in_backward = StepInBackward(model, optimizer, self._step_head)
-        self._on_reset.append(self._in_backward.disarm)
+        in_backward = self._in_backward = StepInBackward(model, optimizer, self._step_head)
+        self._on_reset.append(in_backward.disarm)
         site = InjectionSite(site_fqn, OutputDistTensorFinder(sharding_type), InjectionTargetType.ACTIVATION)
-        in_backward = self._in_backward
         hook_backward(
             site, unwrap_model(model), lambda grad: in_backward.at_site(), active=lambda: in_backward.armed
         )
@@ -165,27 +165,24 @@ class StepInBackward:
         self._awaited = frozenset(id(p) for p in params)
         self._at_end = any(id(p) in reduced for p in params)
         self._pending: set[int] = set()
-        self._armed = False
+        self.armed = False
+        """Between `arm()` and `finish()`: the hooks act (not in a user's own backward)."""
         self._site_reached = False
         self._queued = False
         self.placement: StepPlacement | None = None
         """Where the last step ran (None before the first, or while it has not run)."""
-        self._handles = [p.register_post_accumulate_grad_hook(self._accumulated) for p in params]
-
-    @property
-    def armed(self) -> bool:
-        """Between `arm()` and `finish()`: the hooks act (not in a user's own backward)."""
-        return self._armed
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._accumulated)
 
     def arm(self) -> None:
         """Before a training batch's forward."""
-        self._armed, self._site_reached, self._queued = True, False, False
+        self.armed, self._site_reached, self._queued = True, False, False
         self._pending = set(self._awaited)
         self.placement = None
 
     def at_site(self) -> None:
         """The injection site's hook: backward reached it."""
-        if self._armed and not self._site_reached:
+        if self.armed and not self._site_reached:
             self._site_reached = True
             self._try(StepPlacement.AT_SITE)
 
@@ -193,16 +190,16 @@ class StepInBackward:
         """After backward: the step, if backward did not run it. Returns where it ran."""
         if self.placement is None:
             self._run(StepPlacement.AFTER_BACKWARD)
-        self._armed = False
+        self.armed = False
         assert self.placement is not None
         return self.placement
 
     def disarm(self) -> None:
         """The step ended abnormally (the pipeline reset): nothing runs until the next `arm()`."""
-        self._armed = False
+        self.armed = False
 
     def _accumulated(self, p: torch.Tensor) -> None:
-        if self._armed:
+        if self.armed:
             self._pending.discard(id(p))
             if self._site_reached:
                 self._try(StepPlacement.AT_LAST_GRADIENT)
@@ -215,15 +212,13 @@ class StepInBackward:
             # callback queued by a callback runs after all of those
             self._queued = True
             engine = torch.autograd.Variable._execution_engine
-            engine.queue_callback(lambda: engine.queue_callback(self._at_end_of_backward))
+            at_end = partial(self._run, StepPlacement.AT_END_OF_BACKWARD)
+            engine.queue_callback(lambda: engine.queue_callback(at_end))
         elif not self._pending:
             self._run(placement)
 
-    def _at_end_of_backward(self) -> None:
-        self._run(StepPlacement.AT_END_OF_BACKWARD)
-
     def _run(self, placement: StepPlacement) -> None:
-        if self.placement is None and self._armed:
+        if self.placement is None and self.armed:
             self.placement = placement
             self._step()
 
@@ -482,9 +477,6 @@ class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash):
         self._emb_stash = EmbeddingStash(self._streams, model, device, delay=False)
         self._on_reset.append(self._emb_stash.finish)
         hook_embedding_stash(model, self._emb_stash, site_fqn, delay=False, stash_site_fqn=None)
-
-    def _step_begins(self, ctx: BatchContext) -> None:
-        pass
 
     def _before_forward(self, ctx: BatchContext, nxt: BatchContext | None) -> None:
         self._prefetch.wait(ctx)  # submitted in the step before (the first batch's: now)

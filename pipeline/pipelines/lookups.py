@@ -77,7 +77,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
         ranks: RankOptions | None = None,
         streams: Streams | None = None,
     ) -> None:
-        on_caller_stream = _lookup_stream(emb_lookup_stream)
+        on_caller = _lookup_stream(emb_lookup_stream)
         self._setup(
             model,
             optimizer,
@@ -99,10 +99,9 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
             context_type=LookupBatchContext,
         )
         self._lookup = LookupStage(
-            self._streams, self._input_dist, model, optimizer, on_caller_stream=on_caller_stream
+            self._streams, self._input_dist, model, optimizer, on_caller_stream=on_caller
         )
         self._lookup_first = not embedding_lookup_after_data_dist
-        self._lookup_ahead = False
 
     def start_embedding_lookup(self, batch: Any, context: BatchContext) -> None:
         """Look `context`'s batch up for its forward (a no-op for a None batch or once done)."""
@@ -119,10 +118,6 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
 
     def _before_forward(self, ctx: BatchContext, nxt: BatchContext | None) -> None:
         self._lookup.run(ctx)  # a no-op when it ran first
-
-    def _after_forward(self, ctx: BatchContext, nxt: BatchContext | None, losses: Any) -> None:
-        if nxt is not None and self._lookup_ahead:
-            self._lookup.run(nxt)
 
     def _backward_and_optimizer(self, ctx: BatchContext, losses: Any) -> None:
         self._lookup.backward_and_step(
@@ -162,7 +157,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
         ranks: RankOptions | None = None,
         streams: Streams | None = None,
     ) -> None:
-        on_caller_stream = _lookup_stream(emb_lookup_stream)
+        on_caller = _lookup_stream(emb_lookup_stream)
         self._setup(
             model,
             optimizer,
@@ -185,15 +180,14 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
             forward_only=True,
         )
         self._lookup = LookupStage(
-            self._streams,
-            self._input_dist,
-            model,
-            optimizer,
-            on_caller_stream=on_caller_stream,
-            forward_only=True,
+            self._streams, self._input_dist, model, optimizer, on_caller_stream=on_caller, forward_only=True
         )
         self._lookup_ahead = enable_embedding_lookup_prefetch
         self._lookup_first = enable_embedding_lookup_prefetch or not embedding_lookup_after_data_dist
+
+    def _after_forward(self, ctx: BatchContext, nxt: BatchContext | None, losses: Any) -> None:
+        if nxt is not None and self._lookup_ahead:
+            self._lookup.run(nxt)
 
 
 class TrainPipelinePEC(TrainPipelineSparseDist):
@@ -251,10 +245,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist):
     def _step_begins(self, ctx: BatchContext) -> None:
         self._lookup.run(ctx)
 
-    def _backward_and_optimizer(self, ctx: BatchContext, losses: Any) -> None:
-        self._lookup.backward_and_step(
-            losses, lambda losses: self._backward_stage(ctx, losses), lambda: self._optimizer_stage(ctx)
-        )
+    _backward_and_optimizer = TrainPipelineFusedSparseDist._backward_and_optimizer
 
 
 class TrainPipelineSemiSync(TrainPipelineSparseDist):
@@ -337,10 +328,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist):
         """The batch itself: the input_dist reads the modules' inputs at the paths the rewrite found."""
         return batch
 
-    def start_embedding_lookup(self, batch: Any, context: BatchContext) -> None:
-        """Look `context`'s batch up for its forward (a no-op for a None batch or once done)."""
-        if batch is not None:
-            self._lookup.run(context)
+    start_embedding_lookup = TrainPipelineFusedSparseDist.start_embedding_lookup
 
     def _fill(self, lane: Lane) -> None:
         for k in range(2):  # batches i and i+1
@@ -393,21 +381,18 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist):
         self._sync_replicas(ctx)
 
     def _stashed_step(self, ctx: BatchContext) -> None:
-        """The optimizer step; with `stash_gradients`, on the previous batch's gradients."""
+        """The optimizer step; with `stash_gradients`, on the previous batch's gradients: this batch's
+        are stashed in their place."""
         if self._stash and ctx.index >= self._start_batch:
-            self._swap_gradients()
+            for name, param in self._model.named_parameters():
+                # as torchrec: a parameter without a gradient this step keeps its stash for the next
+                previous = self._stashed.get(name)
+                if param.grad is not None:
+                    self._stashed[name] = param.grad.clone()
+                param.grad = previous
             if ctx.index == self._start_batch:
                 return  # no stashed gradients yet
         self._optimizer_stage(ctx)
-
-    def _swap_gradients(self) -> None:
-        """Stash this batch's dense gradients and put the previous batch's in their place."""
-        for name, param in self._model.named_parameters():
-            # as torchrec: a parameter without a gradient this step keeps its stash for the next
-            previous = self._stashed.get(name)
-            if param.grad is not None:
-                self._stashed[name] = param.grad.clone()
-            param.grad = previous
 
     def _check_sharing(self) -> None:
         if self._checked_sharing or self._input_dist.rewrite is None:
