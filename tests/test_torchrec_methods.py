@@ -93,6 +93,19 @@ class TorchrecOrder:
         return output
 
 
+class ClearingOrder(TorchrecOrder):
+    """TorchrecOrder under `clear_data_dist_inputs`, whose step torchrec begins by freeing what the input
+    all-to-alls of batch i sent (`clear_sparse_data_dist_inputs`)."""
+
+    def __init__(self, model, optimizer, device):
+        super().__init__(model, optimizer, device, clear_data_dist_inputs=True)
+
+    def progress(self, dataloader_iter):
+        if self._clear_data_dist_inputs and self.contexts:
+            self.clear_sparse_data_dist_inputs(self.contexts[0])
+        return super().progress(dataloader_iter)
+
+
 class FusedOrder:
     """The same for a TrainPipelineFusedSparseDist: the lookup of batch i before anything else."""
 
@@ -119,7 +132,7 @@ class FusedOrder:
 
 
 def _run_own_progress(rank: int, world_size: int, order: str, base: str, kind: str, sharding: str) -> dict:
-    mixin = {"TorchrecOrder": TorchrecOrder, "FusedOrder": FusedOrder}[order]
+    mixin = {"TorchrecOrder": TorchrecOrder, "ClearingOrder": ClearingOrder, "FusedOrder": FusedOrder}[order]
     cls = type(f"Own{base}", (mixin, getattr(pipeline, base)), {})
     ref_model, ref_opt = models.build(kind, sharding)
     expected = models.plain_loop(ref_model, ref_opt, models.batches(kind, STEPS, rank))
@@ -132,6 +145,7 @@ def _run_own_progress(rank: int, world_size: int, order: str, base: str, kind: s
         "stopped": stopped,
         "pipelined": pipe.rewrite_report.pipelined,
         "left": len(pipe.contexts),
+        "released": pipe.released_bytes,
     }
     if kind == "dlrm" and order == "TorchrecOrder":  # torchrec's class needs Pipelineable batches
         theirs_cls = type("Theirs", (mixin, torchrec_pipelines.TrainPipelineSparseDist), {})
@@ -147,6 +161,7 @@ def _run_own_progress(rank: int, world_size: int, order: str, base: str, kind: s
     [
         ("TorchrecOrder", "TrainPipelineSparseDist", "dlrm", "table_wise"),
         ("TorchrecOrder", "TrainPipelineSparseDist", "nested", "row_wise"),
+        ("ClearingOrder", "TrainPipelineSparseDist", "dlrm", "column_wise"),
         ("FusedOrder", "TrainPipelineFusedSparseDist", "dlrm", "column_wise"),
     ],
 )
@@ -156,6 +171,8 @@ def test_own_progress_in_torchrecs_order_trains_as_the_plain_loop(pool, order, b
         assert r["params"], f"rank {rank}: {order} on {base}: parameters differ from the plain loop"
         assert r["stopped"] and r["left"] == 0, f"rank {rank}: {order}: no clean end ({r})"
         assert r["pipelined"], f"rank {rank}: {order}: nothing was pipelined, the test proves nothing"
+        if order == "ClearingOrder":
+            assert r["released"] > 0, f"rank {rank}: clear_sparse_data_dist_inputs freed nothing"
         if "torchrecs" in r:
             assert r["torchrecs"], f"rank {rank}: torchrec's class with the same progress() differs"
 
