@@ -391,7 +391,7 @@ class PipelineCore(TrainPipeline):
             if clock is None or clock.thread != threading.get_ident():
                 self._backward(losses)
                 return
-            # the default schedule watches how long backward waits off the CPU (`WaitClock.off_cpu`)
+            # the default schedule watches how long backward waits off the CPU (`WaitClock.idle`)
             wall, cpu = clock.now(), clock.cpu()
             try:
                 self._backward(losses)

@@ -125,9 +125,9 @@ def _quantile(ordered: list[float], q: float) -> float:
 
 
 class WaitClock:
-    """Adds up how long `thread` blocks in a step: the input all-to-alls' waits (`timed`) and the time
-    off the CPU in backward (`off_cpu`); other threads' waits are not the step's. The step's own two
-    uses (`InputDist.wait_splits`, `PipelineCore._backward_stage`) do the same in place, without a call."""
+    """Adds up how long `thread` blocks in a step: the input all-to-alls' waits (`waited`: `timed`, and
+    in place in `InputDist.wait_splits`) and backward's wall time less its CPU time (`idle`: in place in
+    `PipelineCore._backward_stage`); other threads' waits are not the step's."""
 
     __slots__ = ("cpu", "idle", "now", "thread", "waited")
 
@@ -148,17 +148,6 @@ class WaitClock:
             return fn(*args)
         finally:
             self.waited += self.now() - start
-
-    def off_cpu(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)` (backward), its wall time less its CPU time added to `idle` where it runs on the
-        pipeline's thread."""
-        if threading.get_ident() != self.thread:
-            return fn(*args)
-        wall, cpu = self.now(), self.cpu()
-        try:
-            return fn(*args)
-        finally:
-            self.idle += max(0.0, (self.now() - wall) - (self.cpu() - cpu))
 
 
 # -- a decision saved with a checkpoint --------------------------------------------------------------
