@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ __all__ = [
     "SiteInput",
     "difference",
     "explicit_entries",
-    "is_library",
+    "model_frame",
     "show_source",
     "user_source",
 ]
@@ -189,11 +190,26 @@ _LIBRARIES = tuple(
     os.path.dirname(os.path.abspath(path)) + os.sep for path in (torch.__file__, torchrec.__file__, __file__)
 )
 """Source folders of torch, torchrec and rewrite/: frames there are not the user's."""
+_TORCHREC = _LIBRARIES[1]
+_CALLER = os.path.join(os.path.dirname(_LIBRARIES[2].rstrip(os.sep)), "pipeline") + os.sep
+"""The pipeline package beside rewrite/: it calls the model, so a walk out of the model stops there."""
 
 
-def is_library(path: str) -> bool:
-    """Whether `path` is a source file of torch, torchrec or rewrite/ (not the user's code)."""
-    return os.path.abspath(path).startswith(_LIBRARIES)
+def model_frame(frame: FrameType | None) -> FrameType | None:
+    """The innermost frame of the model's code from `frame` outwards: the user's, or where the model is
+    torchrec's own (its DLRM), torchrec's; None where the walk reaches the pipeline that called the
+    model first (the line would be the pipeline's, not the model's)."""
+    fallback = None
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if path.startswith(_CALLER):
+            return fallback
+        if not path.startswith(_LIBRARIES):
+            return frame
+        if fallback is None and path.startswith(_TORCHREC):
+            fallback = frame
+        frame = frame.f_back
+    return fallback
 
 
 def show_source(path: str, line: int | str) -> str:
@@ -203,10 +219,8 @@ def show_source(path: str, line: int | str) -> str:
 
 
 def user_source() -> str | None:
-    """`file:line` of the innermost frame of the user's code on the current stack, or None."""
-    frame = sys._getframe(1)
-    while frame is not None and is_library(frame.f_code.co_filename):
-        frame = frame.f_back
+    """`file:line` of the model's code on the current stack (`model_frame`), or None."""
+    frame = model_frame(sys._getframe(1))
     return None if frame is None else show_source(frame.f_code.co_filename, frame.f_lineno)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from torch import fx, nn
 
 from rewrite.ops import traceable_constructors
-from rewrite.sites import SiteInput, is_library
+from rewrite.sites import SiteInput, model_frame
 from rewrite.walk import Walker
 
 __all__ = ["TraceResult", "Tracer", "trace_call_sites"]
@@ -76,12 +76,10 @@ class _LeafTracer(fx.Tracer):
         return qualname in self._sharded or qualname not in self._with_sharded
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
-        """fx's node, with the innermost frame of the user's code as its `stack_trace` (the line a
-        rejection names), found by walking the frames without reading any source."""
+        """fx's node, with the innermost frame of the model's code (`model_frame`) as its `stack_trace`
+        (the line the report names), found by walking the frames without reading any source."""
         node = super().create_node(*args, **kwargs)
-        frame = sys._getframe(1)
-        while frame is not None and is_library(frame.f_code.co_filename):
-            frame = frame.f_back
+        frame = model_frame(sys._getframe(1))
         if frame is not None:
             code = frame.f_code
             node.stack_trace = f'  File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}\n'

@@ -116,3 +116,30 @@ def test_negative_twin_a_fully_pipelined_model_warns_nothing(pool):
         for k, run in enumerate(r["runs"]):
             assert run["not_pipelined"] == [], f"rank {rank}: a module is not pipelined: {run}"
             assert run["warnings"] == [] and run["logged"] == [], f"rank {rank}, pipeline {k}: {run}"
+
+
+# -- the line the report names --------------------------------------------------------------------
+
+
+def _report_lines(rank: int, world_size: int, kind: str, how: str) -> dict:
+    """The report's line for each call site after 3 steps: the call traced, or recorded from the first
+    forward (`method="record"`), on a model from torchrec (its DLRM) or from the tests."""
+    model, opt = models.build(kind, "table_wise")
+    rewrite = pipeline.RewriteOptions(method=how)
+    pipe = pipeline.TrainPipelineSparseDist(model, opt, torch.device("cpu"), rewrite=rewrite)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pipeline.NotPipelinedWarning)
+        models.run_to_end(pipe, iter(models.batches(kind, 3, rank)))
+    report = pipe.rewrite_report
+    return {"sources": [s.source for s in report.sites], "text": str(report)}
+
+
+@pytest.mark.parametrize("how", ["trace", "record"])
+@pytest.mark.parametrize(
+    ("kind", "where"), [("dlrm", "torchrec/models/dlrm.py:"), ("postproc", "tests/models.py:")]
+)
+def test_the_report_names_the_models_line_of_each_call_never_the_pipelines(pool, kind, where, how):
+    for rank, r in enumerate(pool.run(_report_lines, kind, how, timeout=TIMEOUT)):
+        assert r["sources"], f"rank {rank}: no call site in the report"
+        assert all(s is not None and where in s for s in r["sources"]), f"rank {rank}: {r['sources']}"
+        assert "pipeline/stages/" not in r["text"] and "pipeline/pipelines/" not in r["text"], r["text"]
