@@ -386,6 +386,13 @@ def test_rejects_bad_settings():
         ScheduleWatch(sure=1.2)
 
 
+@pytest.mark.parametrize("setting", ["window", "verify"])
+def test_a_negative_window_is_named_as_a_bad_setting(setting):
+    # checked before the windows are sized: a deque's own error would not say which setting is wrong
+    with pytest.raises(ValueError, match=f"bad watch settings: .*{setting} -1"):
+        ScheduleWatch(**{setting: -1})
+
+
 # -- the receiver's check of what rides ---------------------------------------------------------
 
 

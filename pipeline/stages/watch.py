@@ -256,16 +256,20 @@ class StepWatch(StepTimes):
         backoff: int = 32,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        # checked before `StepTimes` sizes its windows (a negative one would fail there, unexplained)
+        if min(window, verify) < 3 or min(warmup, settle) < 0 or not (0 < threshold < 1 and 0 <= margin < 1):
+            raise ValueError(
+                f"bad watch settings: window {window}, verify {verify}, warmup {warmup}, settle {settle}, "
+                f"threshold {threshold}, margin {margin}"
+            )
+        if not 0 <= sure <= 1 or min(patience, retries, backoff) < 0:
+            raise ValueError(
+                f"bad watch settings: sure {sure}, patience {patience}, retries {retries}, backoff {backoff}"
+            )
         super().__init__(window=window, verify=verify, margin=margin, clock=clock)
         self.threshold, self.settle = threshold, settle
         self.warmup, self.sure, self.patience = warmup, sure, patience
         self.retries, self.backoff = retries, backoff
-        if (
-            min(window, verify) < 3
-            or min(warmup, settle, patience, retries, backoff) < 0
-            or not (0 < threshold < 1 and 0 <= margin < 1 and 0 <= sure <= 1)
-        ):
-            raise ValueError(f"bad watch settings: {self.settings()}")
         self.partner: Any = None
         """The other watch of the same steps: while it verifies (`tuning`), this one does not move."""
         self.mode = self.modes[0]
