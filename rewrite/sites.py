@@ -186,12 +186,12 @@ def _first(found: Any) -> str | None:
     return next((d for d in found if d is not None), None)
 
 
-_LIBRARIES = tuple(
+_TORCH, _TORCHREC, _REWRITE = (
     os.path.dirname(os.path.abspath(path)) + os.sep for path in (torch.__file__, torchrec.__file__, __file__)
 )
+_LIBRARIES = (_TORCH, _TORCHREC, _REWRITE)
 """Source folders of torch, torchrec and rewrite/: frames there are not the user's."""
-_TORCHREC = _LIBRARIES[1]
-_CALLER = os.path.join(os.path.dirname(_LIBRARIES[2].rstrip(os.sep)), "pipeline") + os.sep
+_CALLER = os.path.join(os.path.dirname(_REWRITE.rstrip(os.sep)), "pipeline") + os.sep
 """The pipeline package beside rewrite/: it calls the model, so a walk out of the model stops there."""
 
 
